@@ -1,0 +1,27 @@
+# Two commands set everything up: `make demo` and `make test`. Both reuse .venv/ when it exists.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+EXTRAS := pipeline,demo,dev
+
+.PHONY: demo test install clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch pinned here: an unpinned torch pulls a CUDA build of several GB.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m optimize recipe=minilm_int8_cpu
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) outputs multirun
