@@ -1,0 +1,159 @@
+"""Calibration and evaluation data: seeded, hashed, and disjoint.
+
+Every source yields a list of items for a split; `sample` draws a fixed count with a seed and
+records exactly what was drawn (count, seed and a sha256 over the items in order), so a manifest
+can say what calibrated or evaluated a model, and a rerun draws the same items.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+SPLITS = ("calibration", "evaluation")
+
+
+class DataError(Exception):
+    """A data source is missing, empty or unreadable."""
+
+
+@dataclass
+class TextSet:
+    source: str
+    split: str
+    seed: int
+    items: list[str]
+    available: int  # items in the split before sampling
+    dropped_overlap: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def item_hashes(self) -> list[str]:
+        return [hashlib.sha256(t.encode("utf-8")).hexdigest() for t in self.items]
+
+    @property
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        for h in self.item_hashes:
+            digest.update(h.encode())
+        return digest.hexdigest()
+
+    def describe(self) -> dict:
+        return {"source": self.source, "split": self.split, "count": len(self.items), "seed": self.seed,
+                "available": self.available, "sha256": self.sha256, "dropped_overlap": self.dropped_overlap,
+                **self.extra}
+
+
+_SOURCES: dict[str, Callable[..., list[str]]] = {}
+
+
+def source(name: str):
+    def decorate(fn):
+        _SOURCES[name] = fn
+        return fn
+
+    return decorate
+
+
+def _in_split(key: str, split: str) -> bool:
+    """Assign whole documents to a split by a hash of their key: one in four is held out."""
+    held_out = hashlib.sha256(key.encode()).digest()[0] % 4 == 0
+    return held_out == (split == "evaluation")
+
+
+def _paragraphs(text: str, min_chars: int) -> list[str]:
+    return [p.strip() for p in text.split("\n\n") if len(p.strip()) >= min_chars]
+
+
+@source("cpython_docs")
+def cpython_docs(split: str, min_chars: int = 200, **_) -> list[str]:
+    """English prose that ships with CPython (pydoc topics), split by document."""
+    from pydoc_data.topics import topics
+
+    def paragraphs_of(part: str) -> list[str]:
+        return [p for key in sorted(topics) if _in_split(key, part) for p in _paragraphs(topics[key], min_chars)]
+
+    if split == "calibration":
+        return list(dict.fromkeys(paragraphs_of("calibration")))
+    # Some paragraphs recur across documents: evaluation keeps only those calibration never sees.
+    seen = set(paragraphs_of("calibration"))
+    return [p for p in dict.fromkeys(paragraphs_of("evaluation")) if p not in seen]
+
+
+def _split_items(items: list[str], split: str) -> list[str]:
+    return [t for t in items if _in_split(t, split)]
+
+
+@source("text_file")
+def text_file(split: str, path: str | None = None, min_chars: int = 200, **_) -> list[str]:
+    """A UTF-8 text file; paragraphs (blank-line separated) are the items, split by their hash."""
+    text = _read(path).decode("utf-8", errors="strict")
+    return _split_items(_paragraphs(text, min_chars), split)
+
+
+@source("jsonl")
+def jsonl(split: str, path: str | None = None, field: str = "text", min_chars: int = 1, **_) -> list[str]:
+    """One JSON object per line; `field` holds the text."""
+    items = []
+    for number, line in enumerate(_read(path).decode("utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}:{number} is not JSON: {exc.msg}") from None
+        if field not in record:
+            raise DataError(f"{path}:{number} has no field {field!r}")
+        if len(str(record[field])) >= min_chars:
+            items.append(str(record[field]))
+    return _split_items(items, split)
+
+
+def _read(path: str | None) -> bytes:
+    if not path:
+        raise DataError("this data source needs a path")
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise DataError(f"data file {path} does not exist")
+    return p.read_bytes()
+
+
+def names() -> list[str]:
+    return sorted(_SOURCES)
+
+
+def load(name: str, split: str, count: int, seed: int, **options) -> TextSet:
+    """Draw `count` items of a split with a seed. Raises DataError if the source cannot give them."""
+    if name not in _SOURCES:
+        raise DataError(f"unknown data source {name!r} (known: {', '.join(names())})")
+    if split not in SPLITS:
+        raise DataError(f"unknown split {split!r} (use {' or '.join(SPLITS)})")
+    try:
+        items = _SOURCES[name](split=split, **options)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read data source {name}: {exc}") from None
+    if not items:
+        raise DataError(f"data source {name} ({split} split) is empty")
+    if count > len(items):
+        raise DataError(f"data source {name} has {len(items)} {split} items, the recipe asks for {count}")
+    chosen = random.Random(seed).sample(range(len(items)), count)
+    return TextSet(name, split, seed, [items[i] for i in chosen], available=len(items),
+                   extra={k: v for k, v in options.items() if k == "path" and v})
+
+
+def remove_overlap(calibration: TextSet, evaluation: TextSet, policy: str) -> TextSet:
+    """Evaluation must not see calibration items. Policy 'error' refuses; 'drop' removes and records."""
+    seen = set(calibration.item_hashes)
+    keep = [t for t, h in zip(evaluation.items, evaluation.item_hashes) if h not in seen]
+    overlap = len(evaluation.items) - len(keep)
+    if overlap and policy != "drop":
+        raise DataError(f"{overlap} evaluation items also appear in the calibration data "
+                        "(set evaluate.overlap=drop to remove them)")
+    if overlap and not keep:
+        raise DataError("every evaluation item also appears in the calibration data")
+    evaluation.items = keep
+    evaluation.dropped_overlap = overlap
+    return evaluation

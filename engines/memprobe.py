@@ -1,0 +1,43 @@
+"""Peak memory of one Runner, measured in a fresh process so runners do not share allocations.
+
+    python -m engines.memprobe ROOT ENGINE_JSON INPUTS_NPZ
+prints {"idle_rss_mb", "peak_rss_mb", "peak_memory_mb"}: peak_memory_mb is the peak resident size
+while loading and running the batch in INPUTS_NPZ, less the process's size before loading (imports included).
+"""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def main(argv: list[str]) -> None:
+    root, engine_json, inputs_path = Path(argv[0]), argv[1], argv[2]
+    import numpy as np
+
+    engine = json.loads(engine_json)
+    if engine["format"] == "pytorch":
+        import torch  # noqa: F401  (imported before measuring idle size, like onnxruntime below)
+    import onnxruntime  # noqa: F401
+
+    from engines import load_engine
+
+    idle = _rss_mb()
+    runner = load_engine(root, engine, threads=int(engine.get("threads", 0)))
+    with np.load(inputs_path) as inputs:
+        runner({name: inputs[name] for name in runner.input_names})
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    print(json.dumps({"idle_rss_mb": idle, "peak_rss_mb": peak, "peak_memory_mb": peak - idle}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,62 @@
+"""ONNX Runtime Runner."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+# ONNX element types as numpy dtypes, for feeding inputs the graph accepts.
+_ORT_DTYPES = {
+    "tensor(float)": np.float32,
+    "tensor(float16)": np.float16,
+    "tensor(double)": np.float64,
+    "tensor(int64)": np.int64,
+    "tensor(int32)": np.int32,
+    "tensor(int8)": np.int8,
+    "tensor(uint8)": np.uint8,
+    "tensor(bool)": np.bool_,
+}
+
+
+def session_options(threads: int = 0):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    if threads:
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+    return options
+
+
+class OrtRunner:
+    """Runs an ONNX file with ONNX Runtime; inputs are cast to the dtypes the graph declares."""
+
+    def __init__(self, model_path: str | Path, threads: int = 0, providers: list[str] | None = None):
+        import onnxruntime as ort
+
+        self.path = Path(model_path)
+        available = ort.get_available_providers()
+        chosen = [p for p in (providers or ["CPUExecutionProvider"]) if p in available]
+        if not chosen:
+            raise RuntimeError(f"none of the providers {providers} is available here (have {available})")
+        self.session = ort.InferenceSession(str(self.path), session_options(threads), providers=chosen)
+        self.inputs = self.session.get_inputs()
+        self.input_names = [i.name for i in self.inputs]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.input_dtypes = {i.name: _ORT_DTYPES.get(i.type) for i in self.inputs}
+
+    def signature(self) -> list[dict]:
+        """Input names, element types and shapes (symbolic dims as strings)."""
+        return [{"name": i.name, "type": i.type, "shape": list(i.shape)} for i in self.inputs]
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        feed = {}
+        for name in self.input_names:
+            if name not in inputs:
+                raise KeyError(f"missing input {name!r} (model takes {self.input_names})")
+            dtype = self.input_dtypes.get(name)
+            feed[name] = np.asarray(inputs[name], dtype=dtype) if dtype else inputs[name]
+        outputs = self.session.run(self.output_names, feed)
+        return dict(zip(self.output_names, outputs))

@@ -1,0 +1,108 @@
+"""PyTorch engine: the FP32 baseline every candidate is measured against.
+
+Also holds the task wrappers that give a Hugging Face model the named-array interface of a Runner;
+the ONNX exporter exports these same wrappers, so baseline and candidate compute the same thing.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+ENCODER_INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
+
+
+def read_pooling(model_dir: Path) -> dict:
+    """Pooling of a sentence-transformers folder: {'mode': 'mean'|'cls', 'normalize': bool}."""
+    pooling = {"mode": "mean", "normalize": False}
+    config = model_dir / "1_Pooling" / "config.json"
+    if config.is_file():
+        settings = json.loads(config.read_text())
+        if settings.get("pooling_mode_cls_token"):
+            pooling["mode"] = "cls"
+    modules = model_dir / "modules.json"
+    if modules.is_file():
+        types = [m.get("type", "") for m in json.loads(modules.read_text())]
+        pooling["normalize"] = any(t.endswith("Normalize") for t in types)
+    return pooling
+
+
+def sentence_embedding_module(model, pooling: dict):
+    """Wrap an encoder so it returns last_hidden_state and the pooled sentence embedding."""
+    import torch
+
+    class SentenceEmbedding(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            hidden = self.encoder(
+                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+            ).last_hidden_state
+            if pooling["mode"] == "cls":
+                pooled = hidden[:, 0]
+            else:  # mean over real tokens only: padding must not dilute the embedding
+                mask = attention_mask.unsqueeze(-1).to(hidden.dtype)
+                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+            if pooling["normalize"]:
+                pooled = torch.nn.functional.normalize(pooled, p=2, dim=1)
+            return hidden, pooled
+
+    return SentenceEmbedding().eval()
+
+
+class TorchRunner:
+    """Calls a module whose forward takes the named inputs positionally and returns a tuple."""
+
+    def __init__(self, module, input_names: list[str], output_names: list[str], threads: int = 0):
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.module = module.eval()
+        self.input_names = list(input_names)
+        self.output_names = list(output_names)
+
+    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        args = [torch.from_numpy(np.ascontiguousarray(inputs[n])) for n in self.input_names]
+        with torch.inference_mode():
+            outputs = self.module(*args)
+        if not isinstance(outputs, (tuple, list)):
+            outputs = (outputs,)
+        return {n: o.float().numpy() for n, o in zip(self.output_names, outputs)}
+
+
+def load_hf_model(source: str, task: str, allow_pickle: bool = False, trust_remote_code: bool = False,
+                  revision: str | None = None, gguf_file: str | None = None):
+    """Load a Hugging Face model in FP32 from a hub id or a local folder (safetensors unless opted in)."""
+    import torch
+    import transformers
+
+    auto = {"sentence_embedding": transformers.AutoModel, "causal_lm": transformers.AutoModelForCausalLM}[task]
+    kwargs = dict(dtype=torch.float32, trust_remote_code=trust_remote_code, revision=revision)
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    else:
+        kwargs["use_safetensors"] = None if allow_pickle else True
+    # SDPA is PyTorch's fastest CPU attention: an eager-attention baseline would inflate speedups.
+    kwargs["attn_implementation"] = "sdpa"
+    return auto.from_pretrained(source, **kwargs).eval()
+
+
+def load_pytorch_runner(root: Path, engine: dict, threads: int = 0) -> TorchRunner:
+    """Baseline Runner from an engine block: {'format': 'pytorch', 'model_dir', 'task', ...}."""
+    model_dir = Path(engine["model_dir"])
+    if not model_dir.is_absolute():
+        model_dir = root / model_dir
+    task = engine["task"]
+    model = load_hf_model(str(model_dir), task, allow_pickle=engine.get("allow_pickle", False),
+                          gguf_file=engine.get("gguf_file"))
+    if task == "sentence_embedding":
+        module = sentence_embedding_module(model, engine.get("pooling") or read_pooling(model_dir))
+        return TorchRunner(module, ENCODER_INPUTS, ["last_hidden_state", "sentence_embedding"], threads)
+    raise ValueError(f"no PyTorch runner for task {task!r}")

@@ -1,0 +1,30 @@
+"""Text to model inputs with the `tokenizers` library: the same code in the pipeline and in serve/."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+class TextEncoder:
+    """Tokenizes a batch of texts into input_ids / attention_mask / token_type_ids (int64)."""
+
+    def __init__(self, tokenizer_dir: str | Path, max_length: int = 128):
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+        self.max_length = max_length
+        self.tokenizer.enable_truncation(max_length)
+        pad_id = self.tokenizer.token_to_id("[PAD]")
+        self.tokenizer.enable_padding(pad_id=pad_id if pad_id is not None else 0)
+
+    def __call__(self, texts: list[str]) -> dict[str, np.ndarray]:
+        encodings = self.tokenizer.encode_batch(list(texts))
+        return {
+            "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
+            "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
+        }
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer.encode(text).ids)

@@ -1,0 +1,48 @@
+"""Engine stage: turn the (optimized) PyTorch model into the engine the artifact ships."""
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+
+from optimize.errors import RecipeError
+from optimize.registry import register
+from optimize.tasks import TASKS
+
+
+@dataclass
+class OnnxExportConfig:
+    opset: int = 18
+    atol: float = 1e-4  # max abs difference allowed between PyTorch and the exported graph
+    min_cosine: float = 0.9999
+    check_samples: int = 8  # calibration texts used for the fidelity check
+
+    def validate(self):
+        if self.check_samples < 1:
+            raise RecipeError("engine.params.check_samples must be at least 1")
+
+
+@register("engine", "onnx", OnnxExportConfig, input_format="torch")
+def onnx_engine(model, cfg: OnnxExportConfig, ctx):
+    """Export to ONNX (dynamo exporter), verified against PyTorch; runs on ONNX Runtime."""
+    out = ctx.scratch / "onnx"
+    out.mkdir(parents=True, exist_ok=True)
+    if model.kind == "onnx":  # already an ONNX graph: the engine ships it as it is
+        shutil.copyfile(model.onnx_path, out / "model.onnx")
+        return model.with_onnx(out / "model.onnx")
+    from engines.onnx_export import ExportMismatch, check_fidelity, export
+    from engines.onnxruntime_runner import OrtRunner
+    from engines.pytorch_runner import TorchRunner
+
+    task = TASKS[model.task]
+    module = ctx.task_module(model)
+    texts = ctx.calibration().items[: cfg.check_samples]
+    example = ctx.encode(texts[:2])
+    path = export(module, example, list(task.output_names), out / "model.onnx", task.dynamic_axes, cfg.opset)
+    check_inputs = ctx.encode(texts)
+    reference = TorchRunner(module, list(task.input_names), list(task.output_names))(check_inputs)
+    try:
+        report = check_fidelity(reference, OrtRunner(path)(check_inputs), cfg.atol, cfg.min_cosine)
+    except ExportMismatch as exc:
+        raise RecipeError(str(exc)) from None
+    ctx.record("engine", {"method": "onnx", "opset": cfg.opset, "export_check": report})
+    return model.with_onnx(path)

@@ -1,0 +1,91 @@
+"""The recipe schema. Hydra composes YAML from recipes/ onto these dataclasses, so an unknown or
+mistyped key fails at composition time with the key's name, before anything runs."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    # A Hugging Face hub id, a local folder, a .gguf file, an .onnx file, or pkg://PACKAGE/SUBPATH
+    # (a folder shipped inside an installed Python package, found without importing it).
+    source: str = MISSING
+    # sentence_embedding | causal_lm | generic (any ONNX file: outputs compared tensor by tensor)
+    task: str = "sentence_embedding"
+    revision: Optional[str] = None
+    gguf_file: Optional[str] = None
+    tokenizer: Optional[str] = None  # tokenizer folder for an ONNX source that takes token ids
+    max_length: int = 128
+    trust_remote_code: bool = False
+    allow_pickle: bool = False  # pickled checkpoints can run code when loaded: opt in explicitly
+
+
+@dataclass
+class DataConfig:
+    source: str = "cpython_docs"  # a registered source in calibration/ (cpython_docs, text_file, jsonl)
+    split: str = "calibration"  # calibration | evaluation (disjoint parts of the same source)
+    path: Optional[str] = None  # for file sources
+    field: str = "text"  # jsonl field holding the text
+    count: int = 64
+    seed: int = 0
+    min_chars: int = 200
+
+
+@dataclass
+class MethodConfig:
+    method: str = "none"
+    params: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EvaluateConfig:
+    data: DataConfig = field(default_factory=lambda: DataConfig(split="evaluation", count=64, seed=1))
+    inputs: str = "data"  # data | random (random tensors shaped from the model signature, on request only)
+    batch_sizes: List[int] = field(default_factory=lambda: [1, 32])
+    warmup: int = 3
+    repeats: int = 20  # timed calls per runner and batch size
+    top_k: int = 5
+    threads: int = 0  # intra-op threads for every runner; 0 = all cores
+    memory: bool = True  # peak memory of each runner, measured in a fresh subprocess
+    latency: bool = True
+    overlap: str = "error"  # calibration/evaluation overlap: error | drop
+
+
+@dataclass
+class GateConfig:
+    """Thresholds; one left null is not checked."""
+
+    min_cosine: Optional[float] = None
+    min_mean_cosine: Optional[float] = None
+    min_topk_agreement: Optional[float] = None
+    max_abs_error: Optional[float] = None
+    min_speedup: Optional[float] = None
+    speedup_batch_size: int = 1
+    max_p95_ms: Optional[float] = None
+    latency_batch_size: int = 1
+    max_size_mb: Optional[float] = None
+    max_peak_memory_mb: Optional[float] = None
+
+
+@dataclass
+class RecipeConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    calibration: DataConfig = field(default_factory=DataConfig)
+    prune: MethodConfig = field(default_factory=MethodConfig)
+    distill: MethodConfig = field(default_factory=MethodConfig)
+    quantize: MethodConfig = field(default_factory=MethodConfig)
+    engine: MethodConfig = field(default_factory=lambda: MethodConfig(method="onnx"))
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    gate: GateConfig = field(default_factory=GateConfig)
+    output_dir: Optional[str] = None  # final artifact path; default: <hydra run dir>/artifact
+    overwrite: bool = False
+    seed: int = 0
+
+
+def register_schema() -> None:
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="recipe_schema", node=RecipeConfig)

@@ -1,0 +1,132 @@
+"""Evaluate baseline and candidate with one harness: fidelity, latency, size and peak memory."""
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from optimize import benchmark
+from optimize.tasks import cosine_rows
+
+log = logging.getLogger(__name__)
+FIDELITY_BATCH = 16
+
+
+@dataclass
+class Subject:
+    """One side of the comparison: what it is, how to run it, and how to rebuild it in a probe."""
+
+    label: str
+    runner: object
+    engine: dict  # engine block, loadable by engines.load_engine(root, engine)
+    root: Path
+    size_bytes: int
+
+
+def batches_of(inputs: dict[str, np.ndarray], batch_size: int) -> list[dict[str, np.ndarray]]:
+    n = len(next(iter(inputs.values())))
+    return [{k: v[i:i + batch_size] for k, v in inputs.items()} for i in range(0, n, batch_size)]
+
+
+def run_all(runner, batches: list[dict]) -> dict[str, np.ndarray]:
+    """Run every batch and join outputs along axis 0 (padded sequence axes may differ per batch,
+    so only outputs without a sequence axis are joined; others are kept per batch)."""
+    outs = [runner(b) for b in batches]
+    joined = {}
+    for name in outs[0]:
+        parts = [o[name] for o in outs]
+        if all(p.shape[1:] == parts[0].shape[1:] for p in parts):
+            joined[name] = np.concatenate(parts)
+    return joined
+
+
+def embedding_fidelity(base: np.ndarray, cand: np.ndarray, top_k: int) -> dict:
+    cosine = cosine_rows(base, cand)
+    return {"cosine_min": float(cosine.min()), "cosine_mean": float(cosine.mean()),
+            "topk_agreement": topk_agreement(base, cand, top_k), "top_k": top_k,
+            "max_abs_error": float(np.abs(base - cand).max()), "samples": int(len(base))}
+
+
+def topk_agreement(base: np.ndarray, cand: np.ndarray, k: int) -> float:
+    """Mean overlap of each item's k nearest neighbours (cosine, itself excluded) under both models."""
+    def neighbours(e):
+        e = e / np.linalg.norm(e, axis=1, keepdims=True)
+        sim = e @ e.T
+        np.fill_diagonal(sim, -np.inf)
+        return np.argsort(-sim, axis=1)[:, :k]
+
+    k = min(k, len(base) - 1)
+    nb, nc = neighbours(base), neighbours(cand)
+    return float(np.mean([len(set(a) & set(b)) / k for a, b in zip(nb, nc)]))
+
+
+def output_fidelity(base: dict[str, np.ndarray], cand: dict[str, np.ndarray]) -> dict:
+    """Every output compared: per-output min cosine and max abs error, plus the worst of each."""
+    per_output = {}
+    for name in base:
+        per_output[name] = {"cosine_min": float(cosine_rows(base[name], cand[name]).min()),
+                            "max_abs_error": float(np.abs(base[name] - cand[name]).max())}
+    return {"cosine_min": min(o["cosine_min"] for o in per_output.values()),
+            "max_abs_error": max(o["max_abs_error"] for o in per_output.values()),
+            "outputs": per_output, "samples": int(len(next(iter(base.values()))))}
+
+
+def fidelity(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], task_output: str | None,
+             top_k: int) -> dict:
+    batches = batches_of(inputs, FIDELITY_BATCH)
+    base, cand = run_all(baseline.runner, batches), run_all(candidate.runner, batches)
+    if task_output:
+        return embedding_fidelity(base[task_output], cand[task_output], top_k)
+    return output_fidelity(base, cand)
+
+
+def latency(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], cfg) -> dict[str, dict]:
+    """Per batch size: both runners' percentiles and the candidate's speedup at p50."""
+    results = {}
+    for batch_size in cfg.batch_sizes:
+        batches = [b for b in batches_of(inputs, batch_size) if len(next(iter(b.values()))) == batch_size]
+        if not batches:
+            raise ValueError(f"evaluation set too small for batch size {batch_size}")
+        stats = benchmark.measure({"baseline": baseline.runner, "candidate": candidate.runner}, batches, batch_size,
+                                  cfg.warmup, cfg.repeats)
+        stats["speedup"] = stats["baseline"]["p50_ms"] / stats["candidate"]["p50_ms"]
+        results[str(batch_size)] = stats
+        log.info("batch %d: baseline p50 %.2f ms, candidate p50 %.2f ms, speedup %.2fx", batch_size,
+                 stats["baseline"]["p50_ms"], stats["candidate"]["p50_ms"], stats["speedup"])
+    return results
+
+
+def peak_memory_mb(subject: Subject, batch: dict[str, np.ndarray], scratch: Path, threads: int) -> float:
+    """Run the subject alone in a fresh interpreter on one batch; see engines/memprobe.py."""
+    inputs_path = scratch / f"memprobe-{subject.label}.npz"
+    np.savez(inputs_path, **batch)
+    engine = dict(subject.engine, threads=threads)
+    proc = subprocess.run([sys.executable, "-m", "engines.memprobe", str(subject.root), json.dumps(engine),
+                           str(inputs_path)], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory probe of the {subject.label} failed: {proc.stderr.strip()[-500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])["peak_memory_mb"]
+
+
+def evaluate(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], task_output: str | None,
+             cfg, scratch: Path) -> dict:
+    metrics = {
+        "baseline": {"size_mb": baseline.size_bytes / 2**20},
+        "candidate": {"size_mb": candidate.size_bytes / 2**20},
+    }
+    metrics["candidate"]["fidelity"] = fidelity(baseline, candidate, inputs, task_output, cfg.top_k)
+    if cfg.latency:
+        per_batch = latency(baseline, candidate, inputs, cfg)
+        for side in ("baseline", "candidate"):
+            metrics[side]["latency"] = {b: s[side] for b, s in per_batch.items()}
+        metrics["candidate"]["speedup"] = {b: s["speedup"] for b, s in per_batch.items()}
+    if cfg.memory:
+        largest = batches_of(inputs, max(cfg.batch_sizes))[0]
+        for side, subject in (("baseline", baseline), ("candidate", candidate)):
+            metrics[side]["peak_memory_mb"] = peak_memory_mb(subject, largest, scratch, cfg.threads)
+    return metrics

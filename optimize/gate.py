@@ -1,0 +1,94 @@
+"""The gate: a pure function of (baseline metrics, candidate metrics, thresholds) -> verdict.
+
+Every threshold that is set becomes a check with its value, threshold and pass/fail. A check
+whose metric was not measured fails: a verdict never passes on a number nobody measured.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
+
+@dataclass(frozen=True)
+class CheckSpec:
+    threshold_key: str
+    metric: str  # what the value is, for the report
+    read: Callable[[dict, dict, dict], Optional[float]]  # (baseline, candidate, thresholds) -> value
+    passes: Callable[[float, float], bool]
+    comparison: str
+
+
+def _dig(metrics: dict, *keys) -> Optional[float]:
+    for key in keys:
+        if not isinstance(metrics, dict) or key not in metrics:
+            return None
+        metrics = metrics[key]
+    return metrics
+
+
+def _batch(thresholds: dict, key: str) -> str:
+    return str(thresholds.get(key) or 1)
+
+
+CHECKS = (
+    CheckSpec("min_cosine", "fidelity cosine (min)", lambda b, c, t: _dig(c, "fidelity", "cosine_min"),
+              operator.ge, ">="),
+    CheckSpec("min_mean_cosine", "fidelity cosine (mean)", lambda b, c, t: _dig(c, "fidelity", "cosine_mean"),
+              operator.ge, ">="),
+    CheckSpec("min_topk_agreement", "retrieval top-k agreement",
+              lambda b, c, t: _dig(c, "fidelity", "topk_agreement"), operator.ge, ">="),
+    CheckSpec("max_abs_error", "max abs error", lambda b, c, t: _dig(c, "fidelity", "max_abs_error"),
+              operator.le, "<="),
+    CheckSpec("min_speedup", "speedup at p50",
+              lambda b, c, t: _dig(c, "speedup", _batch(t, "speedup_batch_size")), operator.ge, ">="),
+    CheckSpec("max_p95_ms", "latency p95 (ms)",
+              lambda b, c, t: _dig(c, "latency", _batch(t, "latency_batch_size"), "p95_ms"), operator.le, "<="),
+    CheckSpec("max_size_mb", "size on disk (MB)", lambda b, c, t: _dig(c, "size_mb"), operator.le, "<="),
+    CheckSpec("max_peak_memory_mb", "peak memory (MB)", lambda b, c, t: _dig(c, "peak_memory_mb"),
+              operator.le, "<="),
+)
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    metric: str
+    value: Optional[float]
+    comparison: str
+    threshold: float
+    passed: bool
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    passed: bool
+    checks: tuple[Check, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "checks": [asdict(c) for c in self.checks]}
+
+
+def judge(baseline: dict, candidate: dict, thresholds: dict) -> Verdict:
+    checks = []
+    for spec in CHECKS:
+        threshold = thresholds.get(spec.threshold_key)
+        if threshold is None:
+            continue
+        metric = spec.metric
+        if spec.threshold_key == "min_speedup":
+            metric += f", batch {_batch(thresholds, 'speedup_batch_size')}"
+        if spec.threshold_key == "max_p95_ms":
+            metric += f", batch {_batch(thresholds, 'latency_batch_size')}"
+        value = spec.read(baseline, candidate, thresholds)
+        if value is None:
+            checks.append(Check(spec.threshold_key, metric, None, spec.comparison, threshold, False, "not measured"))
+        else:
+            checks.append(Check(spec.threshold_key, metric, float(value), spec.comparison, threshold,
+                                bool(spec.passes(value, threshold))))
+    return Verdict(all(c.passed for c in checks), tuple(checks))
+
+
+def gate_keys() -> set[str]:
+    return {spec.threshold_key for spec in CHECKS}

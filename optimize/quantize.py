@@ -1,0 +1,153 @@
+"""Quantize stage. Methods are named after their numerics."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+
+from optimize.environment import cpu_has_vnni
+from optimize.errors import RecipeError
+from optimize.registry import register
+from optimize.tasks import TASKS, fidelity
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OrtInt8DynamicConfig:
+    """Example recipe:
+
+        quantize:
+          method: ort_int8_dynamic
+          params: {per_channel: true, fallback_min_cosine: 0.995, max_fp32_nodes: 8}
+    """
+
+    per_channel: bool = True
+    # 7-bit weights avoid the u8*s8 pair-sum overflow of CPUs without VNNI (AVX2 vpmaddubsw
+    # saturates); null picks it from the CPU.
+    reduce_range: Optional[bool] = None
+    weight_type: str = "int8"  # int8 | uint8
+    op_types: List[str] = field(default_factory=lambda: ["MatMul", "Gemm"])
+    nodes_to_exclude: List[str] = field(default_factory=list)
+    # Sensitivity fallback: keep the nodes whose quantization hurts most in FP32 until the worst
+    # calibration sample reaches this cosine against FP32 (null: quantize every node).
+    fallback_min_cosine: Optional[float] = 0.995
+    max_fp32_nodes: int = 8
+    sensitivity_samples: int = 16
+
+    def validate(self):
+        if self.weight_type not in ("int8", "uint8"):
+            raise RecipeError(f"quantize.params.weight_type={self.weight_type} (use int8 or uint8)")
+        if self.max_fp32_nodes < 0 or self.sensitivity_samples < 1:
+            raise RecipeError("quantize.params.max_fp32_nodes must be >= 0 and sensitivity_samples >= 1")
+
+
+@register("quantize", "ort_int8_dynamic", OrtInt8DynamicConfig, needs_calibration=True, input_format="onnx")
+def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
+    """INT8 weights, activations quantized at run time (ONNX Runtime), with FP32 fallback of sensitive nodes."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    reduce_range = (not cpu_has_vnni()) if cfg.reduce_range is None else cfg.reduce_range
+    weight_type = QuantType.QInt8 if cfg.weight_type == "int8" else QuantType.QUInt8
+    out = ctx.scratch / "quantize"
+    out.mkdir(parents=True, exist_ok=True)
+
+    def quantize(excluded: list[str]) -> Path:
+        path = out / "model.onnx"
+        quantize_dynamic(model.onnx_path, path, op_types_to_quantize=cfg.op_types, per_channel=cfg.per_channel,
+                         reduce_range=reduce_range, weight_type=weight_type,
+                         nodes_to_exclude=cfg.nodes_to_exclude + excluded)
+        return path
+
+    fp32_nodes, score = [], None
+    if cfg.fallback_min_cosine is not None:
+        fp32_nodes, score = _sensitivity_fallback(model, cfg, ctx, quantize, reduce_range)
+    path = quantize(fp32_nodes)
+    ctx.record("quantize", {"method": "ort_int8_dynamic", "weights": cfg.weight_type, "activations": "uint8 dynamic",
+                            "per_channel": cfg.per_channel, "reduce_range": reduce_range,
+                            "fp32_nodes": fp32_nodes, "calibration_min_cosine": score})
+    return model.with_onnx(path, precision="int8")
+
+
+def _weighted_matmuls(graph, op_types: list[str], excluded: list[str]) -> list[tuple[str, str, str, bool]]:
+    """(node name, activation input, weight initializer, weight transposed) of each quantizable node."""
+    weights = {i.name for i in graph.initializer}
+    found = []
+    for node in graph.node:
+        if node.op_type not in op_types or node.name in excluded or len(node.input) < 2:
+            continue
+        if node.input[1] in weights:
+            trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+            found.append((node.name, node.input[0], node.input[1], trans_b))
+    return found
+
+
+def _simulated_error(x: np.ndarray, w: np.ndarray, per_channel: bool, reduce_range: bool) -> float:
+    """Relative error of x @ w when x is quantized like ONNX Runtime's DynamicQuantizeLinear (uint8,
+    per tensor, asymmetric) and w symmetric int8 (per output column when per_channel)."""
+    x = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    lo, hi = min(x.min(), 0.0), max(x.max(), 0.0)
+    x_scale = (hi - lo) / 255 or 1.0
+    x_zero = np.round(-lo / x_scale)
+    xq = (np.clip(np.round(x / x_scale) + x_zero, 0, 255) - x_zero) * x_scale
+    qmax = 63 if reduce_range else 127
+    w_max = np.abs(w).max(axis=0, keepdims=True) if per_channel else np.abs(w).max()
+    w_scale = np.where(w_max > 0, w_max / qmax, 1.0)
+    wq = np.clip(np.round(w / w_scale), -qmax, qmax) * w_scale
+    exact = x @ w
+    return float(np.linalg.norm(xq @ wq - exact) / max(np.linalg.norm(exact), 1e-30))
+
+
+def _rank_by_simulated_error(onnx_path: Path, inputs: dict, cfg, reduce_range: bool) -> list[str]:
+    """One FP32 run records every quantizable node's input; nodes are ranked by the relative error
+    that quantizing them alone adds to their own output (largest first)."""
+    import onnx
+    from onnx import numpy_helper
+
+    from engines.onnxruntime_runner import OrtRunner
+
+    model = onnx.load(str(onnx_path))
+    nodes = _weighted_matmuls(model.graph, cfg.op_types, cfg.nodes_to_exclude)
+    weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    outputs = {o.name for o in model.graph.output}
+    for activation in dict.fromkeys(a for _, a, _, _ in nodes):
+        if activation not in outputs:
+            model.graph.output.append(onnx.helper.make_tensor_value_info(activation, onnx.TensorProto.FLOAT, None))
+    probe = onnx_path.with_name("activations.onnx")
+    onnx.save(model, str(probe))
+    activations = OrtRunner(probe)(inputs)
+    probe.unlink()
+    errors = {}
+    for name, activation, weight, trans_b in nodes:
+        w = weights[weight].T if trans_b else weights[weight]
+        errors[name] = _simulated_error(activations[activation], w, cfg.per_channel, reduce_range)
+    return sorted(errors, key=errors.get, reverse=True)
+
+
+def _sensitivity_fallback(model, cfg, ctx, quantize, reduce_range: bool) -> tuple[list[str], float]:
+    """Keep the nodes with the largest simulated quantization error in FP32, one by one, until the
+    real quantized model reaches the calibration fidelity target (or max_fp32_nodes is reached)."""
+    from engines.onnxruntime_runner import OrtRunner
+
+    output = TASKS[model.task].fidelity_output if model.task in TASKS else None
+    inputs = ctx.calibration_inputs(cfg.sensitivity_samples)
+    reference = OrtRunner(model.onnx_path, threads=ctx.threads)(inputs)
+
+    def score(path: Path) -> float:
+        return fidelity(reference, OrtRunner(path, threads=ctx.threads)(inputs), output)
+
+    best = score(quantize([]))
+    if best >= cfg.fallback_min_cosine or cfg.max_fp32_nodes == 0:
+        return [], best
+    ranked = _rank_by_simulated_error(model.onnx_path, inputs, cfg, reduce_range)
+    fp32 = []
+    for node in ranked[: cfg.max_fp32_nodes]:
+        fp32.append(node)
+        best = score(quantize(fp32))
+        log.info("fallback: %d FP32 nodes, calibration min cosine %.5f", len(fp32), best)
+        if best >= cfg.fallback_min_cosine:
+            break
+    return fp32, best

@@ -1,0 +1,110 @@
+"""The one place where methods are registered.
+
+A method is a config dataclass plus a function, registered under (stage, name):
+
+    @dataclass
+    class Int8DynamicConfig:
+        per_channel: bool = True
+
+    @register("quantize", "ort_int8_dynamic", Int8DynamicConfig, needs_calibration=False, input_format="onnx")
+    def int8_dynamic(model, cfg, ctx): ...
+
+The dataclass lets the whole recipe be checked before any weights load: an unknown or mistyped
+parameter is a RecipeError naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from optimize.errors import RecipeError
+
+STAGES = ("prune", "distill", "quantize", "engine")
+# Modules whose import registers methods. Listed here so registration stays in one file's view.
+METHOD_MODULES = ("optimize.quantize", "optimize.compile")
+
+
+@dataclass(frozen=True)
+class Method:
+    stage: str
+    name: str
+    config_cls: type
+    fn: Callable
+    needs_calibration: bool = False
+    input_format: str = "onnx"  # what the method consumes: "torch" (a module) or "onnx" (a file)
+    tasks: tuple[str, ...] = ("sentence_embedding", "causal_lm", "image_classification", "generic")
+    summary: str = ""
+
+
+_METHODS: dict[tuple[str, str], Method] = {}
+
+
+def register(stage: str, name: str, config_cls: type, **info) -> Callable:
+    if stage not in STAGES:
+        raise ValueError(f"unknown stage {stage!r}")
+
+    def decorate(fn: Callable) -> Callable:
+        key = (stage, name)
+        if key in _METHODS:
+            raise ValueError(f"method {stage}={name} registered twice")
+        summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+        _METHODS[key] = Method(stage, name, config_cls, fn, summary=summary, **info)
+        return fn
+
+    return decorate
+
+
+def _load_all() -> None:
+    for module in METHOD_MODULES:
+        importlib.import_module(module)
+
+
+def get(stage: str, name: str) -> Method:
+    _load_all()
+    try:
+        return _METHODS[(stage, name)]
+    except KeyError:
+        known = ", ".join(sorted(n for s, n in _METHODS if s == stage)) or "none"
+        raise RecipeError(f"{stage}.method={name!r} is not a registered method (known: {known})") from None
+
+
+def names(stage: str) -> list[str]:
+    _load_all()
+    return sorted(n for s, n in _METHODS if s == stage)
+
+
+def build_config(method: Method, params: dict[str, Any]) -> Any:
+    """Instantiate the method's config from recipe params, naming any unknown or mistyped key."""
+    fields = {f.name: f for f in dataclasses.fields(method.config_cls)}
+    hints = typing.get_type_hints(method.config_cls)
+    for key, value in params.items():
+        if key not in fields:
+            raise RecipeError(
+                f"{method.stage}.params.{key} is not a parameter of {method.name} (known: {', '.join(fields) or 'none'})"
+            )
+        _check_type(f"{method.stage}.params.{key}", value, hints[key])
+    config = method.config_cls(**params)
+    validate = getattr(config, "validate", None)
+    if validate:
+        validate()
+    return config
+
+
+def _check_type(key: str, value: Any, hint: Any) -> None:
+    origin = typing.get_origin(hint)
+    allowed = typing.get_args(hint) if origin is typing.Union else (hint,)
+    for expected in allowed:
+        if expected is type(None) and value is None:
+            return
+        base = typing.get_origin(expected) or expected
+        if base is Any or base is typing.Literal and value in typing.get_args(expected):
+            return
+        if base is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return
+        if isinstance(base, type) and base is not type(None) and isinstance(value, base):
+            if not (base is int and isinstance(value, bool)):
+                return
+    raise RecipeError(f"{key}={value!r} has the wrong type (expected {hint})")
