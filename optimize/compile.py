@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from optimize.errors import RecipeError
 from optimize.registry import register
-from optimize.tasks import TASKS
+from optimize import tasks
 
 
 @dataclass
@@ -29,12 +29,14 @@ def onnx_engine(model, cfg: OnnxExportConfig, ctx):
     if model.kind == "onnx":  # already an ONNX graph: the engine ships it as it is
         shutil.copyfile(model.onnx_path, out / "model.onnx")
         return model.with_onnx(out / "model.onnx")
+    if model.kind != "torch":
+        raise RecipeError("engine.method=onnx needs a PyTorch or ONNX model")
     from engines.onnx_export import ExportMismatch, check_fidelity, export
     from engines.onnxruntime_runner import OrtRunner
     from engines.pytorch_runner import TorchRunner
 
-    task = TASKS[model.task]
-    module = ctx.task_module(model)
+    task = tasks.get(model.task)
+    module = task.module(model.module, ctx)
     texts = ctx.calibration().items[: cfg.check_samples]
     example = ctx.encode(texts[:2])
     path = export(module, example, list(task.output_names), out / "model.onnx", task.dynamic_axes, cfg.opset)

@@ -113,13 +113,11 @@ def peak_memory_mb(subject: Subject, batch: dict[str, np.ndarray], scratch: Path
     return json.loads(proc.stdout.strip().splitlines()[-1])["peak_memory_mb"]
 
 
-def evaluate(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], task_output: str | None,
-             cfg, scratch: Path) -> dict:
-    metrics = {
-        "baseline": {"size_mb": baseline.size_bytes / 2**20},
-        "candidate": {"size_mb": candidate.size_bytes / 2**20},
-    }
-    metrics["candidate"]["fidelity"] = fidelity(baseline, candidate, inputs, task_output, cfg.top_k)
+def shared_metrics(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], cfg,
+                   scratch: Path) -> dict:
+    """What every task reports: size on disk, latency per batch size (with speedup), peak memory."""
+    metrics = {"baseline": {"size_mb": baseline.size_bytes / 2**20},
+               "candidate": {"size_mb": candidate.size_bytes / 2**20}}
     if cfg.latency:
         per_batch = latency(baseline, candidate, inputs, cfg)
         for side in ("baseline", "candidate"):
@@ -130,3 +128,34 @@ def evaluate(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray
         for side, subject in (("baseline", baseline), ("candidate", candidate)):
             metrics[side]["peak_memory_mb"] = peak_memory_mb(subject, largest, scratch, cfg.threads)
     return metrics
+
+
+def compare_runners(baseline: Subject, candidate: Subject, ctx, task_output: str | None) -> tuple[dict, dict]:
+    """Evaluate two runners on the same inputs: evaluation text (tokenized by the artifact's own
+    tokenizer) or, when the recipe asks, random tensors shaped from the model's signature."""
+    cfg = ctx.cfg.evaluate
+    if cfg.inputs == "random":
+        inputs = random_inputs(candidate.runner.signature(), cfg.data.count, cfg.data.seed)
+        described = {"source": "random", "count": cfg.data.count, "seed": cfg.data.seed}
+    else:
+        data = ctx.evaluation_data()
+        inputs, described = ctx.encode(data.items), data.describe()
+    metrics = shared_metrics(baseline, candidate, inputs, cfg, ctx.scratch)
+    metrics["candidate"]["fidelity"] = fidelity(baseline, candidate, inputs, task_output, cfg.top_k)
+    return metrics, described
+
+
+def random_inputs(signature: list[dict], count: int, seed: int, dim: int = 16) -> dict[str, np.ndarray]:
+    """Random tensors shaped from an ONNX signature: the first symbolic dim -> count, others -> dim."""
+    rng = np.random.default_rng(seed)
+    inputs = {}
+    for spec in signature:
+        shape = [count if i == 0 and not isinstance(d, int) else (d if isinstance(d, int) else dim)
+                 for i, d in enumerate(spec["shape"])]
+        if "int" in spec["type"]:
+            inputs[spec["name"]] = rng.integers(0, 100, size=shape).astype(np.int64)
+        elif "bool" in spec["type"]:
+            inputs[spec["name"]] = rng.integers(0, 2, size=shape).astype(bool)
+        else:
+            inputs[spec["name"]] = rng.standard_normal(shape).astype(np.float32)
+    return inputs

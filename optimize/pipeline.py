@@ -16,11 +16,10 @@ import numpy as np
 from omegaconf import OmegaConf
 
 import calibration
-from optimize import artifact, environment, gate, registry
+from optimize import artifact, environment, gate, registry, tasks
 from optimize.errors import RecipeError
-from optimize.evaluate import Subject, evaluate
+from optimize.evaluate import Subject
 from optimize.models import SourceModel, load as load_source, resolve as resolve_source
-from optimize.tasks import TASKS
 
 log = logging.getLogger(__name__)
 TOKENIZER_DIR = "tokenizer"
@@ -28,17 +27,34 @@ TOKENIZER_DIR = "tokenizer"
 
 @dataclass
 class Model:
-    """What flows between stages: a PyTorch module, then an ONNX file."""
+    """What flows between stages: a PyTorch module, then engine files in a directory.
 
-    kind: str  # "torch" | "onnx"
+    `engine` is the manifest's engine block with paths relative to `engine_dir`; the pipeline
+    copies engine_dir's files into the artifact as they are.
+    """
+
+    kind: str  # "torch" | "onnx" | "engine" (any other engine directory)
     task: str
     module: Any = None
-    onnx_path: Path | None = None
+    engine_dir: Path | None = None
+    engine: dict = field(default_factory=dict)
     precision: str = "fp32"
 
+    @property
+    def onnx_path(self) -> Path | None:
+        return self.engine_dir / self.engine["file"] if self.kind == "onnx" else None
+
     def with_onnx(self, path: Path, precision: str | None = None) -> "Model":
-        return dataclasses.replace(self, kind="onnx", module=None, onnx_path=Path(path),
+        """The model as one ONNX file (alone in its directory) for ONNX Runtime."""
+        path = Path(path)
+        return dataclasses.replace(self, kind="onnx", module=None, engine_dir=path.parent,
+                                   engine={"format": "onnxruntime", "file": path.name,
+                                           "providers": ["CPUExecutionProvider"]},
                                    precision=precision or self.precision)
+
+    def with_engine(self, engine_dir: Path, engine: dict, precision: str) -> "Model":
+        return dataclasses.replace(self, kind="engine", module=None, engine_dir=Path(engine_dir), engine=engine,
+                                   precision=precision)
 
 
 @dataclass
@@ -52,6 +68,8 @@ class Plan:
 
 @dataclass
 class Context:
+    """What stages and tasks may use: the recipe, a scratch directory, the data, the tokenizer."""
+
     cfg: Any
     scratch: Path
     source: SourceModel | None = None
@@ -59,29 +77,32 @@ class Context:
     threads: int = 0
     records: dict = field(default_factory=dict)
     _calibration: calibration.TextSet | None = None
+    _evaluation: calibration.TextSet | None = None
 
     def calibration(self) -> calibration.TextSet:
         if self._calibration is None:
             self._calibration = load_data(self.cfg.calibration)
         return self._calibration
 
+    def evaluation_data(self) -> calibration.TextSet:
+        """Evaluation items, never overlapping the calibration items (checked by content hash)."""
+        if self._evaluation is None:
+            data = load_data(self.cfg.evaluate.data)
+            if self._calibration is not None:
+                try:
+                    data = calibration.remove_overlap(self._calibration, data, self.cfg.evaluate.overlap)
+                except calibration.DataError as exc:
+                    raise RecipeError(str(exc)) from None
+            self._evaluation = data
+        return self._evaluation
+
     def encode(self, texts: list[str]) -> dict[str, np.ndarray]:
         if self.encoder is None:
-            raise RecipeError("this model takes no text: give evaluation inputs with evaluate.inputs=random")
+            raise RecipeError("this model has no tokenizer: set model.tokenizer=DIR or evaluate.inputs=random")
         return self.encoder(texts)
 
     def calibration_inputs(self, count: int) -> dict[str, np.ndarray]:
         return self.encode(self.calibration().items[:count])
-
-    def task_module(self, model: Model):
-        from engines.pytorch_runner import read_pooling, sentence_embedding_module
-
-        if model.task == "sentence_embedding":
-            pooling = read_pooling(self.source.tokenizer_dir) if self.source.tokenizer_dir else {"mode": "mean",
-                                                                                                "normalize": False}
-            self.records["pooling"] = pooling
-            return sentence_embedding_module(model.module, pooling)
-        raise RecipeError(f"no export wrapper for task {model.task}")
 
     def record(self, stage: str, info: dict) -> None:
         self.records.setdefault("stages", {})[stage] = info
@@ -103,6 +124,7 @@ def load_data(data_cfg) -> calibration.TextSet:
 
 def plan(cfg, run_dir: Path) -> Plan:
     """Check the whole recipe before loading weights: methods, parameters, gate, output path, source."""
+    tasks.get(cfg.model.task)
     stages = []
     for stage in registry.STAGES:
         section = cfg[stage]
@@ -121,8 +143,8 @@ def plan(cfg, run_dir: Path) -> Plan:
         raise RecipeError(f"evaluate.inputs={cfg.evaluate.inputs} (use data or random)")
     if not cfg.evaluate.batch_sizes or min(cfg.evaluate.batch_sizes) < 1:
         raise RecipeError("evaluate.batch_sizes must list batch sizes of at least 1")
-    if cfg.model.task not in TASKS and cfg.model.task != "generic":
-        raise RecipeError(f"model.task={cfg.model.task} is not supported (known: {', '.join([*TASKS, 'generic'])})")
+    if cfg.evaluate.overlap not in ("error", "drop"):
+        raise RecipeError(f"evaluate.overlap={cfg.evaluate.overlap} (use error or drop)")
     resolve_source(cfg.model)
     final = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else run_dir / "artifact"
     artifact.check_destination(final, cfg.overwrite)
@@ -141,27 +163,22 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
     """Run the recipe. Returns (manifest, artifact path). Raises RecipeError on bad input."""
     started = time.time()
     the_plan = plan(cfg, run_dir)
+    task = tasks.get(cfg.model.task)
     with tempfile.TemporaryDirectory(prefix="optimize-") as scratch, artifact.staging(the_plan.final_dir) as stage:
         ctx = Context(cfg, Path(scratch), threads=cfg.evaluate.threads)
         source = ctx.source = load_source(cfg.model)
-        if source.tokenizer_dir is not None or source.kind == "hf":
-            _ship_tokenizer(source, stage / TOKENIZER_DIR)
-            from engines.text import TextEncoder
-
-            ctx.encoder = TextEncoder(stage / TOKENIZER_DIR, cfg.model.max_length)
+        _prepare_tokenizer(cfg, ctx, source, stage)
         if the_plan.needs_calibration:
             ctx.calibration()
-        model = Model("torch" if source.kind == "hf" else "onnx", source.task, module=source.module,
-                      onnx_path=source.onnx_path)
+        model = _initial_model(source)
         for method, method_cfg in order(the_plan.stages):
             log.info("%s: %s", method.stage, method.name)
             model = method.fn(model, method_cfg, ctx)
-        shutil.move(str(model.onnx_path), stage / "model.onnx")
-        engine = {"format": "onnxruntime", "file": "model.onnx", "precision": model.precision, "task": source.task,
-                  "inputs": _signature(stage / "model.onnx"), "max_length": cfg.model.max_length,
-                  "tokenizer": TOKENIZER_DIR if (stage / TOKENIZER_DIR).exists() else None,
-                  "providers": ["CPUExecutionProvider"]}
-        metrics, eval_data = _evaluate(cfg, ctx, source, stage, engine, the_plan)
+        engine = _install_engine(model, stage, cfg)
+        baseline = _baseline(ctx, source, task)
+        candidate = _candidate(stage, engine, ctx)
+        metrics, eval_data = task.evaluate(baseline, candidate, ctx)
+        metrics["threads"] = _threads(ctx.threads)
         verdict = gate.judge(metrics["baseline"], metrics["candidate"], OmegaConf.to_container(cfg.gate))
         manifest = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started)
         manifest = artifact.write_manifest(stage, manifest)
@@ -169,74 +186,82 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
     return manifest, the_plan.final_dir
 
 
-def _ship_tokenizer(source: SourceModel, dest: Path) -> None:
+def _initial_model(source: SourceModel) -> Model:
+    if source.kind == "onnx":
+        return Model("torch", source.task).with_onnx(source.onnx_path)
+    return Model("torch", source.task, module=source.module)
+
+
+def _prepare_tokenizer(cfg, ctx: Context, source: SourceModel, stage: Path) -> None:
+    """Ship the tokenizer in the artifact and tokenize with that copy: what is measured is what is served."""
+    if source.tokenizer_dir is None and source.kind != "hf":
+        return
     from transformers import AutoTokenizer
 
+    from engines.text import TextEncoder
+
     location = str(source.tokenizer_dir) if source.tokenizer_dir else source.location
-    AutoTokenizer.from_pretrained(location, gguf_file=source.gguf_file).save_pretrained(str(dest))
+    AutoTokenizer.from_pretrained(location, gguf_file=source.gguf_file).save_pretrained(str(stage / TOKENIZER_DIR))
+    ctx.encoder = TextEncoder(stage / TOKENIZER_DIR, cfg.model.max_length)
 
 
-def _signature(path: Path) -> list[dict]:
-    from engines.onnxruntime_runner import OrtRunner
+def _install_engine(model: Model, stage: Path, cfg) -> dict:
+    """Copy the final engine files into the artifact and complete the engine block."""
+    if model.engine_dir is None:
+        raise RecipeError("the engine stage produced no engine files")
+    for path in sorted(model.engine_dir.rglob("*")):
+        if path.is_file():
+            dest = stage / path.relative_to(model.engine_dir)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, dest)
+    engine = dict(model.engine, precision=model.precision, task=model.task, max_length=cfg.model.max_length,
+                  tokenizer=TOKENIZER_DIR if (stage / TOKENIZER_DIR).exists() else None)
+    if engine["format"] == "onnxruntime":
+        from engines.onnxruntime_runner import OrtRunner
 
-    return OrtRunner(path).signature()
+        engine["inputs"] = OrtRunner(stage / engine["file"]).signature()
+    return engine
 
 
-def _evaluate(cfg, ctx: Context, source: SourceModel, stage: Path, engine: dict, the_plan: Plan):
+def _engine_bytes(root: Path, engine: dict) -> int:
+    """Bytes of the engine's model files (the tokenizer is not counted)."""
+    if "file" in engine:
+        main = root / engine["file"]
+        data = main.with_name(main.name + ".data")
+        return main.stat().st_size + (data.stat().st_size if data.exists() else 0)
+    folder = root / engine.get("dir", ".")
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and TOKENIZER_DIR not in p.parts)
+
+
+def _candidate(stage: Path, engine: dict, ctx: Context) -> Subject:
     from engines import load_engine
 
-    eval_data = None
-    if cfg.evaluate.inputs == "random":
-        inputs = random_inputs(_signature(stage / "model.onnx"), cfg.evaluate.data.count, cfg.evaluate.data.seed)
-    else:
-        eval_data = load_data(cfg.evaluate.data)
-        if the_plan.needs_calibration:
-            try:
-                eval_data = calibration.remove_overlap(ctx.calibration(), eval_data, cfg.evaluate.overlap)
-            except calibration.DataError as exc:
-                raise RecipeError(str(exc)) from None
-        inputs = ctx.encode(eval_data.items)
-    baseline = _baseline(cfg, ctx, source)
-    candidate = Subject("candidate", load_engine(stage, engine, threads=ctx.threads), engine, stage,
-                        (stage / "model.onnx").stat().st_size)
-    output = TASKS[source.task].fidelity_output if source.task in TASKS else None
-    metrics = evaluate(baseline, candidate, inputs, output, cfg.evaluate, ctx.scratch)
-    metrics["baseline"].update(engine=baseline.engine["format"], precision="fp32")
-    metrics["candidate"].update(engine="onnxruntime", precision=engine["precision"])
-    metrics["threads"] = _threads(ctx.threads)
-    return metrics, eval_data
+    return Subject("candidate", load_engine(stage, engine, threads=ctx.threads), engine, stage,
+                   _engine_bytes(stage, engine))
 
 
-def _baseline(cfg, ctx: Context, source: SourceModel) -> Subject:
+def _baseline(ctx: Context, source: SourceModel, task: tasks.Task) -> Subject:
     """The source model as it came, on its own runtime: PyTorch FP32, or ONNX Runtime for an ONNX source."""
     from engines import load_engine
 
     if source.kind == "onnx":
         engine = {"format": "onnxruntime", "file": source.onnx_path.name}
         root = source.onnx_path.parent
-        return Subject("baseline", load_engine(root, engine, ctx.threads), engine, root,
-                       _weights_bytes(source.onnx_path))
-    from engines.pytorch_runner import ENCODER_INPUTS, TorchRunner
+        return Subject("baseline", load_engine(root, engine, ctx.threads), engine, root, _engine_bytes(root, engine))
+    from engines.pytorch_runner import TorchRunner
 
     engine = {"format": "pytorch", "model_dir": source.location, "task": source.task,
               "pooling": ctx.records.get("pooling"), "gguf_file": source.gguf_file,
-              "allow_pickle": cfg.model.allow_pickle}
-    runner = TorchRunner(ctx.task_module(Model("torch", source.task, module=source.module)), ENCODER_INPUTS,
-                         list(TASKS[source.task].output_names), ctx.threads)
-    size = sum(p.numel() * p.element_size() for p in source.module.state_dict().values())
-    return Subject("baseline", runner, engine, Path(source.location) if Path(source.location).exists() else Path("."),
-                   size)
-
-
-def _weights_bytes(onnx_path: Path) -> int:
-    data = onnx_path.with_name(onnx_path.name + ".data")
-    return onnx_path.stat().st_size + (data.stat().st_size if data.exists() else 0)
+              "allow_pickle": ctx.cfg.model.allow_pickle}
+    runner = TorchRunner(task.module(source.module, ctx), list(task.input_names), list(task.output_names),
+                         ctx.threads)
+    size = sum(t.numel() * t.element_size() for t in source.module.state_dict().values())
+    root = Path(source.location) if Path(source.location).exists() else Path(".")
+    return Subject("baseline", runner, engine, root, size)
 
 
 def _threads(requested: int) -> dict:
     import os
-
-    import onnxruntime  # noqa: F401
 
     info = {"requested": requested or "all", "cpu_count": os.cpu_count()}
     try:
@@ -246,22 +271,6 @@ def _threads(requested: int) -> dict:
     except ImportError:
         pass
     return info
-
-
-def random_inputs(signature: list[dict], count: int, seed: int, dim: int = 16) -> dict[str, np.ndarray]:
-    """Random tensors shaped from an ONNX signature: symbolic batch -> count, other symbolic dims -> dim."""
-    rng = np.random.default_rng(seed)
-    inputs = {}
-    for spec in signature:
-        shape = [count if i == 0 and not isinstance(d, int) else (d if isinstance(d, int) else dim)
-                 for i, d in enumerate(spec["shape"])]
-        if "int" in spec["type"]:
-            inputs[spec["name"]] = rng.integers(0, 100, size=shape).astype(np.int64)
-        elif "bool" in spec["type"]:
-            inputs[spec["name"]] = rng.integers(0, 2, size=shape).astype(bool)
-        else:
-            inputs[spec["name"]] = rng.standard_normal(shape).astype(np.float32)
-    return inputs
 
 
 def _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started) -> dict:
@@ -274,8 +283,7 @@ def _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data
         "model": {"source": cfg.model.source, "resolved": source.location, "task": source.task,
                   "sha256": _source_hash(source), **source.info},
         "calibration": calib,
-        "evaluation": eval_data.describe() if eval_data else {"source": "random", "count": cfg.evaluate.data.count,
-                                                              "seed": cfg.evaluate.data.seed},
+        "evaluation": eval_data,
         "engine": engine,
         "stages": ctx.records.get("stages", {}),
         "metrics": metrics,

@@ -11,7 +11,7 @@ import numpy as np
 from optimize.environment import cpu_has_vnni
 from optimize.errors import RecipeError
 from optimize.registry import register
-from optimize.tasks import TASKS, fidelity
+from optimize import tasks
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,8 @@ class OrtInt8DynamicConfig:
 @register("quantize", "ort_int8_dynamic", OrtInt8DynamicConfig, needs_calibration=True, input_format="onnx")
 def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
     """INT8 weights, activations quantized at run time (ONNX Runtime), with FP32 fallback of sensitive nodes."""
+    if model.kind != "onnx":
+        raise RecipeError("quantize.method=ort_int8_dynamic needs an ONNX model (engine.method=onnx)")
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     reduce_range = (not cpu_has_vnni()) if cfg.reduce_range is None else cfg.reduce_range
@@ -132,12 +134,12 @@ def _sensitivity_fallback(model, cfg, ctx, quantize, reduce_range: bool) -> tupl
     real quantized model reaches the calibration fidelity target (or max_fp32_nodes is reached)."""
     from engines.onnxruntime_runner import OrtRunner
 
-    output = TASKS[model.task].fidelity_output if model.task in TASKS else None
+    output = tasks.get(model.task).fidelity_output
     inputs = ctx.calibration_inputs(cfg.sensitivity_samples)
     reference = OrtRunner(model.onnx_path, threads=ctx.threads)(inputs)
 
     def score(path: Path) -> float:
-        return fidelity(reference, OrtRunner(path, threads=ctx.threads)(inputs), output)
+        return tasks.fidelity(reference, OrtRunner(path, threads=ctx.threads)(inputs), output)
 
     best = score(quantize([]))
     if best >= cfg.fallback_min_cosine or cfg.max_fp32_nodes == 0:

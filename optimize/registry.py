@@ -23,8 +23,9 @@ from typing import Any, Callable
 from optimize.errors import RecipeError
 
 STAGES = ("prune", "distill", "quantize", "engine")
-# Modules whose import registers methods. Listed here so registration stays in one file's view.
-METHOD_MODULES = ("optimize.quantize", "optimize.compile")
+# Modules whose import registers methods (with @register) and tasks (with tasks.register_task).
+# Listed here so every registration is found from one place.
+PLUGIN_MODULES = ("optimize.compile", "optimize.quantize")
 
 
 @dataclass(frozen=True)
@@ -57,13 +58,13 @@ def register(stage: str, name: str, config_cls: type, **info) -> Callable:
     return decorate
 
 
-def _load_all() -> None:
-    for module in METHOD_MODULES:
+def load_plugins() -> None:
+    for module in PLUGIN_MODULES:
         importlib.import_module(module)
 
 
 def get(stage: str, name: str) -> Method:
-    _load_all()
+    load_plugins()
     try:
         return _METHODS[(stage, name)]
     except KeyError:
@@ -72,7 +73,7 @@ def get(stage: str, name: str) -> Method:
 
 
 def names(stage: str) -> list[str]:
-    _load_all()
+    load_plugins()
     return sorted(n for s, n in _METHODS if s == stage)
 
 
