@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := pipeline,demo,dev
+EXTRAS := pipeline,demo,dev,vision
 
 .PHONY: demo test install clean
 

@@ -1,8 +1,10 @@
 """Calibration and evaluation data: seeded, hashed, and disjoint.
 
-Every source yields a list of items for a split; `sample` draws a fixed count with a seed and
-records exactly what was drawn (count, seed and a sha256 over the items in order), so a manifest
-can say what calibrated or evaluated a model, and a rerun draws the same items.
+Every source yields the items of a split (texts or arrays, optionally with labels); `load` draws a
+fixed count with a seed and records exactly what was drawn (count, seed and a sha256 over the items
+in order), so a manifest can say what calibrated or evaluated a model, and a rerun draws the same
+items. Sources: cpython_docs, text_file, jsonl (here); parquet, hf_dataset (files.py); digits
+(images.py); random (synthetic.py, only when a recipe names it, and the manifest says so).
 """
 from __future__ import annotations
 
@@ -11,7 +13,9 @@ import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
+
+import numpy as np
 
 SPLITS = ("calibration", "evaluation")
 
@@ -20,19 +24,39 @@ class DataError(Exception):
     """A data source is missing, empty or unreadable."""
 
 
+def item_hash(item: Any) -> str:
+    """sha256 of an item's content: text as UTF-8; an array as its dtype, shape and bytes (so the
+    same pixels hash alike whatever list or file they came from)."""
+    if isinstance(item, str):
+        return hashlib.sha256(item.encode("utf-8")).hexdigest()
+    array = np.ascontiguousarray(item)
+    return hashlib.sha256(f"{array.dtype}{array.shape}".encode() + array.tobytes()).hexdigest()
+
+
+@dataclass
+class Labeled:
+    """What a source returns when its items carry labels (for accuracy): items[i] has labels[i]."""
+
+    items: list
+    labels: list
+
+
 @dataclass
 class TextSet:
+    """A drawn data set: texts or arrays (the name stays for the text sources that came first)."""
+
     source: str
     split: str
     seed: int
-    items: list[str]
+    items: list
     available: int  # items in the split before sampling
     dropped_overlap: int = 0
     extra: dict = field(default_factory=dict)
+    labels: list | None = None
 
     @property
     def item_hashes(self) -> list[str]:
-        return [hashlib.sha256(t.encode("utf-8")).hexdigest() for t in self.items]
+        return [item_hash(t) for t in self.items]
 
     @property
     def sha256(self) -> str:
@@ -58,9 +82,12 @@ def source(name: str):
     return decorate
 
 
-def _in_split(key: str, split: str) -> bool:
-    """Assign whole documents to a split by a hash of their key: one in four is held out."""
-    held_out = hashlib.sha256(key.encode()).digest()[0] % 4 == 0
+DataSet = TextSet
+
+
+def _in_split(key: Any, split: str) -> bool:
+    """Assign items (or whole documents) to a split by a hash of their content: one in four is held out."""
+    held_out = bytes.fromhex(item_hash(key))[0] % 4 == 0
     return held_out == (split == "evaluation")
 
 
@@ -83,7 +110,7 @@ def cpython_docs(split: str, min_chars: int = 200, **_) -> list[str]:
     return [p for p in dict.fromkeys(paragraphs_of("evaluation")) if p not in seen]
 
 
-def _split_items(items: list[str], split: str) -> list[str]:
+def _split_items(items: list, split: str) -> list:
     return [t for t in items if _in_split(t, split)]
 
 
@@ -125,29 +152,53 @@ def names() -> list[str]:
     return sorted(_SOURCES)
 
 
+# Options that describe where the data came from, recorded in the manifest when set.
+_RECORDED = ("path", "dataset_split", "shape")
+
+
 def load(name: str, split: str, count: int, seed: int, **options) -> TextSet:
-    """Draw `count` items of a split with a seed. Raises DataError if the source cannot give them."""
+    """Draw `count` items of a split with a seed. Raises DataError if the source cannot give them:
+    never an empty set, never random data unless the source named is `random`."""
+    if name in (None, "none", ""):
+        raise DataError("no data source is set (calibration.source=none), but this recipe needs data")
     if name not in _SOURCES:
         raise DataError(f"unknown data source {name!r} (known: {', '.join(names())})")
     if split not in SPLITS:
         raise DataError(f"unknown split {split!r} (use {' or '.join(SPLITS)})")
+    if count < 1:
+        raise DataError(f"data source {name}: count={count}, but this recipe needs at least one {split} item")
     try:
-        items = _SOURCES[name](split=split, **options)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read data source {name}: {exc}") from None
-    if not items:
+        found = _SOURCES[name](split=split, count=count, seed=seed, **options)
+    except DataError:
+        raise
+    except Exception as exc:  # readers raise many types (OSError, ArrowInvalid, ValueError...): all mean unreadable
+        raise DataError(f"cannot read data source {name}: {type(exc).__name__}: {_first_line(exc)}") from None
+    items, labels = (found.items, found.labels) if isinstance(found, Labeled) else (found, None)
+    if not len(items):
         raise DataError(f"data source {name} ({split} split) is empty")
     if count > len(items):
         raise DataError(f"data source {name} has {len(items)} {split} items, the recipe asks for {count}")
     chosen = random.Random(seed).sample(range(len(items)), count)
-    return TextSet(name, split, seed, [items[i] for i in chosen], available=len(items),
-                   extra={k: v for k, v in options.items() if k == "path" and v})
+    extra = {k: v for k, v in options.items() if k in _RECORDED and v}
+    if options.get("path"):
+        extra["field"] = options.get("field")
+    if name == "random":
+        extra["random"] = True
+        extra["note"] = "synthetic random data, asked for by name: scales do not reflect real inputs"
+    return TextSet(name, split, seed, [items[i] for i in chosen], available=len(items), extra=extra,
+                   labels=[labels[i] for i in chosen] if labels is not None else None)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "unreadable"
 
 
 def remove_overlap(calibration: TextSet, evaluation: TextSet, policy: str) -> TextSet:
     """Evaluation must not see calibration items. Policy 'error' refuses; 'drop' removes and records."""
     seen = set(calibration.item_hashes)
-    keep = [t for t, h in zip(evaluation.items, evaluation.item_hashes) if h not in seen]
+    keep_index = [i for i, h in enumerate(evaluation.item_hashes) if h not in seen]
+    keep = [evaluation.items[i] for i in keep_index]
     overlap = len(evaluation.items) - len(keep)
     if overlap and policy != "drop":
         raise DataError(f"{overlap} evaluation items also appear in the calibration data "
@@ -155,5 +206,11 @@ def remove_overlap(calibration: TextSet, evaluation: TextSet, policy: str) -> Te
     if overlap and not keep:
         raise DataError("every evaluation item also appears in the calibration data")
     evaluation.items = keep
+    if evaluation.labels is not None:
+        evaluation.labels = [evaluation.labels[i] for i in keep_index]
     evaluation.dropped_overlap = overlap
     return evaluation
+
+
+# Sources in their own modules register themselves on import (their heavy imports stay inside functions).
+from calibration import files, images, synthetic  # noqa: E402,F401

@@ -32,6 +32,8 @@ class DataConfig:
     count: int = 64
     seed: int = 0
     min_chars: int = 200
+    dataset_split: Optional[str] = None  # hf_dataset: use this split whole (default: train, divided by hash)
+    shape: Optional[List[int]] = None  # random source only: item shape (none: random sentences)
 
 
 @dataclass
@@ -68,6 +70,8 @@ class GateConfig:
     latency_batch_size: int = 1
     max_size_mb: Optional[float] = None
     max_peak_memory_mb: Optional[float] = None
+    max_accuracy_drop: Optional[float] = None  # classifiers: top-1 accuracy drop vs baseline, in points
+    min_accuracy: Optional[float] = None  # classifiers: candidate top-1 accuracy (0..1)
 
 
 @dataclass

@@ -47,6 +47,9 @@ CHECKS = (
     CheckSpec("max_size_mb", "size on disk (MB)", lambda b, c, t: _dig(c, "size_mb"), operator.le, "<="),
     CheckSpec("max_peak_memory_mb", "peak memory (MB)", lambda b, c, t: _dig(c, "peak_memory_mb"),
               operator.le, "<="),
+    CheckSpec("max_accuracy_drop", "top-1 accuracy drop (points)", lambda b, c, t: _dig(c, "accuracy_drop_points"),
+              operator.le, "<="),
+    CheckSpec("min_accuracy", "top-1 accuracy", lambda b, c, t: _dig(c, "top1_accuracy"), operator.ge, ">="),
 )
 
 

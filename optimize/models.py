@@ -81,6 +81,10 @@ def load(cfg) -> SourceModel:
         if tokenizer and not (tokenizer / "tokenizer.json").is_file():
             raise RecipeError(f"model.tokenizer={cfg.tokenizer} has no tokenizer.json")
         return SourceModel("onnx", cfg.task, str(path), onnx_path=path, tokenizer_dir=tokenizer)
+    if cfg.task == "image_classification":  # a small CNN from safetensors + config.json (optimize/vision.py)
+        from optimize.vision import load_source
+
+        return load_source(cfg, path)
     if cfg.task not in ("sentence_embedding", "causal_lm"):
         raise RecipeError(f"model.task={cfg.task} needs an ONNX source; Hugging Face models support "
                           "sentence_embedding and causal_lm")

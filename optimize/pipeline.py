@@ -117,7 +117,8 @@ class Context:
 def load_data(data_cfg) -> calibration.TextSet:
     try:
         return calibration.load(data_cfg.source, data_cfg.split, data_cfg.count, data_cfg.seed, path=data_cfg.path,
-                                field=data_cfg.field, min_chars=data_cfg.min_chars)
+                                field=data_cfg.field, min_chars=data_cfg.min_chars,
+                                dataset_split=data_cfg.get("dataset_split"), shape=data_cfg.get("shape"))
     except calibration.DataError as exc:
         raise RecipeError(f"{exc}") from None
 
@@ -168,6 +169,8 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         ctx = Context(cfg, Path(scratch), threads=cfg.evaluate.threads)
         source = ctx.source = load_source(cfg.model)
         _prepare_tokenizer(cfg, ctx, source, stage)
+        if ctx.encoder is None and hasattr(task, "encoder"):  # tasks whose inputs are not text bring their own
+            ctx.encoder = task.encoder(ctx)
         if the_plan.needs_calibration:
             ctx.calibration()
         model = _initial_model(source)

@@ -1,4 +1,9 @@
-"""Quantize stage. Methods are named after their numerics."""
+"""Quantize stage: ONNX Runtime INT8 dynamic, FP16, and the helpers the other quantize modules share.
+
+Methods are named after their numerics. Static INT8 QDQ lives in quantize_static.py, INT4
+weight-only (MatMulNBits) in quantize_int4.py; all are registered with @register and listed in
+registry.PLUGIN_MODULES.
+"""
 from __future__ import annotations
 
 import logging
@@ -45,17 +50,63 @@ class OrtInt8DynamicConfig:
             raise RecipeError("quantize.params.max_fp32_nodes must be >= 0 and sensitivity_samples >= 1")
 
 
+def require_onnx(model, method: str) -> None:
+    if model.kind != "onnx":
+        raise RecipeError(f"quantize.method={method} needs an ONNX model (engine.method=onnx)")
+
+
+def workdir(ctx, name: str = "quantize") -> Path:
+    out = ctx.scratch / name
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def auto_reduce_range(setting: Optional[bool]) -> bool:
+    """7-bit weights on CPUs without VNNI: AVX2's u8*s8 pair sums (vpmaddubsw) saturate int16 with
+    full 8-bit weights; VNNI accumulates in int32 and needs no such margin."""
+    return (not cpu_has_vnni()) if setting is None else setting
+
+
+def quant_type(name: str):
+    from onnxruntime.quantization import QuantType
+
+    return {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}[name]
+
+
+class CalibrationReader:
+    """ONNX Runtime's CalibrationDataReader over named arrays, in batches (the graph's inputs only)."""
+
+    def __init__(self, inputs: dict[str, np.ndarray], input_names: list[str], batch_size: int = 8):
+        from optimize.evaluate import batches_of
+
+        self.batches = [{k: b[k] for k in input_names} for b in batches_of(inputs, batch_size)]
+        self.rewind()
+
+    def get_next(self):
+        return next(self._iter, None)
+
+    def rewind(self):
+        self._iter = iter(self.batches)
+
+    def __iter__(self):  # GPTQ reads batches by iterating a copy of the reader
+        return iter(self.batches)
+
+
+def onnx_input_names(path: Path) -> list[str]:
+    from engines.onnxruntime_runner import OrtRunner
+
+    return OrtRunner(path).input_names
+
+
 @register("quantize", "ort_int8_dynamic", OrtInt8DynamicConfig, needs_calibration=True, input_format="onnx")
 def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
     """INT8 weights, activations quantized at run time (ONNX Runtime), with FP32 fallback of sensitive nodes."""
-    if model.kind != "onnx":
-        raise RecipeError("quantize.method=ort_int8_dynamic needs an ONNX model (engine.method=onnx)")
-    from onnxruntime.quantization import QuantType, quantize_dynamic
+    require_onnx(model, "ort_int8_dynamic")
+    from onnxruntime.quantization import quantize_dynamic
 
-    reduce_range = (not cpu_has_vnni()) if cfg.reduce_range is None else cfg.reduce_range
-    weight_type = QuantType.QInt8 if cfg.weight_type == "int8" else QuantType.QUInt8
-    out = ctx.scratch / "quantize"
-    out.mkdir(parents=True, exist_ok=True)
+    reduce_range = auto_reduce_range(cfg.reduce_range)
+    weight_type = quant_type(cfg.weight_type)
+    out = workdir(ctx)
 
     def quantize(excluded: list[str]) -> Path:
         path = out / "model.onnx"
@@ -66,7 +117,7 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
 
     fp32_nodes, score = [], None
     if cfg.fallback_min_cosine is not None:
-        fp32_nodes, score = _sensitivity_fallback(model, cfg, ctx, quantize, reduce_range)
+        fp32_nodes, score = sensitivity_fallback(model, cfg, ctx, quantize, reduce_range)
     path = quantize(fp32_nodes)
     ctx.record("quantize", {"method": "ort_int8_dynamic", "weights": cfg.weight_type, "activations": "uint8 dynamic",
                             "per_channel": cfg.per_channel, "reduce_range": reduce_range,
@@ -129,7 +180,7 @@ def _rank_by_simulated_error(onnx_path: Path, inputs: dict, cfg, reduce_range: b
     return sorted(errors, key=errors.get, reverse=True)
 
 
-def _sensitivity_fallback(model, cfg, ctx, quantize, reduce_range: bool) -> tuple[list[str], float]:
+def sensitivity_fallback(model, cfg, ctx, quantize, reduce_range: bool) -> tuple[list[str], float]:
     """Keep the nodes with the largest simulated quantization error in FP32, one by one, until the
     real quantized model reaches the calibration fidelity target (or max_fp32_nodes is reached)."""
     from engines.onnxruntime_runner import OrtRunner
@@ -153,3 +204,78 @@ def _sensitivity_fallback(model, cfg, ctx, quantize, reduce_range: bool) -> tupl
         if best >= cfg.fallback_min_cosine:
             break
     return fp32, best
+
+
+# ---------------------------------------------------------------------------------------------
+# FP16 for GPU targets
+# ---------------------------------------------------------------------------------------------
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+PROVIDERS = (*GPU_PROVIDERS, "CPUExecutionProvider")
+
+
+def missing_for(provider: str) -> list[str]:
+    """What this machine lacks to run `provider` (empty: nothing), each as a short phrase."""
+    import importlib.util
+
+    import onnxruntime as ort
+
+    from optimize.environment import gpus
+
+    if provider == "CPUExecutionProvider":
+        return []
+    missing = [] if gpus() else ["an NVIDIA GPU with CUDA (nvidia-smi finds none)"]
+    if provider not in ort.get_available_providers():
+        missing.append(f"onnxruntime with {provider} (install onnxruntime-gpu; this onnxruntime has "
+                       f"{', '.join(ort.get_available_providers())})")
+    if provider == "TensorrtExecutionProvider" and importlib.util.find_spec("tensorrt") is None:
+        missing.append("TensorRT (the tensorrt Python package)")
+    return missing
+
+
+@dataclass
+class OrtFp16Config:
+    """Example recipe (GPU serving through ONNX Runtime's TensorRT provider):
+
+        quantize:
+          method: ort_fp16
+          params: {execution_provider: TensorrtExecutionProvider, keep_io_types: true}
+
+    On CPUExecutionProvider the FP16 graph runs, slowly (ORT's CPU kernels upcast most ops): useful to
+    check accuracy on a machine without a GPU, not to serve.
+    """
+
+    execution_provider: str = "CUDAExecutionProvider"  # TensorrtExecutionProvider | CUDAExecutionProvider | CPU...
+    keep_io_types: bool = True  # FP32 inputs and outputs: callers need not know the graph is FP16
+    op_block_list: List[str] = field(default_factory=list)  # op types kept in FP32 (besides ORT's defaults)
+    nodes_to_exclude: List[str] = field(default_factory=list)
+
+    def validate(self):
+        if self.execution_provider not in PROVIDERS:
+            raise RecipeError(f"quantize.params.execution_provider={self.execution_provider} "
+                              f"(use one of {', '.join(PROVIDERS)})")
+        missing = missing_for(self.execution_provider)
+        if missing:  # checked before any weights load: one line that says what is missing
+            raise RecipeError(f"quantize.method=ort_fp16 targets {self.execution_provider}, and this machine lacks "
+                              + "; ".join(missing))
+
+
+@register("quantize", "ort_fp16", OrtFp16Config, input_format="onnx")
+def ort_fp16(model, cfg: OrtFp16Config, ctx):
+    """FP16 weights and activations for GPU execution providers (CUDA, TensorRT), FP32 inputs/outputs."""
+    require_onnx(model, "ort_fp16")
+    import onnx
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    fp32 = onnx.load(str(model.onnx_path))
+    fp16 = convert_float_to_float16(fp32, keep_io_types=cfg.keep_io_types,
+                                    op_block_list=list(DEFAULT_OP_BLOCK_LIST) + cfg.op_block_list,
+                                    node_block_list=cfg.nodes_to_exclude)
+    path = workdir(ctx) / "model.onnx"
+    onnx.save(fp16, str(path))
+    providers = [cfg.execution_provider] + [p for p in PROVIDERS if p != cfg.execution_provider
+                                            and PROVIDERS.index(p) > PROVIDERS.index(cfg.execution_provider)]
+    ctx.record("quantize", {"method": "ort_fp16", "weights": "fp16", "activations": "fp16",
+                            "keep_io_types": cfg.keep_io_types, "providers": providers})
+    result = model.with_onnx(path, precision="fp16")
+    result.engine["providers"] = providers
+    return result

@@ -1,0 +1,136 @@
+"""Static INT8 QDQ (ONNX Runtime): weights and activations quantized ahead of time, with activation
+ranges calibrated on the recipe's calibration data (never on random data unless the recipe names it).
+
+Choices that matter on CPUs:
+- activation_type uint8 + weight_type int8 (U8S8) is the pair ONNX Runtime's x86 kernels are fastest
+  at, with or without VNNI; S8S8 was measured slower than FP32 on MiniLM here (FIELD-NOTES).
+- reduce_range (7-bit weights) on CPUs without VNNI: AVX2's vpmaddubsw adds pairs of u8*s8 products
+  into int16 and saturates with full-range weights. null picks it from the CPU.
+- Transformers have activation outliers: percentile or entropy calibration clips them, graph fusion
+  first (optimize_graph: bert) leaves LayerNorm/GELU fused in FP32, and the sensitivity fallback keeps
+  the nodes that hurt most in FP32.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional
+
+from optimize.errors import RecipeError
+from optimize.quantize import (CalibrationReader, auto_reduce_range, onnx_input_names, quant_type, require_onnx,
+                               sensitivity_fallback, workdir)
+from optimize.registry import register
+
+log = logging.getLogger(__name__)
+CALIBRATE_METHODS = ("minmax", "entropy", "percentile")
+
+
+@dataclass
+class OrtInt8StaticConfig:
+    """Example recipe (a CNN; for an encoder add optimize_graph: bert and op_types: [MatMul]):
+
+        quantize:
+          method: ort_int8_static_qdq
+          params: {calibrate_method: minmax, per_channel: true, activation_type: uint8, weight_type: int8}
+    """
+
+    calibrate_method: str = "minmax"  # minmax | entropy | percentile
+    percentile: float = 99.999  # percentile calibration: the |activation| percentile kept unclipped
+    activation_type: str = "uint8"  # uint8 | int8
+    weight_type: str = "int8"  # int8 | uint8
+    per_channel: bool = True
+    reduce_range: Optional[bool] = None  # null: 7-bit weights on CPUs without VNNI
+    symmetric_activations: bool = False
+    op_types: Optional[List[str]] = None  # null: every op type ONNX Runtime can quantize
+    nodes_to_exclude: List[str] = field(default_factory=list)
+    matmul_const_b_only: bool = True  # quantize MatMuls with a constant weight only (not Q@K^T, attn@V)
+    optimize_graph: str = "none"  # none | bert (onnxruntime.transformers.optimizer fusions first)
+    calibration_count: int = 64  # calibration items used (at most calibration.count)
+    calibration_batch: int = 8
+    # Sensitivity fallback as in ort_int8_dynamic (null: off).
+    fallback_min_cosine: Optional[float] = None
+    max_fp32_nodes: int = 8
+    sensitivity_samples: int = 16
+
+    def validate(self):
+        if self.calibrate_method not in CALIBRATE_METHODS:
+            raise RecipeError(f"quantize.params.calibrate_method={self.calibrate_method} "
+                              f"(use {', '.join(CALIBRATE_METHODS)})")
+        for key in ("activation_type", "weight_type"):
+            if getattr(self, key) not in ("int8", "uint8"):
+                raise RecipeError(f"quantize.params.{key}={getattr(self, key)} (use int8 or uint8)")
+        if self.optimize_graph not in ("none", "bert"):
+            raise RecipeError(f"quantize.params.optimize_graph={self.optimize_graph} (use none or bert)")
+        if not 50 < self.percentile <= 100:
+            raise RecipeError(f"quantize.params.percentile={self.percentile} (use a value in (50, 100])")
+        if min(self.calibration_count, self.calibration_batch, self.sensitivity_samples) < 1:
+            raise RecipeError("quantize.params.calibration_count, calibration_batch and sensitivity_samples "
+                              "must be at least 1")
+
+
+@register("quantize", "ort_int8_static_qdq", OrtInt8StaticConfig, needs_calibration=True, input_format="onnx")
+def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
+    """INT8 weights and activations, activation ranges calibrated ahead of time (QDQ, ONNX Runtime)."""
+    require_onnx(model, "ort_int8_static_qdq")
+    out = workdir(ctx, "quantize_static")
+    source = optimize_for_cpu(model.onnx_path, out) if cfg.optimize_graph == "bert" else model.onnx_path
+    count = min(cfg.calibration_count, len(ctx.calibration().items))
+    reader = CalibrationReader(ctx.calibration_inputs(count), onnx_input_names(source), cfg.calibration_batch)
+    reduce_range = auto_reduce_range(cfg.reduce_range)
+
+    def quantize(excluded: list[str]) -> Path:
+        path = out / "model.onnx"
+        reader.rewind()
+        _quantize_static(source, path, reader, cfg, reduce_range, cfg.nodes_to_exclude + excluded)
+        return path
+
+    fp32_nodes, score = [], None
+    if cfg.fallback_min_cosine is not None:
+        fp32_nodes, score = sensitivity_fallback(model.with_onnx(source), _RankingView(cfg), ctx, quantize,
+                                                 reduce_range)
+    path = quantize(fp32_nodes)
+    ctx.record("quantize", {"method": "ort_int8_static_qdq", "format": "QDQ", "weights": cfg.weight_type,
+                            "activations": f"{cfg.activation_type} static", "calibrate_method": cfg.calibrate_method,
+                            "percentile": cfg.percentile if cfg.calibrate_method == "percentile" else None,
+                            "per_channel": cfg.per_channel, "reduce_range": reduce_range,
+                            "optimize_graph": cfg.optimize_graph, "calibration_items": count,
+                            "fp32_nodes": fp32_nodes, "calibration_min_cosine": score})
+    return model.with_onnx(path, precision="int8")
+
+
+def _quantize_static(source: Path, path: Path, reader, cfg: OrtInt8StaticConfig, reduce_range: bool,
+                     excluded: list[str]) -> None:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
+
+    method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+              "percentile": CalibrationMethod.Percentile}[cfg.calibrate_method]
+    extra = {"WeightSymmetric": True, "ActivationSymmetric": cfg.symmetric_activations,
+             "MatMulConstBOnly": cfg.matmul_const_b_only, "CalibPercentile": cfg.percentile}
+    quantize_static(str(source), str(path), reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=cfg.op_types,
+                    per_channel=cfg.per_channel, reduce_range=reduce_range,
+                    activation_type=quant_type(cfg.activation_type), weight_type=quant_type(cfg.weight_type),
+                    nodes_to_exclude=excluded, calibrate_method=method, extra_options=extra)
+
+
+def optimize_for_cpu(path: Path, out: Path) -> Path:
+    """Fuse LayerNorm/SkipLayerNorm/GELU (onnxruntime.transformers.optimizer) so those stay FP32
+    kernels and only the MatMuls between them get Q/DQ pairs."""
+    from onnxruntime.transformers import optimizer
+
+    fused = optimizer.optimize_model(str(path), model_type="bert", num_heads=0, hidden_size=0)
+    target = out / "fused.onnx"
+    fused.save_model_to_file(str(target))
+    return target
+
+
+class _RankingView:
+    """What the shared sensitivity ranking reads from a config (op types and granularity)."""
+
+    def __init__(self, cfg: OrtInt8StaticConfig):
+        self.op_types = [t for t in (cfg.op_types or ["MatMul", "Gemm"]) if t in ("MatMul", "Gemm")]
+        self.per_channel = cfg.per_channel
+        self.nodes_to_exclude = cfg.nodes_to_exclude
+        self.fallback_min_cosine = cfg.fallback_min_cosine
+        self.max_fp32_nodes = cfg.max_fp32_nodes
+        self.sensitivity_samples = cfg.sensitivity_samples
