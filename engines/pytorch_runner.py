@@ -83,6 +83,7 @@ def load_hf_model(source: str, task: str, allow_pickle: bool = False, trust_remo
     import torch
     import transformers
 
+    transformers.utils.logging.disable_progress_bar()  # keep stderr for messages a user must read
     auto = {"sentence_embedding": transformers.AutoModel, "causal_lm": transformers.AutoModelForCausalLM}[task]
     kwargs = dict(dtype=torch.float32, trust_remote_code=trust_remote_code, revision=revision)
     if gguf_file:

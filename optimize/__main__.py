@@ -6,6 +6,7 @@ input is bad (one line on stderr, nothing written), 3 an internal error (a bug: 
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import traceback
 from pathlib import Path
@@ -64,6 +65,10 @@ def main() -> None:
     entry()
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def run_job(cfg) -> int:
     from hydra.core.hydra_config import HydraConfig
 
@@ -73,6 +78,8 @@ def run_job(cfg) -> int:
     # warnings, and this tool's own progress.
     logging.getLogger().setLevel(logging.WARNING)
     logging.getLogger("optimize").setLevel(logging.INFO)
+    # SIGTERM (CI cancelling a job) unwinds like Ctrl-C, so the staging directory is removed.
+    signal.signal(signal.SIGTERM, _interrupt)
     hydra_cfg = HydraConfig.get()
     recipe = hydra_cfg.runtime.choices.get("recipe") or "custom"
     try:

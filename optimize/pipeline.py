@@ -167,12 +167,15 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
     task = tasks.get(cfg.model.task)
     with tempfile.TemporaryDirectory(prefix="optimize-") as scratch, artifact.staging(the_plan.final_dir) as stage:
         ctx = Context(cfg, Path(scratch), threads=cfg.evaluate.threads)
+        # Data first: a missing or overlapping data set fails before minutes of model loading.
+        if the_plan.needs_calibration:
+            ctx.calibration()
+        if cfg.evaluate.inputs == "data":
+            ctx.evaluation_data()
         source = ctx.source = load_source(cfg.model)
         _prepare_tokenizer(cfg, ctx, source, stage)
         if ctx.encoder is None and hasattr(task, "encoder"):  # tasks whose inputs are not text bring their own
             ctx.encoder = task.encoder(ctx)
-        if the_plan.needs_calibration:
-            ctx.calibration()
         model = _initial_model(source)
         for method, method_cfg in order(the_plan.stages):
             log.info("%s: %s", method.stage, method.name)
@@ -181,6 +184,8 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         baseline = _baseline(ctx, source, task)
         candidate = _candidate(stage, engine, ctx)
         metrics, eval_data = task.evaluate(baseline, candidate, ctx)
+        metrics["baseline"].update(engine=baseline.engine["format"], precision="fp32")
+        metrics["candidate"].update(engine=engine["format"], precision=engine["precision"])
         metrics["threads"] = _threads(ctx.threads)
         verdict = gate.judge(metrics["baseline"], metrics["candidate"], OmegaConf.to_container(cfg.gate))
         manifest = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started)

@@ -1,0 +1,89 @@
+"""The command line as a user meets it: exit codes, one-line errors, nothing half-written."""
+import json
+
+import pytest
+
+from conftest import run_optimize
+
+
+def assert_bad_input(proc, *fragments):
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+    assert "Traceback" not in proc.stderr
+
+
+def test_unknown_key_exits_2_naming_the_key(tmp_path):
+    assert_bad_input(run_optimize("gate.nonexistent=1", f"hydra.run.dir={tmp_path}"), "nonexistent")
+
+
+def test_missing_model_source_exits_2(tmp_path):
+    out = tmp_path / "out"
+    proc = run_optimize("model.source=/no/such/dir", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_bad_input(proc, "/no/such/dir", "no such file or directory")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("recipe=no_such_recipe", "recipe/no_such_recipe"),
+    ("gate.min_cosine=high", "gate.min_cosine"),
+    ("quantize.params.bogus=1", "bogus"),
+    ("evaluate.batch_sizes=[1,x]", "batch_sizes"),
+])
+def test_bad_overrides_exit_2(override, fragment, tmp_path):
+    assert_bad_input(run_optimize(override, f"hydra.run.dir={tmp_path}"), fragment)
+
+
+def test_pickled_checkpoints_are_refused_with_the_way_to_opt_in(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    (folder / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    proc = run_optimize(f"model.source={folder}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_bad_input(proc, "pickled", "model.allow_pickle=true")
+    proc = run_optimize(f"model.source={tmp_path / 'weights.pt'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_bad_input(proc, "no such file")
+    (tmp_path / "weights.pt").write_bytes(b"x")
+    proc = run_optimize(f"model.source={tmp_path / 'weights.pt'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_bad_input(proc, "pickled checkpoint")
+
+
+def test_existing_output_dir_is_not_overwritten(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    proc = run_optimize(f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_bad_input(proc, "already exists")
+    assert (out / "keep.txt").read_text() == "precious"
+
+
+def test_unreadable_calibration_source_exits_2_and_writes_nothing(tmp_path):
+    out = tmp_path / "out"
+    proc = run_optimize("calibration.source=text_file", f"calibration.path={tmp_path / 'missing.txt'}",
+                        f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert_bad_input(proc, "missing.txt")
+    assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_cfg_job_prints_the_resolved_recipe(tmp_path):
+    proc = run_optimize("--cfg", "job", "gate.min_speedup=2.0", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode == 0, proc.stderr
+    assert "min_speedup: 2.0" in proc.stdout and "method: ort_int8_dynamic" in proc.stdout
+
+
+def test_verify_command(minilm_artifact, tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    copy = tmp_path / "copy"
+    shutil.copytree(minilm_artifact, copy)
+    ok = subprocess.run([sys.executable, "-m", "optimize.verify", str(copy)], capture_output=True, text=True)
+    assert ok.returncode == 0 and "match the manifest; gate passed" in ok.stdout
+    (copy / "tokenizer" / "tokenizer.json").write_text("{}")
+    bad = subprocess.run([sys.executable, "-m", "optimize.verify", str(copy)], capture_output=True, text=True)
+    assert bad.returncode == 1 and "changed file tokenizer/tokenizer.json" in bad.stdout
+    missing = subprocess.run([sys.executable, "-m", "optimize.verify", str(tmp_path)], capture_output=True, text=True)
+    assert missing.returncode == 2 and missing.stderr.startswith("error:")

@@ -1,0 +1,124 @@
+"""End to end through `python -m optimize`, on the real MiniLM model and real held-out text."""
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+import engines
+from conftest import FAST_OVERRIDES, ROOT, run_optimize
+from engines.artifact import read_manifest, verify
+from engines.text import TextEncoder
+
+
+def test_default_recipe_end_to_end_on_a_small_evaluation_set(tmp_path):
+    out = tmp_path / "artifact"
+    # The default recipe as shipped, with small counts; the speed threshold is left to the recipe's
+    # own report (tests never assert the machine's speed), the fidelity checks stay on.
+    proc = run_optimize("evaluate.data.count=16", "calibration.count=16", "evaluate.batch_sizes=[1,4]",
+                        "evaluate.repeats=5", "evaluate.warmup=1", "gate.min_speedup=null", f"output_dir={out}",
+                        f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "gate: PASSED" in proc.stdout and f"artifact: {out}" in proc.stdout
+    for row in ("latency p50 ms, batch 1", "latency p95 ms, batch 4", "size on disk MB", "peak memory MB",
+                "cosine vs baseline (min)", "top-5 neighbour agreement"):
+        assert row in proc.stdout
+
+    manifest = read_manifest(out)
+    assert verify(out) == []
+    assert manifest["recipe"]["name"] == "minilm_int8_cpu" and manifest["verdict"] == "passed"
+    assert manifest["gate"]["passed"] and {c["name"] for c in manifest["gate"]["checks"]} == {
+        "min_cosine", "min_mean_cosine", "min_topk_agreement"}
+    base, cand = manifest["metrics"]["baseline"], manifest["metrics"]["candidate"]
+    assert base["engine"] == "pytorch" and cand["engine"] == "onnxruntime" and cand["precision"] == "int8"
+    for side in (base, cand):
+        assert set(side["latency"]) == {"1", "4"}
+        assert 0 < side["latency"]["1"]["p50_ms"] <= side["latency"]["1"]["p95_ms"] <= side["latency"]["1"]["p99_ms"]
+        assert side["peak_memory_mb"] > 0 and side["size_mb"] > 0
+    assert cand["speedup"]["1"] == base["latency"]["1"]["p50_ms"] / cand["latency"]["1"]["p50_ms"]
+    assert cand["size_mb"] < base["size_mb"]
+    calib, evaluation = manifest["calibration"], manifest["evaluation"]
+    assert calib["count"] == 16 and calib["seed"] == 0 and len(calib["sha256"]) == 64
+    assert evaluation["split"] == "evaluation" and evaluation["dropped_overlap"] == 0
+    assert manifest["stages"]["quantize"]["method"] == "ort_int8_dynamic"
+    assert isinstance(manifest["stages"]["quantize"]["fp32_nodes"], list)
+    assert manifest["environment"]["packages"]["onnxruntime"]
+    assert manifest["model"]["sha256"]["model.safetensors"]
+
+    # What was measured is what ships: the artifact's own runner and tokenizer give unit embeddings.
+    runner = engines.load(out)
+    inputs = TextEncoder(out / "tokenizer", 128)(["The capital of Italy is Rome.", "def f(x): return x"])
+    embedding = runner(inputs)["sentence_embedding"]
+    assert embedding.shape == (2, 384) and np.allclose(np.linalg.norm(embedding, axis=1), 1, atol=1e-3)
+
+
+def test_failed_gate_exits_1_and_keeps_the_artifact_marked_failed(tmp_path):
+    out = tmp_path / "artifact"
+    overrides = [o for o in FAST_OVERRIDES if not o.startswith("gate.min_cosine")]
+    proc = run_optimize(*overrides, "gate.min_cosine=0.99999", f"output_dir={out}",
+                        f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "gate: FAILED" in proc.stdout and "FAIL" in proc.stdout
+    manifest = read_manifest(out)
+    assert manifest["verdict"] == "failed" and not manifest["gate"]["passed"]
+    failed = [c for c in manifest["gate"]["checks"] if not c["passed"]]
+    assert [c["name"] for c in failed] == ["min_cosine"] and failed[0]["value"] < 0.99999
+
+
+def test_onnx_file_source_with_random_inputs(tmp_path):
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    source = tmp_path / "mlp.onnx"
+    torch.onnx.export(model, (torch.randn(2, 32),), str(source), input_names=["x"], output_names=["y"],
+                      dynamic_axes={"x": {0: "batch"}}, dynamo=False)
+    out = tmp_path / "artifact"
+    proc = run_optimize(f"model.source={source}", "model.task=generic", "evaluate.inputs=random",
+                        "evaluate.data.count=8", "evaluate.batch_sizes=[1,4]", "evaluate.repeats=5",
+                        "evaluate.memory=false", "quantize.params.fallback_min_cosine=null", "gate=none",
+                        "gate.min_cosine=0.9", "gate.max_abs_error=1.0", f"output_dir={out}",
+                        f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = read_manifest(out)
+    assert manifest["evaluation"] == {"source": "random", "count": 8, "seed": 1}
+    fidelity = manifest["metrics"]["candidate"]["fidelity"]
+    assert set(fidelity["outputs"]) == {"y"} and fidelity["cosine_min"] > 0.9
+    assert manifest["engine"]["inputs"] == [{"name": "x", "type": "tensor(float)", "shape": ["batch", 32]}]
+
+
+def test_onnx_file_source_without_inputs_asks_for_them(tmp_path, minilm_artifact):
+    proc = run_optimize(f"model.source={minilm_artifact / 'model.onnx'}", "model.task=generic", "gate=none",
+                        "gate.min_cosine=0.9", f"output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and "evaluate.inputs=random" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_onnx_file_source_evaluated_on_text_through_its_tokenizer(tmp_path, minilm_artifact):
+    out = tmp_path / "artifact"
+    proc = run_optimize(f"model.source={minilm_artifact / 'model.onnx'}", "model.task=generic",
+                        f"model.tokenizer={minilm_artifact / 'tokenizer'}", "quantize=none", "gate=none",
+                        "gate.min_cosine=0.999", "evaluate.data.count=8", "evaluate.batch_sizes=[2]",
+                        "evaluate.memory=false", "evaluate.repeats=5", f"output_dir={out}",
+                        f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    fidelity = read_manifest(out)["metrics"]["candidate"]["fidelity"]
+    # The same graph re-shipped: every output matches the original exactly.
+    assert set(fidelity["outputs"]) == {"last_hidden_state", "sentence_embedding"}
+    assert fidelity["max_abs_error"] == 0.0
+
+
+def test_sigterm_midway_leaves_no_artifact(tmp_path):
+    out = tmp_path / "artifact"
+    proc = subprocess.Popen([sys.executable, "-m", "optimize", *FAST_OVERRIDES, f"output_dir={out}",
+                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(tmp_path.glob(".artifact.partial-*/tokenizer")):
+        time.sleep(0.2)
+    assert list(tmp_path.glob(".artifact.partial-*")), "the run never started staging"
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "nothing was written" in stderr
+    assert not out.exists() and not list(tmp_path.glob(".artifact*"))
