@@ -144,6 +144,9 @@ def plan(cfg, run_dir: Path) -> Plan:
         raise RecipeError(f"evaluate.inputs={cfg.evaluate.inputs} (use data or random)")
     if not cfg.evaluate.batch_sizes or min(cfg.evaluate.batch_sizes) < 1:
         raise RecipeError("evaluate.batch_sizes must list batch sizes of at least 1")
+    if cfg.evaluate.latency and max(cfg.evaluate.batch_sizes) > cfg.evaluate.data.count:
+        raise RecipeError(f"evaluate.batch_sizes has {max(cfg.evaluate.batch_sizes)}, more than the "
+                          f"{cfg.evaluate.data.count} evaluation samples (evaluate.data.count)")
     if cfg.evaluate.overlap not in ("error", "drop"):
         raise RecipeError(f"evaluate.overlap={cfg.evaluate.overlap} (use error or drop)")
     resolve_source(cfg.model)

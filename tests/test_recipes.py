@@ -65,6 +65,7 @@ def test_overrides_reach_every_setting(tmp_path):
     (["evaluate.batch_sizes=[]"], "evaluate.batch_sizes"),
     (["model.task=speech"], "model.task=speech is not supported"),
     (["evaluate.overlap=ignore"], "evaluate.overlap=ignore"),
+    (["evaluate.data.count=8"], "more than the 8 evaluation samples"),
 ])
 def test_plan_refuses_bad_recipes(overrides, message, tmp_path):
     cfg = compose_recipe("minilm_int8_cpu", *overrides)
