@@ -78,11 +78,15 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
     count = min(cfg.calibration_count, len(ctx.calibration().items))
     reader = CalibrationReader(ctx.calibration_inputs(count), onnx_input_names(source), cfg.calibration_batch)
     reduce_range = auto_reduce_range(cfg.reduce_range)
+    # Activation ranges do not depend on which nodes are excluded: calibrate once, and let every
+    # fallback round reuse the cached ranges instead of re-running the calibration set.
+    cache = out / "calibration_ranges.json"
+    cache.unlink(missing_ok=True)
 
     def quantize(excluded: list[str]) -> Path:
         path = out / "model.onnx"
         reader.rewind()
-        _quantize_static(source, path, reader, cfg, reduce_range, cfg.nodes_to_exclude + excluded)
+        _quantize_static(source, path, reader, cfg, reduce_range, cfg.nodes_to_exclude + excluded, cache)
         return path
 
     fp32_nodes, score = [], None
@@ -100,7 +104,7 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
 
 
 def _quantize_static(source: Path, path: Path, reader, cfg: OrtInt8StaticConfig, reduce_range: bool,
-                     excluded: list[str]) -> None:
+                     excluded: list[str], cache: Path) -> None:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
 
     method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
@@ -110,7 +114,8 @@ def _quantize_static(source: Path, path: Path, reader, cfg: OrtInt8StaticConfig,
     quantize_static(str(source), str(path), reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=cfg.op_types,
                     per_channel=cfg.per_channel, reduce_range=reduce_range,
                     activation_type=quant_type(cfg.activation_type), weight_type=quant_type(cfg.weight_type),
-                    nodes_to_exclude=excluded, calibrate_method=method, extra_options=extra)
+                    nodes_to_exclude=excluded, calibrate_method=method, extra_options=extra,
+                    calibration_cache_path=str(cache))
 
 
 def optimize_for_cpu(path: Path, out: Path) -> Path:

@@ -73,6 +73,9 @@ def load_source(cfg, path: Path | None):
 
 def encode_images(items: list) -> dict[str, np.ndarray]:
     """Images [H, W] (or [C, H, W]) -> pixel_values [N, C, H, W] float32."""
+    if any(isinstance(i, str) for i in items):
+        raise RecipeError("image_classification takes images, and this data source gives text "
+                          "(use an image source such as digits)")
     batch = np.stack([np.asarray(i, dtype=np.float32) for i in items])
     return {"pixel_values": batch[:, None] if batch.ndim == 3 else batch}
 

@@ -1,0 +1,172 @@
+"""Each quantize method on a tiny ONNX model (built in-process, no export): setup, execute, assert."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from optimize import registry
+from optimize.errors import RecipeError
+from optimize.pipeline import Model
+
+onnx = pytest.importorskip("onnx")
+
+
+def _tiny_mlp(path: Path, width: int = 64, seed: int = 0) -> Path:
+    """x[N, width] -> MatMul -> Add -> Relu -> MatMul -> y[N, 16], weights seeded."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32) / 8, "w1"),
+             numpy_helper.from_array(rng.standard_normal(width).astype(np.float32) / 8, "b1"),
+             numpy_helper.from_array(rng.standard_normal((width, 16)).astype(np.float32) / 8, "w2")]
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h0"], name="fc1"),
+             helper.make_node("Add", ["h0", "b1"], ["h1"], name="bias1"),
+             helper.make_node("Relu", ["h1"], ["h2"], name="relu1"),
+             helper.make_node("MatMul", ["h2", "w2"], ["y"], name="fc2")]
+    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+class FakeContext:
+    """What the quantize methods use from the pipeline's Context: scratch, calibration inputs, records."""
+
+    def __init__(self, scratch: Path, count: int = 32, width: int = 64):
+        self.scratch, self.threads, self.records = scratch, 1, {}
+        self.items = [np.random.default_rng(i).standard_normal(width).astype(np.float32) for i in range(count)]
+
+    def calibration(self):
+        return SimpleNamespace(items=self.items)
+
+    def calibration_inputs(self, count: int) -> dict:
+        return {"x": np.stack(self.items[:count])}
+
+    def record(self, stage: str, info: dict) -> None:
+        self.records[stage] = info
+
+
+@pytest.fixture()
+def mlp(tmp_path):
+    (tmp_path / "src").mkdir()
+    return Model("torch", "generic").with_onnx(_tiny_mlp(tmp_path / "src" / "model.onnx"))
+
+
+def _run(method: str, model, ctx, **params):
+    m = registry.get("quantize", method)
+    return m.fn(model, registry.build_config(m, params), ctx)
+
+
+def _outputs(path: Path, x: np.ndarray) -> np.ndarray:
+    from engines.onnxruntime_runner import OrtRunner
+
+    return OrtRunner(path, threads=1)({"x": x})["y"]
+
+
+def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    from optimize.tasks import cosine_rows
+
+    return float(cosine_rows(a, b).min())
+
+
+def _ops(path: Path) -> set[str]:
+    return {n.op_type for n in onnx.load(str(path)).graph.node}
+
+
+X_TEST = np.random.default_rng(99).standard_normal((16, 64)).astype(np.float32)
+
+
+@pytest.mark.parametrize("calibrate_method", ["minmax", "entropy", "percentile"])
+def test_static_qdq_calibrates_and_stays_close(mlp, tmp_path, calibrate_method):
+    ctx = FakeContext(tmp_path)
+    out = _run("ort_int8_static_qdq", mlp, ctx, calibrate_method=calibrate_method, calibration_count=16)
+    assert out.precision == "int8" and {"QuantizeLinear", "DequantizeLinear"} <= _ops(out.onnx_path)
+    assert _min_cosine(_outputs(mlp.onnx_path, X_TEST), _outputs(out.onnx_path, X_TEST)) > 0.98
+    record = ctx.records["quantize"]
+    assert record["calibrate_method"] == calibrate_method and record["calibration_items"] == 16
+    assert record["activations"] == "uint8 static"
+
+
+def test_static_qdq_s8s8_and_excluded_node(mlp, tmp_path):
+    ctx = FakeContext(tmp_path)
+    out = _run("ort_int8_static_qdq", mlp, ctx, activation_type="int8", nodes_to_exclude=["fc2"],
+               reduce_range=False)
+    graph = onnx.load(str(out.onnx_path)).graph
+    fc2 = next(n for n in graph.node if n.name == "fc2")
+    assert "w2" in fc2.input  # excluded: still multiplies the FP32 weight
+    assert ctx.records["quantize"]["reduce_range"] is False
+
+
+def test_static_qdq_sensitivity_fallback_keeps_nodes_fp32(mlp, tmp_path):
+    ctx = FakeContext(tmp_path)
+    _run("ort_int8_static_qdq", mlp, ctx, fallback_min_cosine=1.0, max_fp32_nodes=1, sensitivity_samples=8)
+    assert len(ctx.records["quantize"]["fp32_nodes"]) == 1  # unreachable target: stops at max_fp32_nodes
+
+
+def test_static_qdq_rejects_bad_params():
+    method = registry.get("quantize", "ort_int8_static_qdq")
+    for params in ({"calibrate_method": "mse"}, {"activation_type": "int4"}, {"optimize_graph": "gpt2"},
+                   {"percentile": 10.0}, {"calibration_count": 0}):
+        with pytest.raises(RecipeError):
+            registry.build_config(method, params)
+
+
+def test_dynamic_int8_still_works(mlp, tmp_path):
+    ctx = FakeContext(tmp_path)
+    out = _run("ort_int8_dynamic", mlp, ctx, fallback_min_cosine=None)
+    assert _min_cosine(_outputs(mlp.onnx_path, X_TEST), _outputs(out.onnx_path, X_TEST)) > 0.98
+
+
+def test_fp16_on_cpu_converts_weights(mlp, tmp_path):
+    ctx = FakeContext(tmp_path)
+    out = _run("ort_fp16", mlp, ctx, execution_provider="CPUExecutionProvider")
+    model = onnx.load(str(out.onnx_path))
+    assert {i.data_type for i in model.graph.initializer} == {onnx.TensorProto.FLOAT16}
+    assert model.graph.input[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # keep_io_types
+    assert out.precision == "fp16" and out.engine["providers"] == ["CPUExecutionProvider"]
+    assert _min_cosine(_outputs(mlp.onnx_path, X_TEST), _outputs(out.onnx_path, X_TEST)) > 0.999
+
+
+def test_fp16_for_a_missing_gpu_provider_is_one_clear_error():
+    from optimize.quantize import missing_for
+
+    if not missing_for("TensorrtExecutionProvider"):
+        pytest.skip("this machine has a GPU with TensorRT")
+    with pytest.raises(RecipeError, match="lacks .*TensorRT"):
+        registry.build_config(registry.get("quantize", "ort_fp16"), {"execution_provider": "TensorrtExecutionProvider"})
+
+
+@pytest.mark.parametrize("params", [{"algorithm": "rtn", "symmetric": True}, {"algorithm": "rtn", "symmetric": False},
+                                    {"algorithm": "hqq"}, {"algorithm": "gptq", "calibration_count": 8}])
+def test_int4_weight_only_packs_matmuls(mlp, tmp_path, params):
+    ctx = FakeContext(tmp_path)
+    out = _run("ort_int4_weight_only", mlp, ctx, block_size=32, **params)
+    assert "MatMulNBits" in _ops(out.onnx_path) and "MatMul" not in _ops(out.onnx_path)
+    assert out.precision == "int4" and ctx.records["quantize"]["matmulnbits_nodes"] == 2
+    assert _min_cosine(_outputs(mlp.onnx_path, X_TEST), _outputs(out.onnx_path, X_TEST)) > 0.97
+    assert out.onnx_path.stat().st_size < mlp.onnx_path.stat().st_size / 3
+
+
+def test_int4_excluded_node_stays_matmul(mlp, tmp_path):
+    out = _run("ort_int4_weight_only", mlp, FakeContext(tmp_path), nodes_to_exclude=["fc2"])
+    assert {"MatMulNBits", "MatMul"} <= _ops(out.onnx_path)
+
+
+def test_int4_rejects_bad_params():
+    method = registry.get("quantize", "ort_int4_weight_only")
+    for params in ({"block_size": 24}, {"block_size": 8}, {"algorithm": "awq"}, {"algorithm": "hqq", "symmetric": True}):
+        with pytest.raises(RecipeError):
+            registry.build_config(method, params)
+
+
+def test_methods_need_an_onnx_model(tmp_path):
+    torch_model = Model("torch", "generic", module=object())
+    for method in ("ort_int8_static_qdq", "ort_int4_weight_only", "ort_fp16"):
+        params = {"execution_provider": "CPUExecutionProvider"} if method == "ort_fp16" else {}
+        with pytest.raises(RecipeError, match="needs an ONNX model"):
+            _run(method, torch_model, FakeContext(tmp_path), **params)
