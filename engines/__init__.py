@@ -38,4 +38,12 @@ def load_engine(root: Path, engine: dict, threads: int = 0) -> Runner:
         from engines.pytorch_runner import load_pytorch_runner
 
         return load_pytorch_runner(root, engine, threads=threads)
+    if fmt == "onnxruntime-genai":
+        from engines.genai_runner import load_genai_runner
+
+        return load_genai_runner(root, engine, threads=threads)
+    if fmt == "modelopt-torch":  # simulated quantization: evaluated by the pipeline, not served
+        from optimize.modelopt_methods import load_modelopt_runner
+
+        return load_modelopt_runner(root, engine, threads=threads)
     raise ArtifactError(f"unknown engine format {fmt!r} in {root}")

@@ -54,6 +54,7 @@ class EvaluateConfig:
     memory: bool = True  # peak memory of each runner, measured in a fresh subprocess
     latency: bool = True
     overlap: str = "error"  # calibration/evaluation overlap: error | drop
+    task_params: Dict[str, Any] = field(default_factory=dict)  # options of the task's own evaluation
 
 
 @dataclass
@@ -72,6 +73,9 @@ class GateConfig:
     max_peak_memory_mb: Optional[float] = None
     max_accuracy_drop: Optional[float] = None  # classifiers: top-1 accuracy drop vs baseline, in points
     min_accuracy: Optional[float] = None  # classifiers: candidate top-1 accuracy (0..1)
+    max_ppl_increase_pct: Optional[float] = None  # causal LMs: held-out perplexity increase, percent
+    min_decode_speedup: Optional[float] = None  # causal LMs: decode tokens/s (p50) over PyTorch FP32 greedy
+    max_lm_eval_drop: Optional[float] = None  # causal LMs: largest lm-eval accuracy drop, in points
 
 
 @dataclass

@@ -50,6 +50,12 @@ CHECKS = (
     CheckSpec("max_accuracy_drop", "top-1 accuracy drop (points)", lambda b, c, t: _dig(c, "accuracy_drop_points"),
               operator.le, "<="),
     CheckSpec("min_accuracy", "top-1 accuracy", lambda b, c, t: _dig(c, "top1_accuracy"), operator.ge, ">="),
+    CheckSpec("max_ppl_increase_pct", "held-out perplexity increase (%)",
+              lambda b, c, t: _dig(c, "perplexity_increase_pct"), operator.le, "<="),
+    CheckSpec("min_decode_speedup", "decode tok/s p50 vs PyTorch FP32 greedy",
+              lambda b, c, t: _dig(c, "decode_speedup"), operator.ge, ">="),
+    CheckSpec("max_lm_eval_drop", "lm-eval accuracy drop (points, worst task)",
+              lambda b, c, t: _dig(c, "lm_eval_drop_pts"), operator.le, "<="),
 )
 
 

@@ -34,6 +34,7 @@ def metrics_rows(metrics: dict) -> list[list[str]]:
                          f"{b[pct] / stats[pct]:.2f}x" if pct == "p50_ms" else ""])
         rows.append([f"throughput/s, batch {batch}", _fmt(b["throughput_per_s"], 1),
                      _fmt(stats["throughput_per_s"], 1), ""])
+    rows += [[str(cell) for cell in row] for row in metrics.get("table", [])]  # rows a task adds
     rows.append(["size on disk MB", _fmt(base["size_mb"], 1), _fmt(cand["size_mb"], 1),
                  f"{cand['size_mb'] / base['size_mb']:.2f}x"])
     if "peak_memory_mb" in cand:

@@ -1,0 +1,152 @@
+"""ONNX Runtime GenAI runner for causal LMs: prompt in, tokens out, one token at a time.
+
+A causal-LM artifact's engine block reads {"format": "onnxruntime-genai", "dir": SUBDIR, "task":
+"causal_lm", ...}; SUBDIR holds genai_config.json, the ONNX decoder with its KV cache, and the
+tokenizer files the GenAI builder writes. Torch-free: serve/ uses this directly.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+# Used when the model folder carries no chat template: plain role-tagged turns.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+@dataclass
+class Sampling:
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+def genai_dir(root: Path, engine: dict) -> Path:
+    return root / engine.get("dir", ".")
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log softmax in float64 (float32 loses digits in perplexity over long texts)."""
+    x = logits.astype(np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def token_logprobs(logits: np.ndarray, ids) -> np.ndarray:
+    """log p(ids[i] | ids[:i]) for i >= 1, read from logits[i-1] (logits shaped [T, vocab])."""
+    ids = np.asarray(ids, dtype=np.int64)
+    logp = log_softmax(logits[: len(ids) - 1])
+    return logp[np.arange(len(ids) - 1), ids[1:]]
+
+
+class GenAIRunner:
+    # The Runner contract: {"input_ids": [B, T]} -> {"logits": [B, T, vocab]} (see __call__).
+    input_names = ["input_ids"]
+    output_names = ["logits"]
+
+    def __init__(self, model_dir: str | Path, threads: int = 0, providers: list[str] | None = None):
+        try:
+            import onnxruntime_genai as og
+        except ImportError:
+            raise RuntimeError("causal-LM artifacts need onnxruntime-genai: pip install onnxruntime-genai") from None
+        self.og = og
+        self.dir = Path(model_dir)
+        settings = json.loads((self.dir / "genai_config.json").read_text())["model"]
+        self.context_length = int(settings.get("context_length") or 2048)
+        self.vocab_size = int(settings.get("vocab_size") or 0)
+        config = og.Config(str(self.dir))
+        if threads:  # the decoder's intra-op threads, like OrtRunner's
+            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        self.model = og.Model(config)
+        self.tokenizer = og.Tokenizer(self.model)
+        self.eos_token_ids = set(int(t) for t in self.tokenizer.eos_token_ids)
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text)]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The model's own chat template when it has one, a plain role-tagged one otherwise."""
+        payload = json.dumps(messages)
+        try:
+            return self.tokenizer.apply_chat_template(payload, add_generation_prompt=True)
+        except Exception:  # no template in the folder (GenAI raises a generic error)
+            return self.tokenizer.apply_chat_template(payload, template_str=FALLBACK_CHAT_TEMPLATE,
+                                                      add_generation_prompt=True)
+
+    def generate(self, prompt_ids: list[int], sampling: Sampling,
+                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, str]]:
+        """Yield (token id, text piece) until EOS, max_new_tokens, the context end, or cancellation."""
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(**self.search_options(len(prompt_ids), sampling))
+        generator = self.og.Generator(self.model, params)
+        generator.append_tokens(prompt_ids)
+        stream = self.tokenizer.create_stream()
+        produced = 0
+        while produced < sampling.max_new_tokens and not generator.is_done() and not cancelled():
+            generator.generate_next_token()
+            token = int(generator.get_next_tokens()[0])
+            produced += 1
+            if token in self.eos_token_ids:
+                return
+            yield token, stream.decode(token)
+
+    def search_options(self, prompt_length: int, sampling: Sampling) -> dict:
+        options = {"max_length": min(self.context_length, prompt_length + sampling.max_new_tokens),
+                   "do_sample": sampling.temperature > 0}
+        if sampling.temperature > 0:
+            # OpenAI semantics: temperature and top_p only, so top-k must not cut anything.
+            options.update(temperature=sampling.temperature, top_p=sampling.top_p,
+                           top_k=self.vocab_size or 1 << 20)
+            if sampling.seed is not None:
+                options["random_seed"] = sampling.seed
+        return options
+
+    # Scoring and timing, used by the pipeline's causal-LM evaluation (optimize/llm.py).
+
+    def _generator(self, max_length: int, min_length: int = 0):
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(do_sample=False, max_length=min(max_length, self.context_length),
+                                  min_length=min_length)
+        return self.og.Generator(self.model, params)
+
+    def logits(self, ids) -> np.ndarray:
+        """Logits at every position of one sequence, in one forward pass: [T, vocab]."""
+        ids = np.asarray(ids, dtype=np.int32)
+        generator = self._generator(len(ids) + 1)
+        generator.append_tokens(ids)
+        return np.asarray(generator.get_output("logits"))[0, : len(ids)]
+
+    def log_likelihood(self, ids, start: int = 1) -> np.ndarray:
+        """log p(token i | the tokens before it) for each i >= start (start >= 1)."""
+        return token_logprobs(self.logits(ids), ids)[start - 1:]
+
+    def __call__(self, inputs: dict) -> dict:
+        return {"logits": np.stack([self.logits(row) for row in inputs["input_ids"]]).astype(np.float32)}
+
+    def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
+        """Greedy decoding of exactly `new_tokens` tokens (EOS may not end it early): perf_counter()
+        after each token. The prefill runs inside this call, so [0] minus the caller's start is the time to first token."""
+        prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
+        generator = self._generator(len(prompt_ids) + new_tokens, min_length=len(prompt_ids) + new_tokens)
+        generator.append_tokens(prompt_ids)
+        stamps = []
+        for _ in range(new_tokens):
+            generator.generate_next_token()
+            stamps.append(time.perf_counter())
+        return stamps
+
+
+def load_genai_runner(root: Path, engine: dict, threads: int = 0) -> GenAIRunner:
+    """Runner from an engine block: {'format': 'onnxruntime-genai', 'dir': SUBDIR, ...}."""
+    return GenAIRunner(genai_dir(Path(root), engine), threads=threads, providers=engine.get("providers"))

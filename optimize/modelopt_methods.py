@@ -1,0 +1,228 @@
+"""NVIDIA Model Optimizer (nvidia-modelopt) on the PyTorch side: FP8, INT8 SmoothQuant, INT4 AWQ, W4A8 AWQ,
+NVFP4.
+
+On CPU these run as simulated (fake) quantization: weights and activations are rounded to the target
+format and computed in FP32, which measures accuracy, not speed. The `modelopt_checkpoint` engine
+saves the quantized model (modelopt state + weights) so the artifact reloads to exactly what was
+measured, and tries modelopt's Hugging Face export, the checkpoint TensorRT-LLM / vLLM load.
+NVFP4 and device=cuda need CUDA; without it the recipe is refused (exit 2) before weights load.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from optimize.errors import RecipeError
+from optimize.registry import register
+
+log = logging.getLogger(__name__)
+ENGINE_DIR = "modelopt"
+# method name -> (modelopt config name, needs CUDA)
+FORMATS = {
+    "modelopt_fp8": ("FP8_DEFAULT_CFG", False),
+    "modelopt_int8_smoothquant": ("INT8_SMOOTHQUANT_CFG", False),
+    "modelopt_int4_awq": ("INT4_AWQ_CFG", False),
+    "modelopt_w4a8_awq": ("W4A8_AWQ_BETA_CFG", False),
+    "modelopt_nvfp4": ("NVFP4_DEFAULT_CFG", True),
+}
+
+
+def cuda_missing() -> str | None:
+    """What is missing for a CUDA run, in words; None when CUDA is usable."""
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        build = "a CPU-only torch build" if torch.version.cuda is None else "no visible CUDA device"
+        return f"CUDA is not available ({build})"
+    return None
+
+
+@dataclass
+class ModeloptConfig:
+    """Example recipe:
+
+        quantize:
+          method: modelopt_fp8
+          params: {calibration_samples: 32, max_tokens: 256, device: cpu}
+    """
+
+    calibration_samples: int = 32  # calibration texts run through the model to collect ranges
+    max_tokens: int = 256  # tokens per calibration text
+    device: str = "cpu"  # cpu (simulated quantization) | cuda
+
+    def validate(self):
+        if self.device not in ("cpu", "cuda"):
+            raise RecipeError(f"quantize.params.device={self.device} (use cpu or cuda)")
+        if self.calibration_samples < 1 or self.max_tokens < 2:
+            raise RecipeError("quantize.params.calibration_samples must be >= 1 and max_tokens >= 2")
+        if self.device == "cuda" and cuda_missing():
+            raise RecipeError(f"quantize.params.device=cuda needs CUDA: {cuda_missing()}")
+
+
+@dataclass
+class NvFp4Config(ModeloptConfig):
+    device: str = "cuda"
+
+    def validate(self):
+        missing = cuda_missing()
+        if missing:  # modelopt's NVFP4 kernels and calibration need a GPU
+            raise RecipeError(f"quantize.method=modelopt_nvfp4 needs CUDA: {missing}")
+        super().validate()
+
+
+def _register(name: str, cfg_name: str, needs_cuda: bool):
+    config_cls = NvFp4Config if needs_cuda else ModeloptConfig
+
+    @register("quantize", name, config_cls, needs_calibration=True, input_format="torch", tasks=("causal_lm",))
+    def method(model, cfg, ctx):
+        return quantize(model, cfg, ctx, name, cfg_name)
+
+    method.__doc__ = f"nvidia-modelopt {cfg_name} (simulated quantization on CPU)"
+    return method
+
+
+def _import_modelopt():
+    try:
+        import modelopt.torch.quantization as mtq
+    except ImportError as exc:
+        raise RecipeError(f"modelopt methods need nvidia-modelopt ({exc}): "
+                          'pip install nvidia-modelopt "torch==2.13.0"') from None
+    return mtq
+
+
+def quantize(model, cfg: ModeloptConfig, ctx, name: str, cfg_name: str):
+    """Calibrate and insert quantizers into a copy of the module (the baseline keeps the original)."""
+    if model.kind != "torch":
+        raise RecipeError(f"quantize.method={name} needs the PyTorch model (it runs before the engine)")
+    mtq = _import_modelopt()
+    import torch
+
+    module = copy.deepcopy(model.module).to(cfg.device)
+    batches = _calibration_batches(ctx, cfg)
+
+    def forward_loop(m):
+        with torch.no_grad():
+            for ids in batches:
+                m(input_ids=ids.to(cfg.device), use_cache=False)
+
+    log.info("%s: calibrating on %d texts", name, len(batches))
+    module = mtq.quantize(module, copy.deepcopy(getattr(mtq, cfg_name)), forward_loop)
+    ctx.record("quantize", {"method": name, "modelopt_config": cfg_name, "device": cfg.device,
+                            "simulated": cfg.device == "cpu", "calibration_samples": len(batches),
+                            "layer_precision": layer_precision(module)})
+    precision = name.removeprefix("modelopt_")
+    return dataclasses.replace(model, module=module.to("cpu").eval(), precision=precision)
+
+
+def _calibration_batches(ctx, cfg: ModeloptConfig) -> list:
+    import torch
+
+    from optimize.llm import Tokens
+
+    tokens = Tokens(ctx)
+    texts = ctx.calibration().items[: cfg.calibration_samples]
+    return [torch.tensor([tokens(t)[: cfg.max_tokens]]) for t in texts if len(tokens(t)) > 1]
+
+
+def layer_precision(module) -> dict:
+    """Linear layers whose weight quantizer is on (quantized) or off (kept in the source precision)."""
+    on, off = [], []
+    for name, sub in module.named_modules():
+        quantizer = getattr(sub, "weight_quantizer", None)
+        if quantizer is not None:
+            (on if quantizer.is_enabled else off).append(name)
+    return {"quantized": {"count": len(on), "nodes": _kinds(on)}, "kept_fp32": {"count": len(off), "nodes": _kinds(off)}}
+
+
+def _kinds(names: list[str]) -> list[str]:
+    import re
+
+    return sorted(dict.fromkeys(re.sub(r"layers\.\d+", "layers.*", n) for n in names))
+
+
+for _name, (_cfg_name, _cuda) in FORMATS.items():
+    _register(_name, _cfg_name, _cuda)
+
+
+# ---------------------------------------------------------------- engine: the quantized checkpoint
+
+@dataclass
+class CheckpointConfig:
+    """Example recipe:
+
+        engine:
+          method: modelopt_checkpoint
+          params: {export_hf: true}
+    """
+
+    export_hf: bool = True  # also try modelopt's Hugging Face export (TensorRT-LLM / vLLM checkpoint)
+    tensorrt: bool = False  # require TensorRT (GPU recipes): refused when it is not installed
+
+    def validate(self):
+        if self.tensorrt:
+            missing = cuda_missing()
+            if missing is None:
+                try:
+                    import tensorrt  # noqa: F401
+                except ImportError:
+                    missing = "the tensorrt package is not installed"
+            if missing:
+                raise RecipeError(f"engine.params.tensorrt=true needs CUDA and TensorRT: {missing}")
+
+
+@register("engine", "modelopt_checkpoint", CheckpointConfig, input_format="torch", tasks=("causal_lm",))
+def modelopt_checkpoint(model, cfg: CheckpointConfig, ctx):
+    """Save the modelopt-quantized module (state + weights) so the artifact reloads to what was measured."""
+    if model.kind != "torch" or not _is_quantized(model.module):
+        raise RecipeError("engine.method=modelopt_checkpoint needs a modelopt quantize method before it")
+    import modelopt.torch.opt as mto
+
+    out = ctx.scratch / "modelopt_engine"
+    folder = out / ENGINE_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    model.module.config.to_json_file(str(folder / "config.json"))
+    mto.save(model.module, str(folder / "modelopt.pth"))
+    export = _export_hf(model.module, folder / "hf_export") if cfg.export_hf else "not requested"
+    ctx.record("engine", {"method": "modelopt_checkpoint", "hf_export": export})
+    engine = {"format": "modelopt-torch", "dir": ENGINE_DIR, "simulated": True}
+    return model.with_engine(out, engine, precision=model.precision)
+
+
+def _is_quantized(module) -> bool:
+    return any(hasattr(m, "weight_quantizer") for m in module.modules())
+
+
+def _export_hf(module, folder: Path) -> str:
+    """modelopt's deployable checkpoint; on CPU some formats cannot pack, which is recorded, not fatal."""
+    try:
+        from modelopt.torch.export import export_hf_checkpoint
+
+        export_hf_checkpoint(copy.deepcopy(module), export_dir=str(folder))
+        return "written"
+    except Exception as exc:  # modelopt raises many types for unsupported format/device pairs
+        import shutil
+
+        shutil.rmtree(folder, ignore_errors=True)
+        return f"failed on this machine: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+
+
+def load_modelopt_runner(root: Path, engine: dict, threads: int = 0):
+    """The saved fake-quantized model as a causal-LM runner (PyTorch, simulated numerics).
+
+    The .pth file is a torch pickle written by this pipeline and listed with its sha256 in the manifest."""
+    import modelopt.torch.opt as mto
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from optimize.llm import TorchLM
+
+    folder = Path(root) / engine.get("dir", ENGINE_DIR)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)), dtype=torch.float32)
+    mto.restore(model, str(folder / "modelopt.pth"))
+    return TorchLM(model.eval(), threads)
+

