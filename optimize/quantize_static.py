@@ -44,6 +44,9 @@ class OrtInt8StaticConfig:
     symmetric_activations: bool = False
     op_types: Optional[List[str]] = None  # null: every op type ONNX Runtime can quantize
     nodes_to_exclude: List[str] = field(default_factory=list)
+    # Keep in FP32 the nodes fed by these op types, e.g. [BiasGelu, Gelu, FastGelu]: GELU outputs are
+    # heavy-tailed in transformers, and one static per-tensor scale loses either the tail or the bulk.
+    exclude_consumers_of: List[str] = field(default_factory=list)
     matmul_const_b_only: bool = True  # quantize MatMuls with a constant weight only (not Q@K^T, attn@V)
     optimize_graph: str = "none"  # none | bert (onnxruntime.transformers.optimizer fusions first)
     calibration_count: int = 64  # calibration items used (at most calibration.count)
@@ -78,20 +81,21 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
     count = min(cfg.calibration_count, len(ctx.calibration().items))
     reader = CalibrationReader(ctx.calibration_inputs(count), onnx_input_names(source), cfg.calibration_batch)
     reduce_range = auto_reduce_range(cfg.reduce_range)
+    excluded = cfg.nodes_to_exclude + consumers_of(source, cfg.exclude_consumers_of)
     # Activation ranges do not depend on which nodes are excluded: calibrate once, and let every
     # fallback round reuse the cached ranges instead of re-running the calibration set.
     cache = out / "calibration_ranges.json"
     cache.unlink(missing_ok=True)
 
-    def quantize(excluded: list[str]) -> Path:
+    def quantize(fallback: list[str]) -> Path:
         path = out / "model.onnx"
         reader.rewind()
-        _quantize_static(source, path, reader, cfg, reduce_range, cfg.nodes_to_exclude + excluded, cache)
+        _quantize_static(source, path, reader, cfg, reduce_range, excluded + fallback, cache)
         return path
 
     fp32_nodes, score = [], None
     if cfg.fallback_min_cosine is not None:
-        fp32_nodes, score = sensitivity_fallback(model.with_onnx(source), _RankingView(cfg), ctx, quantize,
+        fp32_nodes, score = sensitivity_fallback(model.with_onnx(source), _RankingView(cfg, excluded), ctx, quantize,
                                                  reduce_range)
     path = quantize(fp32_nodes)
     ctx.record("quantize", {"method": "ort_int8_static_qdq", "format": "QDQ", "weights": cfg.weight_type,
@@ -99,7 +103,7 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
                             "percentile": cfg.percentile if cfg.calibrate_method == "percentile" else None,
                             "per_channel": cfg.per_channel, "reduce_range": reduce_range,
                             "optimize_graph": cfg.optimize_graph, "calibration_items": count,
-                            "fp32_nodes": fp32_nodes, "calibration_min_cosine": score})
+                            "excluded_nodes": excluded, "fp32_nodes": fp32_nodes, "calibration_min_cosine": score})
     return model.with_onnx(path, precision="int8")
 
 
@@ -118,6 +122,17 @@ def _quantize_static(source: Path, path: Path, reader, cfg: OrtInt8StaticConfig,
                     calibration_cache_path=str(cache))
 
 
+def consumers_of(path: Path, op_types: list[str]) -> list[str]:
+    """Names of the nodes that take an output of a node of one of `op_types` as input."""
+    if not op_types:
+        return []
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    produced = {o for n in graph.node if n.op_type in op_types for o in n.output}
+    return [n.name for n in graph.node if produced & set(n.input)]
+
+
 def optimize_for_cpu(path: Path, out: Path) -> Path:
     """Fuse LayerNorm/SkipLayerNorm/GELU (onnxruntime.transformers.optimizer) so those stay FP32
     kernels and only the MatMuls between them get Q/DQ pairs."""
@@ -132,10 +147,10 @@ def optimize_for_cpu(path: Path, out: Path) -> Path:
 class _RankingView:
     """What the shared sensitivity ranking reads from a config (op types and granularity)."""
 
-    def __init__(self, cfg: OrtInt8StaticConfig):
+    def __init__(self, cfg: OrtInt8StaticConfig, excluded: list[str]):
         self.op_types = [t for t in (cfg.op_types or ["MatMul", "Gemm"]) if t in ("MatMul", "Gemm")]
         self.per_channel = cfg.per_channel
-        self.nodes_to_exclude = cfg.nodes_to_exclude
+        self.nodes_to_exclude = excluded  # already FP32: not ranked again
         self.fallback_min_cosine = cfg.fallback_min_cosine
         self.max_fp32_nodes = cfg.max_fp32_nodes
         self.sensitivity_samples = cfg.sensitivity_samples

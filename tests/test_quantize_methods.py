@@ -170,3 +170,11 @@ def test_methods_need_an_onnx_model(tmp_path):
         params = {"execution_provider": "CPUExecutionProvider"} if method == "ort_fp16" else {}
         with pytest.raises(RecipeError, match="needs an ONNX model"):
             _run(method, torch_model, FakeContext(tmp_path), **params)
+
+
+def test_static_qdq_keeps_consumers_of_an_op_type_in_fp32(mlp, tmp_path):
+    ctx = FakeContext(tmp_path)
+    out = _run("ort_int8_static_qdq", mlp, ctx, exclude_consumers_of=["Relu"])
+    assert ctx.records["quantize"]["excluded_nodes"] == ["fc2"]
+    fc2 = next(n for n in onnx.load(str(out.onnx_path)).graph.node if n.name == "fc2")
+    assert "w2" in fc2.input
