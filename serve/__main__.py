@@ -1,0 +1,171 @@
+"""Command line: verify the artifact, then serve it until SIGTERM (drained) or SIGINT.
+
+Exit codes: 0 after a clean (drained) shutdown, 1 if the model failed to load, 2 for bad input
+(missing or tampered artifact, failed gate without the override, bad flags), always with one line
+`error: ...` on stderr.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from serve.config import API_KEY_ENV
+
+
+class OneLineParser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def number(kind, low, inclusive: bool):
+    """An argparse type: a number of `kind` above `low` (or at least `low`)."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low}, got {text}")
+        return value
+    return parse
+
+
+def positive(kind):
+    return number(kind, 0, inclusive=False)
+
+
+def non_negative(kind):
+    return number(kind, 0, inclusive=True)
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="python -m serve", description="Serve a gated artifact over HTTP "
+                      "(KServe v2 / Triton, OpenAI-compatible, Prometheus metrics).")
+    p.add_argument("artifact", help="artifact directory (holds manifest.json)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=non_negative(int), default=8000, help="0 picks a free port")
+    p.add_argument("--model-name", help="name clients use (default: the recipe's name)")
+    p.add_argument("--max-batch-size", type=positive(int), help="rows per model call (default 32 or the recipe's)")
+    p.add_argument("--max-queue-delay-ms", type=non_negative(float),
+                   help="longest a batch waits to fill (default 5 or the recipe's)")
+    p.add_argument("--max-queue", type=positive(int), help="queued requests before 429 (default 256)")
+    p.add_argument("--timeout-s", type=positive(float), help="per-request timeout, queueing included (default 30)")
+    p.add_argument("--max-request-bytes", type=positive(int), help="body size limit, 413 past it (default 4 MiB)")
+    p.add_argument("--max-inputs", type=positive(int), help="texts per embeddings request (default 2048)")
+    p.add_argument("--max-prompt-tokens", type=positive(int), help="causal LMs: prompt limit (default: context - 1)")
+    p.add_argument("--max-tokens", type=positive(int), help="causal LMs: cap on max_tokens (default 512)")
+    p.add_argument("--threads", type=non_negative(int), help="ONNX Runtime threads (default: the CPUs this process may use)")
+    p.add_argument("--ort-spinning", action="store_true",
+                   help="let idle ONNX Runtime threads spin (faster on a dedicated machine, slower on a shared one)")
+    p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
+    p.add_argument("--open-health-metrics", action="store_true",
+                   help="with an API key, leave /v2/health/* and /metrics open (for probes and scrapers)")
+    p.add_argument("--allow-modified", action="store_true",
+                   help="serve even if files differ from the manifest's sha256 (not recommended)")
+    p.add_argument("--allow-failed-gate", action="store_true", help="serve an artifact whose gate failed")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def check_artifact(root: Path, allow_modified: bool, allow_failed_gate: bool) -> dict:
+    """Verify every file against the manifest before anything is loaded."""
+    from engines.artifact import ArtifactError, read_manifest, verify
+
+    if not root.is_dir():
+        fail(f"{root} is not a directory")
+    try:
+        manifest = read_manifest(root)
+        problems = verify(root)
+    except ArtifactError as exc:
+        fail(str(exc))
+    except (KeyError, TypeError, OSError) as exc:
+        fail(f"{root}: unreadable manifest or files ({type(exc).__name__}: {exc})")
+    if problems and not allow_modified:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        fail(f"{root} does not match its manifest: {problems[0]}{more}; refusing to serve (--allow-modified overrides)")
+    gate = manifest.get("gate") or {}
+    if not gate.get("passed") and not allow_failed_gate:
+        failed = [c.get("name") for c in gate.get("checks", []) if not c.get("passed")]
+        fail(f"{root}: the gate did not pass (failed checks: {', '.join(map(str, failed)) or 'none recorded'}); "
+             f"refusing to serve (--allow-failed-gate overrides)")
+    for problem in problems:
+        logging.getLogger("serve").warning("serving a modified artifact: %s", problem)
+    return manifest
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root = Path(args.artifact)
+    manifest = check_artifact(root, args.allow_modified, args.allow_failed_gate)
+
+    from serve.app import create_app
+    from serve.config import resolve
+
+    config = resolve(vars(args), manifest)
+    app = create_app(root, config, manifest)
+    return run_server(app, args.host, args.port, config, args.log_level)
+
+
+def run_server(app, host: str, port: int, config, log_level: str) -> int:
+    import uvicorn
+
+    state = app.state.serve
+    exit_code = [0]
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                           timeout_graceful_shutdown=int(config.timeout_s) + 5,
+                                           timeout_keep_alive=5, lifespan="on"), state)
+
+    def fatal(message: str) -> None:
+        exit_code[0] = 1
+        server.should_exit = True
+
+    state.on_fatal = fatal
+    server.run()
+    return exit_code[0]
+
+
+def draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, but a SIGTERM marks the app as draining and the exit code stays 0."""
+
+        def __init__(self, config, state):
+            super().__init__(config)
+            self.serve_state = state
+
+        def handle_exit(self, sig, frame):
+            self.serve_state.draining = True  # /v2/health/ready answers 503 from now on
+            super().handle_exit(sig, frame)
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            # uvicorn re-raises the signal after shutting down, which turns a clean drain into a
+            # death by SIGTERM (exit 143); keep its handlers, drop the re-raise.
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return DrainingServer
+
+
+def DrainingServer(config, state):  # noqa: N802 (a factory: uvicorn is imported only when serving)
+    return draining_server_class()(config, state)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

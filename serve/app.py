@@ -1,0 +1,264 @@
+"""The ASGI app: state, the gatekeeping middleware, health, metrics, and route wiring.
+
+HTTP stack: Starlette on uvicorn. Starlette is small enough to read (pure Python, one dependency,
+anyio), has real streaming responses for server-sent events and a lifespan hook for loading and
+draining; uvicorn stops accepting connections on SIGTERM and waits for the requests in flight,
+which is the drain the runtime needs. Together with prometheus_client they add about 5 MB.
+FastAPI would add pydantic and generate a schema from types; the protocols here are fixed by
+KServe and OpenAI, so the parsers are written out (serve/protocol.py) and the OpenAPI document
+is written by hand (serve/openapi.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Match, Route
+
+from serve.config import ServeConfig
+from serve.errors import HTTPError, too_large, unavailable
+
+log = logging.getLogger("serve")
+OPEN_PATHS = ("/v2/health/", "/metrics")  # open without a key only when the operator says so
+
+
+class ServeState:
+    """Everything the routes share: the manifest, settings, metrics, and the model once loaded."""
+
+    def __init__(self, root: Path, manifest: dict, config: ServeConfig, load_model: Callable):
+        from serve.metrics import Metrics
+
+        self.root, self.manifest, self.config = root, manifest, config
+        self.engine = manifest.get("engine") or {}
+        self.name = config.model_name or default_model_name(root, manifest)
+        self.version = "1"
+        self.load_model = load_model
+        self.metrics = Metrics()
+        self.model = None
+        self.batcher = None    # encoders: serve.batching.Batcher
+        self.generator = None  # causal LMs: serve.llm.GenerationService
+        self.load_error: str | None = None
+        self.on_fatal: Callable[[str], None] = lambda message: None
+        self.draining = False
+        self.accepted = 0
+        self.completed = 0
+        self.created = int(time.time())
+
+    @property
+    def task(self) -> str:
+        return self.engine.get("task", "unknown")
+
+    @property
+    def ready(self) -> bool:
+        return self.model is not None and not self.draining
+
+    def require_ready(self) -> None:
+        if self.load_error:
+            raise unavailable(f"the model failed to load: {self.load_error}", retry_after_s=60)
+        if self.model is None:
+            raise unavailable("the model is loading")
+        # Draining is not refused here: a request uvicorn still accepts is served to the end.
+
+
+def default_model_name(root: Path, manifest: dict) -> str:
+    """The recipe's name (what an operator chose), else the artifact folder's name."""
+    name = ((manifest.get("recipe") or {}).get("name")) or root.resolve().name
+    return str(name).replace("/", "_")
+
+
+def load_model_for(state: ServeState):
+    """Build the model object the engine block describes (runs in a worker thread)."""
+    threads = state.config.ort_threads()
+    if state.task == "causal_lm" or state.engine.get("format") == "onnxruntime-genai":
+        from serve.llm import CausalLM
+
+        return CausalLM(state.root, state.engine, threads, state.config.max_prompt_tokens, state.config.max_tokens)
+    if state.task == "sentence_embedding":
+        from serve.encoder import EncoderModel
+
+        return EncoderModel(state.root, state.engine, threads, spinning=state.config.ort_spinning)
+    raise ValueError(f"this server has no handler for task {state.task!r}")
+
+
+# --- loading and draining ------------------------------------------------------------------------
+
+async def load_in_background(state: ServeState) -> None:
+    """Load while the port already answers: live at once, ready (200) only once this finishes."""
+    try:
+        model = await asyncio.to_thread(state.load_model, state)
+    except Exception as exc:
+        state.load_error = f"{type(exc).__name__}: {exc}"
+        log.error("error: could not load the model: %s", state.load_error)
+        state.on_fatal(state.load_error)
+        return
+    start_serving(state, model)
+
+
+def start_serving(state: ServeState, model) -> None:
+    cfg = state.config
+    if model.task == "causal_lm":
+        from serve.llm import GenerationService
+
+        state.generator = GenerationService(model, cfg.max_queue, state.metrics)
+    else:
+        from serve.batching import Batcher
+
+        state.batcher = Batcher(model.run_batch, cfg.max_batch_size, cfg.max_queue_delay_s, cfg.max_queue,
+                                state.metrics, name=state.name)
+        state.batcher.start()
+    state.model = model
+    state.metrics.ready.set(1)
+    log.info("serve: model %r (%s) ready", state.name, model.task)
+
+
+async def drain(state: ServeState) -> None:
+    """After uvicorn has finished every request in flight: stop the workers, report the count."""
+    state.draining = True
+    if state.batcher:
+        await state.batcher.stop()
+    if state.generator:
+        await state.generator.stop()
+    log.info("serve: stopped; answered %d of %d accepted requests", state.completed, state.accepted)
+
+
+# --- errors as JSON ------------------------------------------------------------------------------
+
+def error_response(path: str, error: HTTPError) -> JSONResponse:
+    """KServe clients read {"error": "..."}; OpenAI clients read {"error": {message, type, ...}}."""
+    if path.startswith("/v2"):
+        body = {"error": error.message}
+    else:
+        body = {"error": {"message": error.message, "type": error.kind, "param": error.param,
+                          "code": error.status}}
+    return JSONResponse(body, status_code=error.status, headers=error.headers)
+
+
+async def on_http_error(request: Request, exc: HTTPError) -> JSONResponse:
+    return error_response(request.url.path, exc)
+
+
+async def on_starlette_error(request: Request, exc: HTTPException) -> JSONResponse:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    message = f"no route {request.method} {request.url.path}" if exc.status_code in (404, 405) else str(exc.detail)
+    return error_response(request.url.path, HTTPError(exc.status_code, message, kind, dict(exc.headers or {})))
+
+
+async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    log.exception("unexpected error on %s", request.url.path)
+    return error_response(request.url.path, HTTPError(500, f"internal error: {type(exc).__name__}", "server_error"))
+
+
+# --- the gatekeeper: metrics, accounting, auth, size limit -----------------------------------------
+
+class Gatekeeper:
+    """Pure ASGI middleware (no extra task per request, and streaming responses pass through)."""
+
+    def __init__(self, app, state: ServeState, routes: list[Route]):
+        self.app, self.state, self.routes = app, state, routes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state, started, status = self.state, time.perf_counter(), [500]
+        state.accepted += 1
+        state.metrics.in_flight.inc()
+
+        async def send_and_watch(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                state.completed += 1
+
+        try:
+            refusal = self.refusal(scope)
+            if refusal:
+                await error_response(scope["path"], refusal)(scope, receive, send_and_watch)
+            else:
+                await self.app(scope, receive, send_and_watch)
+        finally:
+            endpoint = self.endpoint(scope)
+            state.metrics.in_flight.dec()
+            state.metrics.requests.labels(endpoint, scope["method"], str(status[0])).inc()
+            state.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+
+    def refusal(self, scope) -> HTTPError | None:
+        headers = dict(scope["headers"])
+        if not self.authorized(scope["path"], headers):
+            return HTTPError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                             "authentication_error", {"WWW-Authenticate": "Bearer"})
+        declared = headers.get(b"content-length")
+        if declared and declared.isdigit() and int(declared) > self.state.config.max_request_bytes:
+            return too_large(self.state.config.max_request_bytes)
+        return None
+
+    def authorized(self, path: str, headers: dict) -> bool:
+        key = self.state.config.api_key
+        if not key or (self.state.config.open_health_metrics and path.startswith(OPEN_PATHS)):
+            return True
+        sent = headers.get(b"authorization", b"").decode("latin-1")
+        scheme, _, token = sent.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+    def endpoint(self, scope) -> str:
+        """The route template, so the label set stays bounded whatever paths clients send."""
+        for route in self.routes:
+            if route.matches(scope)[0] != Match.NONE:
+                return route.path
+        return "unmatched"
+
+
+# --- small shared routes -------------------------------------------------------------------------
+
+def state_of(request: Request) -> ServeState:
+    return request.app.state.serve
+
+
+async def metrics_route(request: Request) -> Response:
+    body, content_type = state_of(request).metrics.render()
+    return Response(body, media_type=content_type)
+
+
+async def openapi_route(request: Request) -> JSONResponse:
+    from serve.openapi import openapi_document
+
+    return JSONResponse(openapi_document(state_of(request)))
+
+
+# --- the app -------------------------------------------------------------------------------------
+
+def create_app(root: str | Path, config: ServeConfig | None = None, manifest: dict | None = None,
+               load_model: Callable = load_model_for) -> Starlette:
+    from engines.artifact import read_manifest
+    from serve import kserve_routes, openai_routes
+
+    root = Path(root)
+    state = ServeState(root, manifest if manifest is not None else read_manifest(root), config or ServeConfig(),
+                       load_model)
+    routes = [*kserve_routes.routes(), *openai_routes.routes(),
+              Route("/metrics", metrics_route), Route("/openapi.json", openapi_route)]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        loader = asyncio.get_running_loop().create_task(load_in_background(state))
+        yield
+        loader.cancel()
+        await drain(state)
+
+    from starlette.middleware import Middleware
+
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    middleware=[Middleware(Gatekeeper, state=state, routes=routes)],
+                    exception_handlers={HTTPError: on_http_error, HTTPException: on_starlette_error,
+                                        Exception: on_unexpected_error})
+    app.state.serve = state
+    return app

@@ -1,0 +1,146 @@
+"""Dynamic batching: requests that arrive together run as one call of the Runner.
+
+One worker task owns the model. It takes the oldest queued request and then keeps taking more
+until the batch holds `max_batch_size` rows or `max_queue_delay` has passed. It waits for more
+only when there is evidence of concurrent load (the previous batch held more than one request,
+or requests are being parsed right now): a lone client is never made to wait for company that
+is not coming, so batching costs nothing at concurrency 1.
+
+The queue is bounded: a request that finds it full is refused at once (429 with Retry-After)
+instead of joining an unbounded backlog. Each request carries a deadline; one that expires while
+queued is dropped before it reaches the model.
+
+The model runs in one dedicated thread: ONNX Runtime releases the GIL while it computes, so the
+event loop keeps accepting and parsing requests while a batch runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from serve.errors import busy, timed_out, unavailable
+
+
+@dataclass
+class Pending:
+    payload: Any
+    rows: int
+    future: asyncio.Future
+    enqueued: float = field(default_factory=time.perf_counter)
+
+
+class Batcher:
+    def __init__(self, run_batch: Callable[[list], list], max_batch_size: int, max_queue_delay_s: float,
+                 max_queue: int, metrics=None, name: str = "model"):
+        self.run_batch = run_batch  # list of payloads -> list of results, same order
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay_s = max_queue_delay_s
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.queue: collections.deque[Pending] = collections.deque()
+        self.arriving = 0  # requests accepted and being parsed: more work is on its way
+        self.last_batch_requests = 0
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-runner")
+        self.wakeup: asyncio.Event | None = None
+        self.worker: asyncio.Task | None = None
+        self.closing = False
+
+    # --- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.wakeup = asyncio.Event()
+        self.worker = asyncio.get_running_loop().create_task(self.work())
+
+    async def stop(self) -> None:
+        """Finish every queued request, then stop the worker (used when draining on SIGTERM)."""
+        self.closing = True
+        if self.worker:
+            self.wakeup.set()
+            await self.worker
+        self.executor.shutdown(wait=True)
+
+    # --- submitting ------------------------------------------------------------------------------
+
+    async def submit(self, payload, rows: int, timeout_s: float):
+        """Queue one request of `rows` rows and wait for its result (429 if full, 504 on timeout)."""
+        if self.worker is None or self.closing:
+            raise unavailable("the model is not accepting requests")
+        if len(self.queue) >= self.max_queue:
+            raise busy()
+        pending = Pending(payload, rows, asyncio.get_running_loop().create_future())
+        self.queue.append(pending)
+        self.observe_queue()
+        self.wakeup.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending.future), timeout_s)
+        except asyncio.TimeoutError:
+            pending.future.cancel()  # if still queued, the worker skips it
+            raise timed_out(timeout_s) from None
+
+    # --- the worker ------------------------------------------------------------------------------
+
+    async def work(self) -> None:
+        while True:
+            if not self.queue:
+                if self.closing:
+                    return
+                self.wakeup.clear()
+                await self.wakeup.wait()
+                continue
+            batch = await self.collect()
+            if batch:
+                await self.run(batch)
+
+    async def collect(self) -> list[Pending]:
+        batch, rows = [], 0
+        deadline = time.perf_counter() + self.max_queue_delay_s
+        while rows < self.max_batch_size:
+            if self.queue:
+                head = self.queue[0]
+                if head.future.done():  # timed out while queued
+                    self.queue.popleft()
+                    continue
+                if batch and rows + head.rows > self.max_batch_size:
+                    break
+                batch.append(self.queue.popleft())
+                rows += head.rows
+                continue
+            remaining = deadline - time.perf_counter()
+            if not batch or remaining <= 0 or not self.expect_more():
+                break
+            self.wakeup.clear()
+            try:
+                await asyncio.wait_for(self.wakeup.wait(), remaining)
+            except asyncio.TimeoutError:
+                break
+        self.observe_queue()
+        return batch
+
+    def expect_more(self) -> bool:
+        return not self.closing and (self.arriving > 0 or self.last_batch_requests > 1)
+
+    async def run(self, batch: list[Pending]) -> None:
+        self.last_batch_requests = len(batch)
+        if self.metrics:
+            self.metrics.batch_size.observe(sum(p.rows for p in batch))
+            for p in batch:
+                self.metrics.queue_wait.observe(time.perf_counter() - p.enqueued)
+        loop = asyncio.get_running_loop()
+        try:
+            results = await loop.run_in_executor(self.executor, self.run_batch, [p.payload for p in batch])
+        except Exception as exc:  # the whole batch failed: every caller learns why
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_exception(exc)
+            return
+        for p, result in zip(batch, results):
+            if not p.future.done():
+                p.future.set_result(result)
+
+    def observe_queue(self) -> None:
+        if self.metrics:
+            self.metrics.queue_depth.set(len(self.queue))

@@ -1,0 +1,172 @@
+"""KServe v2 / Triton HTTP protocol: health, server and model metadata, tensor inference.
+
+Follows the Open Inference Protocol (kserve.github.io/website/docs/concepts/architecture/
+data-plane/v2-protocol) including Triton's binary tensor extension, which tritonclient uses by
+default: a JSON header of `Inference-Header-Content-Length` bytes followed by raw tensors.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from serve.body import arriving, read_body
+from serve.errors import bad_request, not_found, unprocessable
+from serve.protocol import NUMPY_TO_KSERVE, parse_infer_request
+
+MODEL = "/v2/models/{name}"
+VERSIONED = "/v2/models/{name}/versions/{version}"
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v2", server_metadata),
+        Route("/v2/health/live", live),
+        Route("/v2/health/ready", ready),
+        Route(MODEL, model_metadata), Route(VERSIONED, model_metadata),
+        Route(MODEL + "/ready", model_ready), Route(VERSIONED + "/ready", model_ready),
+        Route(MODEL + "/config", model_config), Route(VERSIONED + "/config", model_config),
+        Route(MODEL + "/infer", infer, methods=["POST"]), Route(VERSIONED + "/infer", infer, methods=["POST"]),
+    ]
+
+
+def state_of(request: Request):
+    return request.app.state.serve
+
+
+def model_of(request: Request):
+    """The served model's state, or 404 for another name or version."""
+    state = state_of(request)
+    name, version = request.path_params["name"], request.path_params.get("version")
+    if name != state.name:
+        raise not_found(f"unknown model {name!r}; this server serves {state.name!r}")
+    if version not in (None, "", state.version):
+        raise not_found(f"unknown version {version!r} of model {name!r}; available: {state.version!r}")
+    return state
+
+
+# --- health and metadata -------------------------------------------------------------------------
+
+async def live(request: Request) -> Response:
+    return Response(status_code=200)
+
+
+async def ready(request: Request) -> Response:
+    return Response(status_code=200 if state_of(request).ready else 503)
+
+
+async def model_ready(request: Request) -> Response:
+    return Response(status_code=200 if model_of(request).ready else 503)
+
+
+async def server_metadata(request: Request) -> JSONResponse:
+    from serve import __version__
+
+    return JSONResponse({"name": "serve", "version": __version__, "extensions": ["binary_tensor_data"]})
+
+
+async def model_metadata(request: Request) -> JSONResponse:
+    state = model_of(request)
+    inputs, outputs = tensor_metadata(state)
+    manifest = state.manifest
+    return JSONResponse({
+        "name": state.name, "versions": [state.version], "platform": platform(state),
+        "inputs": inputs, "outputs": outputs,
+        # Not part of the protocol (clients ignore extra keys): what was gated, and its verdict.
+        "artifact": {"id": manifest.get("id"), "task": state.task, "precision": state.engine.get("precision"),
+                     "verdict": manifest.get("verdict"), "gate_passed": (manifest.get("gate") or {}).get("passed")},
+    })
+
+
+def platform(state) -> str:
+    return {"onnxruntime": "onnxruntime_onnx", "onnxruntime-genai": "onnxruntime_genai"}.get(
+        state.engine.get("format"), str(state.engine.get("format")))
+
+
+def tensor_metadata(state) -> tuple[list[dict], list[dict]]:
+    """From the loaded graph; before loading, from the manifest's engine inputs."""
+    if state.model is not None and hasattr(state.model, "tensor_metadata"):
+        return state.model.tensor_metadata()
+    inputs = [{"name": i["name"], "datatype": "INT64" if i.get("type") == "tensor(int64)" else "FP32",
+               "shape": [d if isinstance(d, int) else -1 for d in i.get("shape", [])]}
+              for i in state.engine.get("inputs", [])]
+    return inputs, []
+
+
+async def model_config(request: Request) -> JSONResponse:
+    """Triton's model configuration (read by tools such as perf_analyzer)."""
+    state = model_of(request)
+    inputs, outputs = tensor_metadata(state)
+    as_config = lambda t: {"name": t["name"], "data_type": "TYPE_" + t["datatype"], "dims": t["shape"][1:]}  # noqa: E731
+    cfg = state.config
+    return JSONResponse({
+        "name": state.name, "platform": platform(state), "max_batch_size": cfg.max_batch_size,
+        "input": [as_config(t) for t in inputs], "output": [as_config(t) for t in outputs],
+        "dynamic_batching": {"max_queue_delay_microseconds": int(cfg.max_queue_delay_ms * 1000)},
+    })
+
+
+# --- inference -----------------------------------------------------------------------------------
+
+async def infer(request: Request) -> Response:
+    state = model_of(request)
+    if state.task != "sentence_embedding":
+        raise bad_request(f"model {state.name!r} is a {state.task} model: it is served on /v1/completions and "
+                          f"/v1/chat/completions, not as tensors")
+    state.require_ready()
+    with arriving(state.batcher):
+        body = await read_body(request, state.config.max_request_bytes)
+        parsed = parse_infer_request(body, request.headers.get("inference-header-content-length"))
+        item = state.model.from_tensors(parsed.inputs)
+        wanted = requested_outputs(parsed, state.model.output_names)
+    state.metrics.prompt_tokens.inc(int(item.inputs["attention_mask"].sum()))
+    outputs = await run_encoder(state, item)
+    return infer_response(state, parsed, wanted, outputs)
+
+
+def requested_outputs(parsed, names: list[str]) -> list[tuple[str, bool]]:
+    """[(output name, as binary)]: the ones asked for, or all of them."""
+    if parsed.outputs is None:
+        return [(name, parsed.binary_output) for name in names]
+    unknown = [o.name for o in parsed.outputs if o.name not in names]
+    if unknown:
+        raise unprocessable(f"unknown outputs {unknown}; the model returns {names}")
+    return [(o.name, o.binary or parsed.binary_output) for o in parsed.outputs]
+
+
+async def run_encoder(state, item) -> dict[str, np.ndarray]:
+    """Submit to the batcher; a request larger than one batch goes in batch-sized pieces."""
+    from serve.encoder import EncoderBatchItem
+
+    size, timeout = state.config.max_batch_size, state.config.timeout_s
+    if item.rows <= size:
+        return await state.batcher.submit(item, item.rows, timeout)
+    pieces = [EncoderBatchItem({k: v[i:i + size] for k, v in item.inputs.items()}) for i in range(0, item.rows, size)]
+    results = await asyncio.gather(*(state.batcher.submit(p, p.rows, timeout) for p in pieces))
+    return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
+
+
+def infer_response(state, parsed, wanted: list[tuple[str, bool]], outputs: dict[str, np.ndarray]) -> Response:
+    tensors, blobs = [], []
+    for name, binary in wanted:
+        value = np.ascontiguousarray(outputs[name])
+        tensor = {"name": name, "datatype": NUMPY_TO_KSERVE[value.dtype.newbyteorder("<")], "shape": list(value.shape)}
+        if binary:
+            blob = value.astype(value.dtype.newbyteorder("<")).tobytes()
+            tensor["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            tensor["data"] = value.reshape(-1).tolist()
+        tensors.append(tensor)
+    header = {"model_name": state.name, "model_version": state.version, "outputs": tensors}
+    if parsed.id is not None:
+        header["id"] = parsed.id
+    if not blobs:
+        return JSONResponse(header)
+    head = json.dumps(header, separators=(",", ":")).encode()
+    return Response(head + b"".join(blobs), media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(head))})

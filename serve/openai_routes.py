@@ -1,0 +1,219 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/embeddings, /v1/completions, /v1/chat/completions.
+
+Request and response shapes follow the OpenAI API reference, so the official `openai` client works
+unchanged (it asks for base64 embeddings by default; both encodings are served). Streaming is
+server-sent events: one `data: {chunk}` per generated piece, then `data: [DONE]`.
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import time
+import uuid
+
+import numpy as np
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from serve.body import arriving, read_body
+from serve.errors import HTTPError, bad_request, not_found, timed_out
+from serve.protocol import (json_object, parse_chat_request, parse_completion_request,
+                            parse_embeddings_request)
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/v1/models", list_models),
+        Route("/v1/models/{model}", get_model),
+        Route("/v1/embeddings", embeddings, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+    ]
+
+
+def state_of(request: Request):
+    return request.app.state.serve
+
+
+def model_card(state) -> dict:
+    return {"id": state.name, "object": "model", "created": state.created, "owned_by": "serve"}
+
+
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [model_card(state_of(request))]})
+
+
+async def get_model(request: Request) -> JSONResponse:
+    state = state_of(request)
+    check_model(state, request.path_params["model"])
+    return JSONResponse(model_card(state))
+
+
+def check_model(state, name: str, task: str | None = None) -> None:
+    if name != state.name:
+        raise HTTPError(404, f"the model {name!r} does not exist; this server serves {state.name!r}",
+                        "not_found_error", param="model")
+    if task and state.task != task:
+        other = {"sentence_embedding": "an encoder (sentence embeddings): use /v1/embeddings",
+                 "causal_lm": "a causal LM: use /v1/completions or /v1/chat/completions"}
+        raise bad_request(f"model {name!r} is {other.get(state.task, state.task)}", param="model")
+
+
+async def read_json(request: Request, state) -> dict:
+    return json_object(await read_body(request, state.config.max_request_bytes))
+
+
+# --- embeddings ----------------------------------------------------------------------------------
+
+async def embeddings(request: Request) -> JSONResponse:
+    from serve.kserve_routes import run_encoder
+
+    state = state_of(request)
+    with arriving(state.batcher):
+        parsed = parse_embeddings_request(await read_json(request, state), state.config.max_inputs)
+        check_model(state, parsed.model, "sentence_embedding")
+        state.require_ready()
+        model = state.model
+        if parsed.dimensions is not None and parsed.dimensions != model.embedding_dim:
+            raise bad_request(f"this model's embeddings have {model.embedding_dim} dimensions; "
+                              f"'dimensions' cannot change that", param="dimensions")
+        item = model.from_texts(parsed.texts) if parsed.texts is not None else model.from_token_ids(parsed.token_ids)
+    tokens = int(item.inputs["attention_mask"].sum())
+    state.metrics.prompt_tokens.inc(tokens)
+    vectors = (await run_encoder(state, item))["sentence_embedding"]
+    return JSONResponse({
+        "object": "list", "model": state.name,
+        "data": [{"object": "embedding", "index": i, "embedding": encode_vector(v, parsed.encoding_format)}
+                 for i, v in enumerate(vectors)],
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+    })
+
+
+def encode_vector(vector: np.ndarray, encoding: str):
+    if encoding == "base64":  # little-endian float32, as the OpenAI client decodes it
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode()
+    return vector.astype(np.float32).tolist()
+
+
+# --- completions and chat ------------------------------------------------------------------------
+
+async def completions(request: Request):
+    return await generate(request, parse_completion_request, chat=False)
+
+
+async def chat_completions(request: Request):
+    return await generate(request, parse_chat_request, chat=True)
+
+
+async def generate(request: Request, parse, chat: bool):
+    from engines.genai_runner import Sampling
+    from serve.llm import StopMatcher
+
+    state = state_of(request)
+    parsed = parse(await read_json(request, state))
+    check_model(state, parsed.model, "causal_lm")
+    state.require_ready()
+    model = state.model
+    prompt_ids = model.prompt_ids(parsed)
+    budget = model.token_budget(len(prompt_ids), parsed.max_tokens)
+    state.metrics.prompt_tokens.inc(len(prompt_ids))
+    sampling = Sampling(budget, parsed.temperature, parsed.top_p, parsed.seed)
+    generation = state.generator.submit(prompt_ids, sampling)
+    reply = Reply(state.name, chat, len(prompt_ids), generation, StopMatcher(parsed.stop))
+    if parsed.stream:
+        return await reply.stream(state.config.timeout_s, parsed.include_usage)
+    return await reply.whole(state.config.timeout_s)
+
+
+class Reply:
+    """Turns one generation's events into an OpenAI response, whole or as server-sent events."""
+
+    def __init__(self, model: str, chat: bool, prompt_tokens: int, generation, stops):
+        self.model, self.chat, self.prompt_tokens = model, chat, prompt_tokens
+        self.generation, self.stops = generation, stops
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.finish_reason = None
+
+    async def pieces(self):
+        """Text pieces with stop strings applied; sets finish_reason at the end."""
+        while True:
+            kind, value = await self.generation.events.get()
+            if kind == "error":
+                raise value
+            if kind == "end":
+                tail = self.stops.flush()
+                if tail:
+                    yield tail
+                self.finish_reason = "stop" if self.stops.stopped else value
+                return
+            text = self.stops.feed(value)
+            if self.stops.stopped:
+                self.generation.cancel.set()  # no need to decode past a stop string
+            if text:
+                yield text
+
+    async def whole(self, timeout_s: float) -> JSONResponse:
+        async def collect():
+            return "".join([piece async for piece in self.pieces()])
+
+        try:
+            text = await asyncio.wait_for(collect(), timeout_s)
+        except asyncio.TimeoutError:
+            raise timed_out(timeout_s) from None
+        finally:
+            self.generation.cancel.set()
+        choice = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
+        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+        return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                             "created": self.created, "model": self.model, "choices": [choice],
+                             "usage": self.usage()})
+
+    def usage(self) -> dict:
+        done = self.generation.tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
+
+    async def stream(self, timeout_s: float, include_usage: bool) -> StreamingResponse:
+        """Wait for the first piece within the timeout (so a 504 is still possible), then stream."""
+        pieces = self.pieces()
+        try:
+            first = await asyncio.wait_for(anext(pieces, None), timeout_s)
+        except asyncio.TimeoutError:
+            self.generation.cancel.set()
+            raise timed_out(timeout_s) from None
+        return StreamingResponse(self.events(first, pieces, include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def events(self, first, pieces, include_usage: bool):
+        try:
+            if self.chat:
+                yield self.sse(self.chunk({"role": "assistant", "content": ""}))
+            if first is not None:
+                yield self.sse(self.chunk(first))
+                async for piece in pieces:
+                    yield self.sse(self.chunk(piece))
+            yield self.sse(self.chunk(None, self.finish_reason))
+            if include_usage:
+                yield self.sse({**self.chunk(None), "choices": [], "usage": self.usage()})
+        except Exception as exc:  # headers are sent: the error can only travel in the stream
+            yield self.sse({"error": {"message": f"generation failed: {exc}", "type": "server_error"}})
+        finally:
+            self.generation.cancel.set()  # also when the client disconnects mid-stream
+        yield "data: [DONE]\n\n"
+
+    def chunk(self, content, finish_reason=None) -> dict:
+        if self.chat:
+            delta = content if isinstance(content, dict) else ({} if content is None else {"content": content})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+            kind = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": content or "", "finish_reason": finish_reason, "logprobs": None}
+            kind = "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+
+    @staticmethod
+    def sse(payload: dict) -> str:
+        return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"

@@ -1,0 +1,101 @@
+"""`python -m serve` refuses bad input before loading anything: one line `error: ...`, exit 2.
+Tampered copies are built with hard links for the big file and real copies for the changed ones,
+so the session's artifact is never modified."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from serve_helpers import ROOT, running_server
+
+
+def serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "serve", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def one_error_line(proc: subprocess.CompletedProcess, *words: str) -> str:
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert all(w in lines[0] for w in words), lines[0]
+    return lines[0]
+
+
+def clone(artifact: Path, dest: Path) -> Path:
+    """A copy that shares the large model file by hard link (read-only use) and copies the rest."""
+    for path in artifact.rglob("*"):
+        target = dest / path.relative_to(artifact)
+        if path.is_dir():
+            target.mkdir(parents=True, exist_ok=True)
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if path.stat().st_size > 1 << 20:
+            try:
+                os.link(path, target)
+                continue
+            except OSError:
+                pass
+        shutil.copy2(path, target)
+    return dest
+
+
+@pytest.mark.parametrize("args, words", [
+    (["/no/such/dir"], ["not a directory"]),
+    ([str(ROOT / "calibration")], ["not an artifact"]),
+    ([], ["artifact"]),
+    (["ARTIFACT", "--max-batch-size", "0"], ["--max-batch-size"]),
+    (["ARTIFACT", "--port", "http"], ["--port"]),
+    (["ARTIFACT", "--no-such-flag"], ["--no-such-flag"]),
+])
+def test_bad_command_lines(encoder_artifact, args, words):
+    args = [str(encoder_artifact) if a == "ARTIFACT" else a for a in args]
+    one_error_line(serve(*args), *words)
+
+
+def test_changed_file_refuses_to_start(encoder_artifact, tmp_path):
+    copy = clone(encoder_artifact, tmp_path / "a")
+    config = copy / "tokenizer" / "tokenizer_config.json"
+    config.write_text(config.read_text() + " ")
+    one_error_line(serve(str(copy)), "changed file tokenizer/tokenizer_config.json", "--allow-modified")
+
+
+def test_missing_and_unexpected_files_refuse_to_start(encoder_artifact, tmp_path):
+    copy = clone(encoder_artifact, tmp_path / "a")
+    (copy / "tokenizer" / "tokenizer_config.json").unlink()
+    one_error_line(serve(str(copy)), "missing file tokenizer/tokenizer_config.json")
+    copy = clone(encoder_artifact, tmp_path / "b")
+    (copy / "extra.bin").write_bytes(b"x")
+    one_error_line(serve(str(copy)), "unexpected file extra.bin")
+
+
+def test_failed_gate_refuses_to_start(encoder_artifact, tmp_path):
+    copy = clone(encoder_artifact, tmp_path / "a")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["gate"]["passed"] = False
+    manifest["gate"]["checks"][0]["passed"] = False
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    one_error_line(serve(str(copy)), "gate did not pass", manifest["gate"]["checks"][0]["name"], "--allow-failed-gate")
+
+
+def test_broken_manifest_refuses_to_start(tmp_path):
+    (tmp_path / "manifest.json").write_text("{not json")
+    one_error_line(serve(str(tmp_path)), "not valid JSON")
+
+
+def test_overrides_serve_a_modified_failed_artifact_and_say_so(encoder_artifact, tmp_path):
+    copy = clone(encoder_artifact, tmp_path / "a")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["gate"]["passed"] = False
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    config = copy / "tokenizer" / "tokenizer_config.json"
+    config.write_text(config.read_text() + " ")
+    with running_server(copy, "--allow-modified", "--allow-failed-gate") as server:
+        assert "serving a modified artifact" in server.output
+    assert server.proc.returncode == 0

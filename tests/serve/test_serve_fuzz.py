@@ -1,0 +1,129 @@
+"""Property-based fuzzing of the request parsers: whatever arrives, the answer is a request the
+server can act on or an HTTPError with a 4xx status, never another exception (a 500)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from serve.errors import HTTPError
+from serve.llm import StopMatcher
+from serve.protocol import (KSERVE_DTYPES, parse_chat_request, parse_completion_request,
+                            parse_embeddings_request, parse_infer_request)
+
+FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# Requests with many optional fields are slow to generate: fewer examples, same coverage of fields.
+FUZZ_WIDE = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5),
+    max_leaves=8)
+
+
+def refused_cleanly(call) -> None:
+    try:
+        call()
+    except HTTPError as exc:
+        assert 400 <= exc.status < 500, exc.status
+        assert exc.message
+
+
+@FUZZ
+@given(st.binary(max_size=300), st.one_of(st.none(), st.text(max_size=6)))
+def test_infer_parser_on_arbitrary_bytes(body, header_length):
+    refused_cleanly(lambda: parse_infer_request(body, header_length))
+
+
+def tensor_like():
+    shape = st.lists(st.integers(-2, 4), max_size=3) | json_values
+    data = st.lists(st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.booleans() | st.text(max_size=3),
+                    max_size=12) | json_values
+    return st.fixed_dictionaries({}, optional={
+        "name": st.sampled_from(["input_ids", "attention_mask"]) | json_values,
+        "datatype": st.sampled_from(list(KSERVE_DTYPES) + ["BYTES", "int64"]) | json_values,
+        "shape": shape, "data": data,
+        "parameters": st.fixed_dictionaries({}, optional={"binary_data_size": st.integers(-1, 64) | json_values}),
+    })
+
+
+@FUZZ_WIDE
+@given(st.fixed_dictionaries({}, optional={
+    "inputs": st.lists(tensor_like(), max_size=3) | json_values,
+    "outputs": st.lists(st.fixed_dictionaries({}, optional={"name": json_values, "parameters": json_values}),
+                        max_size=2) | json_values,
+    "parameters": json_values, "id": json_values}), st.binary(max_size=64), st.booleans())
+def test_infer_parser_on_structured_requests(request, binary, use_binary):
+    header = json.dumps(request).encode()
+    body = header + binary if use_binary else header
+    length = str(len(header)) if use_binary else None
+    refused_cleanly(lambda: parse_infer_request(body, length))
+
+
+@FUZZ
+@given(st.sampled_from(["INT64", "INT32", "FP32", "FP16", "BOOL", "UINT8"]),
+       st.lists(st.integers(1, 4), min_size=1, max_size=3), st.booleans(), st.data())
+def test_valid_tensors_round_trip_exactly(datatype, shape, binary, data):
+    dtype = KSERVE_DTYPES[datatype]
+    if dtype.kind == "b":
+        values = data.draw(st.lists(st.booleans(), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
+    elif dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        values = data.draw(st.lists(st.integers(int(info.min), int(info.max)),
+                                    min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
+    else:
+        values = data.draw(st.lists(st.floats(-1e4, 1e4, width=16 if datatype == "FP16" else 32),
+                                    min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
+    array = np.array(values, dtype=dtype).reshape(shape)
+    tensor = {"name": "x", "datatype": datatype, "shape": shape}
+    if binary:
+        blob = array.tobytes()
+        tensor["parameters"] = {"binary_data_size": len(blob)}
+        header = json.dumps({"inputs": [tensor]}).encode()
+        parsed = parse_infer_request(header + blob, str(len(header)))
+    else:
+        tensor["data"] = array.reshape(-1).tolist()
+        parsed = parse_infer_request(json.dumps({"inputs": [tensor]}).encode())
+    got = parsed.inputs["x"]
+    assert got.dtype == dtype and got.shape == tuple(shape)
+    np.testing.assert_array_equal(got, array)
+
+
+openai_fields = st.fixed_dictionaries({}, optional={
+    "model": st.just("m") | json_values,
+    "input": json_values | st.lists(st.integers(-5, 40000), max_size=4) | st.text(max_size=10),
+    "prompt": json_values | st.text(max_size=10),
+    "messages": st.lists(st.fixed_dictionaries({}, optional={
+        "role": st.sampled_from(["user", "system", "robot"]) | json_values,
+        "content": json_values | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": json_values}),
+                                          max_size=2)}), max_size=3) | json_values,
+    "max_tokens": json_values, "max_completion_tokens": json_values, "temperature": json_values,
+    "top_p": json_values, "n": json_values, "stream": json_values, "stop": json_values, "seed": json_values,
+    "stream_options": json_values, "encoding_format": json_values, "dimensions": json_values,
+    "logprobs": json_values, "echo": json_values,
+})
+
+
+@FUZZ_WIDE
+@given(openai_fields)
+def test_openai_parsers_accept_or_refuse_with_4xx(data):
+    refused_cleanly(lambda: parse_embeddings_request(data, max_inputs=8))
+    refused_cleanly(lambda: parse_completion_request(data))
+    refused_cleanly(lambda: parse_chat_request(data))
+
+
+@FUZZ
+@given(st.lists(st.text(max_size=4), max_size=12), st.lists(st.text(min_size=1, max_size=4), max_size=3))
+def test_stop_matcher_emits_exactly_the_text_before_the_first_stop(pieces, stops):
+    matcher = StopMatcher(stops)
+    emitted = ""
+    for piece in pieces:
+        emitted += matcher.feed(piece)
+        if matcher.stopped:
+            break
+    emitted += matcher.flush()
+    full = "".join(pieces)
+    cuts = [full.find(s) for s in stops if s in full]
+    assert emitted == (full[:min(cuts)] if cuts else full)
