@@ -93,14 +93,14 @@ def direct_p50(artifact: Path, threads: int, n: int) -> float:
     serving Runner (sleeping threads), so the overhead is measured against the best direct call."""
     import engines
     from engines.artifact import read_manifest
-    from engines.ort_serving import load_serving_runner
+    from engines import load_engine
     from engines.text import TextEncoder
 
     engine = read_manifest(artifact)["engine"]
     text = TextEncoder(artifact / engine.get("tokenizer", "tokenizer"), int(engine.get("max_length", 128)))
     best = float("inf")
     for make in (lambda: engines.load(artifact, threads=threads),
-                 lambda: load_serving_runner(artifact, engine, threads=threads)):
+                 lambda: load_engine(artifact, engine, threads=threads, spinning=False)):
         runner = make()
         best = min(best, p50_ms(lambda: runner(text([TEXT]))["sentence_embedding"], n, warmup=20))
         del runner

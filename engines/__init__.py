@@ -21,19 +21,21 @@ class Runner(Protocol):
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
 
-def load(artifact_dir: str | Path, threads: int = 0) -> Runner:
+def load(artifact_dir: str | Path, threads: int = 0, spinning: bool = True) -> Runner:
     """Build the Runner an artifact's manifest describes (its `engine` block)."""
     root = Path(artifact_dir)
     engine = read_manifest(root).get("engine") or {}
-    return load_engine(root, engine, threads=threads)
+    return load_engine(root, engine, threads=threads, spinning=spinning)
 
 
-def load_engine(root: Path, engine: dict, threads: int = 0) -> Runner:
+def load_engine(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> Runner:
+    """`spinning=False` for servers: idle ONNX Runtime threads sleep instead of busy-waiting."""
     fmt = engine.get("format")
     if fmt == "onnxruntime":
         from engines.onnxruntime_runner import OrtRunner
 
-        return OrtRunner(root / engine["file"], threads=threads, providers=engine.get("providers"))
+        return OrtRunner(root / engine["file"], threads=threads, providers=engine.get("providers"),
+                         spinning=spinning)
     if fmt == "pytorch":
         from engines.pytorch_runner import load_pytorch_runner
 

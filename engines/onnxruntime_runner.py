@@ -18,10 +18,14 @@ _ORT_DTYPES = {
 }
 
 
-def session_options(threads: int = 0):
+def session_options(threads: int = 0, spinning: bool = True):
+    """Spinning worker threads are free speed in a benchmark loop; in a server they take the cores the
+    HTTP event loop needs between calls (measured: batch-1 latency doubled on a loaded 2-core machine)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    if not spinning:
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     if threads:
@@ -33,7 +37,8 @@ def session_options(threads: int = 0):
 class OrtRunner:
     """Runs an ONNX file with ONNX Runtime; inputs are cast to the dtypes the graph declares."""
 
-    def __init__(self, model_path: str | Path, threads: int = 0, providers: list[str] | None = None):
+    def __init__(self, model_path: str | Path, threads: int = 0, providers: list[str] | None = None,
+                 spinning: bool = True):
         import onnxruntime as ort
 
         self.path = Path(model_path)
@@ -41,7 +46,7 @@ class OrtRunner:
         chosen = [p for p in (providers or ["CPUExecutionProvider"]) if p in available]
         if not chosen:
             raise RuntimeError(f"none of the providers {providers} is available here (have {available})")
-        self.session = ort.InferenceSession(str(self.path), session_options(threads), providers=chosen)
+        self.session = ort.InferenceSession(str(self.path), session_options(threads, spinning), providers=chosen)
         self.inputs = self.session.get_inputs()
         self.input_names = [i.name for i in self.inputs]
         self.output_names = [o.name for o in self.session.get_outputs()]

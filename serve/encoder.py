@@ -1,7 +1,7 @@
 """A sentence-embedding encoder behind the batcher: tokenize, check, pad per batch, run, split.
 
 The Runner is the pipeline's OrtRunner with idle threads that sleep instead of spinning
-(engines/ort_serving.py says why): same graph, same call, same numbers. Requests arrive
+(engines/onnxruntime_runner.py says why): same graph, same call, same numbers. Requests arrive
 as int64 tensors [rows, sequence] (KServe clients send them; text is tokenized with the artifact's
 own tokenizer through engines.text.TextEncoder). A batch is padded to its longest sequence only:
 the graph mean-pools over the attention mask, so padding does not change an embedding, and
@@ -38,12 +38,12 @@ class EncoderModel:
     task = "sentence_embedding"
 
     def __init__(self, root: Path, engine: dict, threads: int = 0, spinning: bool = False):
-        from engines.ort_serving import load_serving_runner
+        from engines import load_engine
         from engines.text import TextEncoder
 
         self.root = root
         self.max_length = int(engine.get("max_length") or 128)
-        self.runner = load_serving_runner(root, engine, threads=threads, spinning=spinning)
+        self.runner = load_engine(root, engine, threads=threads, spinning=spinning)
         self.text = TextEncoder(root / engine.get("tokenizer", "tokenizer"), self.max_length)
         self.vocab_size = self.text.tokenizer.get_vocab_size()
         self.input_names = list(self.runner.input_names)
