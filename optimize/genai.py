@@ -129,12 +129,12 @@ def layer_precision(onnx_path: Path) -> dict:
 
 
 def _summarize(names: list[str]) -> list[str]:
-    """/model/layers.7/attn/qkv_proj/MatMul_Q4 -> layers.*/attn/qkv_proj: one entry per kind of layer."""
+    """/model/layers.7/attn/qkv_proj/MatMul_Q4 -> layers.7/attn/qkv_proj (graph order kept)."""
     import re
 
-    kinds = [re.sub(r"layers\.\d+", "layers.*", n).strip("/").replace("/MatMul", "").replace("_Q4", "")
-             .replace("_Q8", "") for n in names]
-    return sorted(dict.fromkeys(kinds))
+    kinds = [re.sub(r"/model/", "", n).strip("/").replace("/MatMul", "").replace("_Q4", "").replace("_Q8", "")
+             for n in names]
+    return list(dict.fromkeys(kinds))
 
 
 def _provider(name: str) -> str:

@@ -289,8 +289,45 @@ def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
         metrics["candidate"]["speed_note"] = "latency not measured (evaluate.latency=false)"
     if cfg.lm_eval_tasks:
         described["lm_eval"] = _lm_eval_metrics(metrics, base, cand, tokens, data.items, cfg, ctx.scratch)
+    metrics["candidate"]["layer_precision"] = layer_precision(ctx)
     metrics["table"] = table_rows(metrics)
     return metrics, described
+
+
+def layer_precision(ctx) -> dict:
+    """{precision: {count, layers}} as the engine or quantize stage recorded it (engine first)."""
+    stages = ctx.records.get("stages", {})
+    for stage in ("engine", "quantize"):
+        found = (stages.get(stage) or {}).get("layer_precision")
+        if found:
+            return found
+    return {}
+
+
+def _layers_in_words(nodes: list[str]) -> str:
+    """['layers.0/attn/qkv_proj', 'layers.3/attn/qkv_proj', 'lm_head'] -> 'attn/qkv_proj 0,3; lm_head'."""
+    import re
+
+    by_kind: dict[str, list[str]] = {}
+    for node in nodes:
+        match = re.match(r".*layers\.(\d+|\*)/(.*)", node)
+        kind, layer = (match.group(2), match.group(1)) if match else (node, None)
+        by_kind.setdefault(kind, []).append(layer)
+    parts = [kind if layers == [None] else f"{kind} {_ranges(layers)}" for kind, layers in by_kind.items()]
+    return "; ".join(parts)
+
+
+def _ranges(layers: list) -> str:
+    """['0', '1', '2', '6'] -> '0-2,6'."""
+    if not all(l and l.isdigit() for l in layers):
+        return ",".join(l for l in layers if l)
+    numbers, spans = sorted(int(l) for l in layers), []
+    for n in numbers:
+        if spans and n == spans[-1][1] + 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
 
 
 def _perplexity_metrics(metrics, base, cand, tokens, items, cfg, described) -> None:
@@ -349,6 +386,8 @@ def table_rows(metrics: dict) -> list[list[str]]:
                          f"{cg['decode_tok_s'][pct] / bg['decode_tok_s'][pct]:.2f}x" if pct == "p50" else ""])
     else:
         rows.append(["decode speed", "-", "-", c.get("speed_note", "not measured")])
+    for precision, info in c.get("layer_precision", {}).items():
+        rows.append([f"weights kept at {precision}", "", f"{info['count']} nodes", _layers_in_words(info["nodes"])])
     rows.append(["greedy sample", repr(b["sample"]["continuation"][:40]), repr(c["sample"]["continuation"][:40]), ""])
     return rows
 
