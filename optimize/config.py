@@ -76,6 +76,7 @@ class GateConfig:
     max_ppl_increase_pct: Optional[float] = None  # causal LMs: held-out perplexity increase, percent
     min_decode_speedup: Optional[float] = None  # causal LMs: decode tokens/s (p50) over PyTorch FP32 greedy
     max_lm_eval_drop: Optional[float] = None  # causal LMs: largest lm-eval accuracy drop, in points
+    min_distill_recovery: Optional[float] = None  # prune+distill: share of the pruning perplexity loss won back (0..1)
 
 
 @dataclass

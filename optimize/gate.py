@@ -56,6 +56,8 @@ CHECKS = (
               lambda b, c, t: _dig(c, "decode_speedup"), operator.ge, ">="),
     CheckSpec("max_lm_eval_drop", "lm-eval accuracy drop (points, worst task)",
               lambda b, c, t: _dig(c, "lm_eval_drop_pts"), operator.le, "<="),
+    CheckSpec("min_distill_recovery", "share of the pruning perplexity loss recovered by distillation",
+              lambda b, c, t: _dig(c, "distill_recovery"), operator.ge, ">="),
 )
 
 

@@ -76,6 +76,10 @@ class Context:
     encoder: Any = None
     threads: int = 0
     records: dict = field(default_factory=dict)
+    # Generic hooks for stages: files to ship in the artifact ({relative path: file}), and
+    # callables that may add to the evaluation's metrics before the gate judges them.
+    extra_files: dict = field(default_factory=dict)
+    metric_hooks: list = field(default_factory=list)
     _calibration: calibration.TextSet | None = None
     _evaluation: calibration.TextSet | None = None
 
@@ -184,9 +188,12 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
             log.info("%s: %s", method.stage, method.name)
             model = method.fn(model, method_cfg, ctx)
         engine = _install_engine(model, stage, cfg)
+        _ship_extra_files(ctx, stage)
         baseline = _baseline(ctx, source, task)
         candidate = _candidate(stage, engine, ctx)
         metrics, eval_data = task.evaluate(baseline, candidate, ctx)
+        for hook in ctx.metric_hooks:
+            hook(metrics)
         metrics["baseline"].update(engine=baseline.engine["format"], precision="fp32")
         metrics["candidate"].update(engine=engine["format"], precision=engine["precision"])
         metrics["threads"] = _threads(ctx.threads)
@@ -232,6 +239,13 @@ def _install_engine(model: Model, stage: Path, cfg) -> dict:
 
         engine["inputs"] = OrtRunner(stage / engine["file"]).signature()
     return engine
+
+
+def _ship_extra_files(ctx: Context, stage: Path) -> None:
+    for relative, path in ctx.extra_files.items():
+        dest = stage / relative
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(path, dest)
 
 
 def _engine_bytes(root: Path, engine: dict) -> int:

@@ -26,7 +26,8 @@ STAGES = ("prune", "distill", "quantize", "engine")
 # Modules whose import registers methods (with @register) and tasks (with tasks.register_task).
 # Listed here so every registration is found from one place.
 PLUGIN_MODULES = ("optimize.compile", "optimize.quantize", "optimize.quantize_static", "optimize.quantize_int4",
-                  "optimize.vision", "optimize.llm", "optimize.genai", "optimize.modelopt_methods")
+                  "optimize.vision", "optimize.llm", "optimize.genai", "optimize.modelopt_methods",
+                  "optimize.prune", "optimize.distill")
 
 
 @dataclass(frozen=True)

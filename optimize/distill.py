@@ -1,0 +1,381 @@
+"""Distill stage: train a student to match the teacher (the original source model) on calibration text.
+
+Losses (weights and temperature from the recipe):
+- output: causal LMs, KL(teacher || student) of the softened next-token distributions, times T^2
+  (Hinton et al. 2015: keeps gradient scale independent of T); sentence encoders, 1 - cosine of
+  the pooled sentence embeddings (the task's own output);
+- hidden: MSE between student hidden states and the teacher layers they replace, divided by the
+  teacher's mean square so every layer weighs alike whatever its scale. Student layer j maps to
+  the teacher layer the prune stage kept at position j (uniform spacing otherwise); the student's
+  last layer always maps to the teacher's last.
+
+The student is what the prune stage produced, or (no prune stage) `student_layers` of the
+teacher's layers, evenly spaced. Training is bounded by max_steps and max_seconds, shows a
+progress bar, saves a loss curve PNG into the artifact, and checkpoints under
+$OPTIMIZE_CACHE/distill/<key>/ (key: source hash, prune + distill config, calibration hash) so an
+interrupted run resumes where it stopped.
+
+Example recipe:
+
+    distill:
+      method: logit_hidden_kd
+      params: {max_steps: 300, max_seconds: 480, batch_size: 16, seq_len: 128, lr: 1e-4}
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+from optimize.errors import RecipeError
+from optimize.registry import register
+
+log = logging.getLogger(__name__)
+# Keys that bound a run rather than define it: a longer rerun resumes the same checkpoint.
+RUN_BOUNDS = ("max_steps", "max_seconds", "checkpoint_every", "resume")
+
+
+@dataclass
+class DistillConfig:
+    max_steps: int = 200
+    max_seconds: Optional[float] = 600.0  # wall-time bound for training (null: steps only)
+    batch_size: int = 16
+    seq_len: int = 128  # tokens per sample (causal LMs: windows of the calibration token stream)
+    lr: float = 1e-4
+    temperature: float = 2.0
+    output_weight: float = 1.0  # logit KL (causal LMs) or 1 - embedding cosine (encoders)
+    hidden_weight: float = 1.0
+    student_layers: Optional[int] = None  # no prune stage: the student keeps this many teacher layers
+    checkpoint_every: int = 50
+    resume: bool = True
+    seed: int = 0
+
+    def validate(self):
+        if self.max_steps < 1 or self.batch_size < 1 or self.seq_len < 2 or self.checkpoint_every < 1:
+            raise RecipeError("distill.params: max_steps, batch_size, checkpoint_every must be >= 1, seq_len >= 2")
+        if self.max_seconds is not None and self.max_seconds <= 0:
+            raise RecipeError(f"distill.params.max_seconds={self.max_seconds}: must be positive (or null)")
+        if self.temperature <= 0 or self.lr <= 0:
+            raise RecipeError("distill.params.temperature and lr must be positive")
+        if min(self.output_weight, self.hidden_weight) < 0 or self.output_weight + self.hidden_weight == 0:
+            raise RecipeError("distill.params: output_weight and hidden_weight must be >= 0, not both 0")
+        if self.student_layers is not None and self.student_layers < 1:
+            raise RecipeError(f"distill.params.student_layers={self.student_layers}: keep at least 1")
+
+
+@register("distill", "logit_hidden_kd", DistillConfig, input_format="torch", needs_calibration=True,
+          tasks=("sentence_embedding", "causal_lm"))
+def logit_hidden_kd(model, cfg: DistillConfig, ctx):
+    """Knowledge distillation from the source model: output (logit KL / embedding cosine) + hidden states."""
+    import dataclasses
+
+    import torch
+
+    if model.kind != "torch":
+        raise RecipeError("distill.method=logit_hidden_kd needs a PyTorch model (not an ONNX source)")
+    torch.manual_seed(cfg.seed)
+    teacher = ctx.source.module.eval()
+    student, layer_map = make_student(model.module, teacher, cfg, ctx)
+    objective = Objective.for_task(model.task, teacher, student, layer_map, cfg, ctx)
+    batches = Batches.for_task(model.task, ctx, cfg)
+    before = objective.before_training(student, ctx)
+    run = train(student, objective, batches, cfg, checkpoint_dir(ctx, cfg))
+    ctx.extra_files["distill/loss_curve.png"] = plot_losses(run["losses"], ctx.scratch / "distill_loss.png")
+    ctx.record("distill", {"method": "logit_hidden_kd", "layer_map": layer_map, **before,
+                           **{k: v for k, v in run.items() if k != "losses"}, "loss_curve": "distill/loss_curve.png",
+                           "loss_first_last": [run["losses"][0], run["losses"][-1]] if run["losses"] else []})
+    return dataclasses.replace(model, module=student.eval())
+
+
+# ---------------------------------------------------------------- the student
+
+def make_student(module, teacher, cfg: DistillConfig, ctx):
+    """(student, layer map). The prune stage's module is the student; without one, build it from
+    `student_layers` evenly spaced teacher layers (a student larger than the teacher is an error)."""
+    from optimize.prune import Layout, keep_layers, student_copy
+
+    teacher_layers = len(Layout(teacher).layers)
+    if module is teacher:
+        if cfg.student_layers is None:
+            raise RecipeError("distill needs a student: add a prune stage or set distill.params.student_layers")
+        if cfg.student_layers > teacher_layers:
+            raise RecipeError(f"distill.params.student_layers={cfg.student_layers} is larger than the teacher "
+                              f"({teacher_layers} layers): the student must be smaller")
+        module = student_copy(teacher)
+        kept = evenly_spaced(teacher_layers, cfg.student_layers)
+        keep_layers(module, kept)
+    else:
+        if cfg.student_layers is not None:
+            raise RecipeError("distill.params.student_layers is for runs without a prune stage (the prune "
+                              "stage already made the student)")
+        kept = (ctx.records.get("stages", {}).get("prune") or {}).get("kept_layers")
+        kept = kept or evenly_spaced(teacher_layers, len(Layout(module).layers))
+    if _parameters(module) > _parameters(teacher):
+        raise RecipeError("distill: the student is larger than the teacher")
+    return module.train(), kept[:-1] + [teacher_layers - 1]
+
+
+def evenly_spaced(total: int, keep: int) -> list[int]:
+    """keep indices out of range(total), spread out and ending with the last (6 -> 3: 1, 3, 5)."""
+    return [round((j + 1) * total / keep) - 1 for j in range(keep)]
+
+
+def _parameters(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+# ---------------------------------------------------------------- data
+
+class Batches:
+    """batch(step) -> dict of int64 tensors; deterministic in the step, so a resumed run sees the
+    same data it would have seen without the interruption."""
+
+    def __init__(self, samples: dict, batch_size: int, seed: int):
+        self.samples, self.batch_size, self.seed = samples, batch_size, seed
+        self.count = len(next(iter(samples.values())))
+
+    @classmethod
+    def for_task(cls, task: str, ctx, cfg: DistillConfig) -> "Batches":
+        import torch
+
+        texts = ctx.calibration().items
+        if task == "causal_lm":
+            from optimize.llm import Tokens
+
+            ids = Tokens(ctx)("\n\n".join(texts))
+            windows = len(ids) // cfg.seq_len
+            if windows < 1:
+                raise RecipeError(f"the calibration text has {len(ids)} tokens, fewer than distill.params.seq_len")
+            samples = {"input_ids": torch.tensor(ids[: windows * cfg.seq_len]).reshape(windows, cfg.seq_len)}
+        else:
+            samples = {k: torch.as_tensor(v)[:, : cfg.seq_len] for k, v in ctx.encode(texts).items()}
+        return cls(samples, cfg.batch_size, cfg.seed)
+
+    def batch(self, step: int) -> dict:
+        import torch
+
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        rows = torch.randperm(self.count, generator=generator)[: self.batch_size]
+        return {k: v[rows] for k, v in self.samples.items()}
+
+
+# ---------------------------------------------------------------- losses
+
+class Objective:
+    """loss(batch) -> (total, parts) for the task's outputs plus hidden states."""
+
+    def __init__(self, teacher, student, layer_map, cfg: DistillConfig):
+        self.teacher, self.student, self.layer_map, self.cfg = teacher, student, layer_map, cfg
+
+    @staticmethod
+    def for_task(task, teacher, student, layer_map, cfg, ctx) -> "Objective":
+        if task == "causal_lm":
+            return LogitObjective(teacher, student, layer_map, cfg)
+        return EmbeddingObjective(teacher, student, layer_map, cfg, ctx)
+
+    def hidden_loss(self, student_hidden, teacher_hidden, mask):
+        """Mean over mapped layers of MSE(student j, teacher layer_map[j]) / mean(teacher^2)."""
+        losses = []
+        weights = mask.unsqueeze(-1).float()
+        for j, t in enumerate(self.layer_map):
+            s_h, t_h = student_hidden[j + 1], teacher_hidden[t + 1]  # index 0 is the embedding output
+            scale = (t_h.pow(2) * weights).sum() / weights.sum() / t_h.shape[-1]
+            losses.append(((s_h - t_h).pow(2) * weights).sum() / weights.sum() / t_h.shape[-1] / scale.clamp(min=1e-8))
+        return sum(losses) / len(losses)
+
+    def combine(self, output, hidden):
+        total = self.cfg.output_weight * output + self.cfg.hidden_weight * hidden
+        return total, {"output": float(output), "hidden": float(hidden)}
+
+    def before_training(self, student, ctx) -> dict:
+        return {}
+
+
+class EmbeddingObjective(Objective):
+    def __init__(self, teacher, student, layer_map, cfg, ctx):
+        from optimize import tasks
+
+        super().__init__(teacher, student, layer_map, cfg)
+        tasks.get("sentence_embedding").module(teacher, ctx)  # records the model's pooling
+        self.pooling = ctx.records["pooling"]
+
+    def loss(self, batch):
+        import torch
+
+        mask = batch["attention_mask"]
+        with torch.no_grad():
+            t_out = self.teacher(**batch, output_hidden_states=True)
+            t_emb = _pool(t_out.last_hidden_state, mask, self.pooling)
+        s_out = self.student(**batch, output_hidden_states=True)
+        s_emb = _pool(s_out.last_hidden_state, mask, self.pooling)
+        output = 1 - torch.nn.functional.cosine_similarity(s_emb, t_emb, dim=-1).mean()
+        return self.combine(output, self.hidden_loss(s_out.hidden_states, t_out.hidden_states, mask))
+
+
+def _pool(hidden, mask, pooling: dict):
+    """The task's pooling (mean over real tokens, or CLS; normalized if the model says so), with gradients."""
+    import torch
+
+    if pooling["mode"] == "cls":
+        pooled = hidden[:, 0]
+    else:
+        weights = mask.unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp(min=1e-9)
+    return torch.nn.functional.normalize(pooled, dim=-1) if pooling["normalize"] else pooled
+
+
+class LogitObjective(Objective):
+    def loss(self, batch):
+        import torch
+        import torch.nn.functional as F
+
+        ids = batch["input_ids"]
+        mask = torch.ones_like(ids)
+        with torch.no_grad():
+            t_out = self.teacher(input_ids=ids, output_hidden_states=True, use_cache=False)
+        s_out = self.student(input_ids=ids, output_hidden_states=True, use_cache=False)
+        temp = self.cfg.temperature
+        vocab = s_out.logits.shape[-1]
+        # KL(teacher || student) per token, averaged over tokens; T^2 restores the gradient scale.
+        kl = F.kl_div(F.log_softmax(s_out.logits.float().reshape(-1, vocab) / temp, -1),
+                      F.log_softmax(t_out.logits.float().reshape(-1, vocab) / temp, -1),
+                      log_target=True, reduction="batchmean") * temp ** 2
+        return self.combine(kl, self.hidden_loss(s_out.hidden_states, t_out.hidden_states, mask))
+
+    def before_training(self, student, ctx) -> dict:
+        """Held-out perplexity of the pruned-only student (the middle column of the report), scored
+        on the same tokens the evaluation uses; a hook adds the row and the recovery figure."""
+        from optimize import llm
+
+        cfg = llm.eval_config(ctx)
+        tokens = llm.Tokens(ctx)
+        ids = tokens("\n\n".join(ctx.evaluation_data().items))[: cfg.perplexity_tokens]
+        student.eval()
+        pruned = llm.perplexity(llm.TorchLM(student), ids, cfg.perplexity_window)
+        student.train()
+        ctx.metric_hooks.append(lambda metrics: add_recovery(metrics, pruned))
+        log.info("pruned-only perplexity before distillation: %.3f", pruned)
+        return {"pruned_only_perplexity": pruned}
+
+
+def add_recovery(metrics: dict, pruned: float) -> None:
+    """Share of the perplexity lost to pruning that distillation won back:
+    (ppl_pruned - ppl_distilled) / (ppl_pruned - ppl_original)."""
+    base, cand = metrics["baseline"].get("perplexity"), metrics["candidate"].get("perplexity")
+    if base is None or cand is None:
+        return
+    lost = pruned - base
+    recovery = (pruned - cand) / lost if lost > 0 else 1.0
+    metrics["candidate"]["pruned_only_perplexity"] = pruned
+    metrics["candidate"]["distill_recovery"] = recovery
+    metrics.setdefault("table", []).insert(1, [
+        "perplexity: original / pruned-only / pruned+distilled", f"{base:.3f}",
+        f"{pruned:.3f} / {cand:.3f}", f"recovered {recovery * 100:.0f}% of the pruning loss"])
+
+
+# ---------------------------------------------------------------- training loop with checkpoints
+
+def checkpoint_dir(ctx, cfg: DistillConfig) -> Path:
+    """$OPTIMIZE_CACHE/distill/<sha256 of (source hash, prune + distill config, calibration hash)>."""
+    from omegaconf import OmegaConf
+
+    from optimize import llm, pipeline
+
+    config = {k: v for k, v in asdict(cfg).items() if k not in RUN_BOUNDS}
+    identity = {"source": pipeline._source_hash(ctx.source) or ctx.source.location,
+                "prune": OmegaConf.to_container(ctx.cfg.prune, resolve=True), "distill": config,
+                "calibration": ctx.calibration().describe()}
+    key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
+    return llm.cache_root() / "distill" / key
+
+
+def train(student, objective, batches: Batches, cfg: DistillConfig, folder: Path) -> dict:
+    """AdamW until max_steps or max_seconds; checkpoints every checkpoint_every steps and at the end."""
+    import torch
+    from tqdm.auto import tqdm
+
+    optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=cfg.lr)
+    state = load_checkpoint(folder, student, optimizer) if cfg.resume else None
+    step, losses = (state["step"], state["losses"]) if state else (0, [])
+    resumed_from, started, stopped_by = step, time.monotonic(), "max_steps"
+    student.train()
+    bar = tqdm(total=cfg.max_steps, initial=step, desc="distill", unit="step", mininterval=2)
+    while step < cfg.max_steps:
+        if cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds:
+            stopped_by = "max_seconds"
+            break
+        total, parts = objective.loss(batches.batch(step))
+        optimizer.zero_grad(set_to_none=True)
+        total.backward()
+        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        losses.append(round(float(total), 6))
+        bar.update(1)
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", **{k: f"{v:.4f}" for k, v in parts.items()})
+        if step % cfg.checkpoint_every == 0:
+            save_checkpoint(folder, student, optimizer, step, losses)
+    bar.close()
+    if step > resumed_from:
+        save_checkpoint(folder, student, optimizer, step, losses)
+    student.eval()
+    return {"steps": step, "resumed_from_step": resumed_from, "stopped_by": stopped_by,
+            "train_seconds": round(time.monotonic() - started, 1), "checkpoint": str(folder), "losses": losses}
+
+
+def save_checkpoint(folder: Path, student, optimizer, step: int, losses: list[float]) -> None:
+    """Weights as safetensors, optimizer tensors with torch.save (loaded weights_only), step and
+    losses as JSON; written to a temp dir and renamed so a kill mid-save leaves the old one intact."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_model
+
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_model(student, str(tmp / "student.safetensors"))
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    (tmp / "state.json").write_text(json.dumps({"step": step, "losses": losses}))
+    old = folder.with_name(folder.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(folder: Path, student, optimizer) -> Optional[dict]:
+    import torch
+    from safetensors.torch import load_model
+
+    if not (folder / "state.json").is_file():
+        return None
+    load_model(student, str(folder / "student.safetensors"))
+    optimizer.load_state_dict(torch.load(folder / "optimizer.pt", weights_only=True))
+    state = json.loads((folder / "state.json").read_text())
+    log.info("distill: resuming from step %d (%s)", state["step"], folder)
+    return state
+
+
+def plot_losses(losses: list[float], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("distillation loss")
+    ax.set_yscale("log" if losses and min(losses) > 0 else "linear")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

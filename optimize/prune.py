@@ -1,0 +1,392 @@
+"""Prune stage: smaller dense models (structured) and zeroed weights (unstructured, 2:4).
+
+Structured pruning removes whole layers (depth), attention heads and FFN channels (width), ranked
+by activations on calibration data as in NVIDIA Minitron (arXiv 2407.14679):
+- a layer's importance is 1 - cos(its input, its output) averaged over tokens (block importance):
+  a layer that barely turns its input is the cheapest to drop;
+- a head's importance is the mean L2 norm of its attention output (before the output projection);
+- an FFN channel's importance is the mean |activation| entering the down projection.
+The result is an ordinary (smaller) Hugging Face model that exports through the same engines.
+Layouts known: BERT-style encoders (BertModel and relatives) and Llama-style decoders.
+
+Example recipe (MiniLM, 6 -> 3 layers):
+
+    prune:
+      method: structured
+      params: {layers: 3, calibration_samples: 32}
+
+Unstructured magnitude and 2:4 sparsity only zero weights: the tensors stay dense, so nothing is
+faster or smaller without sparse kernels (2:4 needs a GPU with sparse tensor cores).
+"""
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from optimize.errors import RecipeError
+from optimize.registry import register
+
+log = logging.getLogger(__name__)
+TORCH_TASKS = ("sentence_embedding", "causal_lm")
+NO_SPEEDUP_NOTE = ("weights are zeroed but stored dense: no time or size is saved without sparse kernels "
+                   "(2:4 needs a GPU with sparse tensor cores, e.g. NVIDIA Ampere or newer)")
+
+
+# ---------------------------------------------------------------- model layouts
+
+class Layout:
+    """Where a transformer keeps its layers, attention and FFN projections."""
+
+    def __init__(self, model):
+        self.model = model
+        if hasattr(model, "encoder") and hasattr(model.encoder, "layer"):  # BERT family
+            self.kind, self.owner, self.attr = "bert", model.encoder, "layer"
+        elif hasattr(model, "model") and hasattr(model.model, "layers"):  # Llama family (ForCausalLM)
+            self.kind, self.owner, self.attr = "llama", model.model, "layers"
+        else:
+            raise RecipeError(f"prune: {type(model).__name__} is not a BERT-style encoder or Llama-style decoder")
+
+    @property
+    def layers(self):
+        return getattr(self.owner, self.attr)
+
+    def set_layers(self, layers) -> None:
+        import torch
+
+        setattr(self.owner, self.attr, torch.nn.ModuleList(layers))
+
+    def heads(self) -> int:
+        return self.model.config.num_attention_heads
+
+    def head_dim(self) -> int:
+        config = self.model.config
+        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+    def qkv(self, layer):
+        if self.kind == "bert":
+            s = layer.attention.self
+            return s, ("query", "key", "value")
+        return layer.self_attn, ("q_proj", "k_proj", "v_proj")
+
+    def attention_out(self, layer):
+        return layer.attention.output.dense if self.kind == "bert" else layer.self_attn.o_proj
+
+    def ffn_in(self, layer):
+        """(owner, names) of the Linear layers that make the FFN channels."""
+        if self.kind == "bert":
+            return layer.intermediate, ("dense",)
+        return layer.mlp, ("gate_proj", "up_proj")
+
+    def ffn_out(self, layer):
+        return layer.output.dense if self.kind == "bert" else layer.mlp.down_proj
+
+    def inputs(self, batch: dict) -> dict:
+        import torch
+
+        names = ("input_ids", "attention_mask", "token_type_ids") if self.kind == "bert" else ("input_ids", "attention_mask")
+        return {n: torch.as_tensor(batch[n]) for n in names if n in batch}
+
+
+def slice_linear(linear, rows=None, cols=None):
+    """A new Linear keeping output features `rows` and input features `cols` (None: all)."""
+    import torch
+
+    weight = linear.weight.detach()
+    weight = weight[rows] if rows is not None else weight
+    weight = weight[:, cols] if cols is not None else weight
+    bias = linear.bias
+    new = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
+    new.weight.data.copy_(weight)
+    if bias is not None:
+        new.bias.data.copy_(bias.detach()[rows] if rows is not None else bias.detach())
+    return new
+
+
+def student_copy(module):
+    """A deep copy the stage may change; the source module stays the untouched teacher/baseline.
+    A GGUF-loaded config carries quantization_config, which makes save_pretrained refuse: drop it."""
+    student = copy.deepcopy(module)
+    if hasattr(student.config, "quantization_config"):
+        del student.config.quantization_config
+    for attr in ("hf_quantizer", "quantization_method", "is_quantized"):
+        if attr in student.__dict__:
+            delattr(student, attr)
+    return student
+
+
+def keep_layers(model, kept: list[int]) -> None:
+    """Keep these layers, in order; decoders renumber layer_idx so the KV cache indexes match."""
+    layout = Layout(model)
+    layers = [layout.layers[i] for i in kept]
+    for new_index, layer in enumerate(layers):
+        attention = getattr(layer, "self_attn", None)
+        if attention is not None and hasattr(attention, "layer_idx"):
+            attention.layer_idx = new_index
+    layout.set_layers(layers)
+    config = model.config
+    config.num_hidden_layers = len(kept)
+    if getattr(config, "layer_types", None):
+        config.layer_types = [config.layer_types[i] for i in kept]
+
+
+# ---------------------------------------------------------------- importance (activation-based)
+
+def collect_importance(model, batches: list[dict]) -> dict:
+    """One pass over calibration batches with hooks: per-layer block importance, per-head and
+    per-channel activation magnitudes (summed over tokens, then averaged)."""
+    import torch
+
+    layout = Layout(model)
+    head_dim = layout.head_dim()
+    sums = {"heads": [0.0] * len(layout.layers), "ffn": [0.0] * len(layout.layers)}
+    hooks = []
+
+    def on_attention_input(i):
+        def hook(_module, args):
+            x = args[0].detach().float()  # [B, T, heads * head_dim]
+            norms = x.reshape(*x.shape[:-1], -1, head_dim).norm(dim=-1)  # [B, T, heads]
+            sums["heads"][i] = sums["heads"][i] + norms.reshape(-1, norms.shape[-1]).mean(0)
+        return hook
+
+    def on_ffn_input(i):
+        def hook(_module, args):
+            x = args[0].detach().float()
+            sums["ffn"][i] = sums["ffn"][i] + x.abs().reshape(-1, x.shape[-1]).mean(0)
+        return hook
+
+    for i, layer in enumerate(layout.layers):
+        hooks.append(layout.attention_out(layer).register_forward_pre_hook(on_attention_input(i)))
+        hooks.append(layout.ffn_out(layer).register_forward_pre_hook(on_ffn_input(i)))
+    block = torch.zeros(len(layout.layers))
+    try:
+        with torch.inference_mode():
+            for batch in batches:
+                out = model(**layout.inputs(batch), output_hidden_states=True)
+                block += _block_importance(out.hidden_states, batch.get("attention_mask"))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    n = len(batches)
+    return {"layers": (block / n).tolist(), "heads": [h / n for h in sums["heads"]], "ffn": [f / n for f in sums["ffn"]]}
+
+
+def _block_importance(hidden_states, mask) -> "torch.Tensor":
+    """1 - mean cosine(input of layer i, output of layer i) over real tokens, per layer."""
+    import torch
+
+    scores = []
+    weights = torch.as_tensor(mask).float() if mask is not None else None
+    for before, after in zip(hidden_states[:-1], hidden_states[1:]):
+        cos = torch.nn.functional.cosine_similarity(before.float(), after.float(), dim=-1)  # [B, T]
+        mean = (cos * weights).sum() / weights.sum() if weights is not None else cos.mean()
+        scores.append(1 - mean)
+    return torch.stack(scores)
+
+
+# ---------------------------------------------------------------- structured pruning
+
+@dataclass
+class StructuredPruneConfig:
+    """Targets are what is KEPT: exact sizes (layers, heads per layer, FFN channels) or fractions."""
+
+    layers: Optional[int] = None
+    heads: Optional[int] = None  # attention heads kept per layer (BERT-style encoders)
+    ffn: Optional[int] = None  # FFN channels (intermediate size) kept per layer
+    layers_ratio: Optional[float] = None
+    heads_ratio: Optional[float] = None
+    ffn_ratio: Optional[float] = None
+    calibration_samples: int = 32  # calibration texts scored for importance
+    batch_size: int = 8
+
+    def validate(self):
+        for exact, ratio in (("layers", "layers_ratio"), ("heads", "heads_ratio"), ("ffn", "ffn_ratio")):
+            value, fraction = getattr(self, exact), getattr(self, ratio)
+            if value is not None and fraction is not None:
+                raise RecipeError(f"prune.params: set {exact} or {ratio}, not both")
+            if value is not None and value < 1:
+                raise RecipeError(f"prune.params.{exact}={value}: keep at least 1")
+            if fraction is not None and not 0 < fraction <= 1:
+                raise RecipeError(f"prune.params.{ratio}={fraction}: the fraction kept must be in (0, 1]")
+        if all(getattr(self, k) is None for k in ("layers", "heads", "ffn", "layers_ratio", "heads_ratio", "ffn_ratio")):
+            raise RecipeError("prune.method=structured needs a target: layers, heads, ffn or a *_ratio")
+        if self.calibration_samples < 1 or self.batch_size < 1:
+            raise RecipeError("prune.params.calibration_samples and batch_size must be at least 1")
+
+    def target(self, name: str, total: int) -> int:
+        """Units kept out of `total`; a target above what exists is a recipe error."""
+        exact, fraction = getattr(self, name), getattr(self, name + "_ratio")
+        kept = exact if exact is not None else total if fraction is None else max(1, round(fraction * total))
+        if kept > total:
+            raise RecipeError(f"prune.params.{name}={kept}, but the model has only {total} "
+                              f"{ {'layers': 'layers', 'heads': 'attention heads per layer', 'ffn': 'FFN channels per layer'}[name]}")
+        return kept
+
+
+@register("prune", "structured", StructuredPruneConfig, input_format="torch", needs_calibration=True,
+          tasks=TORCH_TASKS)
+def structured(model, cfg: StructuredPruneConfig, ctx):
+    """Remove layers, attention heads and FFN channels ranked by calibration activations (Minitron)."""
+    if model.kind != "torch":
+        raise RecipeError("prune.method=structured needs a PyTorch model (not an ONNX source)")
+    student = student_copy(model.module).eval()
+    layout = Layout(student)
+    targets = {"layers": cfg.target("layers", len(layout.layers)), "heads": cfg.target("heads", layout.heads()),
+               "ffn": cfg.target("ffn", student.config.intermediate_size)}
+    if targets["heads"] < layout.heads() and layout.kind != "bert":
+        raise RecipeError("prune.params.heads: head pruning supports BERT-style encoders; for Llama-style "
+                          "decoders (grouped KV heads) prune layers or ffn")
+    before = parameter_count(student)
+    scores = collect_importance(student, calibration_batches(ctx, cfg))
+    removed = {"layers": prune_layers(student, scores["layers"], targets["layers"])}
+    kept_layers = [i for i in range(len(scores["layers"])) if i not in removed["layers"]]
+    removed["heads"] = prune_heads(student, [scores["heads"][i] for i in kept_layers], targets["heads"])
+    removed["ffn_channels"] = prune_ffn(student, [scores["ffn"][i] for i in kept_layers], targets["ffn"])
+    ctx.record("prune", {"method": "structured", "targets": targets, "kept_layers": kept_layers,
+                         "removed": removed, "layer_importance": [round(s, 5) for s in scores["layers"]],
+                         "parameters": {"before": before, "after": parameter_count(student)}})
+    log.info("structured prune: %s -> %d parameters (was %d)", targets, parameter_count(student), before)
+    return _replace_module(model, student)
+
+
+def calibration_batches(ctx, cfg) -> list[dict]:
+    texts = ctx.calibration().items[: cfg.calibration_samples]
+    return [ctx.encode(texts[i:i + cfg.batch_size]) for i in range(0, len(texts), cfg.batch_size)]
+
+
+def prune_layers(model, importance: list[float], keep: int) -> list[int]:
+    """Drop the layers with the lowest block importance; returns the removed indices."""
+    ranked = sorted(range(len(importance)), key=lambda i: importance[i], reverse=True)
+    kept = sorted(ranked[:keep])
+    keep_layers(model, kept)
+    return [i for i in range(len(importance)) if i not in kept]
+
+
+def prune_heads(model, importance: list, keep: int) -> dict:
+    """Keep the `keep` strongest heads in every layer (the same count everywhere, so the config
+    stays uniform): slice q/k/v output rows and the output projection's input columns."""
+    layout = Layout(model)
+    if keep >= layout.heads():
+        return {}
+    head_dim, removed = layout.head_dim(), {}
+    for i, (layer, scores) in enumerate(zip(layout.layers, importance)):
+        heads = sorted(scores.argsort(descending=True)[:keep].tolist())
+        rows = [h * head_dim + d for h in heads for d in range(head_dim)]
+        owner, names = layout.qkv(layer)
+        for name in names:
+            setattr(owner, name, slice_linear(getattr(owner, name), rows=rows))
+        layer.attention.output.dense = slice_linear(layout.attention_out(layer), cols=rows)
+        owner.num_attention_heads, owner.all_head_size = keep, keep * head_dim
+        removed[i] = [h for h in range(layout.heads()) if h not in heads]
+    model.config.num_attention_heads = keep
+    return removed
+
+
+def prune_ffn(model, importance: list, keep: int) -> dict:
+    """Keep the `keep` most active FFN channels per layer: rows of the up (and gate) projections,
+    columns of the down projection."""
+    layout = Layout(model)
+    total = model.config.intermediate_size
+    if keep >= total:
+        return {}
+    for layer, scores in zip(layout.layers, importance):
+        channels = sorted(scores.argsort(descending=True)[:keep].tolist())
+        owner, names = layout.ffn_in(layer)
+        for name in names:
+            setattr(owner, name, slice_linear(getattr(owner, name), rows=channels))
+        _set_ffn_out(layout, layer, slice_linear(layout.ffn_out(layer), cols=channels))
+    model.config.intermediate_size = keep
+    return {"per_layer": total - keep, "of": total}
+
+
+def _set_ffn_out(layout, layer, linear) -> None:
+    if layout.kind == "bert":
+        layer.output.dense = linear
+    else:
+        layer.mlp.down_proj = linear
+
+
+def parameter_count(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def _replace_module(model, module):
+    import dataclasses
+
+    return dataclasses.replace(model, module=module)
+
+
+# ---------------------------------------------------------------- unstructured and 2:4 sparsity
+
+@dataclass
+class MagnitudeConfig:
+    sparsity: float = 0.5  # fraction of each Linear weight set to zero (smallest |w| first)
+
+    def validate(self):
+        if not 0 <= self.sparsity < 1:
+            raise RecipeError(f"prune.params.sparsity={self.sparsity}: use a fraction in [0, 1)")
+
+
+@dataclass
+class SemiStructuredConfig:
+    pass
+
+
+def sparse_targets(module) -> list:
+    """Linear layers inside the transformer blocks (embeddings and the LM head are left dense)."""
+    import torch
+
+    layout = Layout(module)
+    return [m for layer in layout.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def magnitude_mask(weight, sparsity: float):
+    """True where |w| is above the `sparsity` quantile of the tensor."""
+    k = int(weight.numel() * sparsity)
+    if k == 0:
+        return weight.new_ones(weight.shape, dtype=bool)
+    threshold = weight.abs().flatten().kthvalue(k).values
+    return weight.abs() > threshold
+
+
+def two_four_mask(weight):
+    """In every group of 4 consecutive input weights keep the 2 largest |w| (NVIDIA 2:4 pattern)."""
+    rows, cols = weight.shape
+    if cols % 4:
+        raise RecipeError(f"2:4 sparsity needs input sizes divisible by 4 (found {cols})")
+    groups = weight.abs().reshape(rows, cols // 4, 4)
+    top = groups.topk(2, dim=-1).indices
+    mask = groups.new_zeros(groups.shape, dtype=bool).scatter_(-1, top, True)
+    return mask.reshape(rows, cols)
+
+
+def _sparsify(model, ctx, method: str, make_mask) -> object:
+    import torch
+
+    if model.kind != "torch":
+        raise RecipeError(f"prune.method={method} needs a PyTorch model (not an ONNX source)")
+    student = student_copy(model.module)
+    zeros = total = 0
+    with torch.no_grad():
+        for linear in sparse_targets(student):
+            mask = make_mask(linear.weight)
+            linear.weight.mul_(mask)
+            zeros += int((~mask).sum())
+            total += mask.numel()
+    ctx.record("prune", {"method": method, "zeroed_weights": zeros, "of": total,
+                         "sparsity": round(zeros / max(total, 1), 4), "note": NO_SPEEDUP_NOTE})
+    log.warning("prune %s: %s", method, NO_SPEEDUP_NOTE)
+    return _replace_module(model, student)
+
+
+@register("prune", "magnitude_unstructured", MagnitudeConfig, input_format="torch", tasks=TORCH_TASKS)
+def magnitude_unstructured(model, cfg: MagnitudeConfig, ctx):
+    """Zero the smallest-magnitude weights of each Linear (no speedup without sparse kernels)."""
+    return _sparsify(model, ctx, "magnitude_unstructured", lambda w: magnitude_mask(w, cfg.sparsity))
+
+
+@register("prune", "semi_structured_2_4", SemiStructuredConfig, input_format="torch", tasks=TORCH_TASKS)
+def semi_structured_2_4(model, cfg: SemiStructuredConfig, ctx):
+    """2:4 sparsity: 2 of every 4 weights zero (fast only with GPU sparse tensor cores)."""
+    return _sparsify(model, ctx, "semi_structured_2_4", two_four_mask)
