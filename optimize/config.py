@@ -80,6 +80,16 @@ class GateConfig:
 
 
 @dataclass
+class ServeConfig:
+    """Serving defaults recorded in the artifact; `python -m serve` flags override them."""
+
+    max_batch_size: int = 32
+    max_queue_delay_ms: float = 5.0
+    max_queue: int = 256
+    timeout_s: float = 30.0
+
+
+@dataclass
 class RecipeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     calibration: DataConfig = field(default_factory=DataConfig)
@@ -89,6 +99,7 @@ class RecipeConfig:
     engine: MethodConfig = field(default_factory=lambda: MethodConfig(method="onnx"))
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     gate: GateConfig = field(default_factory=GateConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     output_dir: Optional[str] = None  # final artifact path; default: <hydra run dir>/artifact
     overwrite: bool = False
     seed: int = 0
