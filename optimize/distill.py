@@ -51,6 +51,7 @@ class DistillConfig:
     output_weight: float = 1.0  # logit KL (causal LMs) or 1 - embedding cosine (encoders)
     hidden_weight: float = 1.0
     student_layers: Optional[int] = None  # no prune stage: the student keeps this many teacher layers
+    train_embeddings: bool = False  # frozen by default: they are the teacher's, and the largest tensors
     checkpoint_every: int = 50
     resume: bool = True
     seed: int = 0
@@ -88,7 +89,7 @@ def logit_hidden_kd(model, cfg: DistillConfig, ctx):
     ctx.extra_files["distill/loss_curve.png"] = plot_losses(run["losses"], ctx.scratch / "distill_loss.png")
     ctx.record("distill", {"method": "logit_hidden_kd", "layer_map": layer_map, **before,
                            **{k: v for k, v in run.items() if k != "losses"}, "loss_curve": "distill/loss_curve.png",
-                           "loss_first_last": [run["losses"][0], run["losses"][-1]] if run["losses"] else []})
+                           "loss_curve_summary": loss_summary(run["losses"])})
     return dataclasses.replace(model, module=student.eval())
 
 
@@ -117,7 +118,9 @@ def make_student(module, teacher, cfg: DistillConfig, ctx):
         kept = kept or evenly_spaced(teacher_layers, len(Layout(module).layers))
     if _parameters(module) > _parameters(teacher):
         raise RecipeError("distill: the student is larger than the teacher")
-    return module.train(), kept[:-1] + [teacher_layers - 1]
+    if not cfg.train_embeddings:  # (tied LM heads share this weight and stay frozen with it)
+        module.get_input_embeddings().requires_grad_(False)
+    return module.eval(), kept[:-1] + [teacher_layers - 1]
 
 
 def evenly_spaced(total: int, keep: int) -> list[int]:
@@ -190,7 +193,7 @@ class Objective:
 
     def combine(self, output, hidden):
         total = self.cfg.output_weight * output + self.cfg.hidden_weight * hidden
-        return total, {"output": float(output), "hidden": float(hidden)}
+        return total, {"output": float(output.detach()), "hidden": float(hidden.detach())}
 
     def before_training(self, student, ctx) -> dict:
         return {}
@@ -255,9 +258,7 @@ class LogitObjective(Objective):
         cfg = llm.eval_config(ctx)
         tokens = llm.Tokens(ctx)
         ids = tokens("\n\n".join(ctx.evaluation_data().items))[: cfg.perplexity_tokens]
-        student.eval()
         pruned = llm.perplexity(llm.TorchLM(student), ids, cfg.perplexity_window)
-        student.train()
         ctx.metric_hooks.append(lambda metrics: add_recovery(metrics, pruned))
         log.info("pruned-only perplexity before distillation: %.3f", pruned)
         return {"pruned_only_perplexity": pruned}
@@ -276,6 +277,14 @@ def add_recovery(metrics: dict, pruned: float) -> None:
     metrics.setdefault("table", []).insert(1, [
         "perplexity: original / pruned-only / pruned+distilled", f"{base:.3f}",
         f"{pruned:.3f} / {cand:.3f}", f"recovered {recovery * 100:.0f}% of the pruning loss"])
+
+
+def loss_summary(losses: list[float]) -> dict:
+    """First and last five-step means (single steps are noisy: every batch is different)."""
+    if not losses:
+        return {}
+    return {"first5_mean": sum(losses[:5]) / len(losses[:5]), "last5_mean": sum(losses[-5:]) / len(losses[-5:]),
+            "min": min(losses), "steps": len(losses)}
 
 
 # ---------------------------------------------------------------- training loop with checkpoints
@@ -303,7 +312,9 @@ def train(student, objective, batches: Batches, cfg: DistillConfig, folder: Path
     state = load_checkpoint(folder, student, optimizer) if cfg.resume else None
     step, losses = (state["step"], state["losses"]) if state else (0, [])
     resumed_from, started, stopped_by = step, time.monotonic(), "max_steps"
-    student.train()
+    # The student trains in eval mode (dropout off): it imitates the teacher's deterministic
+    # outputs, and a resumed run reproduces an uninterrupted one exactly.
+    student.eval()
     bar = tqdm(total=cfg.max_steps, initial=step, desc="distill", unit="step", mininterval=2)
     while step < cfg.max_steps:
         if cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds:

@@ -1,0 +1,89 @@
+"""The distillation loop on tiny random models: the loss goes down, an interrupted run resumes from
+its checkpoint, the loss curve ships, and a student larger than the teacher is a recipe error."""
+from __future__ import annotations
+
+import pytest
+
+from optimize import distill
+from optimize.errors import RecipeError
+from optimize.registry import build_config, get
+from tests.conftest import run_optimize
+from tests.prune_helpers import FakeContext, tiny_bert, tiny_llama, torch_model
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTIMIZE_CACHE", str(tmp_path / "cache"))
+
+
+def run_distill(teacher, tmp_path, **params):
+    ctx = FakeContext(teacher, tmp_path)
+    cfg = build_config(get("distill", "logit_hidden_kd"),
+                       dict({"batch_size": 8, "seq_len": 16, "lr": 3e-3, "max_seconds": None}, **params))
+    out = distill.logit_hidden_kd(torch_model(teacher), cfg, ctx)
+    return out, ctx.records["stages"]["distill"], ctx
+
+
+def test_loss_goes_down_and_the_curve_ships(tmp_path):
+    teacher = tiny_bert()
+    out, record, ctx = run_distill(teacher, tmp_path, student_layers=2, max_steps=30)
+    losses = record["loss_curve_summary"]
+    assert losses["last5_mean"] < losses["first5_mean"] * 0.85
+    assert len(out.module.encoder.layer) == 2 and len(teacher.encoder.layer) == 4
+    assert record["layer_map"] == [1, 3]  # evenly spaced, the last student layer maps to the teacher's last
+    assert ctx.extra_files["distill/loss_curve.png"].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_interrupted_run_resumes_from_its_checkpoint(tmp_path):
+    import torch
+
+    _, first, _ = run_distill(tiny_bert(), tmp_path, student_layers=2, max_steps=4, checkpoint_every=2)
+    assert first["steps"] == 4 and first["resumed_from_step"] == 0
+    resumed, second, _ = run_distill(tiny_bert(), tmp_path, student_layers=2, max_steps=6, checkpoint_every=2)
+    assert second["resumed_from_step"] == 4 and second["steps"] == 6
+    torch.manual_seed(0)
+    straight, third, _ = run_distill(tiny_bert(), tmp_path, student_layers=2, max_steps=6, checkpoint_every=2,
+                                     resume=False, seed=0)
+    assert third["resumed_from_step"] == 0
+    # same data order and optimizer state: resuming gives the weights an uninterrupted run gives
+    for a, b in zip(resumed.module.parameters(), straight.module.parameters()):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_max_seconds_bounds_the_run(tmp_path):
+    _, record, _ = run_distill(tiny_bert(), tmp_path, student_layers=2, max_steps=10_000, max_seconds=0.5)
+    assert record["stopped_by"] == "max_seconds" and record["steps"] < 10_000
+
+
+def test_causal_lm_logit_kd_goes_down(tmp_path):
+    import torch
+
+    teacher = tiny_llama()
+    student, layer_map = distill.make_student(teacher, teacher, build_config(
+        get("distill", "logit_hidden_kd"), {"student_layers": 2}), FakeContext(teacher, tmp_path))
+    cfg = build_config(get("distill", "logit_hidden_kd"), {"max_steps": 25, "lr": 3e-3, "max_seconds": None})
+    objective = distill.LogitObjective(teacher, student, layer_map, cfg)
+    ids = torch.randint(0, 100, (32, 16), generator=torch.Generator().manual_seed(0))
+    run = distill.train(student, objective, distill.Batches({"input_ids": ids}, 8, 0), cfg, tmp_path / "ckpt")
+    assert sum(run["losses"][-5:]) < sum(run["losses"][:5]) * 0.85
+    assert (tmp_path / "ckpt" / "student.safetensors").is_file()  # tied LM head saved without pickle
+
+
+def test_a_student_larger_than_the_teacher_is_a_recipe_error(tmp_path):
+    with pytest.raises(RecipeError, match="larger than the teacher"):
+        run_distill(tiny_bert(), tmp_path, student_layers=5, max_steps=1)
+
+
+def test_distill_without_a_student_is_a_recipe_error(tmp_path):
+    with pytest.raises(RecipeError, match="needs a student"):
+        run_distill(tiny_bert(), tmp_path, max_steps=1)
+
+
+def test_cli_bad_targets_exit_2_with_one_clear_line(tmp_path):
+    common = ["recipe=minilm_prune_distill_int8", "calibration.count=16", "evaluate.data.count=16",
+              f"hydra.run.dir={tmp_path / 'run'}"]
+    heads = run_optimize(*common, "prune.params.heads=13", f"output_dir={tmp_path / 'a'}")
+    assert heads.returncode == 2 and "only 12 attention heads" in heads.stderr + heads.stdout
+    student = run_optimize(*common, "prune=none", "distill.params.student_layers=7", f"output_dir={tmp_path / 'b'}")
+    assert student.returncode == 2 and "larger than the teacher" in student.stderr + student.stdout
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
