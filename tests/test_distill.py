@@ -80,7 +80,7 @@ def test_distill_without_a_student_is_a_recipe_error(tmp_path):
 
 
 def test_cli_bad_targets_exit_2_with_one_clear_line(tmp_path):
-    common = ["recipe=minilm_prune_distill_int8", "calibration.count=16", "evaluate.data.count=16",
+    common = ["recipe=minilm_prune_distill_int8", "calibration.count=16", "evaluate.data.count=16", "evaluate.latency=false",
               f"hydra.run.dir={tmp_path / 'run'}"]
     heads = run_optimize(*common, "prune.params.heads=13", f"output_dir={tmp_path / 'a'}")
     assert heads.returncode == 2 and "only 12 attention heads" in heads.stderr + heads.stdout
