@@ -326,7 +326,7 @@ def train(student, objective, batches: Batches, cfg: DistillConfig, folder: Path
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         optimizer.step()
         step += 1
-        losses.append(round(float(total), 6))
+        losses.append(round(float(total.detach()), 6))
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", **{k: f"{v:.4f}" for k, v in parts.items()})
         if step % cfg.checkpoint_every == 0:

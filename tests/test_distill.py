@@ -87,3 +87,14 @@ def test_cli_bad_targets_exit_2_with_one_clear_line(tmp_path):
     student = run_optimize(*common, "prune=none", "distill.params.student_layers=7", f"output_dir={tmp_path / 'b'}")
     assert student.returncode == 2 and "larger than the teacher" in student.stderr + student.stdout
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_recovery_row_and_gate_for_original_pruned_and_distilled_perplexity():
+    from optimize import gate
+
+    metrics = {"baseline": {"perplexity": 10.0}, "candidate": {"perplexity": 14.0}, "table": [["perplexity", "", "", ""]]}
+    distill.add_recovery(metrics, pruned=20.0)  # lost 10, won back 6
+    assert metrics["candidate"]["distill_recovery"] == pytest.approx(0.6)
+    assert metrics["table"][1][1:3] == ["10.000", "20.000 / 14.000"]
+    verdict = gate.judge(metrics["baseline"], metrics["candidate"], {"min_distill_recovery": 0.5})
+    assert verdict.passed and verdict.checks[0].value == pytest.approx(0.6)
