@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from conftest import run_optimize
+from pipeline_support import run_optimize
 
 
 def assert_bad_input(proc, *fragments):

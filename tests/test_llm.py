@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, run_optimize
+from pipeline_support import ROOT, run_optimize
 
 
 def _tiny_source(out: Path) -> Path:

@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from conftest import ROOT
+from pipeline_support import ROOT
 
 
 def test_non_editable_install_runs_from_another_directory(tmp_path):

@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 import engines
-from conftest import FAST_OVERRIDES, ROOT, run_optimize
+from pipeline_support import FAST_OVERRIDES, ROOT, run_optimize
 from engines.artifact import read_manifest, verify
 from engines.text import TextEncoder
 

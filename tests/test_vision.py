@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.conftest import run_optimize
+from pipeline_support import run_optimize
 
 pytest.importorskip("sklearn")
 FAST = ["evaluate.latency=false", "calibration.count=64", "quantize.params.calibration_count=64",
