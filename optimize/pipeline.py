@@ -280,7 +280,9 @@ def _baseline(ctx: Context, source: SourceModel, task: tasks.Task) -> Subject:
               "allow_pickle": ctx.cfg.model.allow_pickle}
     runner = TorchRunner(task.module(source.module, ctx), list(task.input_names), list(task.output_names),
                          ctx.threads)
-    size = sum(t.numel() * t.element_size() for t in source.module.state_dict().values())
+    # Tied weights (an LM head sharing the embedding) appear twice in a state dict: count storage once.
+    unique = {t.data_ptr(): t.numel() * t.element_size() for t in source.module.state_dict().values()}
+    size = sum(unique.values())
     root = Path(source.location) if Path(source.location).exists() else Path(".")
     return Subject("baseline", runner, engine, root, size)
 
