@@ -138,11 +138,14 @@ def _weighted_matmuls(graph, op_types: list[str], excluded: list[str]) -> list[t
     return found
 
 
-def _simulated_error(x: np.ndarray, w: np.ndarray, per_channel: bool, reduce_range: bool) -> float:
-    """Relative error of x @ w when x is quantized like ONNX Runtime's DynamicQuantizeLinear (uint8,
-    per tensor, asymmetric) and w symmetric int8 (per output column when per_channel)."""
+def _simulated_error(x: np.ndarray, w: np.ndarray, per_channel: bool, reduce_range: bool,
+                     x_range: Optional[tuple[float, float]] = None) -> float:
+    """Relative error of x @ w when x is quantized to uint8, per tensor, asymmetric, and w to symmetric
+    int8 (per output column when per_channel). x's range is its own min/max, as ONNX Runtime's
+    DynamicQuantizeLinear computes it, unless `x_range` gives the calibrated range of a static model."""
     x = x.reshape(-1, x.shape[-1]).astype(np.float64)
-    lo, hi = min(x.min(), 0.0), max(x.max(), 0.0)
+    lo, hi = x_range if x_range is not None else (x.min(), x.max())
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
     x_scale = (hi - lo) / 255 or 1.0
     x_zero = np.round(-lo / x_scale)
     xq = (np.clip(np.round(x / x_scale) + x_zero, 0, 255) - x_zero) * x_scale
@@ -156,7 +159,9 @@ def _simulated_error(x: np.ndarray, w: np.ndarray, per_channel: bool, reduce_ran
 
 def _rank_by_simulated_error(onnx_path: Path, inputs: dict, cfg, reduce_range: bool) -> list[str]:
     """One FP32 run records every quantizable node's input; nodes are ranked by the relative error
-    that quantizing them alone adds to their own output (largest first)."""
+    that quantizing them alone adds to their own output (largest first). A static method's config
+    gives `activation_ranges` (tensor -> calibrated (low, high)): those ranges, clipping included,
+    are what its activations are quantized with."""
     import onnx
     from onnx import numpy_helper
 
@@ -173,10 +178,12 @@ def _rank_by_simulated_error(onnx_path: Path, inputs: dict, cfg, reduce_range: b
     onnx.save(model, str(probe))
     activations = OrtRunner(probe)(inputs)
     probe.unlink()
+    ranges = getattr(cfg, "activation_ranges", None) or {}
     errors = {}
     for name, activation, weight, trans_b in nodes:
         w = weights[weight].T if trans_b else weights[weight]
-        errors[name] = _simulated_error(activations[activation], w, cfg.per_channel, reduce_range)
+        errors[name] = _simulated_error(activations[activation], w, cfg.per_channel, reduce_range,
+                                        ranges.get(activation))
     return sorted(errors, key=errors.get, reverse=True)
 
 

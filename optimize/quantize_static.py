@@ -7,8 +7,11 @@ Choices that matter on CPUs:
 - reduce_range (7-bit weights) on CPUs without VNNI: AVX2's vpmaddubsw adds pairs of u8*s8 products
   into int16 and saturates with full-range weights. null picks it from the CPU.
 - Transformers have activation outliers: percentile or entropy calibration clips them, graph fusion
-  first (optimize_graph: bert) leaves LayerNorm/GELU fused in FP32, and the sensitivity fallback keeps
-  the nodes that hurt most in FP32.
+  first (the onnx engine's ORT fusions, or optimize_graph: bert for an ONNX model brought as is)
+  leaves LayerNorm/GELU/attention fused in FP32, and the sensitivity fallback keeps the nodes that
+  hurt most in FP32, ranked by the error their calibrated (clipped) ranges cause.
+- ONNX Runtime's MatMulConstBOnly option is ignored by the QDQ format, so MatMuls of two activations
+  (attention's Q@K^T and probabilities@V, when not fused) are excluded here by name.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
+
+import numpy as np
 
 from optimize.errors import RecipeError
 from optimize.quantize import (CalibrationReader, auto_reduce_range, onnx_input_names, quant_type, require_onnx,
@@ -82,6 +87,8 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
     reader = CalibrationReader(ctx.calibration_inputs(count), onnx_input_names(source), cfg.calibration_batch)
     reduce_range = auto_reduce_range(cfg.reduce_range)
     excluded = cfg.nodes_to_exclude + consumers_of(source, cfg.exclude_consumers_of)
+    if cfg.matmul_const_b_only:
+        excluded += [n for n in matmuls_without_constant_b(source) if n not in excluded]
     # Activation ranges do not depend on which nodes are excluded: calibrate once, and let every
     # fallback round reuse the cached ranges instead of re-running the calibration set.
     cache = out / "calibration_ranges.json"
@@ -95,8 +102,8 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
 
     fp32_nodes, score = [], None
     if cfg.fallback_min_cosine is not None:
-        fp32_nodes, score = sensitivity_fallback(model.with_onnx(source), _RankingView(cfg, excluded), ctx, quantize,
-                                                 reduce_range)
+        fp32_nodes, score = sensitivity_fallback(model.with_onnx(source), _RankingView(cfg, excluded, cache), ctx,
+                                                 quantize, reduce_range)
     path = quantize(fp32_nodes)
     ctx.record("quantize", {"method": "ort_int8_static_qdq", "format": "QDQ", "weights": cfg.weight_type,
                             "activations": f"{cfg.activation_type} static", "calibrate_method": cfg.calibrate_method,
@@ -114,7 +121,7 @@ def _quantize_static(source: Path, path: Path, reader, cfg: OrtInt8StaticConfig,
     method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
               "percentile": CalibrationMethod.Percentile}[cfg.calibrate_method]
     extra = {"WeightSymmetric": True, "ActivationSymmetric": cfg.symmetric_activations,
-             "MatMulConstBOnly": cfg.matmul_const_b_only, "CalibPercentile": cfg.percentile}
+             "CalibPercentile": cfg.percentile}
     quantize_static(str(source), str(path), reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=cfg.op_types,
                     per_channel=cfg.per_channel, reduce_range=reduce_range,
                     activation_type=quant_type(cfg.activation_type), weight_type=quant_type(cfg.weight_type),
@@ -133,6 +140,17 @@ def consumers_of(path: Path, op_types: list[str]) -> list[str]:
     return [n.name for n in graph.node if produced & set(n.input)]
 
 
+def matmuls_without_constant_b(path: Path) -> list[str]:
+    """Names of the MatMuls whose B input is computed, not a weight (attention's Q@K^T and
+    probabilities@V). ONNX Runtime's MatMulConstBOnly option only applies to the QOperator format, so
+    QDQ quantization has to be told by name."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    weights = {i.name for i in graph.initializer}
+    return [n.name for n in graph.node if n.op_type == "MatMul" and n.input[1] not in weights]
+
+
 def optimize_for_cpu(path: Path, out: Path) -> Path:
     """Fuse LayerNorm/SkipLayerNorm/GELU (onnxruntime.transformers.optimizer) so those stay FP32
     kernels and only the MatMuls between them get Q/DQ pairs."""
@@ -145,12 +163,32 @@ def optimize_for_cpu(path: Path, out: Path) -> Path:
 
 
 class _RankingView:
-    """What the shared sensitivity ranking reads from a config (op types and granularity)."""
+    """What the shared sensitivity ranking reads from a config: op types, granularity, and the
+    calibrated activation ranges (read once the first quantization has written them)."""
 
-    def __init__(self, cfg: OrtInt8StaticConfig, excluded: list[str]):
+    def __init__(self, cfg: OrtInt8StaticConfig, excluded: list[str], ranges_file: Path):
+        self.ranges_file = ranges_file
         self.op_types = [t for t in (cfg.op_types or ["MatMul", "Gemm"]) if t in ("MatMul", "Gemm")]
         self.per_channel = cfg.per_channel
         self.nodes_to_exclude = excluded  # already FP32: not ranked again
         self.fallback_min_cosine = cfg.fallback_min_cosine
         self.max_fp32_nodes = cfg.max_fp32_nodes
         self.sensitivity_samples = cfg.sensitivity_samples
+
+    @property
+    def activation_ranges(self) -> dict[str, tuple[float, float]]:
+        return read_calibration_ranges(self.ranges_file) if self.ranges_file.exists() else {}
+
+
+def read_calibration_ranges(path: Path) -> dict[str, tuple[float, float]]:
+    """tensor -> (low, high) from ONNX Runtime's calibration cache (its TensorsData JSON, where a
+    bound is a number or a serialized numpy array of one value)."""
+    import json
+
+    def number(value) -> float:
+        data = value["data"] if isinstance(value, dict) else value
+        return float(np.asarray(data, dtype=np.float64).reshape(-1)[0])
+
+    data = json.loads(path.read_text())["data"]
+    return {name: (number(r["lowest"]), number(r["highest"])) for name, r in data.items()
+            if r.get("lowest") is not None and r.get("highest") is not None}

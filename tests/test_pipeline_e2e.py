@@ -43,6 +43,10 @@ def test_default_recipe_end_to_end_on_a_small_evaluation_set(tmp_path):
     assert calib["count"] == 16 and calib["seed"] == 0 and len(calib["sha256"]) == 64
     assert evaluation["split"] == "evaluation" and evaluation["dropped_overlap"] == 0
     assert manifest["stages"]["quantize"]["method"] == "ort_int8_dynamic"
+    # The export was fused into ONNX Runtime's kernels and still checked against PyTorch.
+    engine = manifest["stages"]["engine"]
+    assert engine["ort_fusions"]["attention"] == 6 and engine["ort_fusions"]["skip_layer_normalization"] == 12
+    assert engine["export_check"]["sentence_embedding"]["min_cosine"] > 0.9999
     assert isinstance(manifest["stages"]["quantize"]["fp32_nodes"], list)
     assert manifest["environment"]["packages"]["onnxruntime"]
     assert manifest["model"]["sha256"]["model.safetensors"]

@@ -178,3 +178,55 @@ def test_static_qdq_keeps_consumers_of_an_op_type_in_fp32(mlp, tmp_path):
     assert ctx.records["quantize"]["excluded_nodes"] == ["fc2"]
     fc2 = next(n for n in onnx.load(str(out.onnx_path)).graph.node if n.name == "fc2")
     assert "w2" in fc2.input
+
+
+def _gram_model(path: Path, width: int = 64) -> Path:
+    """x -> fc1 (weight) -> h; gram = h @ h^T: a MatMul of two activations, like attention's Q@K^T."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w1 = numpy_helper.from_array(np.random.default_rng(0).standard_normal((width, width)).astype(np.float32) / 8, "w1")
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+             helper.make_node("Transpose", ["h"], ["ht"], name="t", perm=[1, 0]),
+             helper.make_node("MatMul", ["h", "ht"], ["y"], name="gram")]
+    graph = helper.make_graph(nodes, "gram", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "batch"])], [w1])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.mark.parametrize("const_b_only", [True, False])
+def test_static_qdq_leaves_activation_by_activation_matmuls_fp32(tmp_path, const_b_only):
+    model = Model("torch", "generic").with_onnx(_gram_model(tmp_path / "gram.onnx"))
+    ctx = FakeContext(tmp_path)
+    out = _run("ort_int8_static_qdq", model, ctx, matmul_const_b_only=const_b_only)
+    graph = onnx.load(str(out.onnx_path)).graph
+    producer = {o: n for n in graph.node for o in n.output}
+    assert ("gram" in ctx.records["quantize"]["excluded_nodes"]) == const_b_only
+    # Excluded, the MatMul's own output gets no Q/DQ pair (its inputs may still carry their
+    # producers' pairs): the graph output comes straight from it.
+    assert (producer["y"].op_type == "MatMul") == const_b_only
+
+
+def test_static_ranking_uses_the_calibrated_range():
+    """A clipped calibrated range hurts more than the tensor's own min/max, and the ranking sees it."""
+    from optimize.quantize import _simulated_error
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((64, 32))
+    x[0, 0] = 40.0  # one outlier, as GELU outputs have
+    w = rng.standard_normal((32, 8))
+    own_range = _simulated_error(x, w, per_channel=True, reduce_range=False)
+    clipped = _simulated_error(x, w, per_channel=True, reduce_range=False, x_range=(-3.0, 3.0))
+    assert clipped > 2 * own_range
+
+
+def test_calibration_ranges_read_from_onnxruntime_cache(mlp, tmp_path):
+    from optimize.quantize_static import read_calibration_ranges
+
+    ctx = FakeContext(tmp_path)
+    _run("ort_int8_static_qdq", mlp, ctx, calibrate_method="minmax")
+    ranges = read_calibration_ranges(tmp_path / "quantize_static" / "calibration_ranges.json")
+    x = np.stack(ctx.items)
+    assert ranges["x"] == pytest.approx((x.min(), x.max()), rel=1e-5)
