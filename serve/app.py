@@ -186,7 +186,10 @@ class Gatekeeper:
             else:
                 await self.app(scope, receive, send_and_watch)
         finally:
-            endpoint = self.endpoint(scope)
+            # The route Starlette's router chose (it records it in the scope), else match here
+            # (requests refused before routing, or Starlette versions that do not record it).
+            route = scope.get("route")
+            endpoint = route.path if isinstance(route, Route) else self.endpoint(scope)
             state.metrics.in_flight.dec()
             state.metrics.requests.labels(endpoint, scope["method"], str(status[0])).inc()
             state.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)

@@ -11,7 +11,11 @@ instead of joining an unbounded backlog. Each request carries a deadline; one th
 queued is dropped before it reaches the model.
 
 The model runs in one dedicated thread: ONNX Runtime releases the GIL while it computes, so the
-event loop keeps accepting and parsing requests while a batch runs.
+event loop keeps accepting and parsing requests while a batch runs. The hand-offs are kept to the
+minimum a request needs (this is the latency a lone client pays): the caller awaits its own future
+(the timeout is a timer on the loop, not a wait_for/shield pair of extra tasks and futures), and
+the runner thread delivers each result straight to the callers' futures with one thread-safe call
+back into the loop, which also wakes the worker for the next batch.
 """
 from __future__ import annotations
 
@@ -71,15 +75,17 @@ class Batcher:
             raise unavailable("the model is not accepting requests")
         if len(self.queue) >= self.max_queue:
             raise busy()
-        pending = Pending(payload, rows, asyncio.get_running_loop().create_future())
+        loop = asyncio.get_running_loop()
+        pending = Pending(payload, rows, loop.create_future())
         self.queue.append(pending)
         self.observe_queue()
         self.wakeup.set()
+        timer = loop.call_later(timeout_s, expire, pending.future, timeout_s)
         try:
-            return await asyncio.wait_for(asyncio.shield(pending.future), timeout_s)
-        except asyncio.TimeoutError:
-            pending.future.cancel()  # if still queued, the worker skips it
-            raise timed_out(timeout_s) from None
+            # A caller that goes away cancels its future: if still queued, the worker skips it.
+            return await pending.future
+        finally:
+            timer.cancel()
 
     # --- the worker ------------------------------------------------------------------------------
 
@@ -130,17 +136,37 @@ class Batcher:
             for p in batch:
                 self.metrics.queue_wait.observe(time.perf_counter() - p.enqueued)
         loop = asyncio.get_running_loop()
-        try:
-            results = await loop.run_in_executor(self.executor, self.run_batch, [p.payload for p in batch])
-        except Exception as exc:  # the whole batch failed: every caller learns why
-            for p in batch:
+        finished = loop.create_future()
+
+        def deliver(results, error):  # on the loop, called once from the runner thread
+            for i, p in enumerate(batch):
                 if not p.future.done():
-                    p.future.set_exception(exc)
-            return
-        for p, result in zip(batch, results):
-            if not p.future.done():
-                p.future.set_result(result)
+                    if error is None:
+                        p.future.set_result(results[i])
+                    else:  # the whole batch failed: every caller learns why
+                        p.future.set_exception(error)
+            if not finished.done():  # the worker may have been cancelled meanwhile
+                finished.set_result(None)
+
+        def call():  # in the runner thread
+            try:
+                results, error = self.run_batch([p.payload for p in batch]), None
+            except Exception as exc:
+                results, error = None, exc
+            try:
+                loop.call_soon_threadsafe(deliver, results, error)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
+
+        self.executor.submit(call)
+        await finished
 
     def observe_queue(self) -> None:
         if self.metrics:
             self.metrics.queue_depth.set(len(self.queue))
+
+
+def expire(future: asyncio.Future, timeout_s: float) -> None:
+    """The request's deadline passed: its caller gets 504; if still queued, it never runs."""
+    if not future.done():
+        future.set_exception(timed_out(timeout_s))

@@ -74,6 +74,11 @@ class EncoderModel:
     # --- building batch items ----------------------------------------------------------------------
 
     def from_texts(self, texts: list[str]) -> EncoderBatchItem:
+        if len(texts) == 1:  # the common request: `encode` skips encode_batch's thread-pool hand-off
+            encoding = self.text.tokenizer.encode(texts[0])
+            return EncoderBatchItem({"input_ids": np.array([encoding.ids], dtype=np.int64),
+                                     "attention_mask": np.array([encoding.attention_mask], dtype=np.int64),
+                                     "token_type_ids": np.array([encoding.type_ids], dtype=np.int64)})
         return EncoderBatchItem(self.text(texts))
 
     def from_token_ids(self, token_ids: list[list[int]]) -> EncoderBatchItem:

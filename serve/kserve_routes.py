@@ -16,6 +16,7 @@ from starlette.routing import Route
 
 from serve.body import arriving, read_body
 from serve.errors import bad_request, not_found, unprocessable
+from serve.jsonbody import FastJSONResponse, array
 from serve.protocol import NUMPY_TO_KSERVE, parse_infer_request
 
 MODEL = "/v2/models/{name}"
@@ -160,13 +161,13 @@ def infer_response(state, parsed, wanted: list[tuple[str, bool]], outputs: dict[
             tensor["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            tensor["data"] = value.reshape(-1).tolist()
+            tensor["data"] = array(value.reshape(-1))
         tensors.append(tensor)
     header = {"model_name": state.name, "model_version": state.version, "outputs": tensors}
     if parsed.id is not None:
         header["id"] = parsed.id
     if not blobs:
-        return JSONResponse(header)
+        return FastJSONResponse(header)
     head = json.dumps(header, separators=(",", ":")).encode()
     return Response(head + b"".join(blobs), media_type="application/octet-stream",
                     headers={"Inference-Header-Content-Length": str(len(head))})

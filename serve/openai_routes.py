@@ -19,6 +19,7 @@ from starlette.routing import Route
 
 from serve.body import arriving, read_body
 from serve.errors import HTTPError, bad_request, not_found, timed_out
+from serve.jsonbody import FastJSONResponse, array
 from serve.protocol import (json_object, parse_chat_request, parse_completion_request,
                             parse_embeddings_request)
 
@@ -67,7 +68,7 @@ async def read_json(request: Request, state) -> dict:
 
 # --- embeddings ----------------------------------------------------------------------------------
 
-async def embeddings(request: Request) -> JSONResponse:
+async def embeddings(request: Request) -> FastJSONResponse:
     from serve.kserve_routes import run_encoder
 
     state = state_of(request)
@@ -83,7 +84,7 @@ async def embeddings(request: Request) -> JSONResponse:
     tokens = int(item.inputs["attention_mask"].sum())
     state.metrics.prompt_tokens.inc(tokens)
     vectors = (await run_encoder(state, item))["sentence_embedding"]
-    return JSONResponse({
+    return FastJSONResponse({
         "object": "list", "model": state.name,
         "data": [{"object": "embedding", "index": i, "embedding": encode_vector(v, parsed.encoding_format)}
                  for i, v in enumerate(vectors)],
@@ -92,9 +93,11 @@ async def embeddings(request: Request) -> JSONResponse:
 
 
 def encode_vector(vector: np.ndarray, encoding: str):
-    if encoding == "base64":  # little-endian float32, as the OpenAI client decodes it
+    """base64 of little-endian float32 (what the OpenAI client decodes), else a float32 array
+    that the JSON writer puts out as numbers without a Python float per value."""
+    if encoding == "base64":
         return base64.b64encode(vector.astype("<f4").tobytes()).decode()
-    return vector.astype(np.float32).tolist()
+    return array(vector.astype(np.float32, copy=False))
 
 
 # --- completions and chat ------------------------------------------------------------------------
