@@ -17,6 +17,46 @@ def percentiles(seconds: list[float]) -> dict[str, float]:
             "p99_ms": float(np.percentile(ms, 99)), "mean_ms": float(ms.mean()), "samples": int(len(ms))}
 
 
+# Above this share of the machine's CPU time taken by other processes (or stolen by the hypervisor)
+# while timing, latency figures are not trusted: on 2 cores a second busy process was measured to
+# slow PyTorch's OpenMP threads 10-40x while ONNX Runtime slowed ~3x, inflating speedups.
+BUSY_SHARE = 0.25
+
+
+class OtherCpuUse:
+    """Context manager: `share` is the fraction of all CPUs' time, over the block's wall time, used by
+    anything but this process (other processes, and time the hypervisor stole)."""
+
+    def __enter__(self):
+        import psutil
+
+        self._process = psutil.Process()
+        self._start = (time.monotonic(), _busy_cpu_seconds(), _own_cpu_seconds(self._process))
+        return self
+
+    def __exit__(self, *exc):
+        import os
+
+        wall, busy, own = (time.monotonic() - self._start[0], _busy_cpu_seconds() - self._start[1],
+                           _own_cpu_seconds(self._process) - self._start[2])
+        self.share = max(0.0, (busy - own) / max(wall * (os.cpu_count() or 1), 1e-9))
+        return False
+
+
+def _busy_cpu_seconds() -> float:
+    import psutil
+
+    t = psutil.cpu_times()
+    idle = t.idle + getattr(t, "iowait", 0.0)
+    guest = getattr(t, "guest", 0.0) + getattr(t, "guest_nice", 0.0)  # already counted in user/nice
+    return sum(t) - idle - guest
+
+
+def _own_cpu_seconds(process) -> float:
+    t = process.cpu_times()
+    return t.user + t.system
+
+
 def measure(runners: dict[str, Callable], batches: list[dict], batch_size: int, warmup: int, repeats: int,
             budget_s: float = 20.0, min_repeats: int = 5, block: int = 8) -> dict[str, dict]:
     """Time every runner on the same batches. The repeat count shrinks to fit `budget_s` per runner
@@ -35,6 +75,19 @@ def measure(runners: dict[str, Callable], batches: list[dict], batch_size: int, 
     rounds = max(min_repeats, min(repeats, int(budget_s / max(slowest, 1e-6))))
     times: dict[str, list[float]] = {name: [] for name in runners}
     order = list(runners)
+    with OtherCpuUse() as others:
+        _timed_blocks(runners, order, batches, rounds, block, times)
+    stats = {}
+    for name, seconds in times.items():
+        s = percentiles(seconds)
+        s["throughput_per_s"] = batch_size / (s["p50_ms"] / 1e3)
+        stats[name] = s
+    stats["other_cpu_share"] = others.share
+    return stats
+
+
+def _timed_blocks(runners: dict, order: list[str], batches: list[dict], rounds: int, block: int,
+                  times: dict[str, list[float]]) -> None:
     for first in range(0, rounds, block):
         for name in order:
             run = runners[name]
@@ -45,9 +98,3 @@ def measure(runners: dict[str, Callable], batches: list[dict], batch_size: int, 
                 run(batch)
                 times[name].append(time.perf_counter() - start)
         order.reverse()
-    stats = {}
-    for name, seconds in times.items():
-        s = percentiles(seconds)
-        s["throughput_per_s"] = batch_size / (s["p50_ms"] / 1e3)
-        stats[name] = s
-    return stats

@@ -123,6 +123,7 @@ def shared_metrics(baseline: Subject, candidate: Subject, inputs: dict[str, np.n
         for side in ("baseline", "candidate"):
             metrics[side]["latency"] = {b: s[side] for b, s in per_batch.items()}
         metrics["candidate"]["speedup"] = {b: s["speedup"] for b, s in per_batch.items()}
+        metrics["candidate"]["timing"] = {"other_cpu_share": max(s["other_cpu_share"] for s in per_batch.values())}
     if cfg.memory:
         largest = batches_of(inputs, max(cfg.batch_sizes))[0]
         for side, subject in (("baseline", baseline), ("candidate", candidate)):

@@ -1,13 +1,17 @@
 """The gate: a pure function of (baseline metrics, candidate metrics, thresholds) -> verdict.
 
 Every threshold that is set becomes a check with its value, threshold and pass/fail. A check
-whose metric was not measured fails: a verdict never passes on a number nobody measured.
+whose metric was not measured fails: a verdict never passes on a number nobody measured. A latency
+check fails too when other processes took more than BUSY_SHARE of the CPUs while it was timed:
+contention slows the baseline and the candidate unequally, so the ratio says nothing.
 """
 from __future__ import annotations
 
 import operator
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
+
+from optimize.benchmark import BUSY_SHARE
 
 
 @dataclass(frozen=True)
@@ -17,6 +21,7 @@ class CheckSpec:
     read: Callable[[dict, dict, dict], Optional[float]]  # (baseline, candidate, thresholds) -> value
     passes: Callable[[float, float], bool]
     comparison: str
+    timed: bool = False  # a latency figure: not trusted when the machine was busy while timing
 
 
 def _dig(metrics: dict, *keys) -> Optional[float]:
@@ -41,9 +46,9 @@ CHECKS = (
     CheckSpec("max_abs_error", "max abs error", lambda b, c, t: _dig(c, "fidelity", "max_abs_error"),
               operator.le, "<="),
     CheckSpec("min_speedup", "speedup at p50",
-              lambda b, c, t: _dig(c, "speedup", _batch(t, "speedup_batch_size")), operator.ge, ">="),
+              lambda b, c, t: _dig(c, "speedup", _batch(t, "speedup_batch_size")), operator.ge, ">=", True),
     CheckSpec("max_p95_ms", "latency p95 (ms)",
-              lambda b, c, t: _dig(c, "latency", _batch(t, "latency_batch_size"), "p95_ms"), operator.le, "<="),
+              lambda b, c, t: _dig(c, "latency", _batch(t, "latency_batch_size"), "p95_ms"), operator.le, "<=", True),
     CheckSpec("max_size_mb", "size on disk (MB)", lambda b, c, t: _dig(c, "size_mb"), operator.le, "<="),
     CheckSpec("max_peak_memory_mb", "peak memory (MB)", lambda b, c, t: _dig(c, "peak_memory_mb"),
               operator.le, "<="),
@@ -53,7 +58,7 @@ CHECKS = (
     CheckSpec("max_ppl_increase_pct", "held-out perplexity increase (%)",
               lambda b, c, t: _dig(c, "perplexity_increase_pct"), operator.le, "<="),
     CheckSpec("min_decode_speedup", "decode tok/s p50 vs PyTorch FP32 greedy",
-              lambda b, c, t: _dig(c, "decode_speedup"), operator.ge, ">="),
+              lambda b, c, t: _dig(c, "decode_speedup"), operator.ge, ">=", True),
     CheckSpec("max_lm_eval_drop", "lm-eval accuracy drop (points, worst task)",
               lambda b, c, t: _dig(c, "lm_eval_drop_pts"), operator.le, "<="),
     CheckSpec("min_distill_recovery", "share of the pruning perplexity loss recovered by distillation",
@@ -93,8 +98,12 @@ def judge(baseline: dict, candidate: dict, thresholds: dict) -> Verdict:
         if spec.threshold_key == "max_p95_ms":
             metric += f", batch {_batch(thresholds, 'latency_batch_size')}"
         value = spec.read(baseline, candidate, thresholds)
+        busy = _dig(candidate, "timing", "other_cpu_share") or 0.0
         if value is None:
             checks.append(Check(spec.threshold_key, metric, None, spec.comparison, threshold, False, "not measured"))
+        elif spec.timed and busy > BUSY_SHARE:
+            checks.append(Check(spec.threshold_key, metric, float(value), spec.comparison, threshold, False,
+                                f"untrusted: other processes used {busy:.0%} of the CPUs while timing"))
         else:
             checks.append(Check(spec.threshold_key, metric, float(value), spec.comparison, threshold,
                                 bool(spec.passes(value, threshold))))

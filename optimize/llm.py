@@ -356,8 +356,12 @@ def _speed_metrics(metrics, base, cand, tokens, items, cfg, evaluate_cfg) -> Non
     if not prompts:
         raise RecipeError(f"no evaluation item has {cfg.prompt_tokens} tokens for a speed prompt")
     log.info("greedy generation: %d runs of %d tokens per side", evaluate_cfg.repeats, cfg.new_tokens)
-    result = speed({"baseline": base, "candidate": cand}, prompts, cfg.new_tokens, evaluate_cfg.warmup,
-                   evaluate_cfg.repeats)
+    from optimize.benchmark import OtherCpuUse
+
+    with OtherCpuUse() as others:
+        result = speed({"baseline": base, "candidate": cand}, prompts, cfg.new_tokens, evaluate_cfg.warmup,
+                       evaluate_cfg.repeats)
+    metrics["candidate"]["timing"] = {"other_cpu_share": others.share}
     metrics["baseline"]["generation"], metrics["candidate"]["generation"] = result["baseline"], result["candidate"]
     b, c = result["baseline"], result["candidate"]
     metrics["candidate"]["decode_speedup"] = c["decode_tok_s"]["p50"] / b["decode_tok_s"]["p50"]

@@ -30,6 +30,7 @@ from optimize.registry import register
 
 log = logging.getLogger(__name__)
 TORCH_TASKS = ("sentence_embedding", "causal_lm")
+LAYER_SELECTIONS = ("block_importance", "output_fidelity", "evenly_spaced")
 NO_SPEEDUP_NOTE = ("weights are zeroed but stored dense: no time or size is saved without sparse kernels "
                    "(2:4 needs a GPU with sparse tensor cores, e.g. NVIDIA Ampere or newer)")
 
@@ -197,6 +198,10 @@ class StructuredPruneConfig:
     layers_ratio: Optional[float] = None
     heads_ratio: Optional[float] = None
     ffn_ratio: Optional[float] = None
+    # Which layers go: block_importance (Minitron: the layers that turn their input least),
+    # output_fidelity (greedy: drop the layer whose removal keeps the final hidden states closest to
+    # the full model's; one forward pass per candidate, so meant for small models) or evenly_spaced.
+    layer_selection: str = "block_importance"
     calibration_samples: int = 32  # calibration texts scored for importance
     batch_size: int = 8
 
@@ -213,6 +218,9 @@ class StructuredPruneConfig:
             raise RecipeError("prune.method=structured needs a target: layers, heads, ffn or a *_ratio")
         if self.calibration_samples < 1 or self.batch_size < 1:
             raise RecipeError("prune.params.calibration_samples and batch_size must be at least 1")
+        if self.layer_selection not in LAYER_SELECTIONS:
+            raise RecipeError(f"prune.params.layer_selection={self.layer_selection} "
+                              f"(use {', '.join(LAYER_SELECTIONS)})")
 
     def target(self, name: str, total: int) -> int:
         """Units kept out of `total`; a target above what exists is a recipe error."""
@@ -238,12 +246,15 @@ def structured(model, cfg: StructuredPruneConfig, ctx):
         raise RecipeError("prune.params.heads: head pruning supports BERT-style encoders; for Llama-style "
                           "decoders (grouped KV heads) prune layers or ffn")
     before = parameter_count(student)
-    scores = collect_importance(student, calibration_batches(ctx, cfg))
-    removed = {"layers": prune_layers(student, scores["layers"], targets["layers"])}
-    kept_layers = [i for i in range(len(scores["layers"])) if i not in removed["layers"]]
+    batches = calibration_batches(ctx, cfg)
+    scores = collect_importance(student, batches)
+    kept_layers = choose_layers(student, cfg.layer_selection, scores["layers"], batches, targets["layers"])
+    removed = {"layers": [i for i in range(len(scores["layers"])) if i not in kept_layers]}
+    keep_layers(student, kept_layers)
     removed["heads"] = prune_heads(student, [scores["heads"][i] for i in kept_layers], targets["heads"])
     removed["ffn_channels"] = prune_ffn(student, [scores["ffn"][i] for i in kept_layers], targets["ffn"])
-    ctx.record("prune", {"method": "structured", "targets": targets, "kept_layers": kept_layers,
+    ctx.record("prune", {"method": "structured", "targets": targets, "layer_selection": cfg.layer_selection,
+                         "kept_layers": kept_layers,
                          "removed": removed, "layer_importance": [round(s, 5) for s in scores["layers"]],
                          "parameters": {"before": before, "after": parameter_count(student)}})
     log.info("structured prune: %s -> %d parameters (was %d)", targets, parameter_count(student), before)
@@ -255,12 +266,55 @@ def calibration_batches(ctx, cfg) -> list[dict]:
     return [ctx.encode(texts[i:i + cfg.batch_size]) for i in range(0, len(texts), cfg.batch_size)]
 
 
-def prune_layers(model, importance: list[float], keep: int) -> list[int]:
-    """Drop the layers with the lowest block importance; returns the removed indices."""
-    ranked = sorted(range(len(importance)), key=lambda i: importance[i], reverse=True)
-    kept = sorted(ranked[:keep])
-    keep_layers(model, kept)
-    return [i for i in range(len(importance)) if i not in kept]
+def choose_layers(model, selection: str, importance: list[float], batches: list[dict], keep: int) -> list[int]:
+    """Indices of the layers kept, in order."""
+    total = len(importance)
+    if keep >= total:
+        return list(range(total))
+    if selection == "evenly_spaced":
+        return sorted({round(j * (total - 1) / max(keep - 1, 1)) for j in range(keep)})
+    if selection == "output_fidelity":
+        return _greedy_output_fidelity(model, batches, keep)
+    ranked = sorted(range(total), key=lambda i: importance[i], reverse=True)
+    return sorted(ranked[:keep])
+
+
+def _greedy_output_fidelity(model, batches: list[dict], keep: int) -> list[int]:
+    """Drop layers one at a time, each time the one whose removal leaves the final hidden states
+    closest (mean token cosine over calibration batches) to the full model's."""
+    import torch
+
+    layout = Layout(model)
+    layers = list(layout.layers)
+    extra = {"use_cache": False} if layout.kind == "llama" else {}
+
+    def final_states():
+        with torch.inference_mode():
+            return [model(**layout.inputs(b), output_hidden_states=True, **extra).hidden_states[-1].float()
+                    for b in batches]
+
+    def fidelity(states, reference) -> float:
+        total, count = 0.0, 0.0
+        for got, want, batch in zip(states, reference, batches):
+            cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
+            mask = torch.as_tensor(batch["attention_mask"]).float() if "attention_mask" in batch else torch.ones_like(cos)
+            total, count = total + float((cos * mask).sum()), count + float(mask.sum())
+        return total / count
+
+    reference = final_states()
+    kept = list(range(len(layers)))
+    try:
+        while len(kept) > keep:
+            scores = {}
+            for candidate in kept:
+                layout.set_layers([layers[i] for i in kept if i != candidate])
+                scores[candidate] = fidelity(final_states(), reference)
+            drop = max(scores, key=scores.get)
+            log.info("prune: layer %d dropped (final hidden-state cosine %.4f)", drop, scores[drop])
+            kept.remove(drop)
+    finally:
+        layout.set_layers(layers)
+    return kept
 
 
 def prune_heads(model, importance: list, keep: int) -> dict:

@@ -35,6 +35,8 @@ def metrics_rows(metrics: dict) -> list[list[str]]:
         rows.append([f"throughput/s, batch {batch}", _fmt(b["throughput_per_s"], 1),
                      _fmt(stats["throughput_per_s"], 1), ""])
     rows += [[str(cell) for cell in row] for row in metrics.get("table", [])]  # rows a task adds
+    if "timing" in cand:  # the conditions the latency figures were measured in
+        rows.append(["CPU used by other processes while timing", "", f"{cand['timing']['other_cpu_share']:.0%}", ""])
     rows.append(["size on disk MB", _fmt(base["size_mb"], 1), _fmt(cand["size_mb"], 1),
                  f"{cand['size_mb'] / base['size_mb']:.2f}x"])
     if "peak_memory_mb" in cand:

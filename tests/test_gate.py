@@ -64,3 +64,33 @@ def test_every_gate_threshold_in_the_schema_has_a_check():
 
     selectors = {"speedup_batch_size", "latency_batch_size"}
     assert {f.name for f in fields(GateConfig)} - selectors == gate_keys()
+
+
+def test_latency_checks_timed_on_a_busy_machine_fail_with_a_note():
+    busy = dict(CAND, timing={"other_cpu_share": 0.6})
+    verdict = judge(BASE, busy, {"min_cosine": 0.99, "min_speedup": 1.5, "max_p95_ms": 100})
+    checks = by_name(verdict)
+    assert not verdict.passed and checks["min_cosine"].passed
+    for name in ("min_speedup", "max_p95_ms"):
+        assert not checks[name].passed and "other processes used 60% of the CPUs" in checks[name].note
+    quiet = judge(BASE, dict(CAND, timing={"other_cpu_share": 0.05}), {"min_speedup": 1.5})
+    assert quiet.passed
+
+
+def test_other_cpu_use_sees_a_busy_process():
+    """A child process spinning on one core for the whole block is other processes' CPU time."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from optimize.benchmark import OtherCpuUse
+
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 5: pass"])
+    try:
+        time.sleep(0.5)
+        with OtherCpuUse() as others:
+            time.sleep(1.5)
+    finally:
+        spinner.kill()
+    assert others.share >= 0.6 / (os.cpu_count() or 1)

@@ -110,3 +110,43 @@ def test_semi_structured_2_4_keeps_two_of_every_four(tmp_path):
     assert int(nonzero_per_group.max()) <= 2
     assert ctx.records["stages"]["prune"]["sparsity"] == pytest.approx(0.5, abs=0.01)
     assert "2:4 needs a GPU" in ctx.records["stages"]["prune"]["note"]
+
+
+def test_evenly_spaced_layer_selection_keeps_first_and_last(tmp_path):
+    out, ctx = structured(tiny_bert(), tmp_path, layers=3, layer_selection="evenly_spaced")
+    assert ctx.records["stages"]["prune"]["kept_layers"] == [0, 2, 3]  # round(0, 1.5, 3)
+    assert len(out.module.encoder.layer) == 3
+
+
+@pytest.mark.parametrize("make, task", [(tiny_bert, "sentence_embedding"), (tiny_llama, "causal_lm")])
+def test_output_fidelity_selection_drops_the_layer_that_matters_least(tmp_path, make, task):
+    """Greedy choice is checked against brute force: with one layer to drop, the kept set must be the
+    one whose final hidden states are closest to the full model's."""
+    import torch
+
+    teacher = make()
+    out, ctx = structured(teacher, tmp_path, task=task, layers=3, layer_selection="output_fidelity")
+    kept = ctx.records["stages"]["prune"]["kept_layers"]
+    layout = prune.Layout(teacher)
+    full = list(layout.layers)
+    batch = {k: torch.as_tensor(v) for k, v in encode(ctx.calibration().items[:16]).items()}
+    inputs = layout.inputs(batch)
+    extra = {"use_cache": False} if task == "causal_lm" else {}
+
+    def final(layers):
+        layout.set_layers(layers)
+        with torch.no_grad():
+            return teacher(**inputs, output_hidden_states=True, **extra).hidden_states[-1]
+
+    reference = final(full)
+    mask = batch["attention_mask"].float()
+    score = {drop: float((torch.cosine_similarity(final([l for i, l in enumerate(full) if i != drop]), reference, dim=-1)
+                          * mask).sum() / mask.sum()) for drop in range(len(full))}
+    layout.set_layers(full)
+    assert [i for i in range(len(full)) if i not in kept] == [max(score, key=score.get)]
+    assert len(out.module.encoder.layer if task != "causal_lm" else out.module.model.layers) == 3
+
+
+def test_unknown_layer_selection_is_a_recipe_error():
+    with pytest.raises(RecipeError, match="layer_selection=random"):
+        build_config(get("prune", "structured"), {"layers": 2, "layer_selection": "random"})
