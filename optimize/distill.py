@@ -85,6 +85,7 @@ def logit_hidden_kd(model, cfg: DistillConfig, ctx):
     objective = Objective.for_task(model.task, teacher, student, layer_map, cfg, ctx)
     batches = Batches.for_task(model.task, ctx, cfg)
     before = objective.before_training(student, ctx)
+    objective.prepare(batches)
     run = train(student, objective, batches, cfg, checkpoint_dir(ctx, cfg))
     ctx.extra_files["distill/loss_curve.png"] = plot_losses(run["losses"], ctx.scratch / "distill_loss.png")
     ctx.record("distill", {"method": "logit_hidden_kd", "layer_map": layer_map, **before,
@@ -159,12 +160,16 @@ class Batches:
             samples = {k: torch.as_tensor(v)[:, : cfg.seq_len] for k, v in ctx.encode(texts).items()}
         return cls(samples, cfg.batch_size, cfg.seed)
 
-    def batch(self, step: int) -> dict:
+    def rows(self, step: int):
         import torch
 
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        rows = torch.randperm(self.count, generator=generator)[: self.batch_size]
-        return {k: v[rows] for k, v in self.samples.items()}
+        return torch.randperm(self.count, generator=generator)[: self.batch_size]
+
+    def batch(self, step: int) -> dict:
+        """The step's samples; `rows` (their indices) lets an objective look up cached teacher outputs."""
+        rows = self.rows(step)
+        return {"rows": rows, **{k: v[rows] for k, v in self.samples.items()}}
 
 
 # ---------------------------------------------------------------- losses
@@ -198,8 +203,15 @@ class Objective:
     def before_training(self, student, ctx) -> dict:
         return {}
 
+    def prepare(self, batches: "Batches") -> None:
+        """Work done once before training (nothing by default)."""
+
 
 class EmbeddingObjective(Objective):
+    """Sentence encoders: every sample is a fixed-length row of the calibration set, so the frozen
+    teacher's outputs for it do not depend on the batch it lands in. They are computed once
+    (the mapped layers and the pooled embedding: ~150 MB for 512 samples of 64 tokens for MiniLM),
+    which removes the teacher's forward pass (~40% of a step) from every step."""
     def __init__(self, teacher, student, layer_map, cfg, ctx):
         from optimize import tasks
 
@@ -207,17 +219,32 @@ class EmbeddingObjective(Objective):
         tasks.get("sentence_embedding").module(teacher, ctx)  # records the model's pooling
         self.pooling = ctx.records["pooling"]
 
+    def prepare(self, batches: "Batches") -> None:
+        import torch
+
+        kept = [t + 1 for t in self.layer_map]  # hidden_states index 0 is the embedding output
+        hidden, embeddings = {i: [] for i in kept}, []
+        count, size = batches.count, batches.batch_size
+        with torch.no_grad():  # (not inference_mode: the cosine loss saves the teacher side for backward)
+            for start in range(0, count, size):
+                chunk = {k: v[start:start + size] for k, v in batches.samples.items()}
+                out = self.teacher(**chunk, output_hidden_states=True)
+                embeddings.append(_pool(out.last_hidden_state, chunk["attention_mask"], self.pooling))
+                for i in kept:
+                    hidden[i].append(out.hidden_states[i])
+        self.cached = {"embedding": torch.cat(embeddings), "hidden": {i: torch.cat(h) for i, h in hidden.items()}}
+
     def loss(self, batch):
         import torch
 
+        rows = batch.pop("rows")
         mask = batch["attention_mask"]
-        with torch.no_grad():
-            t_out = self.teacher(**batch, output_hidden_states=True)
-            t_emb = _pool(t_out.last_hidden_state, mask, self.pooling)
+        t_emb = self.cached["embedding"][rows]
+        t_hidden = {i: h[rows] for i, h in self.cached["hidden"].items()}
         s_out = self.student(**batch, output_hidden_states=True)
         s_emb = _pool(s_out.last_hidden_state, mask, self.pooling)
         output = 1 - torch.nn.functional.cosine_similarity(s_emb, t_emb, dim=-1).mean()
-        return self.combine(output, self.hidden_loss(s_out.hidden_states, t_out.hidden_states, mask))
+        return self.combine(output, self.hidden_loss(s_out.hidden_states, t_hidden, mask))
 
 
 def _pool(hidden, mask, pooling: dict):
@@ -237,7 +264,7 @@ class LogitObjective(Objective):
         import torch
         import torch.nn.functional as F
 
-        ids = batch["input_ids"]
+        ids = batch["input_ids"]  # (the vocabulary-wide teacher logits are too large to cache)
         mask = torch.ones_like(ids)
         with torch.no_grad():
             t_out = self.teacher(input_ids=ids, output_hidden_states=True, use_cache=False)

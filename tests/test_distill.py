@@ -98,3 +98,25 @@ def test_recovery_row_and_gate_for_original_pruned_and_distilled_perplexity():
     assert metrics["table"][1][1:3] == ["10.000", "20.000 / 14.000"]
     verdict = gate.judge(metrics["baseline"], metrics["candidate"], {"min_distill_recovery": 0.5})
     assert verdict.passed and verdict.checks[0].value == pytest.approx(0.6)
+
+
+def test_cached_teacher_outputs_match_a_fresh_teacher_pass_on_any_batch(tmp_path):
+    """The encoder objective caches the teacher once; a step's rows must read what the teacher
+    computes for exactly those samples, whatever batch they were cached in."""
+    import torch
+
+    teacher = tiny_bert()
+    ctx = FakeContext(teacher, tmp_path)
+    cfg = build_config(get("distill", "logit_hidden_kd"), {"batch_size": 4, "seq_len": 16, "student_layers": 2})
+    student, layer_map = distill.make_student(teacher, teacher, cfg, ctx)
+    objective = distill.Objective.for_task("sentence_embedding", teacher, student, layer_map, cfg, ctx)
+    batches = distill.Batches.for_task("sentence_embedding", ctx, cfg)
+    objective.prepare(batches)
+    batch = batches.batch(step=3)
+    rows = batch.pop("rows")
+    with torch.no_grad():
+        fresh = teacher(**batch, output_hidden_states=True)
+    last = layer_map[-1] + 1
+    assert torch.allclose(objective.cached["hidden"][last][rows], fresh.hidden_states[last], atol=1e-5)
+    pooled = distill._pool(fresh.last_hidden_state, batch["attention_mask"], objective.pooling)
+    assert torch.allclose(objective.cached["embedding"][rows], pooled, atol=1e-5)
