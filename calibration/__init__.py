@@ -8,6 +8,7 @@ items. Sources: cpython_docs, text_file, jsonl (here); parquet, hf_dataset (file
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
@@ -108,6 +109,46 @@ def cpython_docs(split: str, min_chars: int = 200, **_) -> list[str]:
     # Some paragraphs recur across documents: evaluation keeps only those calibration never sees.
     seen = set(paragraphs_of("calibration"))
     return [p for p in dict.fromkeys(paragraphs_of("evaluation")) if p not in seen]
+
+
+@source("python_docstrings")
+def python_docstrings(split: str, min_chars: int = 200, **_) -> list[str]:
+    """English prose from the docstrings of the Python standard library (modules, classes and
+    functions: ~1,660 calibration paragraphs of 200+ characters, three times the pydoc topics'),
+    read with `ast` so nothing is imported or run, split by module. Test suites are left out."""
+    if split == "calibration":
+        return list(_stdlib_docstrings("calibration", min_chars))
+    seen = set(_stdlib_docstrings("calibration", min_chars))  # docstrings recur across modules
+    return [p for p in _stdlib_docstrings("evaluation", min_chars) if p not in seen]
+
+
+@functools.lru_cache(maxsize=8)
+def _stdlib_docstrings(split: str, min_chars: int) -> tuple[str, ...]:
+    """Parsing the standard library takes seconds: done once per process and split."""
+    import ast
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skipped = {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
+    items = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if skipped & set(relative.parts) or not _in_split(str(relative), split):
+            continue
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, OSError):  # a few stdlib files are templates
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                items += _paragraphs(ast.get_docstring(node) or "", min_chars)
+    return tuple(dict.fromkeys(items))
+
+
+@source("python_prose")
+def python_prose(split: str, min_chars: int = 200, **_) -> list[str]:
+    """cpython_docs and python_docstrings together (each split its own way, duplicates removed)."""
+    return list(dict.fromkeys(cpython_docs(split, min_chars) + python_docstrings(split, min_chars)))
 
 
 def _split_items(items: list, split: str) -> list:

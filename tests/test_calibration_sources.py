@@ -32,6 +32,20 @@ def test_cpython_docs_text():
     assert all(isinstance(t, str) and len(t) >= 200 for t in data.items)
 
 
+def test_python_docstrings_are_real_prose_split_by_module():
+    cal = calibration.load("python_docstrings", "calibration", 8, seed=0)
+    assert all(isinstance(t, str) and len(t) >= 200 for t in cal.items)
+    calibration_all = set(calibration.python_docstrings("calibration"))
+    evaluation_all = set(calibration.python_docstrings("evaluation"))
+    assert len(calibration_all) > 1000 and len(evaluation_all) > 200 and not calibration_all & evaluation_all
+
+
+def test_python_prose_joins_both_sources_and_stays_disjoint_from_evaluation():
+    prose = set(calibration.python_prose("calibration"))
+    assert set(calibration.cpython_docs("calibration")) <= prose
+    assert not prose & set(calibration.cpython_docs("evaluation"))
+
+
 def test_parquet_source(tmp_path):
     pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
     path = tmp_path / "data.parquet"
