@@ -17,21 +17,13 @@ from pipeline_support import ROOT, run_optimize
 
 def _tiny_source(out: Path) -> Path:
     import torch
-    from pydoc_data.topics import topics
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(list(topics.values())[:20], trainer)
-    special = "<|endoftext|>"
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special, eos_token=special, unk_token=special,
-                            pad_token=special).save_pretrained(out)
+    from tests.serve.make_tiny_llm import train_tokenizer
+
+    vocab_size = train_tokenizer(out)  # byte-level BPE on CPython's docs, the serve tests' tokenizer
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128,
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=512, bos_token_id=0, eos_token_id=0, pad_token_id=0,
                          tie_word_embeddings=True)
