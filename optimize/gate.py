@@ -88,6 +88,7 @@ class Verdict:
 
 def judge(baseline: dict, candidate: dict, thresholds: dict) -> Verdict:
     checks = []
+    busy = _dig(candidate, "timing", "other_cpu_share") or 0.0  # while the latency figures were timed
     for spec in CHECKS:
         threshold = thresholds.get(spec.threshold_key)
         if threshold is None:
@@ -98,7 +99,6 @@ def judge(baseline: dict, candidate: dict, thresholds: dict) -> Verdict:
         if spec.threshold_key == "max_p95_ms":
             metric += f", batch {_batch(thresholds, 'latency_batch_size')}"
         value = spec.read(baseline, candidate, thresholds)
-        busy = _dig(candidate, "timing", "other_cpu_share") or 0.0
         if value is None:
             checks.append(Check(spec.threshold_key, metric, None, spec.comparison, threshold, False, "not measured"))
         elif spec.timed and busy > BUSY_SHARE:
