@@ -7,7 +7,10 @@ Losses (weights and temperature from the recipe):
 - hidden: MSE between student hidden states and the teacher layers they replace, divided by the
   teacher's mean square so every layer weighs alike whatever its scale. Student layer j maps to
   the teacher layer the prune stage kept at position j (uniform spacing otherwise); the student's
-  last layer always maps to the teacher's last.
+  last layer always maps to the teacher's last. `hidden_layers: last` compares only that pair.
+
+The learning rate is constant or warms up and decays to zero (cosine or linear) over the run,
+whose length is whichever bound, steps or seconds, comes first.
 
 The student is what the prune stage produced, or (no prune stage) `student_layers` of the
 teacher's layers, evenly spaced. Training is bounded by max_steps and max_seconds, shows a
@@ -38,6 +41,7 @@ from optimize.registry import register
 log = logging.getLogger(__name__)
 # Keys that bound a run rather than define it: a longer rerun resumes the same checkpoint.
 RUN_BOUNDS = ("max_steps", "max_seconds", "checkpoint_every", "resume")
+LR_SCHEDULES = ("constant", "cosine", "linear")
 
 
 @dataclass
@@ -47,9 +51,16 @@ class DistillConfig:
     batch_size: int = 16
     seq_len: int = 128  # tokens per sample (causal LMs: windows of the calibration token stream)
     lr: float = 1e-4
+    # constant, or warm up linearly for `warmup` of the run and then decay to zero (cosine or linear);
+    # the run's progress is the larger of steps/max_steps and seconds/max_seconds.
+    lr_schedule: str = "constant"
+    warmup: float = 0.0
     temperature: float = 2.0
     output_weight: float = 1.0  # logit KL (causal LMs) or 1 - embedding cosine (encoders)
     hidden_weight: float = 1.0
+    # which student layers the hidden loss matches to their teacher layers: all, or only the last
+    # (a 3-layer MiniLM student generalized better matching only its output states)
+    hidden_layers: str = "all"
     student_layers: Optional[int] = None  # no prune stage: the student keeps this many teacher layers
     train_embeddings: bool = False  # frozen by default: they are the teacher's, and the largest tensors
     checkpoint_every: int = 50
@@ -65,6 +76,12 @@ class DistillConfig:
             raise RecipeError("distill.params.temperature and lr must be positive")
         if min(self.output_weight, self.hidden_weight) < 0 or self.output_weight + self.hidden_weight == 0:
             raise RecipeError("distill.params: output_weight and hidden_weight must be >= 0, not both 0")
+        if self.hidden_layers not in ("all", "last"):
+            raise RecipeError(f"distill.params.hidden_layers={self.hidden_layers} (use all or last)")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise RecipeError(f"distill.params.lr_schedule={self.lr_schedule} (use {', '.join(LR_SCHEDULES)})")
+        if not 0 <= self.warmup < 1:
+            raise RecipeError(f"distill.params.warmup={self.warmup}: a fraction of the run, in [0, 1)")
         if self.student_layers is not None and self.student_layers < 1:
             raise RecipeError(f"distill.params.student_layers={self.student_layers}: keep at least 1")
 
@@ -186,11 +203,16 @@ class Objective:
             return LogitObjective(teacher, student, layer_map, cfg)
         return EmbeddingObjective(teacher, student, layer_map, cfg, ctx)
 
+    def matched_layers(self) -> list[tuple[int, int]]:
+        """(student layer, teacher layer) pairs the hidden loss compares."""
+        pairs = list(enumerate(self.layer_map))
+        return pairs[-1:] if self.cfg.hidden_layers == "last" else pairs
+
     def hidden_loss(self, student_hidden, teacher_hidden, mask):
-        """Mean over mapped layers of MSE(student j, teacher layer_map[j]) / mean(teacher^2)."""
+        """Mean over matched layers of MSE(student j, teacher layer_map[j]) / mean(teacher^2)."""
         losses = []
         weights = mask.unsqueeze(-1).float()
-        for j, t in enumerate(self.layer_map):
+        for j, t in self.matched_layers():
             s_h, t_h = student_hidden[j + 1], teacher_hidden[t + 1]  # index 0 is the embedding output
             scale = (t_h.pow(2) * weights).sum() / weights.sum() / t_h.shape[-1]
             losses.append(((s_h - t_h).pow(2) * weights).sum() / weights.sum() / t_h.shape[-1] / scale.clamp(min=1e-8))
@@ -222,7 +244,7 @@ class EmbeddingObjective(Objective):
     def prepare(self, batches: "Batches") -> None:
         import torch
 
-        kept = [t + 1 for t in self.layer_map]  # hidden_states index 0 is the embedding output
+        kept = [t + 1 for _, t in self.matched_layers()]  # hidden_states index 0 is the embedding output
         hidden, embeddings = {i: [] for i in kept}, []
         count, size = batches.count, batches.batch_size
         with torch.no_grad():  # (not inference_mode: the cosine loss saves the teacher side for backward)
@@ -341,15 +363,22 @@ def train(student, objective, batches: Batches, cfg: DistillConfig, folder: Path
     optimizer = torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=cfg.lr)
     state = load_checkpoint(folder, student, optimizer) if cfg.resume else None
     step, losses = (state["step"], state["losses"]) if state else (0, [])
+    earlier_seconds = state.get("seconds", 0.0) if state else 0.0  # training time before a resume
     resumed_from, started, stopped_by = step, time.monotonic(), "max_steps"
+
+    def seconds() -> float:
+        return earlier_seconds + time.monotonic() - started
+
     # The student trains in eval mode (dropout off): it imitates the teacher's deterministic
     # outputs, and a resumed run reproduces an uninterrupted one exactly.
     student.eval()
     bar = tqdm(total=cfg.max_steps, initial=step, desc="distill", unit="step", mininterval=2)
     while step < cfg.max_steps:
-        if cfg.max_seconds is not None and time.monotonic() - started > cfg.max_seconds:
+        if cfg.max_seconds is not None and seconds() > cfg.max_seconds:
             stopped_by = "max_seconds"
             break
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(cfg, progress(cfg, step, seconds()))
         total, parts = objective.loss(batches.batch(step))
         optimizer.zero_grad(set_to_none=True)
         total.backward()
@@ -360,18 +389,40 @@ def train(student, objective, batches: Batches, cfg: DistillConfig, folder: Path
         bar.update(1)
         bar.set_postfix(loss=f"{losses[-1]:.4f}", **{k: f"{v:.4f}" for k, v in parts.items()})
         if step % cfg.checkpoint_every == 0:
-            save_checkpoint(folder, student, optimizer, step, losses)
+            save_checkpoint(folder, student, optimizer, step, losses, seconds())
     bar.close()
     if step > resumed_from:
-        save_checkpoint(folder, student, optimizer, step, losses)
+        save_checkpoint(folder, student, optimizer, step, losses, seconds())
     student.eval()
     return {"steps": step, "resumed_from_step": resumed_from, "stopped_by": stopped_by,
             "train_seconds": round(time.monotonic() - started, 1), "checkpoint": str(folder), "losses": losses}
 
 
-def save_checkpoint(folder: Path, student, optimizer, step: int, losses: list[float]) -> None:
-    """Weights as safetensors, optimizer tensors with torch.save (loaded weights_only), step and
-    losses as JSON; written to a temp dir and renamed so a kill mid-save leaves the old one intact."""
+def progress(cfg: DistillConfig, step: int, seconds: float) -> float:
+    """How far through the run (0..1): whichever bound, steps or wall time, is nearer."""
+    done = step / cfg.max_steps
+    if cfg.max_seconds is not None:
+        done = max(done, seconds / cfg.max_seconds)
+    return min(done, 1.0)
+
+
+def learning_rate(cfg: DistillConfig, done: float) -> float:
+    """The schedule at `done` of the run: linear warm-up over `warmup`, then constant, cosine or
+    linear decay to zero (a decayed rate ends nearer the minimum than a constant one, which keeps
+    bouncing around it at the last steps)."""
+    import math
+
+    if done < cfg.warmup:
+        return cfg.lr * (done + 1e-3) / cfg.warmup
+    if cfg.lr_schedule == "constant":
+        return cfg.lr
+    rest = (done - cfg.warmup) / (1 - cfg.warmup)
+    return cfg.lr * (0.5 * (1 + math.cos(math.pi * rest)) if cfg.lr_schedule == "cosine" else 1 - rest)
+
+
+def save_checkpoint(folder: Path, student, optimizer, step: int, losses: list[float], seconds: float) -> None:
+    """Weights as safetensors, optimizer tensors with torch.save (loaded weights_only), step, losses
+    and training seconds as JSON; written to a temp dir and renamed so a kill mid-save leaves the old one intact."""
     import shutil
 
     import torch
@@ -382,7 +433,7 @@ def save_checkpoint(folder: Path, student, optimizer, step: int, losses: list[fl
     tmp.mkdir(parents=True)
     save_model(student, str(tmp / "student.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, "losses": losses}))
+    (tmp / "state.json").write_text(json.dumps({"step": step, "losses": losses, "seconds": round(seconds, 3)}))
     old = folder.with_name(folder.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if folder.exists():

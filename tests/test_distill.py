@@ -120,3 +120,39 @@ def test_cached_teacher_outputs_match_a_fresh_teacher_pass_on_any_batch(tmp_path
     assert torch.allclose(objective.cached["hidden"][last][rows].float(), fresh.hidden_states[last], atol=1e-2, rtol=1e-3)
     pooled = distill._pool(fresh.last_hidden_state, batch["attention_mask"], objective.pooling)
     assert torch.allclose(objective.cached["embedding"][rows], pooled, atol=1e-5)
+
+
+def test_the_learning_rate_warms_up_then_decays_to_zero_by_steps_or_seconds():
+    cfg = build_config(get("distill", "logit_hidden_kd"),
+                       {"lr": 1e-3, "lr_schedule": "cosine", "warmup": 0.1, "max_steps": 100, "max_seconds": 50})
+    rates = [distill.learning_rate(cfg, distill.progress(cfg, step, 0.0)) for step in range(100)]
+    assert rates[0] < 2e-5 and max(rates) == pytest.approx(1e-3, rel=0.02)
+    assert rates.index(max(rates)) in (9, 10) and rates[-1] < 1e-5
+    assert all(a >= b for a, b in zip(rates[10:], rates[11:]))  # monotone after warm-up
+    # wall time nearer its bound than steps: the schedule follows the seconds
+    assert distill.progress(cfg, 10, 40.0) == pytest.approx(0.8)
+    linear = build_config(get("distill", "logit_hidden_kd"), {"lr": 1e-3, "lr_schedule": "linear", "max_seconds": None})
+    assert distill.learning_rate(linear, 0.5) == pytest.approx(5e-4)
+    constant = build_config(get("distill", "logit_hidden_kd"), {"lr": 1e-3})
+    assert distill.learning_rate(constant, 0.99) == 1e-3
+
+
+@pytest.mark.parametrize("params, message", [({"lr_schedule": "step"}, "lr_schedule=step"),
+                                             ({"warmup": 1.0}, "warmup=1.0")])
+def test_bad_schedules_are_recipe_errors(params, message):
+    with pytest.raises(RecipeError, match=message):
+        build_config(get("distill", "logit_hidden_kd"), params)
+
+
+def test_matching_only_the_last_layer_caches_and_compares_only_it(tmp_path):
+    teacher = tiny_bert()
+    ctx = FakeContext(teacher, tmp_path)
+    cfg = build_config(get("distill", "logit_hidden_kd"), {"student_layers": 2, "hidden_layers": "last"})
+    student, layer_map = distill.make_student(teacher, teacher, cfg, ctx)
+    objective = distill.EmbeddingObjective(teacher, student, layer_map, cfg, ctx)
+    assert objective.matched_layers() == [(1, 3)]
+    objective.prepare(distill.Batches.for_task("sentence_embedding", ctx, cfg))
+    assert list(objective.cached["hidden"]) == [4]  # hidden_states[4]: the teacher's last layer output
+    every = distill.Objective(teacher, student, layer_map,
+                              build_config(get("distill", "logit_hidden_kd"), {"student_layers": 2}))
+    assert every.matched_layers() == [(0, 1), (1, 3)]
