@@ -39,7 +39,8 @@ from optimize.errors import RecipeError
 from optimize.registry import register
 
 log = logging.getLogger(__name__)
-# Keys that bound a run rather than define it: a longer rerun resumes the same checkpoint.
+# Keys that bound a run rather than define it: a longer rerun resumes the same checkpoint (with a
+# decaying learning rate, at the point of the schedule the new bounds put it).
 RUN_BOUNDS = ("max_steps", "max_seconds", "checkpoint_every", "resume")
 LR_SCHEDULES = ("constant", "cosine", "linear")
 
