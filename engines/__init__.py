@@ -29,23 +29,13 @@ def load(artifact_dir: str | Path, threads: int = 0, spinning: bool = True) -> R
 
 
 def load_engine(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> Runner:
-    """`spinning=False` for servers: idle ONNX Runtime threads sleep instead of busy-waiting."""
-    fmt = engine.get("format")
-    if fmt == "onnxruntime":
-        from engines.onnxruntime_runner import OrtRunner
+    """The Runner of an engine block, through the engine table (engines/formats.py).
 
-        return OrtRunner(root / engine["file"], threads=threads, providers=engine.get("providers"),
-                         spinning=spinning)
-    if fmt == "pytorch":
-        from engines.pytorch_runner import load_pytorch_runner
+    `spinning=False` for servers: idle runtime threads sleep instead of busy-waiting."""
+    from engines import formats
 
-        return load_pytorch_runner(root, engine, threads=threads)
-    if fmt == "onnxruntime-genai":
-        from engines.genai_runner import load_genai_runner
-
-        return load_genai_runner(root, engine, threads=threads)
-    if fmt == "modelopt-torch":  # simulated quantization: evaluated by the pipeline, not served
-        from optimize.modelopt_methods import load_modelopt_runner
-
-        return load_modelopt_runner(root, engine, threads=threads)
-    raise ArtifactError(f"unknown engine format {fmt!r} in {root}")
+    try:
+        fmt = formats.get(engine.get("format"))
+    except formats.UnknownFormat as exc:
+        raise ArtifactError(f"{exc.args[0]} in {root}") from None
+    return fmt.load(Path(root), engine, threads=threads, spinning=spinning)

@@ -112,7 +112,7 @@ class GenAIRunner:
                 options["random_seed"] = sampling.seed
         return options
 
-    # Scoring and timing, used by the pipeline's causal-LM evaluation (optimize/llm.py).
+    # Scoring and timing, used by the pipeline's causal-LM evaluation (optimize/tasks/causal_lm.py).
 
     def _generator(self, max_length: int, min_length: int = 0):
         params = self.og.GeneratorParams(self.model)
@@ -147,6 +147,6 @@ class GenAIRunner:
         return stamps
 
 
-def load_genai_runner(root: Path, engine: dict, threads: int = 0) -> GenAIRunner:
+def load_genai_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> GenAIRunner:
     """Runner from an engine block: {'format': 'onnxruntime-genai', 'dir': SUBDIR, ...}."""
     return GenAIRunner(genai_dir(Path(root), engine), threads=threads, providers=engine.get("providers"))

@@ -24,12 +24,13 @@ def main(argv: list[str]) -> None:
     root, engine_json, inputs_path = Path(argv[0]), argv[1], argv[2]
     import numpy as np
 
-    engine = json.loads(engine_json)
-    if engine["format"] == "pytorch":
-        import torch  # noqa: F401  (imported before measuring idle size, like onnxruntime below)
-    import onnxruntime  # noqa: F401
+    import importlib
 
-    from engines import load_engine
+    from engines import formats, load_engine
+
+    engine = json.loads(engine_json)
+    for module in formats.get(engine.get("format")).runtime_modules:  # before measuring the idle size
+        importlib.import_module(module)
 
     idle = _rss_mb()
     runner = load_engine(root, engine, threads=int(engine.get("threads", 0)))

@@ -65,3 +65,9 @@ class OrtRunner:
             feed[name] = np.asarray(inputs[name], dtype=dtype) if dtype else inputs[name]
         outputs = self.session.run(self.output_names, feed)
         return dict(zip(self.output_names, outputs))
+
+
+def load_ort_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> OrtRunner:
+    """Runner from an engine block: {'format': 'onnxruntime', 'file': NAME, 'providers': [...]}."""
+    return OrtRunner(Path(root) / engine["file"], threads=threads, providers=engine.get("providers"),
+                     spinning=spinning)

@@ -6,6 +6,7 @@ the ONNX exporter exports these same wrappers, so baseline and candidate compute
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -95,7 +96,7 @@ def load_hf_model(source: str, task: str, allow_pickle: bool = False, trust_remo
     return auto.from_pretrained(source, **kwargs).eval()
 
 
-def load_pytorch_runner(root: Path, engine: dict, threads: int = 0) -> TorchRunner:
+def load_pytorch_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> TorchRunner:
     """Baseline Runner from an engine block: {'format': 'pytorch', 'model_dir', 'task', ...}."""
     model_dir = Path(engine["model_dir"])
     if not model_dir.is_absolute():
@@ -107,3 +108,66 @@ def load_pytorch_runner(root: Path, engine: dict, threads: int = 0) -> TorchRunn
         module = sentence_embedding_module(model, engine.get("pooling") or read_pooling(model_dir))
         return TorchRunner(module, ENCODER_INPUTS, ["last_hidden_state", "sentence_embedding"], threads)
     raise ValueError(f"no PyTorch runner for task {task!r}")
+
+
+class TorchLM:
+    """A Hugging Face causal LM behind the same scoring and timing calls as GenAIRunner."""
+
+    input_names = ["input_ids"]
+    output_names = ["logits"]
+
+    def __init__(self, model, threads: int = 0):
+        import torch
+
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = model.eval()
+
+    def logits(self, ids) -> np.ndarray:
+        import torch
+
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.as_tensor(np.asarray(ids, dtype=np.int64))[None], use_cache=False)
+        return out.logits[0].float().numpy()
+
+    def log_likelihood(self, ids, start: int = 1) -> np.ndarray:
+        from engines.genai_runner import token_logprobs
+
+        return token_logprobs(self.logits(ids), ids)[start - 1:]
+
+    def __call__(self, inputs: dict) -> dict:
+        return {"logits": np.stack([self.logits(row) for row in inputs["input_ids"]])}
+
+    def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
+        """Greedy `generate` with its KV cache for exactly new_tokens: perf_counter() at each new token."""
+        import torch
+        from transformers.generation.streamers import BaseStreamer
+
+        class Stamps(BaseStreamer):
+            def __init__(self):
+                self.times, self.prompt_seen = [], False
+
+            def put(self, value):
+                if self.prompt_seen:  # the first put is the prompt itself
+                    self.times.append(time.perf_counter())
+                self.prompt_seen = True
+
+            def end(self):
+                pass
+
+        stamps = Stamps()
+        ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))[None]
+        with torch.inference_mode():
+            self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                min_new_tokens=new_tokens, do_sample=False, streamer=stamps,
+                                pad_token_id=self.model.config.eos_token_id)
+        return stamps.times
+
+    def greedy(self, prompt_ids, new_tokens: int) -> list[int]:
+        import torch
+
+        ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))[None]
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                      do_sample=False, pad_token_id=self.model.config.eos_token_id)
+        return out[0, ids.shape[1]:].tolist()

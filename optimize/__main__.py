@@ -15,6 +15,11 @@ from optimize import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL_ERROR, EXIT
 from optimize.errors import RecipeError
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "recipes")
+HYDRA_VERSION_BASE = "1.3"
+# Hydra's flags: those that mean "do not run a job here", and those that take a value.
+_NO_JOB_FLAGS = {"-m", "--multirun", "-h", "--help", "--hydra-help", "-i", "--info", "-sc", "--shell-completion"}
+_VALUED_FLAGS = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
+                 "--config-dir", "--experimental-rerun", "-i", "--info", "-sc", "--shell-completion"}
 log = logging.getLogger("optimize")
 
 
@@ -27,16 +32,27 @@ def precheck(argv: list[str]) -> None:
     """Compose the recipe once before Hydra runs it, so a bad override or recipe is one line and exit 2
     (Hydra itself prints several lines and exits 1, which CI would read as a failed gate)."""
     from hydra import compose, initialize_config_dir
-    from hydra._internal.utils import get_args_parser
 
-    args = get_args_parser().parse_args(argv)
-    if args.multirun or args.help or args.hydra_help or args.info or args.shell_completion:
+    if _NO_JOB_FLAGS & {a.split("=")[0] for a in argv}:
         return  # sweeps are composed per job; help and info need no check
     try:
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
-            compose("config", overrides=args.overrides, return_hydra_config=True)
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=HYDRA_VERSION_BASE):
+            compose("config", overrides=overrides_of(argv), return_hydra_config=True)
     except Exception as exc:  # Hydra and OmegaConf raise many types; all mean "bad recipe"
         fail(_one_line(exc))
+
+
+def overrides_of(argv: list[str]) -> list[str]:
+    """The key=value overrides of a command line, without Hydra's flags and their values."""
+    overrides, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.startswith("-"):
+            skip = arg in _VALUED_FLAGS  # "--cfg job": the next word is the flag's value
+        else:
+            overrides.append(arg)
+    return overrides
 
 
 def _one_line(exc: BaseException) -> str:
@@ -58,7 +74,7 @@ def main() -> None:
     precheck(sys.argv[1:])
     import hydra
 
-    @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base=None)
+    @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base=HYDRA_VERSION_BASE)
     def entry(cfg) -> None:
         sys.exit(run_job(cfg))
 

@@ -39,7 +39,9 @@ class DataConfig:
 @dataclass
 class MethodConfig:
     method: str = "none"
-    params: Dict[str, Any] = field(default_factory=dict)
+    # Typed by the chosen method's own config dataclass (registry.store_schemas) once its group YAML
+    # names its schema; untyped only for `none`.
+    params: Any = field(default_factory=dict)
 
 
 @dataclass
@@ -48,7 +50,7 @@ class EvaluateConfig:
     inputs: str = "data"  # data | random (random tensors shaped from the model signature, on request only)
     batch_sizes: List[int] = field(default_factory=lambda: [1, 32])
     warmup: int = 3
-    repeats: int = 20  # timed calls per runner and batch size
+    repeats: int = 30  # timed calls per runner and batch size (fewer when a budget of 20 s would be exceeded)
     top_k: int = 5
     threads: int = 0  # intra-op threads for every runner; 0 = all cores
     memory: bool = True  # peak memory of each runner, measured in a fresh subprocess
@@ -80,7 +82,7 @@ class GateConfig:
 
 
 @dataclass
-class ServeConfig:
+class ServeDefaults:
     """Serving defaults recorded in the artifact; `python -m serve` flags override them."""
 
     max_batch_size: int = 32
@@ -99,7 +101,7 @@ class RecipeConfig:
     engine: MethodConfig = field(default_factory=lambda: MethodConfig(method="onnx"))
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     gate: GateConfig = field(default_factory=GateConfig)
-    serve: ServeConfig = field(default_factory=ServeConfig)
+    serve: ServeDefaults = field(default_factory=ServeDefaults)
     output_dir: Optional[str] = None  # final artifact path; default: <hydra run dir>/artifact
     overwrite: bool = False
     seed: int = 0
@@ -108,4 +110,7 @@ class RecipeConfig:
 def register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 
+    from optimize import registry
+
     ConfigStore.instance().store(name="recipe_schema", node=RecipeConfig)
+    registry.store_schemas()

@@ -99,7 +99,7 @@ def logit_hidden_kd(model, cfg: DistillConfig, ctx):
         raise RecipeError("distill.method=logit_hidden_kd needs a PyTorch model (not an ONNX source)")
     torch.manual_seed(cfg.seed)
     teacher = ctx.source.module.eval()
-    student, layer_map = make_student(model.module, teacher, cfg, ctx)
+    student, layer_map = make_student(model.module, teacher, cfg, ctx, model.kept_layers)
     objective = Objective.for_task(model.task, teacher, student, layer_map, cfg, ctx)
     batches = Batches.for_task(model.task, ctx, cfg)
     before = objective.before_training(student, ctx)
@@ -114,10 +114,10 @@ def logit_hidden_kd(model, cfg: DistillConfig, ctx):
 
 # ---------------------------------------------------------------- the student
 
-def make_student(module, teacher, cfg: DistillConfig, ctx):
+def make_student(module, teacher, cfg: DistillConfig, ctx, kept_layers: list[int] | None = None):
     """(student, layer map). The prune stage's module is the student; without one, build it from
     `student_layers` evenly spaced teacher layers (a student larger than the teacher is an error)."""
-    from optimize.prune import Layout, keep_layers, student_copy
+    from optimize.surgery import Layout, evenly_spaced, keep_layers, student_copy
 
     teacher_layers = len(Layout(teacher).layers)
     if module is teacher:
@@ -133,18 +133,12 @@ def make_student(module, teacher, cfg: DistillConfig, ctx):
         if cfg.student_layers is not None:
             raise RecipeError("distill.params.student_layers is for runs without a prune stage (the prune "
                               "stage already made the student)")
-        kept = (ctx.records.get("stages", {}).get("prune") or {}).get("kept_layers")
-        kept = kept or evenly_spaced(teacher_layers, len(Layout(module).layers))
+        kept = kept_layers or evenly_spaced(teacher_layers, len(Layout(module).layers))
     if _parameters(module) > _parameters(teacher):
         raise RecipeError("distill: the student is larger than the teacher")
     if not cfg.train_embeddings:  # (tied LM heads share this weight and stay frozen with it)
         module.get_input_embeddings().requires_grad_(False)
     return module.eval(), kept[:-1] + [teacher_layers - 1]
-
-
-def evenly_spaced(total: int, keep: int) -> list[int]:
-    """keep indices out of range(total), spread out and ending with the last (6 -> 3: 1, 3, 5)."""
-    return [round((j + 1) * total / keep) - 1 for j in range(keep)]
 
 
 def _parameters(module) -> int:
@@ -167,7 +161,7 @@ class Batches:
 
         texts = ctx.calibration().items
         if task == "causal_lm":
-            from optimize.llm import Tokens
+            from optimize.tasks.causal_lm import Tokens
 
             ids = Tokens(ctx)("\n\n".join(texts))
             windows = len(ids) // cfg.seq_len
@@ -236,11 +230,8 @@ class EmbeddingObjective(Objective):
     (the mapped layers and the pooled embedding), which removes the teacher's forward pass (~40%
     of a step) from every step."""
     def __init__(self, teacher, student, layer_map, cfg, ctx):
-        from optimize import tasks
-
         super().__init__(teacher, student, layer_map, cfg)
-        tasks.get("sentence_embedding").module(teacher, ctx)  # records the model's pooling
-        self.pooling = ctx.records["pooling"]
+        self.pooling = ctx.pooling
 
     def prepare(self, batches: "Batches") -> None:
         import torch
@@ -306,12 +297,13 @@ class LogitObjective(Objective):
     def before_training(self, student, ctx) -> dict:
         """Held-out perplexity of the pruned-only student (the middle column of the report), scored
         on the same tokens the evaluation uses; a hook adds the row and the recovery figure."""
-        from optimize import llm
+        from engines.pytorch_runner import TorchLM
+        from optimize.tasks.causal_lm import Tokens, eval_config, perplexity
 
-        cfg = llm.eval_config(ctx)
-        tokens = llm.Tokens(ctx)
+        cfg = eval_config(ctx)
+        tokens = Tokens(ctx)
         ids = tokens("\n\n".join(ctx.evaluation_data().items))[: cfg.perplexity_tokens]
-        pruned = llm.perplexity(llm.TorchLM(student), ids, cfg.perplexity_window)
+        pruned = perplexity(TorchLM(student), ids, cfg.perplexity_window)
         ctx.metric_hooks.append(lambda metrics: add_recovery(metrics, pruned))
         log.info("pruned-only perplexity before distillation: %.3f", pruned)
         return {"pruned_only_perplexity": pruned}
@@ -346,14 +338,14 @@ def checkpoint_dir(ctx, cfg: DistillConfig) -> Path:
     """$OPTIMIZE_CACHE/distill/<sha256 of (source hash, prune + distill config, calibration hash)>."""
     from omegaconf import OmegaConf
 
-    from optimize import llm, pipeline
+    from optimize.models import cache_root, source_hash
 
     config = {k: v for k, v in asdict(cfg).items() if k not in RUN_BOUNDS}
-    identity = {"source": pipeline._source_hash(ctx.source) or ctx.source.location,
+    identity = {"source": source_hash(ctx.source) or ctx.source.location,
                 "prune": OmegaConf.to_container(ctx.cfg.prune, resolve=True), "distill": config,
                 "calibration": ctx.calibration().describe()}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
-    return llm.cache_root() / "distill" / key
+    return cache_root() / "distill" / key
 
 
 def train(student, objective, batches: Batches, cfg: DistillConfig, folder: Path) -> dict:

@@ -11,7 +11,7 @@ import operator
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
-from optimize.benchmark import BUSY_SHARE
+from optimize.evaluate.benchmark import BUSY_SHARE
 
 
 @dataclass(frozen=True)

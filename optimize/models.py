@@ -7,27 +7,19 @@ trust_remote_code stays off unless the recipe turns it on.
 from __future__ import annotations
 
 import importlib.util
+import logging
+import os
 import re
-from dataclasses import dataclass, field
+import shutil
 from pathlib import Path
-from typing import Any
 
 from engines.pytorch_runner import PICKLE_SUFFIXES
+from optimize.context import SourceModel
+from optimize import tasks
 from optimize.errors import RecipeError
 
+log = logging.getLogger(__name__)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-@dataclass
-class SourceModel:
-    kind: str  # "hf" (a PyTorch module) or "onnx" (a file)
-    task: str
-    location: str  # resolved path or hub id
-    module: Any = None  # the torch model for kind "hf"
-    onnx_path: Path | None = None
-    tokenizer_dir: Path | None = None
-    gguf_file: str | None = None
-    info: dict = field(default_factory=dict)
 
 
 def resolve_package_path(source: str) -> Path:
@@ -81,10 +73,9 @@ def load(cfg) -> SourceModel:
         if tokenizer and not (tokenizer / "tokenizer.json").is_file():
             raise RecipeError(f"model.tokenizer={cfg.tokenizer} has no tokenizer.json")
         return SourceModel("onnx", cfg.task, str(path), onnx_path=path, tokenizer_dir=tokenizer)
-    if cfg.task == "image_classification":  # a small CNN from safetensors + config.json (optimize/vision.py)
-        from optimize.vision import load_source
-
-        return load_source(cfg, path)
+    own = tasks.get(cfg.task).load_source(cfg, path)  # tasks whose models are not Hugging Face ones
+    if own is not None:
+        return own
     if cfg.task not in ("sentence_embedding", "causal_lm"):
         raise RecipeError(f"model.task={cfg.task} needs an ONNX source; Hugging Face models support "
                           "sentence_embedding and causal_lm")
@@ -112,3 +103,61 @@ def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
     return SourceModel("hf", cfg.task, location, module=module, tokenizer_dir=tokenizer_dir, gguf_file=gguf_file,
                        info={"class": type(module).__name__,
                              "parameters": sum(p.numel() for p in module.parameters())})
+
+
+def source_hash(source: SourceModel) -> dict:
+    """sha256 of the source's weight files (or the ONNX file), by name."""
+    from engines.artifact import sha256_file
+
+    path = Path(source.location)
+    if source.kind == "onnx":
+        return {source.onnx_path.name: sha256_file(source.onnx_path)}
+    if source.gguf_file:
+        return {source.gguf_file: sha256_file(path / source.gguf_file)}
+    if path.is_dir():
+        return {p.name: sha256_file(p) for p in sorted(path.glob("*.safetensors"))}
+    return {}
+
+
+# ---------------------------------------------------------------- GGUF -> cached Hugging Face folder
+
+def cache_root() -> Path:
+    return Path(os.environ.get("OPTIMIZE_CACHE") or Path.home() / ".cache" / "optimize").expanduser()
+
+
+def hf_folder(source) -> Path:
+    """A Hugging Face folder (config + safetensors + tokenizer) for builders that read one.
+
+    A folder source is used as it is. A GGUF source was dequantized to FP32 on load; the module is
+    saved once under the cache, keyed by the GGUF file's sha256, so later runs reuse it."""
+    location = Path(source.location)
+    if not source.gguf_file:
+        if not (location / "config.json").is_file():
+            raise RecipeError(f"model.source={source.location}: the engine needs a local model folder")
+        return location
+    from engines.artifact import sha256_file
+
+    folder = cache_root() / "gguf" / sha256_file(location / source.gguf_file)[:24]
+    if not (folder / "model.safetensors").is_file():
+        save_converted(source.module, location, source.gguf_file, folder)
+    return folder
+
+
+def save_converted(module, location: Path, gguf_file: str, folder: Path) -> None:
+    """save_pretrained refuses GGUF-loaded models ("quantized with gguf"): rebuild the model from its
+    config without quantization_config, load the dequantized weights, save that (atomically)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors under %s (once)", gguf_file, folder)
+    config = module.config.__class__.from_dict(module.config.to_dict())
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    clean = AutoModelForCausalLM.from_config(config, dtype=module.dtype)
+    clean.load_state_dict(module.state_dict())
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    clean.save_pretrained(str(tmp))
+    AutoTokenizer.from_pretrained(str(location), gguf_file=gguf_file).save_pretrained(str(tmp))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)

@@ -1,60 +1,27 @@
 """The pipeline: recipe -> model -> [prune] -> [distill] -> [quantize] -> engine -> evaluate -> gate -> artifact."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 import shutil
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from omegaconf import OmegaConf
 
-import calibration
+from engines import formats, load_engine
 from optimize import artifact, environment, gate, registry, tasks
+from optimize.context import Context, Model, SourceModel
 from optimize.errors import RecipeError
-from optimize.evaluate import Subject
-from optimize.models import SourceModel, load as load_source, resolve as resolve_source
+from optimize.evaluate.harness import Subject
+from optimize.models import load as load_source, resolve as resolve_source, source_hash
 
 log = logging.getLogger(__name__)
 TOKENIZER_DIR = "tokenizer"
-
-
-@dataclass
-class Model:
-    """What flows between stages: a PyTorch module, then engine files in a directory.
-
-    `engine` is the manifest's engine block with paths relative to `engine_dir`; the pipeline
-    copies engine_dir's files into the artifact as they are.
-    """
-
-    kind: str  # "torch" | "onnx" | "engine" (any other engine directory)
-    task: str
-    module: Any = None
-    engine_dir: Path | None = None
-    engine: dict = field(default_factory=dict)
-    precision: str = "fp32"
-
-    @property
-    def onnx_path(self) -> Path | None:
-        return self.engine_dir / self.engine["file"] if self.kind == "onnx" else None
-
-    def with_onnx(self, path: Path, precision: str | None = None) -> "Model":
-        """The model as one ONNX file (alone in its directory) for ONNX Runtime."""
-        path = Path(path)
-        return dataclasses.replace(self, kind="onnx", module=None, engine_dir=path.parent,
-                                   engine={"format": "onnxruntime", "file": path.name,
-                                           "providers": ["CPUExecutionProvider"]},
-                                   precision=precision or self.precision)
-
-    def with_engine(self, engine_dir: Path, engine: dict, precision: str) -> "Model":
-        return dataclasses.replace(self, kind="engine", module=None, engine_dir=Path(engine_dir), engine=engine,
-                                   precision=precision)
 
 
 @dataclass
@@ -64,67 +31,6 @@ class Plan:
     stages: list[tuple[registry.Method, Any]]
     needs_calibration: bool
     final_dir: Path
-
-
-@dataclass
-class Context:
-    """What stages and tasks may use: the recipe, a scratch directory, the data, the tokenizer."""
-
-    cfg: Any
-    scratch: Path
-    source: SourceModel | None = None
-    encoder: Any = None
-    threads: int = 0
-    records: dict = field(default_factory=dict)
-    # Generic hooks for stages: files to ship in the artifact ({relative path: file}), and
-    # callables that may add to the evaluation's metrics before the gate judges them.
-    extra_files: dict = field(default_factory=dict)
-    metric_hooks: list = field(default_factory=list)
-    _calibration: calibration.TextSet | None = None
-    _evaluation: calibration.TextSet | None = None
-
-    def calibration(self) -> calibration.TextSet:
-        if self._calibration is None:
-            self._calibration = load_data(self.cfg.calibration)
-        return self._calibration
-
-    def evaluation_data(self) -> calibration.TextSet:
-        """Evaluation items, never overlapping the calibration items (checked by content hash)."""
-        if self._evaluation is None:
-            data = load_data(self.cfg.evaluate.data)
-            if self._calibration is not None:
-                try:
-                    data = calibration.remove_overlap(self._calibration, data, self.cfg.evaluate.overlap)
-                except calibration.DataError as exc:
-                    raise RecipeError(str(exc)) from None
-            self._evaluation = data
-        return self._evaluation
-
-    def encode(self, texts: list[str]) -> dict[str, np.ndarray]:
-        if self.encoder is None:
-            raise RecipeError("this model has no tokenizer: set model.tokenizer=DIR or evaluate.inputs=random")
-        return self.encoder(texts)
-
-    def calibration_inputs(self, count: int) -> dict[str, np.ndarray]:
-        return self.encode(self.calibration().items[:count])
-
-    def record(self, stage: str, info: dict) -> None:
-        self.records.setdefault("stages", {})[stage] = info
-
-    def progress(self, items, label: str):
-        for i, item in enumerate(items, 1):
-            if i == 1 or i % 10 == 0 or i == len(items):
-                log.info("%s %d/%d", label, i, len(items))
-            yield item
-
-
-def load_data(data_cfg) -> calibration.TextSet:
-    try:
-        return calibration.load(data_cfg.source, data_cfg.split, data_cfg.count, data_cfg.seed, path=data_cfg.path,
-                                field=data_cfg.field, min_chars=data_cfg.min_chars,
-                                dataset_split=data_cfg.get("dataset_split"), shape=data_cfg.get("shape"))
-    except calibration.DataError as exc:
-        raise RecipeError(f"{exc}") from None
 
 
 def plan(cfg, run_dir: Path) -> Plan:
@@ -163,7 +69,7 @@ def order(stages):
     """Methods that work on the PyTorch module run before the engine; ONNX-level methods after."""
     torch_side = [s for s in stages if s[0].input_format == "torch" and s[0].stage != "engine"]
     engine = [s for s in stages if s[0].stage == "engine"]
-    onnx_side = [s for s in stages if s[0].input_format == "onnx"]
+    onnx_side = [s for s in stages if s[0].input_format == "onnx" and s[0].stage != "engine"]
     return torch_side + engine + onnx_side
 
 
@@ -190,7 +96,7 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         engine = _install_engine(model, stage, cfg)
         _ship_extra_files(ctx, stage)
         baseline = _baseline(ctx, source, task)
-        candidate = _candidate(stage, engine, ctx)
+        candidate = _candidate(stage, engine, ctx, model.layer_precision)
         metrics, eval_data = task.evaluate(baseline, candidate, ctx)
         for hook in ctx.metric_hooks:
             hook(metrics)
@@ -234,10 +140,9 @@ def _install_engine(model: Model, stage: Path, cfg) -> dict:
             shutil.copy2(path, dest)
     engine = dict(model.engine, precision=model.precision, task=model.task, max_length=cfg.model.max_length,
                   tokenizer=TOKENIZER_DIR if (stage / TOKENIZER_DIR).exists() else None)
-    if engine["format"] == "onnxruntime":
-        from engines.onnxruntime_runner import OrtRunner
-
-        engine["inputs"] = OrtRunner(stage / engine["file"]).signature()
+    runner = load_engine(stage, engine)
+    if hasattr(runner, "signature"):  # runtimes that take named arrays say what they take
+        engine["inputs"] = runner.signature()
     return engine
 
 
@@ -258,25 +163,21 @@ def _engine_bytes(root: Path, engine: dict) -> int:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and TOKENIZER_DIR not in p.parts)
 
 
-def _candidate(stage: Path, engine: dict, ctx: Context) -> Subject:
-    from engines import load_engine
-
+def _candidate(stage: Path, engine: dict, ctx: Context, layer_precision: dict) -> Subject:
     return Subject("candidate", load_engine(stage, engine, threads=ctx.threads), engine, stage,
-                   _engine_bytes(stage, engine))
+                   _engine_bytes(stage, engine), layer_precision)
 
 
 def _baseline(ctx: Context, source: SourceModel, task: tasks.Task) -> Subject:
     """The source model as it came, on its own runtime: PyTorch FP32, or ONNX Runtime for an ONNX source."""
-    from engines import load_engine
-
     if source.kind == "onnx":
-        engine = {"format": "onnxruntime", "file": source.onnx_path.name}
+        engine = {"format": formats.ONNXRUNTIME, "file": source.onnx_path.name}
         root = source.onnx_path.parent
         return Subject("baseline", load_engine(root, engine, ctx.threads), engine, root, _engine_bytes(root, engine))
     from engines.pytorch_runner import TorchRunner
 
-    engine = {"format": "pytorch", "model_dir": source.location, "task": source.task,
-              "pooling": ctx.records.get("pooling"), "gguf_file": source.gguf_file,
+    engine = {"format": formats.PYTORCH, "model_dir": source.location, "task": source.task,
+              "pooling": ctx.pooling, "gguf_file": source.gguf_file,
               "allow_pickle": ctx.cfg.model.allow_pickle}
     runner = TorchRunner(task.module(source.module, ctx), list(task.input_names), list(task.output_names),
                          ctx.threads)
@@ -308,28 +209,14 @@ def _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "recipe": {"name": recipe_name, "resolved": OmegaConf.to_container(cfg, resolve=True)},
         "model": {"source": cfg.model.source, "resolved": source.location, "task": source.task,
-                  "sha256": _source_hash(source), **source.info},
+                  "sha256": source_hash(source), **source.info},
         "calibration": calib,
         "evaluation": eval_data,
         "engine": engine,
-        "stages": ctx.records.get("stages", {}),
+        "stages": ctx.stage_records,
         "metrics": metrics,
         "gate": verdict.to_dict(),
         "verdict": "passed" if verdict.passed else "failed",
         "environment": environment.describe(),
         "duration_s": round(time.time() - started, 1),
     }
-
-
-def _source_hash(source: SourceModel) -> dict:
-    """sha256 of the source's weight files (or the ONNX file), by name."""
-    from engines.artifact import sha256_file
-
-    path = Path(source.location)
-    if source.kind == "onnx":
-        return {source.onnx_path.name: sha256_file(source.onnx_path)}
-    if source.gguf_file:
-        return {source.gguf_file: sha256_file(path / source.gguf_file)}
-    if path.is_dir():
-        return {p.name: sha256_file(p) for p in sorted(path.glob("*.safetensors"))}
-    return {}

@@ -20,116 +20,23 @@ faster or smaller without sparse kernels (2:4 needs a GPU with sparse tensor cor
 """
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from optimize.errors import RecipeError
 from optimize.registry import register
+from optimize.surgery import Layout, evenly_spaced, keep_layers, parameter_count, slice_linear, student_copy
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 TORCH_TASKS = ("sentence_embedding", "causal_lm")
 LAYER_SELECTIONS = ("block_importance", "output_fidelity", "evenly_spaced")
 NO_SPEEDUP_NOTE = ("weights are zeroed but stored dense: no time or size is saved without sparse kernels "
                    "(2:4 needs a GPU with sparse tensor cores, e.g. NVIDIA Ampere or newer)")
-
-
-# ---------------------------------------------------------------- model layouts
-
-class Layout:
-    """Where a transformer keeps its layers, attention and FFN projections."""
-
-    def __init__(self, model):
-        self.model = model
-        if hasattr(model, "encoder") and hasattr(model.encoder, "layer"):  # BERT family
-            self.kind, self.owner, self.attr = "bert", model.encoder, "layer"
-        elif hasattr(model, "model") and hasattr(model.model, "layers"):  # Llama family (ForCausalLM)
-            self.kind, self.owner, self.attr = "llama", model.model, "layers"
-        else:
-            raise RecipeError(f"prune: {type(model).__name__} is not a BERT-style encoder or Llama-style decoder")
-
-    @property
-    def layers(self):
-        return getattr(self.owner, self.attr)
-
-    def set_layers(self, layers) -> None:
-        import torch
-
-        setattr(self.owner, self.attr, torch.nn.ModuleList(layers))
-
-    def heads(self) -> int:
-        return self.model.config.num_attention_heads
-
-    def head_dim(self) -> int:
-        config = self.model.config
-        return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-    def qkv(self, layer):
-        if self.kind == "bert":
-            s = layer.attention.self
-            return s, ("query", "key", "value")
-        return layer.self_attn, ("q_proj", "k_proj", "v_proj")
-
-    def attention_out(self, layer):
-        return layer.attention.output.dense if self.kind == "bert" else layer.self_attn.o_proj
-
-    def ffn_in(self, layer):
-        """(owner, names) of the Linear layers that make the FFN channels."""
-        if self.kind == "bert":
-            return layer.intermediate, ("dense",)
-        return layer.mlp, ("gate_proj", "up_proj")
-
-    def ffn_out(self, layer):
-        return layer.output.dense if self.kind == "bert" else layer.mlp.down_proj
-
-    def inputs(self, batch: dict) -> dict:
-        import torch
-
-        names = ("input_ids", "attention_mask", "token_type_ids") if self.kind == "bert" else ("input_ids", "attention_mask")
-        return {n: torch.as_tensor(batch[n]) for n in names if n in batch}
-
-
-def slice_linear(linear, rows=None, cols=None):
-    """A new Linear keeping output features `rows` and input features `cols` (None: all)."""
-    import torch
-
-    weight = linear.weight.detach()
-    weight = weight[rows] if rows is not None else weight
-    weight = weight[:, cols] if cols is not None else weight
-    bias = linear.bias
-    new = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
-    new.weight.data.copy_(weight)
-    if bias is not None:
-        new.bias.data.copy_(bias.detach()[rows] if rows is not None else bias.detach())
-    return new
-
-
-def student_copy(module):
-    """A deep copy the stage may change; the source module stays the untouched teacher/baseline.
-    A GGUF-loaded config carries quantization_config, which makes save_pretrained refuse: drop it."""
-    student = copy.deepcopy(module)
-    if hasattr(student.config, "quantization_config"):
-        del student.config.quantization_config
-    for attr in ("hf_quantizer", "quantization_method", "is_quantized"):
-        if attr in student.__dict__:
-            delattr(student, attr)
-    return student
-
-
-def keep_layers(model, kept: list[int]) -> None:
-    """Keep these layers, in order; decoders renumber layer_idx so the KV cache indexes match."""
-    layout = Layout(model)
-    layers = [layout.layers[i] for i in kept]
-    for new_index, layer in enumerate(layers):
-        attention = getattr(layer, "self_attn", None)
-        if attention is not None and hasattr(attention, "layer_idx"):
-            attention.layer_idx = new_index
-    layout.set_layers(layers)
-    config = model.config
-    config.num_hidden_layers = len(kept)
-    if getattr(config, "layer_types", None):
-        config.layer_types = [config.layer_types[i] for i in kept]
 
 
 # ---------------------------------------------------------------- importance (activation-based)
@@ -258,7 +165,7 @@ def structured(model, cfg: StructuredPruneConfig, ctx):
                          "removed": removed, "layer_importance": [round(s, 5) for s in scores["layers"]],
                          "parameters": {"before": before, "after": parameter_count(student)}})
     log.info("structured prune: %s -> %d parameters (was %d)", targets, parameter_count(student), before)
-    return _replace_module(model, student)
+    return dataclasses.replace(model, module=student, kept_layers=kept_layers)
 
 
 def calibration_batches(ctx, cfg) -> list[dict]:
@@ -272,7 +179,7 @@ def choose_layers(model, selection: str, importance: list[float], batches: list[
     if keep >= total:
         return list(range(total))
     if selection == "evenly_spaced":
-        return sorted({round(j * (total - 1) / max(keep - 1, 1)) for j in range(keep)})
+        return evenly_spaced(total, keep)
     if selection == "output_fidelity":
         return _greedy_output_fidelity(model, batches, keep)
     ranked = sorted(range(total), key=lambda i: importance[i], reverse=True)
@@ -361,10 +268,6 @@ def _set_ffn_out(layout, layer, linear) -> None:
         layer.mlp.down_proj = linear
 
 
-def parameter_count(module) -> int:
-    return sum(p.numel() for p in module.parameters())
-
-
 def _replace_module(model, module):
     import dataclasses
 
@@ -431,7 +334,7 @@ def _sparsify(model, ctx, method: str, make_mask) -> object:
     ctx.record("prune", {"method": method, "zeroed_weights": zeros, "of": total,
                          "sparsity": round(zeros / max(total, 1), 4), "note": NO_SPEEDUP_NOTE})
     log.warning("prune %s: %s", method, NO_SPEEDUP_NOTE)
-    return _replace_module(model, student)
+    return dataclasses.replace(model, module=student)
 
 
 @register("prune", "magnitude_unstructured", MagnitudeConfig, input_format="torch", tasks=TORCH_TASKS)

@@ -10,24 +10,29 @@ A method is a config dataclass plus a function, registered under (stage, name):
     def int8_dynamic(model, cfg, ctx): ...
 
 The dataclass lets the whole recipe be checked before any weights load: an unknown or mistyped
-parameter is a RecipeError naming the key.
+parameter is a RecipeError naming the key. It is also the Hydra schema of `<stage>.params`
+(see `store_schemas`), so every parameter can be overridden on the command line.
+
+Where methods live: every module of the `optimize.quantize` and `optimize.compile` packages, and
+the prune and distill modules. A new method is one new file in its package (found by
+`load_plugins`) plus one YAML in recipes/<stage>/.
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import pkgutil
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Literal, get_args
 
 from optimize.errors import RecipeError
 
 STAGES = ("prune", "distill", "quantize", "engine")
-# Modules whose import registers methods (with @register) and tasks (with tasks.register_task).
-# Listed here so every registration is found from one place.
-PLUGIN_MODULES = ("optimize.compile", "optimize.quantize", "optimize.quantize_static", "optimize.quantize_int4",
-                  "optimize.vision", "optimize.llm", "optimize.genai", "optimize.modelopt_methods",
-                  "optimize.prune", "optimize.distill")
+InputFormat = Literal["torch", "onnx"]
+# Every module of these packages registers methods when imported; so do these two modules.
+METHOD_PACKAGES = ("optimize.compile", "optimize.quantize")
+METHOD_MODULES = ("optimize.prune", "optimize.distill")
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,8 @@ class Method:
     config_cls: type
     fn: Callable
     needs_calibration: bool = False
-    input_format: str = "onnx"  # what the method consumes: "torch" (a module) or "onnx" (a file)
+    # What the method consumes: "torch" (a module, before the engine) or "onnx" (a file, after it).
+    input_format: InputFormat = "onnx"
     tasks: tuple[str, ...] = ("sentence_embedding", "causal_lm", "image_classification", "generic")
     summary: str = ""
 
@@ -48,6 +54,9 @@ _METHODS: dict[tuple[str, str], Method] = {}
 def register(stage: str, name: str, config_cls: type, **info) -> Callable:
     if stage not in STAGES:
         raise ValueError(f"unknown stage {stage!r}")
+
+    if info.get("input_format", "onnx") not in get_args(InputFormat):
+        raise ValueError(f"{stage}={name}: input_format must be one of {get_args(InputFormat)}")
 
     def decorate(fn: Callable) -> Callable:
         key = (stage, name)
@@ -60,9 +69,36 @@ def register(stage: str, name: str, config_cls: type, **info) -> Callable:
     return decorate
 
 
+def method_modules() -> list[str]:
+    """The modules whose import registers every method, packages scanned file by file."""
+    found = list(METHOD_MODULES)
+    for package_name in METHOD_PACKAGES:
+        package = importlib.import_module(package_name)
+        found += [f"{package_name}.{info.name}" for info in pkgutil.iter_modules(package.__path__)]
+    return found
+
+
 def load_plugins() -> None:
-    for module in PLUGIN_MODULES:
+    for module in method_modules():
         importlib.import_module(module)
+
+
+def all_methods() -> list[Method]:
+    load_plugins()
+    return list(_METHODS.values())
+
+
+def store_schemas() -> None:
+    """Each method's config dataclass as a Hydra structured config, `schema/<stage>/<name>`: a group
+    YAML that starts with `defaults: [/schema/<stage>/<name>@_here_, _self_]` gets typed params, so
+    `quantize.params.per_channel=false` is checked (and needs no `+`), and the YAML holds only what
+    differs from the dataclass defaults."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for method in all_methods():
+        store.store(group=f"schema/{method.stage}", name=method.name,
+                    node={"method": method.name, "params": method.config_cls})
 
 
 def get(stage: str, name: str) -> Method:

@@ -22,7 +22,7 @@ def train(out_dir: Path, epochs: int = 30, seed: int = 0, batch_size: int = 64, 
     from safetensors.torch import save_file
 
     from calibration.images import digits
-    from optimize.vision import build_cnn, encode_images, top1_accuracy
+    from optimize.tasks.image_classification import build_cnn, encode_images, top1_accuracy
 
     torch.manual_seed(seed)
     train_set, test_set = digits("calibration"), digits("evaluation")

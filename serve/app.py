@@ -25,68 +25,29 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Match, Route
 
 from serve.config import ServeConfig
-from serve.errors import HTTPError, too_large, unavailable
+from serve.errors import HTTPError, too_large
+from serve.state import ServeState, default_model_name, state_of  # noqa: F401 (re-exported)
 
 log = logging.getLogger("serve")
 OPEN_PATHS = ("/v2/health/", "/metrics")  # open without a key only when the operator says so
 
 
-class ServeState:
-    """Everything the routes share: the manifest, settings, metrics, and the model once loaded."""
-
-    def __init__(self, root: Path, manifest: dict, config: ServeConfig, load_model: Callable):
-        from serve.metrics import Metrics
-
-        self.root, self.manifest, self.config = root, manifest, config
-        self.engine = manifest.get("engine") or {}
-        self.name = config.model_name or default_model_name(root, manifest)
-        self.version = "1"
-        self.load_model = load_model
-        self.metrics = Metrics()
-        self.model = None
-        self.batcher = None    # encoders: serve.batching.Batcher
-        self.generator = None  # causal LMs: serve.llm.GenerationService
-        self.load_error: str | None = None
-        self.on_fatal: Callable[[str], None] = lambda message: None
-        self.draining = False
-        self.accepted = 0
-        self.completed = 0
-        self.created = int(time.time())
-
-    @property
-    def task(self) -> str:
-        return self.engine.get("task", "unknown")
-
-    @property
-    def ready(self) -> bool:
-        return self.model is not None and not self.draining
-
-    def require_ready(self) -> None:
-        if self.load_error:
-            raise unavailable(f"the model failed to load: {self.load_error}", retry_after_s=60)
-        if self.model is None:
-            raise unavailable("the model is loading")
-        # Draining is not refused here: a request uvicorn still accepts is served to the end.
-
-
-def default_model_name(root: Path, manifest: dict) -> str:
-    """The recipe's name (what an operator chose), else the artifact folder's name."""
-    name = ((manifest.get("recipe") or {}).get("name")) or root.resolve().name
-    return str(name).replace("/", "_")
-
-
 def load_model_for(state: ServeState):
     """Build the model object the engine block describes (runs in a worker thread)."""
     threads = state.config.ort_threads()
-    if state.task == "causal_lm" or state.engine.get("format") == "onnxruntime-genai":
-        from serve.llm import CausalLM
+    from engines import formats
 
-        return CausalLM(state.root, state.engine, threads, state.config.max_prompt_tokens, state.config.max_tokens)
-    if state.task == "sentence_embedding":
+    serves = formats.get(state.engine.get("format")).serves
+    if serves == "causal_lm":
+        from serve.llm import GenerativeModel
+
+        return GenerativeModel(state.root, state.engine, threads, state.config.max_prompt_tokens,
+                               state.config.max_tokens)
+    if serves == "encoder" and state.task == "sentence_embedding":
         from serve.encoder import EncoderModel
 
         return EncoderModel(state.root, state.engine, threads, spinning=state.config.ort_spinning)
-    raise ValueError(f"this server has no handler for task {state.task!r}")
+    raise ValueError(f"this server has no handler for task {state.task!r} on engine {state.engine.get('format')!r}")
 
 
 # --- loading and draining ------------------------------------------------------------------------
@@ -221,9 +182,6 @@ class Gatekeeper:
 
 
 # --- small shared routes -------------------------------------------------------------------------
-
-def state_of(request: Request) -> ServeState:
-    return request.app.state.serve
 
 
 async def metrics_route(request: Request) -> Response:

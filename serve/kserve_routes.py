@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve.body import arriving, read_body
+from serve.state import state_of
 from serve.errors import bad_request, not_found, unprocessable
 from serve.jsonbody import FastJSONResponse, array
 from serve.protocol import NUMPY_TO_KSERVE, parse_infer_request
@@ -33,10 +34,6 @@ def routes() -> list[Route]:
         Route(MODEL + "/config", model_config), Route(VERSIONED + "/config", model_config),
         Route(MODEL + "/infer", infer, methods=["POST"]), Route(VERSIONED + "/infer", infer, methods=["POST"]),
     ]
-
-
-def state_of(request: Request):
-    return request.app.state.serve
 
 
 def model_of(request: Request):

@@ -21,14 +21,14 @@ from serve.errors import bad_request, busy, unavailable
 from serve.protocol import GenerationRequest
 
 
-class CausalLM:
+class GenerativeModel:
     task = "causal_lm"
 
     def __init__(self, root: Path, engine: dict, threads: int = 0, max_prompt_tokens: int = 0,
                  max_tokens: int = 512):
-        from engines.genai_runner import GenAIRunner, genai_dir
+        from engines import load_engine
 
-        self.runner = GenAIRunner(genai_dir(root, engine), threads=threads, providers=engine.get("providers"))
+        self.runner = load_engine(root, engine, threads=threads)
         self.context_length = self.runner.context_length
         self.max_prompt_tokens = min(max_prompt_tokens or self.context_length - 1, self.context_length - 1)
         self.max_tokens = max_tokens
@@ -72,7 +72,7 @@ class Generation:
 
 
 class GenerationService:
-    def __init__(self, model: CausalLM, max_queue: int, metrics=None):
+    def __init__(self, model: GenerativeModel, max_queue: int, metrics=None):
         self.model = model
         self.max_queue = max_queue
         self.metrics = metrics

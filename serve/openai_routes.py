@@ -18,7 +18,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from serve.body import arriving, read_body
-from serve.errors import HTTPError, bad_request, not_found, timed_out
+from serve.state import state_of
+from serve.errors import HTTPError, bad_request, timed_out
 from serve.jsonbody import FastJSONResponse, array
 from serve.protocol import (json_object, parse_chat_request, parse_completion_request,
                             parse_embeddings_request)
@@ -32,10 +33,6 @@ def routes() -> list[Route]:
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
     ]
-
-
-def state_of(request: Request):
-    return request.app.state.serve
 
 
 def model_card(state) -> dict:

@@ -46,7 +46,7 @@ def encode(texts: list[str], length: int = 16) -> dict[str, np.ndarray]:
 
 
 class FakeContext:
-    """What prune and distill use of pipeline.Context, without loading a recipe."""
+    """What prune and distill use of Context, without loading a recipe."""
 
     def __init__(self, teacher, tmp: Path, prune_params: dict | None = None):
         self.source = SimpleNamespace(module=teacher, location=str(tmp / "teacher"), tokenizer_dir=None, kind="hf",
@@ -56,6 +56,7 @@ class FakeContext:
         self.records: dict = {}
         self.extra_files: dict = {}
         self.metric_hooks: list = []
+        self.pooling = {"mode": "mean", "normalize": False}
 
     def calibration(self):
         return SimpleNamespace(items=TEXTS, describe=lambda: {"sha256": "fake", "count": len(TEXTS)})
@@ -68,6 +69,6 @@ class FakeContext:
 
 
 def torch_model(module, task: str = "sentence_embedding"):
-    from optimize.pipeline import Model
+    from optimize.context import Model
 
     return Model("torch", task, module=module)

@@ -1,5 +1,5 @@
 """The latency harness: same batches for every runner, blocks that start with an untimed call."""
-from optimize.benchmark import measure
+from optimize.evaluate.benchmark import measure
 
 
 class Recorder:

@@ -30,7 +30,7 @@ def test_loss_goes_down_and_the_curve_ships(tmp_path):
     losses = record["loss_curve_summary"]
     assert losses["last5_mean"] < losses["first5_mean"] * 0.85
     assert len(out.module.encoder.layer) == 2 and len(teacher.encoder.layer) == 4
-    assert record["layer_map"] == [1, 3]  # evenly spaced, the last student layer maps to the teacher's last
+    assert record["layer_map"] == [0, 3]  # evenly spaced: the first and the last layer kept
     assert ctx.extra_files["distill/loss_curve.png"].read_bytes()[:4] == b"\x89PNG"
 
 
@@ -155,4 +155,4 @@ def test_matching_only_the_last_layer_caches_and_compares_only_it(tmp_path):
     assert list(objective.cached["hidden"]) == [4]  # hidden_states[4]: the teacher's last layer output
     every = distill.Objective(teacher, student, layer_map,
                               build_config(get("distill", "logit_hidden_kd"), {"student_layers": 2}))
-    assert every.matched_layers() == [(0, 1), (1, 3)]
+    assert every.matched_layers() == [(0, 0), (1, 3)]

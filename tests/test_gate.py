@@ -84,7 +84,7 @@ def test_other_cpu_use_sees_a_busy_process():
     import sys
     import time
 
-    from optimize.benchmark import OtherCpuUse
+    from optimize.evaluate.benchmark import OtherCpuUse
 
     spinner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 5: pass"])
     try:

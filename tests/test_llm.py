@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +36,7 @@ def tiny_llm(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def tiny_torch(tiny_llm):
-    from optimize.llm import TorchLM
+    from engines.pytorch_runner import TorchLM
     from transformers import AutoModelForCausalLM
 
     return TorchLM(AutoModelForCausalLM.from_pretrained(str(tiny_llm), attn_implementation="sdpa"))
@@ -47,10 +45,11 @@ def tiny_torch(tiny_llm):
 @pytest.fixture(scope="module")
 def tiny_genai_fp32(tiny_llm, tmp_path_factory):
     from engines.genai_runner import GenAIRunner
-    from optimize.genai import GenAIConfig, build
+    from optimize.compile.onnxruntime_genai import GenAIConfig
+    from engines.genai_build import build
 
     out = tmp_path_factory.mktemp("genai") / "fp32"
-    build(tiny_llm, out, GenAIConfig(precision="fp32"), out.parent / "cache")
+    build(tiny_llm, out, "fp32", "cpu", [], out.parent / "cache")
     return GenAIRunner(out)
 
 
@@ -99,7 +98,7 @@ def test_genai_scores_match_pytorch(tiny_torch, tiny_genai_fp32):
 
 
 def test_timed_stream_and_greedy_agree(tiny_torch, tiny_genai_fp32):
-    from optimize.llm import greedy_ids
+    from optimize.tasks.lm_harness import greedy_ids
 
     prompt = tiny_genai_fp32.encode("A class definition")
     assert len(tiny_genai_fp32.timed_stream(prompt, 6)) == 6
@@ -108,7 +107,7 @@ def test_timed_stream_and_greedy_agree(tiny_torch, tiny_genai_fp32):
 
 
 def test_speed_harness_reports_percentiles(tiny_torch, tiny_genai_fp32):
-    from optimize.llm import speed
+    from optimize.tasks.causal_lm import speed
 
     prompts = [tiny_genai_fp32.encode("while loops repeat")]
     result = speed({"baseline": tiny_torch, "candidate": tiny_genai_fp32}, prompts, 5, warmup=1, runs=3)
@@ -120,7 +119,7 @@ def test_speed_harness_reports_percentiles(tiny_torch, tiny_genai_fp32):
 
 
 def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
-    from optimize.llm import perplexity
+    from optimize.tasks.causal_lm import perplexity
 
     class Uniform:
         def log_likelihood(self, ids, start=1):
@@ -131,7 +130,7 @@ def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
 
 def test_local_lm_eval_task_is_well_formed(tmp_path):
     import calibration
-    from optimize.llm import LOCAL_TASK, next_sentence_items, write_local_task
+    from optimize.tasks.lm_harness import LOCAL_TASK, next_sentence_items, write_local_task
 
     paragraphs = calibration.load("cpython_docs", "evaluation", 40, 1).items
     items = next_sentence_items(paragraphs, 10)
@@ -145,7 +144,8 @@ def test_local_lm_eval_task_is_well_formed(tmp_path):
 
 def test_lm_eval_adapter_scores_continuations(tiny_torch, tiny_genai_fp32, tmp_path):
     pytest.importorskip("lm_eval")
-    from optimize.llm import _lm_eval_metrics, LLMEvalConfig
+    from optimize.tasks.causal_lm import LLMEvalConfig
+    from optimize.tasks.lm_harness import lm_eval_scores as _lm_eval_metrics
 
     class Tokens:
         encode = tiny_genai_fp32.encode
@@ -194,7 +194,7 @@ def test_builder_options_and_bad_params():
 
 
 def test_nvfp4_and_gpu_recipe_refused_without_cuda(tmp_path):
-    from optimize.modelopt_methods import cuda_missing
+    from optimize.quantize.modelopt import cuda_missing
 
     if cuda_missing() is None:
         pytest.skip("CUDA is present")
@@ -245,9 +245,10 @@ class _Ctx:
                                   "modelopt_w4a8_awq"])
 def test_modelopt_methods_on_tiny_model(name, tiny_llm, tiny_torch, tmp_path):
     pytest.importorskip("modelopt.torch.quantization")
-    from optimize.llm import TorchLM
-    from optimize.modelopt_methods import load_modelopt_runner, modelopt_checkpoint, CheckpointConfig
-    from optimize.pipeline import Model
+    from engines.pytorch_runner import TorchLM
+    from engines.modelopt_runner import load_modelopt_runner
+    from optimize.compile.modelopt_checkpoint import CheckpointConfig, modelopt_checkpoint
+    from optimize.context import Model
     from optimize.registry import build_config, get
 
     method = get("quantize", name)

@@ -1,5 +1,4 @@
 """End to end through `python -m optimize`, on the real MiniLM model and real held-out text."""
-import json
 import signal
 import subprocess
 import sys

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from optimize import prune
+from optimize import prune, surgery
 from optimize.errors import RecipeError
 from optimize.registry import build_config, get
 from tests.prune_helpers import FakeContext, encode, tiny_bert, tiny_llama, torch_model
@@ -127,7 +127,7 @@ def test_output_fidelity_selection_drops_the_layer_that_matters_least(tmp_path, 
     teacher = make()
     out, ctx = structured(teacher, tmp_path, task=task, layers=3, layer_selection="output_fidelity")
     kept = ctx.records["stages"]["prune"]["kept_layers"]
-    layout = prune.Layout(teacher)
+    layout = surgery.Layout(teacher)
     full = list(layout.layers)
     batch = {k: torch.as_tensor(v) for k, v in encode(ctx.calibration().items[:16]).items()}
     inputs = layout.inputs(batch)

@@ -9,7 +9,7 @@ import pytest
 
 from optimize import registry
 from optimize.errors import RecipeError
-from optimize.pipeline import Model
+from optimize.context import Model
 
 onnx = pytest.importorskip("onnx")
 
@@ -69,7 +69,7 @@ def _outputs(path: Path, x: np.ndarray) -> np.ndarray:
 
 
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    from optimize.tasks import cosine_rows
+    from optimize.evaluate.fidelity import cosine_rows
 
     return float(cosine_rows(a, b).min())
 
@@ -133,7 +133,7 @@ def test_fp16_on_cpu_converts_weights(mlp, tmp_path):
 
 
 def test_fp16_for_a_missing_gpu_provider_is_one_clear_error():
-    from optimize.quantize import missing_for
+    from engines.ort_providers import missing_for
 
     if not missing_for("TensorrtExecutionProvider"):
         pytest.skip("this machine has a GPU with TensorRT")
@@ -211,7 +211,7 @@ def test_static_qdq_leaves_activation_by_activation_matmuls_fp32(tmp_path, const
 
 def test_static_ranking_uses_the_calibrated_range():
     """A clipped calibrated range hurts more than the tensor's own min/max, and the ranking sees it."""
-    from optimize.quantize import _simulated_error
+    from optimize.quantize.sensitivity import _simulated_error
 
     rng = np.random.default_rng(0)
     x = rng.standard_normal((64, 32))
@@ -223,7 +223,7 @@ def test_static_ranking_uses_the_calibrated_range():
 
 
 def test_calibration_ranges_read_from_onnxruntime_cache(mlp, tmp_path):
-    from optimize.quantize_static import read_calibration_ranges
+    from optimize.quantize.ort_int8_static_qdq import read_calibration_ranges
 
     ctx = FakeContext(tmp_path)
     _run("ort_int8_static_qdq", mlp, ctx, calibrate_method="minmax")

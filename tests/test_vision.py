@@ -23,7 +23,7 @@ def _one_error_line(proc) -> str:
 
 def test_training_script_writes_a_loadable_safetensors_checkpoint(tmp_path):
     from optimize.train_digits import train
-    from optimize.vision import encode_images, load_cnn
+    from optimize.tasks.image_classification import encode_images, load_cnn
 
     trained = train(tmp_path / "cnn", epochs=1, seed=1)
     assert (tmp_path / "cnn" / "model.safetensors").is_file() and trained["items"] > 1000
@@ -38,7 +38,7 @@ def test_training_script_writes_a_loadable_safetensors_checkpoint(tmp_path):
 def test_checked_in_checkpoint_is_accurate():
     from calibration.images import digits
     from optimize.models import resolve_package_path
-    from optimize.vision import encode_images, load_cnn, top1_accuracy
+    from optimize.tasks.image_classification import encode_images, load_cnn, top1_accuracy
     import torch
 
     module, config = load_cnn(resolve_package_path("pkg://optimize/assets/digits_cnn"))
@@ -102,7 +102,7 @@ def test_overlap_drop_is_recorded(tmp_path):
 
 
 def test_gpu_recipe_without_gpu_exits_2_naming_what_is_missing(tmp_path):
-    from optimize.quantize import missing_for
+    from engines.ort_providers import missing_for
 
     if not missing_for("TensorrtExecutionProvider"):
         pytest.skip("this machine has a GPU with TensorRT")

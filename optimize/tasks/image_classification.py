@@ -15,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
-from optimize import tasks
+from optimize.context import SourceModel
 from optimize.errors import RecipeError
+from optimize.tasks import register_task
+from optimize.tasks.base import Task
 
 ARCHITECTURE = "digits_cnn"
 
@@ -59,8 +61,6 @@ def load_cnn(folder: Path):
 
 
 def load_source(cfg, path: Path | None):
-    from optimize.models import SourceModel
-
     if path is None or not path.is_dir():
         raise RecipeError(f"model.source={cfg.source}: image_classification needs a local folder "
                           "(config.json + model.safetensors); train one with python -m optimize.train_digits DIR")
@@ -85,7 +85,7 @@ def top1_accuracy(logits: np.ndarray, labels: np.ndarray) -> float:
 
 
 @dataclass
-class ImageClassification(tasks.Task):
+class ImageClassification(Task):
     name: str = "image_classification"
     input_names: tuple[str, ...] = ("pixel_values",)
     output_names: tuple[str, ...] = ("logits",)
@@ -95,13 +95,16 @@ class ImageClassification(tasks.Task):
     def module(self, model, ctx):
         return model
 
+    def load_source(self, cfg, path: Path | None) -> SourceModel:
+        return load_source(cfg, path)
+
     def encoder(self, ctx):
         return encode_images
 
     def evaluate(self, baseline, candidate, ctx) -> tuple[dict, dict]:
         """Top-1 accuracy of both on the held-out labelled split, the drop in points, logit fidelity,
         and the shared size/latency/memory figures."""
-        from optimize import evaluate
+        from optimize.evaluate import fidelity, harness
 
         if ctx.cfg.evaluate.inputs != "data":
             raise RecipeError("image_classification is judged on labelled data: set evaluate.inputs=data")
@@ -110,17 +113,17 @@ class ImageClassification(tasks.Task):
             raise RecipeError(f"evaluate.data.source={data.source} has no labels; image_classification needs "
                               "a labelled source (for example digits)")
         inputs, labels = ctx.encode(data.items), np.asarray(data.labels)
-        metrics = evaluate.shared_metrics(baseline, candidate, inputs, ctx.cfg.evaluate, ctx.scratch)
-        batches = evaluate.batches_of(inputs, evaluate.FIDELITY_BATCH)
-        base = evaluate.run_all(baseline.runner, batches)["logits"]
-        cand = evaluate.run_all(candidate.runner, batches)["logits"]
+        metrics = harness.shared_metrics(baseline, candidate, inputs, ctx.cfg.evaluate, ctx.scratch)
+        batches = harness.batches_of(inputs, harness.FIDELITY_BATCH)
+        base = harness.run_all(baseline.runner, batches)["logits"]
+        cand = harness.run_all(candidate.runner, batches)["logits"]
         metrics["baseline"]["top1_accuracy"] = top1_accuracy(base, labels)
         metrics["candidate"]["top1_accuracy"] = top1_accuracy(cand, labels)
         metrics["candidate"]["accuracy_drop_points"] = 100 * (metrics["baseline"]["top1_accuracy"]
                                                               - metrics["candidate"]["top1_accuracy"])
-        metrics["candidate"]["fidelity"] = dict(evaluate.output_fidelity({"logits": base}, {"logits": cand}),
+        metrics["candidate"]["fidelity"] = dict(fidelity.output_fidelity({"logits": base}, {"logits": cand}),
                                                 prediction_agreement=float((base.argmax(1) == cand.argmax(1)).mean()))
         return metrics, data.describe()
 
 
-tasks.register_task(ImageClassification())
+register_task(ImageClassification())

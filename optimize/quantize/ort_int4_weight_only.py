@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from optimize.errors import RecipeError
-from optimize.quantize import CalibrationReader, onnx_input_names, require_onnx, workdir
+from optimize.quantize.common import CalibrationReader, onnx_input_names, require_onnx, workdir
 from optimize.registry import register
 
 ALGORITHMS = ("rtn", "hqq", "gptq")

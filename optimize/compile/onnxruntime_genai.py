@@ -2,14 +2,14 @@
 genai_config.json), weight-only INT4/INT8 MatMulNBits on CPU."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from engines import formats
 from optimize.errors import RecipeError
 from optimize.registry import register
 
@@ -70,71 +70,33 @@ def onnxruntime_genai_engine(model, cfg: GenAIConfig, ctx):
     source_dir = _source_folder(model, ctx)
     out = ctx.scratch / "genai_engine"
     shutil.rmtree(out, ignore_errors=True)
-    build(source_dir, out / ENGINE_DIR, cfg, ctx.scratch / "genai_cache")
-    layers = layer_precision(out / ENGINE_DIR / "model.onnx")
+    from engines.genai_build import BuildError, build, weight_precision
+
+    options = cfg.builder_options() if cfg.precision in ("int4", "int8") else []
+    try:
+        build(source_dir, out / ENGINE_DIR, cfg.precision, cfg.execution_provider, options, ctx.scratch / "genai_cache")
+    except BuildError as exc:
+        raise RecipeError(str(exc)) from None
+    layers = weight_precision(out / ENGINE_DIR / "model.onnx")
     ctx.record("engine", {"method": "onnxruntime_genai", "builder_options": cfg.builder_options(),
                           "precision": cfg.precision, "layer_precision": layers})
-    engine = {"format": "onnxruntime-genai", "dir": ENGINE_DIR, "providers": [_provider(cfg.execution_provider)]}
-    return model.with_engine(out, engine, precision=cfg.precision)
+    engine = {"format": formats.ONNXRUNTIME_GENAI, "dir": ENGINE_DIR, "providers": [_provider(cfg.execution_provider)]}
+    return dataclasses.replace(model.with_engine(out, engine, precision=cfg.precision), layer_precision=layers)
 
 
 def _source_folder(model, ctx) -> Path:
     """The builder reads a Hugging Face folder: the (cached) source, or the module a torch-side method changed."""
-    from optimize import llm
+    from optimize.models import hf_folder
 
     if model.module is ctx.source.module:
-        return llm.hf_folder(ctx.source)
+        return hf_folder(ctx.source)
     folder = ctx.scratch / "genai_input"
     model.module.save_pretrained(str(folder))
-    tokenizer_src = llm.hf_folder(ctx.source)
+    tokenizer_src = hf_folder(ctx.source)
     for path in tokenizer_src.glob("*"):
         if path.suffix in (".json", ".jinja", ".txt", ".model") and path.name not in ("config.json",):
             shutil.copy2(path, folder / path.name)
     return folder
-
-
-def build(source_dir: Path, out: Path, cfg: GenAIConfig, cache: Path) -> None:
-    """Run the builder in a subprocess (it prints per-tensor progress; kept in a log file)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source_dir), "-m",
-               str(source_dir), "-o", str(out), "-p", cfg.precision, "-e", cfg.execution_provider,
-               "-c", str(cache)]
-    options = cfg.builder_options() if cfg.precision in ("int4", "int8") else []
-    if options:
-        command += ["--extra_options", *options]
-    log.info("GenAI builder: %s", " ".join(command[3:]))
-    logfile = out.parent / "builder.log"
-    with open(logfile, "w") as f:
-        proc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode != 0 or not (out / "genai_config.json").is_file():
-        lines = [l for l in logfile.read_text(errors="replace").splitlines() if l.strip()]
-        raise RecipeError(f"the GenAI builder failed: {lines[-1][:300] if lines else 'no output'}")
-    logfile.unlink()
-
-
-def layer_precision(onnx_path: Path) -> dict:
-    """Which weights kept which precision: MatMulNBits nodes by bit width, other weighted ops as stored."""
-    import onnx
-
-    graph = onnx.load(str(onnx_path), load_external_data=False).graph
-    weights = {i.name for i in graph.initializer}
-    groups: dict[str, list[str]] = {}
-    for node in graph.node:
-        if node.op_type in ("MatMulNBits", "GatherBlockQuantized"):
-            bits = next((a.i for a in node.attribute if a.name == "bits"), 4)
-            groups.setdefault(f"int{bits}", []).append(node.name)
-        elif node.op_type in ("MatMul", "Gemm", "Gather") and any(i in weights for i in node.input):
-            groups.setdefault("float", []).append(node.name)
-    return {precision: {"count": len(names), "nodes": _summarize(names)} for precision, names in groups.items()}
-
-
-def _summarize(names: list[str]) -> list[str]:
-    """/model/layers.7/attn/qkv_proj/MatMul_Q4 -> layers.7/attn/qkv_proj (graph order kept)."""
-    import re
-
-    kinds = [re.sub(r"/model/", "", n).strip("/").replace("/MatMul", "").replace("_Q4", "").replace("_Q8", "")
-             for n in names]
-    return list(dict.fromkeys(kinds))
 
 
 def _provider(name: str) -> str:

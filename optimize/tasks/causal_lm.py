@@ -15,20 +15,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import shutil
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import List, Optional
 
 import numpy as np
 
-from optimize import tasks
 from optimize.errors import RecipeError
+from optimize.tasks import register_task
+from optimize.tasks.base import Task
+from optimize.tasks.lm_harness import LOCAL_TASK, greedy_ids, lm_eval_scores
 
 log = logging.getLogger(__name__)
-LOCAL_TASK = "cpython_next_sentence"
 
 
 @dataclass
@@ -65,128 +63,10 @@ def eval_config(ctx) -> LLMEvalConfig:
         raise RecipeError(str(exc).replace("evaluate.params.", "evaluate.task_params.")) from None
 
 
-# ---------------------------------------------------------------- source: GGUF -> cached HF folder
-
-def cache_root() -> Path:
-    return Path(os.environ.get("OPTIMIZE_CACHE") or Path.home() / ".cache" / "optimize").expanduser()
-
-
-def hf_folder(source) -> Path:
-    """A Hugging Face folder (config + safetensors + tokenizer) for builders that read one.
-
-    A folder source is used as it is. A GGUF source was dequantized to FP32 on load; the module is
-    saved once under the cache, keyed by the GGUF file's sha256, so later runs reuse it."""
-    location = Path(source.location)
-    if not source.gguf_file:
-        if not (location / "config.json").is_file():
-            raise RecipeError(f"model.source={source.location}: the engine needs a local model folder")
-        return location
-    from engines.artifact import sha256_file
-
-    folder = cache_root() / "gguf" / sha256_file(location / source.gguf_file)[:24]
-    if not (folder / "model.safetensors").is_file():
-        save_converted(source.module, location, source.gguf_file, folder)
-    return folder
-
-
-def save_converted(module, location: Path, gguf_file: str, folder: Path) -> None:
-    """save_pretrained refuses GGUF-loaded models ("quantized with gguf"): rebuild the model from its
-    config without quantization_config, load the dequantized weights, save that (atomically)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    log.info("converting %s to safetensors under %s (once)", gguf_file, folder)
-    config = module.config.__class__.from_dict(module.config.to_dict())
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    clean = AutoModelForCausalLM.from_config(config, dtype=module.dtype)
-    clean.load_state_dict(module.state_dict())
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    clean.save_pretrained(str(tmp))
-    AutoTokenizer.from_pretrained(str(location), gguf_file=gguf_file).save_pretrained(str(tmp))
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
-
-
-# ---------------------------------------------------------------- the PyTorch side
-
-class TorchLM:
-    """A Hugging Face causal LM behind the same scoring and timing calls as GenAIRunner."""
-
-    input_names = ["input_ids"]
-    output_names = ["logits"]
-
-    def __init__(self, model, threads: int = 0):
-        import torch
-
-        if threads:
-            torch.set_num_threads(threads)
-        self.model = model.eval()
-
-    def logits(self, ids) -> np.ndarray:
-        import torch
-
-        with torch.inference_mode():
-            out = self.model(input_ids=torch.as_tensor(np.asarray(ids, dtype=np.int64))[None], use_cache=False)
-        return out.logits[0].float().numpy()
-
-    def log_likelihood(self, ids, start: int = 1) -> np.ndarray:
-        from engines.genai_runner import token_logprobs
-
-        return token_logprobs(self.logits(ids), ids)[start - 1:]
-
-    def __call__(self, inputs: dict) -> dict:
-        return {"logits": np.stack([self.logits(row) for row in inputs["input_ids"]])}
-
-    def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
-        """Greedy `generate` with its KV cache for exactly new_tokens: perf_counter() at each new token."""
-        import torch
-        from transformers.generation.streamers import BaseStreamer
-
-        class Stamps(BaseStreamer):
-            def __init__(self):
-                self.times, self.prompt_seen = [], False
-
-            def put(self, value):
-                if self.prompt_seen:  # the first put is the prompt itself
-                    self.times.append(time.perf_counter())
-                self.prompt_seen = True
-
-            def end(self):
-                pass
-
-        stamps = Stamps()
-        ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))[None]
-        with torch.inference_mode():
-            self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, streamer=stamps,
-                                pad_token_id=self.model.config.eos_token_id)
-        return stamps.times
-
-    def greedy(self, prompt_ids, new_tokens: int) -> list[int]:
-        import torch
-
-        ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))[None]
-        with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                      do_sample=False, pad_token_id=self.model.config.eos_token_id)
-        return out[0, ids.shape[1]:].tolist()
-
-
-def greedy_ids(runner, prompt_ids, new_tokens: int) -> list[int]:
-    """Greedy continuation token ids from either kind of runner."""
-    if hasattr(runner, "greedy"):
-        return runner.greedy(prompt_ids, new_tokens)
-    from engines.genai_runner import Sampling
-
-    return [t for t, _ in runner.generate([int(i) for i in prompt_ids], Sampling(max_new_tokens=new_tokens))]
-
-
 # ---------------------------------------------------------------- the task
 
 @dataclass
-class CausalLM(tasks.Task):
+class CausalLM(Task):
     name: str = "causal_lm"
     input_names: tuple[str, ...] = ("input_ids",)
     output_names: tuple[str, ...] = ("logits",)
@@ -217,7 +97,7 @@ class _LogitsModule:
         return Logits().eval()
 
 
-tasks.register_task(CausalLM())
+register_task(CausalLM())
 
 
 # ---------------------------------------------------------------- evaluation
@@ -276,6 +156,8 @@ def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
     cfg = eval_config(ctx)
     data = ctx.evaluation_data()
     tokens = Tokens(ctx)
+    from engines.pytorch_runner import TorchLM
+
     base = TorchLM(ctx.source.module, ctx.threads)
     cand = candidate.runner
     metrics = {"baseline": {"size_mb": baseline.size_bytes / 2**20},
@@ -288,20 +170,10 @@ def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
     else:
         metrics["candidate"]["speed_note"] = "latency not measured (evaluate.latency=false)"
     if cfg.lm_eval_tasks:
-        described["lm_eval"] = _lm_eval_metrics(metrics, base, cand, tokens, data.items, cfg, ctx.scratch)
-    metrics["candidate"]["layer_precision"] = layer_precision(ctx)
+        described["lm_eval"] = lm_eval_scores(metrics, base, cand, tokens, data.items, cfg, ctx.scratch)
+    metrics["candidate"]["layer_precision"] = candidate.layer_precision
     metrics["table"] = table_rows(metrics)
     return metrics, described
-
-
-def layer_precision(ctx) -> dict:
-    """{precision: {count, layers}} as the engine or quantize stage recorded it (engine first)."""
-    stages = ctx.records.get("stages", {})
-    for stage in ("engine", "quantize"):
-        found = (stages.get(stage) or {}).get("layer_precision")
-        if found:
-            return found
-    return {}
 
 
 def _layers_in_words(nodes: list[str]) -> str:
@@ -356,7 +228,7 @@ def _speed_metrics(metrics, base, cand, tokens, items, cfg, evaluate_cfg) -> Non
     if not prompts:
         raise RecipeError(f"no evaluation item has {cfg.prompt_tokens} tokens for a speed prompt")
     log.info("greedy generation: %d runs of %d tokens per side", evaluate_cfg.repeats, cfg.new_tokens)
-    from optimize.benchmark import OtherCpuUse
+    from optimize.evaluate.benchmark import OtherCpuUse
 
     with OtherCpuUse() as others:
         result = speed({"baseline": base, "candidate": cand}, prompts, cfg.new_tokens, evaluate_cfg.warmup,
@@ -394,104 +266,3 @@ def table_rows(metrics: dict) -> list[list[str]]:
         rows.append([f"weights kept at {precision}", "", f"{info['count']} nodes", _layers_in_words(info["nodes"])])
     rows.append(["greedy sample", repr(b["sample"]["continuation"][:40]), repr(c["sample"]["continuation"][:40]), ""])
     return rows
-
-
-# ---------------------------------------------------------------- lm-eval
-
-def next_sentence_items(paragraphs: list[str], count: int, choices: int = 4, seed: int = 0) -> list[dict]:
-    """Multiple choice made from held-out prose: given a paragraph's first sentence, pick the sentence
-    that follows it; the wrong choices are second sentences of other paragraphs."""
-    import random
-
-    pairs = []
-    for text in paragraphs:
-        sentences = [s.strip() + "." for s in " ".join(text.split()).split(". ") if len(s.strip()) > 20]
-        if len(sentences) >= 2:
-            pairs.append((sentences[0], sentences[1]))
-    rng = random.Random(seed)
-    items = []
-    for i, (context, answer) in enumerate(pairs[:count]):
-        others = [p[1] for j, p in enumerate(pairs) if j != i and p[1] != answer]
-        options = rng.sample(others, min(choices - 1, len(others))) + [answer]
-        rng.shuffle(options)
-        items.append({"context": context, "choices": options, "label": options.index(answer)})
-    return items
-
-
-def write_local_task(items: list[dict], folder: Path) -> Path:
-    """A YAML task over a local jsonl file, loadable with TaskManager(include_path=folder), offline."""
-    folder.mkdir(parents=True, exist_ok=True)
-    data = folder / f"{LOCAL_TASK}.jsonl"
-    data.write_text("".join(json.dumps(item) + "\n" for item in items))
-    (folder / f"{LOCAL_TASK}.yaml").write_text(
-        f"task: {LOCAL_TASK}\n"
-        "dataset_path: json\n"
-        f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
-        "test_split: test\n"
-        "output_type: multiple_choice\n"
-        "doc_to_text: \"{{context}}\"\n"
-        "doc_to_choice: \"{{choices}}\"\n"
-        "doc_to_target: \"{{label}}\"\n"
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
-    return data
-
-
-def lm_adapter(runner, tokens: Tokens):
-    """An lm-eval LM over any runner with log_likelihood (the same scoring perplexity uses)."""
-    from lm_eval.api.model import LM
-
-    class Adapter(LM):
-        def loglikelihood(self, requests, disable_tqdm: bool = False):
-            results = []
-            for request in requests:
-                context, continuation = request.args
-                head, tail = tokens(context), tokens(continuation)
-                logprobs = runner.log_likelihood(head + tail, start=len(head))
-                results.append((float(logprobs.sum()), False))  # greediness is not used by acc
-            return results
-
-        def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
-            return [(float(runner.log_likelihood(tokens(r.args[0])).sum()),) for r in requests]
-
-        def generate_until(self, requests, disable_tqdm: bool = False):
-            outputs = []
-            for request in requests:
-                context, options = request.args
-                text = tokens.decode(greedy_ids(runner, tokens(context), int(options.get("max_gen_toks", 64))))
-                for stop in options.get("until") or []:
-                    text = text.split(stop)[0]
-                outputs.append(text)
-            return outputs
-
-    return Adapter()
-
-
-def _lm_eval_metrics(metrics, base, cand, tokens, paragraphs, cfg, scratch: Path) -> dict:
-    """Accuracy per task for both sides, and the candidate's largest drop in points."""
-    try:
-        import lm_eval
-        from lm_eval.tasks import TaskManager
-    except ImportError:
-        raise RecipeError("evaluate.task_params.lm_eval_tasks needs lm-eval: pip install lm-eval "
-                          "(or set evaluate.task_params.lm_eval_tasks=[])") from None
-    if os.environ.get("HF_HUB_OFFLINE") == "1":  # the local task must not wait on an unreachable hub
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    items = next_sentence_items(paragraphs, cfg.lm_eval_limit or len(paragraphs))
-    data = write_local_task(items, scratch / "lm_eval")
-    manager = TaskManager(include_path=str(data.parent))
-    scores = {}
-    for side, runner in (("baseline", base), ("candidate", cand)):
-        log.info("lm-eval %s: %s", side, ", ".join(cfg.lm_eval_tasks))
-        try:
-            out = lm_eval.simple_evaluate(model=lm_adapter(runner, tokens), tasks=list(cfg.lm_eval_tasks),
-                                          task_manager=manager, limit=cfg.lm_eval_limit, num_fewshot=0,
-                                          bootstrap_iters=0, log_samples=False, verbosity="ERROR")
-        except Exception as exc:  # a standard task whose dataset cannot be fetched offline, a typo, ...
-            raise RecipeError(f"lm-eval could not run {cfg.lm_eval_tasks}: {str(exc).splitlines()[0][:200]}") from None
-        scores[side] = {task: float(result["acc,none"]) for task, result in out["results"].items()
-                        if "acc,none" in result}
-        metrics[side]["lm_eval"] = scores[side]
-    metrics["candidate"]["lm_eval_drop_pts"] = max(
-        (scores["baseline"][t] - scores["candidate"][t]) * 100 for t in scores["candidate"])
-    return {"tasks": list(cfg.lm_eval_tasks), "limit": cfg.lm_eval_limit, "local_items": len(items),
-            "local_sha256": hashlib.sha256(data.read_bytes()).hexdigest()}

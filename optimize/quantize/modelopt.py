@@ -13,7 +13,6 @@ import copy
 import dataclasses
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 from optimize.errors import RecipeError
 from optimize.registry import register
@@ -114,22 +113,23 @@ def quantize(model, cfg: ModeloptConfig, ctx, name: str, cfg_name: str):
     module = mtq.quantize(module, copy.deepcopy(getattr(mtq, cfg_name)), forward_loop)
     ctx.record("quantize", {"method": name, "modelopt_config": cfg_name, "device": cfg.device,
                             "simulated": cfg.device == "cpu", "calibration_samples": len(batches),
-                            "layer_precision": layer_precision(module)})
+                            "layer_precision": quantized_linears(module)})
     precision = name.removeprefix("modelopt_")
-    return dataclasses.replace(model, module=module.to("cpu").eval(), precision=precision)
+    return dataclasses.replace(model, module=module.to("cpu").eval(), precision=precision,
+                               layer_precision=quantized_linears(module))
 
 
 def _calibration_batches(ctx, cfg: ModeloptConfig) -> list:
     import torch
 
-    from optimize.llm import Tokens
+    from optimize.tasks.causal_lm import Tokens
 
     tokens = Tokens(ctx)
     texts = ctx.calibration().items[: cfg.calibration_samples]
     return [torch.tensor([tokens(t)[: cfg.max_tokens]]) for t in texts if len(tokens(t)) > 1]
 
 
-def layer_precision(module) -> dict:
+def quantized_linears(module) -> dict:
     """Linear layers whose weight quantizer is on (quantized) or off (kept in the source precision)."""
     on, off = [], []
     for name, sub in module.named_modules():
@@ -147,82 +147,3 @@ def _kinds(names: list[str]) -> list[str]:
 
 for _name, (_cfg_name, _cuda) in FORMATS.items():
     _register(_name, _cfg_name, _cuda)
-
-
-# ---------------------------------------------------------------- engine: the quantized checkpoint
-
-@dataclass
-class CheckpointConfig:
-    """Example recipe:
-
-        engine:
-          method: modelopt_checkpoint
-          params: {export_hf: true}
-    """
-
-    export_hf: bool = True  # also try modelopt's Hugging Face export (TensorRT-LLM / vLLM checkpoint)
-    tensorrt: bool = False  # require TensorRT (GPU recipes): refused when it is not installed
-
-    def validate(self):
-        if self.tensorrt:
-            missing = cuda_missing()
-            if missing is None:
-                try:
-                    import tensorrt  # noqa: F401
-                except ImportError:
-                    missing = "the tensorrt package is not installed"
-            if missing:
-                raise RecipeError(f"engine.params.tensorrt=true needs CUDA and TensorRT: {missing}")
-
-
-@register("engine", "modelopt_checkpoint", CheckpointConfig, input_format="torch", tasks=("causal_lm",))
-def modelopt_checkpoint(model, cfg: CheckpointConfig, ctx):
-    """Save the modelopt-quantized module (state + weights) so the artifact reloads to what was measured."""
-    if model.kind != "torch" or not _is_quantized(model.module):
-        raise RecipeError("engine.method=modelopt_checkpoint needs a modelopt quantize method before it")
-    import modelopt.torch.opt as mto
-
-    out = ctx.scratch / "modelopt_engine"
-    folder = out / ENGINE_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    model.module.config.to_json_file(str(folder / "config.json"))
-    mto.save(model.module, str(folder / "modelopt.pth"))
-    export = _export_hf(model.module, folder / "hf_export") if cfg.export_hf else "not requested"
-    ctx.record("engine", {"method": "modelopt_checkpoint", "hf_export": export})
-    engine = {"format": "modelopt-torch", "dir": ENGINE_DIR, "simulated": True}
-    return model.with_engine(out, engine, precision=model.precision)
-
-
-def _is_quantized(module) -> bool:
-    return any(hasattr(m, "weight_quantizer") for m in module.modules())
-
-
-def _export_hf(module, folder: Path) -> str:
-    """modelopt's deployable checkpoint; on CPU some formats cannot pack, which is recorded, not fatal."""
-    try:
-        from modelopt.torch.export import export_hf_checkpoint
-
-        export_hf_checkpoint(copy.deepcopy(module), export_dir=str(folder))
-        return "written"
-    except Exception as exc:  # modelopt raises many types for unsupported format/device pairs
-        import shutil
-
-        shutil.rmtree(folder, ignore_errors=True)
-        return f"failed on this machine: {type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-
-
-def load_modelopt_runner(root: Path, engine: dict, threads: int = 0):
-    """The saved fake-quantized model as a causal-LM runner (PyTorch, simulated numerics).
-
-    The .pth file is a torch pickle written by this pipeline and listed with its sha256 in the manifest."""
-    import modelopt.torch.opt as mto
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from optimize.llm import TorchLM
-
-    folder = Path(root) / engine.get("dir", ENGINE_DIR)
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)), dtype=torch.float32)
-    mto.restore(model, str(folder / "modelopt.pth"))
-    return TorchLM(model.eval(), threads)
-

@@ -23,8 +23,9 @@ from typing import List, Optional
 import numpy as np
 
 from optimize.errors import RecipeError
-from optimize.quantize import (CalibrationReader, auto_reduce_range, onnx_input_names, quant_type, require_onnx,
-                               sensitivity_fallback, workdir)
+from optimize.quantize.common import (CalibrationReader, auto_reduce_range, onnx_input_names, quant_type,
+                                      require_onnx, workdir)
+from optimize.quantize.sensitivity import sensitivity_fallback
 from optimize.registry import register
 
 log = logging.getLogger(__name__)

@@ -1,17 +1,17 @@
-"""Evaluate baseline and candidate with one harness: fidelity, latency, size and peak memory."""
+"""The harness: baseline and candidate run on the same inputs for fidelity, latency, size and peak memory."""
 from __future__ import annotations
 
 import json
 import logging
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from optimize import benchmark
-from optimize.tasks import cosine_rows
+from optimize.evaluate import benchmark
+from optimize.evaluate.fidelity import embedding_fidelity, output_fidelity
 
 log = logging.getLogger(__name__)
 FIDELITY_BATCH = 16
@@ -26,6 +26,7 @@ class Subject:
     engine: dict  # engine block, loadable by engines.load_engine(root, engine)
     root: Path
     size_bytes: int
+    layer_precision: dict = field(default_factory=dict)  # {precision: {count, nodes}} where a stage said
 
 
 def batches_of(inputs: dict[str, np.ndarray], batch_size: int) -> list[dict[str, np.ndarray]]:
@@ -45,38 +46,7 @@ def run_all(runner, batches: list[dict]) -> dict[str, np.ndarray]:
     return joined
 
 
-def embedding_fidelity(base: np.ndarray, cand: np.ndarray, top_k: int) -> dict:
-    cosine = cosine_rows(base, cand)
-    return {"cosine_min": float(cosine.min()), "cosine_mean": float(cosine.mean()),
-            "topk_agreement": topk_agreement(base, cand, top_k), "top_k": top_k,
-            "max_abs_error": float(np.abs(base - cand).max()), "samples": int(len(base))}
-
-
-def topk_agreement(base: np.ndarray, cand: np.ndarray, k: int) -> float:
-    """Mean overlap of each item's k nearest neighbours (cosine, itself excluded) under both models."""
-    def neighbours(e):
-        e = e / np.linalg.norm(e, axis=1, keepdims=True)
-        sim = e @ e.T
-        np.fill_diagonal(sim, -np.inf)
-        return np.argsort(-sim, axis=1)[:, :k]
-
-    k = min(k, len(base) - 1)
-    nb, nc = neighbours(base), neighbours(cand)
-    return float(np.mean([len(set(a) & set(b)) / k for a, b in zip(nb, nc)]))
-
-
-def output_fidelity(base: dict[str, np.ndarray], cand: dict[str, np.ndarray]) -> dict:
-    """Every output compared: per-output min cosine and max abs error, plus the worst of each."""
-    per_output = {}
-    for name in base:
-        per_output[name] = {"cosine_min": float(cosine_rows(base[name], cand[name]).min()),
-                            "max_abs_error": float(np.abs(base[name] - cand[name]).max())}
-    return {"cosine_min": min(o["cosine_min"] for o in per_output.values()),
-            "max_abs_error": max(o["max_abs_error"] for o in per_output.values()),
-            "outputs": per_output, "samples": int(len(next(iter(base.values()))))}
-
-
-def fidelity(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], task_output: str | None,
+def compare_outputs(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], task_output: str | None,
              top_k: int) -> dict:
     batches = batches_of(inputs, FIDELITY_BATCH)
     base, cand = run_all(baseline.runner, batches), run_all(candidate.runner, batches)
@@ -142,7 +112,7 @@ def compare_runners(baseline: Subject, candidate: Subject, ctx, task_output: str
         data = ctx.evaluation_data()
         inputs, described = ctx.encode(data.items), data.describe()
     metrics = shared_metrics(baseline, candidate, inputs, cfg, ctx.scratch)
-    metrics["candidate"]["fidelity"] = fidelity(baseline, candidate, inputs, task_output, cfg.top_k)
+    metrics["candidate"]["fidelity"] = compare_outputs(baseline, candidate, inputs, task_output, cfg.top_k)
     return metrics, described
 
 

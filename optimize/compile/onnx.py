@@ -4,11 +4,10 @@ from __future__ import annotations
 import logging
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
 
 from optimize.errors import RecipeError
-from optimize.registry import register
 from optimize import tasks
+from optimize.registry import register
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +40,7 @@ def onnx_engine(model, cfg: OnnxExportConfig, ctx):
     if model.kind != "torch":
         raise RecipeError("engine.method=onnx needs a PyTorch or ONNX model")
     from engines.onnx_export import ExportMismatch, check_fidelity, export
+    from engines.ort_fusion import fuse_for_onnxruntime
     from engines.onnxruntime_runner import OrtRunner
     from engines.pytorch_runner import TorchRunner
 
@@ -58,17 +58,3 @@ def onnx_engine(model, cfg: OnnxExportConfig, ctx):
         raise RecipeError(str(exc)) from None
     ctx.record("engine", {"method": "onnx", "opset": cfg.opset, "ort_fusions": fusions, "export_check": report})
     return model.with_onnx(path)
-
-
-def fuse_for_onnxruntime(path: Path) -> dict[str, int]:
-    """Rewrite `path` in place with ONNX Runtime's fused kernels; returns how many of each fusion
-    applied. The export check that follows compares the fused graph with PyTorch."""
-    import onnx_ir
-    from onnxscript.rewriter.ort_fusions import optimize_for_ort
-
-    graph = onnx_ir.load(str(path))
-    fused, counts = optimize_for_ort(graph)
-    onnx_ir.save(fused, str(path))
-    applied = {name: int(n) for name, n in counts.items() if n}
-    log.info("ONNX Runtime fusions: %s", ", ".join(f"{k} x{v}" for k, v in applied.items()) or "none applied")
-    return applied

@@ -1,0 +1,133 @@
+"""What flows through a run: the model between stages (Model), the source as loaded (SourceModel),
+and what stages and tasks may use (Context: the recipe, scratch space, data, tokenizer)."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+import calibration
+from engines import formats
+from optimize.errors import RecipeError
+
+log = logging.getLogger("optimize.pipeline")
+
+
+@dataclass
+class SourceModel:
+    kind: str  # "hf" (a Hugging Face module), "torch" (another PyTorch module) or "onnx" (a file)
+    task: str
+    location: str  # resolved path or hub id
+    module: Any = None  # the torch model for kinds "hf" and "torch"
+    onnx_path: Path | None = None
+    tokenizer_dir: Path | None = None
+    gguf_file: str | None = None
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Model:
+    """What flows between stages: a PyTorch module, then engine files in a directory.
+
+    `engine` is the manifest's engine block with paths relative to `engine_dir`; the pipeline
+    copies engine_dir's files into the artifact as they are.
+    """
+
+    kind: str  # "torch" | "onnx" | "engine" (any other engine directory)
+    task: str
+    module: Any = None
+    engine_dir: Path | None = None
+    engine: dict = field(default_factory=dict)
+    precision: str = "fp32"
+    # What later stages and the report need from earlier ones, typed rather than left on a blackboard:
+    kept_layers: list[int] | None = None  # the source layers a prune stage kept (distill maps them)
+    layer_precision: dict = field(default_factory=dict)  # {precision: {count, nodes}} of the weights
+
+    @property
+    def onnx_path(self) -> Path | None:
+        return self.engine_dir / self.engine["file"] if self.kind == "onnx" else None
+
+    def with_onnx(self, path: Path, precision: str | None = None) -> "Model":
+        """The model as one ONNX file (alone in its directory) for ONNX Runtime."""
+        path = Path(path)
+        return dataclasses.replace(self, kind="onnx", module=None, engine_dir=path.parent,
+                                   engine={"format": formats.ONNXRUNTIME, "file": path.name,
+                                           "providers": ["CPUExecutionProvider"]},
+                                   precision=precision or self.precision)
+
+    def with_engine(self, engine_dir: Path, engine: dict, precision: str) -> "Model":
+        return dataclasses.replace(self, kind="engine", module=None, engine_dir=Path(engine_dir), engine=engine,
+                                   precision=precision)
+
+
+@dataclass
+class Context:
+    """What stages and tasks may use: the recipe, a scratch directory, the data, the tokenizer."""
+
+    cfg: Any
+    scratch: Path
+    source: SourceModel | None = None
+    encoder: Any = None
+    threads: int = 0
+    stage_records: dict = field(default_factory=dict)  # {stage: what it did}, for the manifest
+    # Generic hooks for stages: files to ship in the artifact ({relative path: file}), and
+    # callables that may add to the evaluation's metrics before the gate judges them.
+    extra_files: dict = field(default_factory=dict)
+    metric_hooks: list[Callable[[dict], None]] = field(default_factory=list)
+    _calibration: calibration.TextSet | None = None
+    _evaluation: calibration.TextSet | None = None
+
+    def calibration(self) -> calibration.TextSet:
+        if self._calibration is None:
+            self._calibration = load_data(self.cfg.calibration)
+        return self._calibration
+
+    def evaluation_data(self) -> calibration.TextSet:
+        """Evaluation items, never overlapping the calibration items (checked by content hash)."""
+        if self._evaluation is None:
+            data = load_data(self.cfg.evaluate.data)
+            if self._calibration is not None:
+                try:
+                    data = calibration.remove_overlap(self._calibration, data, self.cfg.evaluate.overlap)
+                except calibration.DataError as exc:
+                    raise RecipeError(str(exc)) from None
+            self._evaluation = data
+        return self._evaluation
+
+    def encode(self, texts: list[str]) -> dict[str, np.ndarray]:
+        if self.encoder is None:
+            raise RecipeError("this model has no tokenizer: set model.tokenizer=DIR or evaluate.inputs=random")
+        return self.encoder(texts)
+
+    def calibration_inputs(self, count: int) -> dict[str, np.ndarray]:
+        return self.encode(self.calibration().items[:count])
+
+    def record(self, stage: str, info: dict) -> None:
+        self.stage_records[stage] = info
+
+    @property
+    def pooling(self) -> dict:
+        """How the source's sentence embedding is pooled (sentence-transformers folders say so)."""
+        from engines.pytorch_runner import read_pooling
+
+        folder = self.source.tokenizer_dir if self.source else None
+        return read_pooling(Path(folder)) if folder else {"mode": "mean", "normalize": False}
+
+    def progress(self, items, label: str):
+        for i, item in enumerate(items, 1):
+            if i == 1 or i % 10 == 0 or i == len(items):
+                log.info("%s %d/%d", label, i, len(items))
+            yield item
+
+
+def load_data(data_cfg) -> calibration.TextSet:
+    try:
+        return calibration.load(data_cfg.source, data_cfg.split, data_cfg.count, data_cfg.seed, path=data_cfg.path,
+                                field=data_cfg.field, min_chars=data_cfg.min_chars,
+                                dataset_split=data_cfg.get("dataset_split"), shape=data_cfg.get("shape"))
+    except calibration.DataError as exc:
+        raise RecipeError(f"{exc}") from None

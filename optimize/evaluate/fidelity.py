@@ -1,0 +1,49 @@
+"""How close a candidate's outputs are to the baseline's: cosine per sample, retrieval agreement,
+max abs error. Pure numpy on arrays both sides computed from the same inputs."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Cosine similarity of matching rows (each sample flattened)."""
+    a = a.astype(np.float64).reshape(len(a), -1)
+    b = b.astype(np.float64).reshape(len(b), -1)
+    return (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
+
+
+def worst_cosine(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray], output: str | None) -> float:
+    """Worst per-sample cosine over the deciding output (or over every output)."""
+    names = [output] if output else list(reference)
+    return float(min(cosine_rows(reference[n], candidate[n]).min() for n in names))
+
+
+def embedding_fidelity(base: np.ndarray, cand: np.ndarray, top_k: int) -> dict:
+    cosine = cosine_rows(base, cand)
+    return {"cosine_min": float(cosine.min()), "cosine_mean": float(cosine.mean()),
+            "topk_agreement": topk_agreement(base, cand, top_k), "top_k": top_k,
+            "max_abs_error": float(np.abs(base - cand).max()), "samples": int(len(base))}
+
+
+def topk_agreement(base: np.ndarray, cand: np.ndarray, k: int) -> float:
+    """Mean overlap of each item's k nearest neighbours (cosine, itself excluded) under both models."""
+    def neighbours(e):
+        e = e / np.linalg.norm(e, axis=1, keepdims=True)
+        sim = e @ e.T
+        np.fill_diagonal(sim, -np.inf)
+        return np.argsort(-sim, axis=1)[:, :k]
+
+    k = min(k, len(base) - 1)
+    nb, nc = neighbours(base), neighbours(cand)
+    return float(np.mean([len(set(a) & set(b)) / k for a, b in zip(nb, nc)]))
+
+
+def output_fidelity(base: dict[str, np.ndarray], cand: dict[str, np.ndarray]) -> dict:
+    """Every output compared: per-output min cosine and max abs error, plus the worst of each."""
+    per_output = {}
+    for name in base:
+        per_output[name] = {"cosine_min": float(cosine_rows(base[name], cand[name]).min()),
+                            "max_abs_error": float(np.abs(base[name] - cand[name]).max())}
+    return {"cosine_min": min(o["cosine_min"] for o in per_output.values()),
+            "max_abs_error": max(o["max_abs_error"] for o in per_output.values()),
+            "outputs": per_output, "samples": int(len(next(iter(base.values()))))}

@@ -1,0 +1,102 @@
+"""Sensitivity fallback: which quantized nodes to keep in FP32, ranked by the error quantizing each
+adds to its own output, until the real quantized model reaches a calibration fidelity target."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from optimize import tasks
+from optimize.evaluate.fidelity import worst_cosine
+
+log = logging.getLogger(__name__)
+
+
+def _weighted_matmuls(graph, op_types: list[str], excluded: list[str]) -> list[tuple[str, str, str, bool]]:
+    """(node name, activation input, weight initializer, weight transposed) of each quantizable node."""
+    weights = {i.name for i in graph.initializer}
+    found = []
+    for node in graph.node:
+        if node.op_type not in op_types or node.name in excluded or len(node.input) < 2:
+            continue
+        if node.input[1] in weights:
+            trans_b = any(a.name == "transB" and a.i for a in node.attribute)
+            found.append((node.name, node.input[0], node.input[1], trans_b))
+    return found
+
+
+def _simulated_error(x: np.ndarray, w: np.ndarray, per_channel: bool, reduce_range: bool,
+                     x_range: Optional[tuple[float, float]] = None) -> float:
+    """Relative error of x @ w when x is quantized to uint8, per tensor, asymmetric, and w to symmetric
+    int8 (per output column when per_channel). x's range is its own min/max, as ONNX Runtime's
+    DynamicQuantizeLinear computes it, unless `x_range` gives the calibrated range of a static model."""
+    x = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    lo, hi = x_range if x_range is not None else (x.min(), x.max())
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    x_scale = (hi - lo) / 255 or 1.0
+    x_zero = np.round(-lo / x_scale)
+    xq = (np.clip(np.round(x / x_scale) + x_zero, 0, 255) - x_zero) * x_scale
+    qmax = 63 if reduce_range else 127
+    w_max = np.abs(w).max(axis=0, keepdims=True) if per_channel else np.abs(w).max()
+    w_scale = np.where(w_max > 0, w_max / qmax, 1.0)
+    wq = np.clip(np.round(w / w_scale), -qmax, qmax) * w_scale
+    exact = x @ w
+    return float(np.linalg.norm(xq @ wq - exact) / max(np.linalg.norm(exact), 1e-30))
+
+
+def _rank_by_simulated_error(onnx_path: Path, inputs: dict, cfg, reduce_range: bool) -> list[str]:
+    """One FP32 run records every quantizable node's input; nodes are ranked by the relative error
+    that quantizing them alone adds to their own output (largest first). A static method's config
+    gives `activation_ranges` (tensor -> calibrated (low, high)): those ranges, clipping included,
+    are what its activations are quantized with."""
+    import onnx
+    from onnx import numpy_helper
+
+    from engines.onnxruntime_runner import OrtRunner
+
+    model = onnx.load(str(onnx_path))
+    nodes = _weighted_matmuls(model.graph, cfg.op_types, cfg.nodes_to_exclude)
+    weights = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    outputs = {o.name for o in model.graph.output}
+    for activation in dict.fromkeys(a for _, a, _, _ in nodes):
+        if activation not in outputs:
+            model.graph.output.append(onnx.helper.make_tensor_value_info(activation, onnx.TensorProto.FLOAT, None))
+    probe = onnx_path.with_name("activations.onnx")
+    onnx.save(model, str(probe))
+    activations = OrtRunner(probe)(inputs)
+    probe.unlink()
+    ranges = getattr(cfg, "activation_ranges", None) or {}
+    errors = {}
+    for name, activation, weight, trans_b in nodes:
+        w = weights[weight].T if trans_b else weights[weight]
+        errors[name] = _simulated_error(activations[activation], w, cfg.per_channel, reduce_range,
+                                        ranges.get(activation))
+    return sorted(errors, key=errors.get, reverse=True)
+
+
+def sensitivity_fallback(model, cfg, ctx, quantize, reduce_range: bool) -> tuple[list[str], float]:
+    """Keep the nodes with the largest simulated quantization error in FP32, one by one, until the
+    real quantized model reaches the calibration fidelity target (or max_fp32_nodes is reached)."""
+    from engines.onnxruntime_runner import OrtRunner
+
+    output = tasks.get(model.task).fidelity_output
+    inputs = ctx.calibration_inputs(cfg.sensitivity_samples)
+    reference = OrtRunner(model.onnx_path, threads=ctx.threads)(inputs)
+
+    def score(path: Path) -> float:
+        return worst_cosine(reference, OrtRunner(path, threads=ctx.threads)(inputs), output)
+
+    best = score(quantize([]))
+    if best >= cfg.fallback_min_cosine or cfg.max_fp32_nodes == 0:
+        return [], best
+    ranked = _rank_by_simulated_error(model.onnx_path, inputs, cfg, reduce_range)
+    fp32 = []
+    for node in ranked[: cfg.max_fp32_nodes]:
+        fp32.append(node)
+        best = score(quantize(fp32))
+        log.info("fallback: %d FP32 nodes, calibration min cosine %.5f", len(fp32), best)
+        if best >= cfg.fallback_min_cosine:
+            break
+    return fp32, best

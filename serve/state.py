@@ -1,0 +1,59 @@
+"""The state every route shares, and how a route finds it."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from starlette.requests import Request
+
+from serve.config import ServeConfig
+from serve.errors import unavailable
+
+
+class ServeState:
+    """Everything the routes share: the manifest, settings, metrics, and the model once loaded."""
+
+    def __init__(self, root: Path, manifest: dict, config: ServeConfig, load_model: Callable):
+        from serve.metrics import Metrics
+
+        self.root, self.manifest, self.config = root, manifest, config
+        self.engine = manifest.get("engine") or {}
+        self.name = config.model_name or default_model_name(root, manifest)
+        self.version = "1"
+        self.load_model = load_model
+        self.metrics = Metrics()
+        self.model = None
+        self.batcher = None    # encoders: serve.batching.Batcher
+        self.generator = None  # causal LMs: serve.llm.GenerationService
+        self.load_error: str | None = None
+        self.on_fatal: Callable[[str], None] = lambda message: None
+        self.draining = False
+        self.accepted = 0
+        self.completed = 0
+        self.created = int(time.time())
+
+    @property
+    def task(self) -> str:
+        return self.engine.get("task", "unknown")
+
+    @property
+    def ready(self) -> bool:
+        return self.model is not None and not self.draining
+
+    def require_ready(self) -> None:
+        if self.load_error:
+            raise unavailable(f"the model failed to load: {self.load_error}", retry_after_s=60)
+        if self.model is None:
+            raise unavailable("the model is loading")
+        # Draining is not refused here: a request uvicorn still accepts is served to the end.
+
+
+def default_model_name(root: Path, manifest: dict) -> str:
+    """The recipe's name (what an operator chose), else the artifact folder's name."""
+    name = ((manifest.get("recipe") or {}).get("name")) or root.resolve().name
+    return str(name).replace("/", "_")
+
+
+def state_of(request: Request) -> ServeState:
+    return request.app.state.serve
