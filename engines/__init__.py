@@ -44,6 +44,10 @@ def load_engine(root: Path, engine: dict, threads: int = 0, spinning: bool = Tru
         from engines.genai_runner import load_genai_runner
 
         return load_genai_runner(root, engine, threads=threads)
+    if fmt == "openvino":
+        from engines.openvino_runner import load_openvino_runner
+
+        return load_openvino_runner(root, engine, threads=threads, spinning=spinning)
     if fmt == "modelopt-torch":  # simulated quantization: evaluated by the pipeline, not served
         from optimize.modelopt_methods import load_modelopt_runner
 

@@ -27,6 +27,8 @@ def main(argv: list[str]) -> None:
     engine = json.loads(engine_json)
     if engine["format"] == "pytorch":
         import torch  # noqa: F401  (imported before measuring idle size, like onnxruntime below)
+    if engine["format"] == "openvino":
+        import openvino  # noqa: F401
     import onnxruntime  # noqa: F401
 
     from engines import load_engine
