@@ -116,6 +116,8 @@ def nncf_int8_with_accuracy_control(xml_or_model, calibration_batches: list[dict
     `validate_fn(compiled_model, validation_batches) -> float` scores a compiled OpenVINO model
     (higher is better). NNCF also calls it per sample to rank layers, so it must score a single
     batch too. `max_iterations` bounds how many reverts NNCF tries (None: NNCF's default, no bound).
+    When max_drop cannot be reached NNCF only logs it and returns what it has (possibly every layer
+    reverted), so the caller must measure the result, as the gate does.
     """
     import nncf
     from nncf.quantization.advanced_parameters import AdvancedAccuracyRestorerParameters

@@ -60,8 +60,10 @@ def missing_cpu_features(precision: str) -> list[str]:
     if precision not in PRECISIONS:
         raise ValueError(f"inference_precision {precision!r}: use one of {PRECISIONS}")
     if precision == "bf16" and "BF16" not in cpu_optimization_capabilities():
-        flags = _cpuinfo_flags()
-        return [f for f in _BF16_CPU_FLAGS if f not in flags] or ["BF16 (per OpenVINO)"]
+        present = [f for f in _BF16_CPU_FLAGS if f in _cpuinfo_flags()]
+        if present:  # the CPU has it but this OpenVINO build does not use it
+            return [f"native bf16 in OpenVINO's CPU plugin (the CPU reports {', '.join(present)})"]
+        return [" or ".join(_BF16_CPU_FLAGS)]
     return []
 
 
@@ -73,7 +75,7 @@ def require_cpu_features(precision: str, what: str = "this model") -> None:
     missing = missing_cpu_features(precision)
     if missing:
         raise EngineUnavailable(f"{what} runs OpenVINO in {precision}, which this CPU cannot: it lacks "
-                                f"{' / '.join(missing)}")
+                                f"{'; '.join(missing)}")
 
 
 def compile_properties(threads: int, inference_precision: str, performance_hint: str, spinning: bool) -> dict:
