@@ -70,3 +70,7 @@ def verify(root: str | Path) -> list[str]:
     on_disk = {p.relative_to(root).as_posix() for p in list_files(root)}
     problems += [f"unexpected file {rel} (not in the manifest)" for rel in sorted(on_disk - set(recorded))]
     return problems
+
+
+class EngineUnavailable(ArtifactError):
+    """The artifact is sound but this machine cannot run its engine (missing CPU feature, runtime)."""

@@ -38,6 +38,7 @@ FORMATS: dict[str, EngineFormat] = {f.name: f for f in (
     EngineFormat(ONNXRUNTIME_GENAI, "engines.genai_runner:load_genai_runner", ("onnxruntime_genai",), "causal_lm"),
     EngineFormat(PYTORCH, "engines.pytorch_runner:load_pytorch_runner", ("torch",), None),
     EngineFormat(MODELOPT_TORCH, "engines.modelopt_runner:load_modelopt_runner", ("torch",), None),
+    EngineFormat(OPENVINO, "engines.openvino_runner:load_openvino_runner", ("openvino",), "encoder"),
 )}
 
 
