@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_support import FAST_OVERRIDES, run_optimize
+from tests.support.cli import FAST_OVERRIDES, run_optimize
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """Fixtures for the serve tests. The MiniLM artifact comes from tests/conftest.py (the real
-pipeline); the tiny causal LM is built here with onnxruntime-genai's builder (about 20 s)."""
+pipeline); the tiny causal LM is built by tests/support/tiny_llm.py with onnxruntime-genai's builder (about 20 s)."""
 from __future__ import annotations
 
 import importlib.util
@@ -10,10 +10,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # serve_helpers
-
-from serve_helpers import ROOT, in_process  # noqa: E402
+from tests.support.serve import ROOT, in_process
 
 
 @pytest.fixture(scope="session")
@@ -22,7 +19,7 @@ def tiny_llm_artifact(tmp_path_factory) -> Path:
         pytest.skip("onnxruntime-genai is not installed")
     out = tmp_path_factory.mktemp("tiny_llm") / "artifact"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(HERE / "make_tiny_llm.py"), str(out)], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "tests.support.tiny_llm", str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out

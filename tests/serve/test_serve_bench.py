@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from serve_helpers import ROOT, running_server
+from tests.support.serve import ROOT, running_server
 
 
 @pytest.fixture(scope="module")

@@ -12,20 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from serve_helpers import ROOT, running_server
+from tests.support.cli import one_error_line
+from tests.support.serve import ROOT, running_server
 
 
 def serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "serve", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout)
-
-
-def one_error_line(proc: subprocess.CompletedProcess, *words: str) -> str:
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
-    assert all(w in lines[0] for w in words), lines[0]
-    return lines[0]
 
 
 def clone(artifact: Path, dest: Path) -> Path:

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from serve_helpers import kserve_tensors, metric_value
+from tests.support.serve import kserve_tensors, metric_value
 
 IDS = [[101, 7592, 2088, 102]]
 

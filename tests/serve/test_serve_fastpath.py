@@ -13,7 +13,7 @@ import pytest
 
 from serve import jsonbody
 from serve.batching import Batcher
-from serve_helpers import metric_value
+from tests.support.serve import metric_value
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "", "héllo wörld 你好", "x " * 300, "  spaced   out  "]
 
@@ -62,7 +62,7 @@ def test_float_embeddings_equal_base64_embeddings_bit_for_bit(encoder, encoder_n
 
 
 def test_kserve_json_outputs_are_float32_exact(encoder, encoder_name):
-    from serve_helpers import kserve_tensors
+    from tests.support.serve import kserve_tensors
 
     ids = [[101, 7592, 2088, 102]]
     as_json = encoder.post(f"/v2/models/{encoder_name}/infer", json={"inputs": kserve_tensors(ids)}).json()

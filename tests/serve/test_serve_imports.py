@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from serve_helpers import ROOT
+from tests.support.serve import ROOT
 
 PROBE = """
 import json, sys

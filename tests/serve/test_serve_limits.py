@@ -7,7 +7,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from serve.app import load_model_for
-from serve_helpers import in_process, wait_until
+from tests.support.serve import in_process, wait_until
 
 
 def slowed(delay_s: float):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from serve_helpers import metric_value
+from tests.support.serve import metric_value
 
 NAME = "tiny_llm"
 
@@ -130,7 +130,7 @@ def test_official_openai_client_streams(tiny_llm_artifact):
     """The official client against a real subprocess on loopback: whole, streamed, chat."""
     import openai
 
-    from serve_helpers import running_server
+    from tests.support.serve import running_server
 
     with running_server(tiny_llm_artifact, "--max-tokens", "32") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

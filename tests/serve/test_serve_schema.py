@@ -13,7 +13,7 @@ from schemathesis.checks import (content_type_conformance, negative_data_rejecti
                                  response_schema_conformance, status_code_conformance)
 from schemathesis.generation.modes import GenerationMode
 
-from serve_helpers import running_server
+from tests.support.serve import running_server
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 EXAMPLES = settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck), database=None)

@@ -10,7 +10,7 @@ import httpx
 import numpy as np
 import pytest
 
-from serve_helpers import ServerProcess, kserve_tensors, metric_value, running_server
+from tests.support.serve import ServerProcess, kserve_tensors, metric_value, running_server
 
 CLIENTS = 32
 LOAD_SECONDS = 10

@@ -3,7 +3,7 @@ import os
 import subprocess
 import sys
 
-from pipeline_support import ROOT
+from tests.support.cli import ROOT
 
 
 def test_non_editable_install_runs_from_another_directory(tmp_path):

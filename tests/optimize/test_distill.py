@@ -7,8 +7,9 @@ import pytest
 from optimize import distill
 from optimize.errors import RecipeError
 from optimize.registry import build_config, get
-from tests.conftest import run_optimize
-from tests.prune_helpers import FakeContext, tiny_bert, tiny_llama, torch_model
+from tests.support.cli import run_optimize
+from tests.support.context import FakeContext
+from tests.support.models import tiny_bert, tiny_llama, torch_model
 
 
 @pytest.fixture(autouse=True)
@@ -17,11 +18,11 @@ def private_cache(tmp_path, monkeypatch):
 
 
 def run_distill(teacher, tmp_path, **params):
-    ctx = FakeContext(teacher, tmp_path)
+    ctx = FakeContext.for_torch(teacher, tmp_path)
     cfg = build_config(get("distill", "logit_hidden_kd"),
                        dict({"batch_size": 8, "seq_len": 16, "lr": 3e-3, "max_seconds": None}, **params))
     out = distill.logit_hidden_kd(torch_model(teacher), cfg, ctx)
-    return out, ctx.records["stages"]["distill"], ctx
+    return out, ctx.stage_records["distill"], ctx
 
 
 def test_loss_goes_down_and_the_curve_ships(tmp_path):
@@ -60,7 +61,7 @@ def test_causal_lm_logit_kd_goes_down(tmp_path):
 
     teacher = tiny_llama()
     student, layer_map = distill.make_student(teacher, teacher, build_config(
-        get("distill", "logit_hidden_kd"), {"student_layers": 2}), FakeContext(teacher, tmp_path))
+        get("distill", "logit_hidden_kd"), {"student_layers": 2}), FakeContext.for_torch(teacher, tmp_path))
     cfg = build_config(get("distill", "logit_hidden_kd"), {"max_steps": 25, "lr": 3e-3, "max_seconds": None})
     objective = distill.LogitObjective(teacher, student, layer_map, cfg)
     ids = torch.randint(0, 100, (32, 16), generator=torch.Generator().manual_seed(0))
@@ -106,7 +107,7 @@ def test_cached_teacher_outputs_match_a_fresh_teacher_pass_on_any_batch(tmp_path
     import torch
 
     teacher = tiny_bert()
-    ctx = FakeContext(teacher, tmp_path)
+    ctx = FakeContext.for_torch(teacher, tmp_path)
     cfg = build_config(get("distill", "logit_hidden_kd"), {"batch_size": 4, "seq_len": 16, "student_layers": 2})
     student, layer_map = distill.make_student(teacher, teacher, cfg, ctx)
     objective = distill.Objective.for_task("sentence_embedding", teacher, student, layer_map, cfg, ctx)
@@ -146,7 +147,7 @@ def test_bad_schedules_are_recipe_errors(params, message):
 
 def test_matching_only_the_last_layer_caches_and_compares_only_it(tmp_path):
     teacher = tiny_bert()
-    ctx = FakeContext(teacher, tmp_path)
+    ctx = FakeContext.for_torch(teacher, tmp_path)
     cfg = build_config(get("distill", "logit_hidden_kd"), {"student_layers": 2, "hidden_layers": "last"})
     student, layer_map = distill.make_student(teacher, teacher, cfg, ctx)
     objective = distill.EmbeddingObjective(teacher, student, layer_map, cfg, ctx)

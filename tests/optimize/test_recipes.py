@@ -1,5 +1,8 @@
 """Every recipe composes against the schema and passes the pre-flight check, so a renamed key or
-a broken preset fails here, not in a user's hands."""
+a broken preset fails here, not in a user's hands. The GPU presets (`*_gpu`, `*_trt`) plan on a
+machine that has what they need, and elsewhere refuse with the one line that names what is missing:
+any other error, a typo included, fails."""
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -9,10 +12,42 @@ from optimize import pipeline
 from optimize.__main__ import CONFIG_DIR
 from optimize.config import register_schema
 from optimize.errors import RecipeError
+from tests.support.cli import one_error_line, run_optimize
 
 RECIPES = sorted(p.stem for p in (Path(CONFIG_DIR) / "recipe").glob("*.yaml"))
-# Recipes that need hardware this machine may not have refuse in the pre-flight check by design.
 NEEDS_GPU = ("_gpu", "_trt")
+GPU_RECIPES = [name for name in RECIPES if any(tag in name for tag in NEEDS_GPU)]
+
+
+def expected_refusal(name: str) -> str | None:
+    """The pre-flight refusal of GPU preset `name` on this machine; None where it has what the preset needs.
+    The message is spelled out here, and each missing piece is checked to be named in it."""
+    if name == "minilm_fp16_trt":
+        import onnxruntime as ort
+
+        from engines.ort_providers import missing_for
+
+        missing = missing_for("TensorrtExecutionProvider")
+        if not missing:
+            return None
+        message = ("quantize.method=ort_fp16 targets TensorrtExecutionProvider, and this machine lacks "
+                   + "; ".join(missing))
+        if importlib.util.find_spec("tensorrt") is None:
+            assert "TensorRT (the tensorrt Python package)" in message
+        if "TensorrtExecutionProvider" not in ort.get_available_providers():
+            assert "install onnxruntime-gpu" in message
+        return message
+    if name == "smollm2_fp8_gpu":
+        from optimize.quantize.modelopt import cuda_missing
+
+        missing = cuda_missing()
+        if missing:  # the quantize stage is checked first: its device=cuda is refused
+            assert "CUDA is not available" in missing or "torch is not installed" in missing
+            return f"quantize.params.device=cuda needs CUDA: {missing}"
+        if importlib.util.find_spec("tensorrt") is None:
+            return "engine.params.tensorrt=true needs CUDA and TensorRT: the tensorrt package is not installed"
+        return None
+    raise AssertionError(f"{name} looks like a GPU preset: spell out its refusal in expected_refusal()")
 
 
 def compose_recipe(name: str, *overrides: str):
@@ -28,13 +63,26 @@ def test_there_is_a_default_recipe():
 @pytest.mark.parametrize("name", RECIPES)
 def test_recipe_composes_and_plans(name, tmp_path):
     cfg = compose_recipe(name, f"output_dir={tmp_path / 'out'}")
-    try:
-        plan = pipeline.plan(cfg, tmp_path)
-    except RecipeError as exc:
-        assert any(tag in name for tag in NEEDS_GPU), f"{name}: {exc}"
+    refusal = expected_refusal(name) if name in GPU_RECIPES else None
+    if refusal is not None:
+        with pytest.raises(RecipeError) as refused:
+            pipeline.plan(cfg, tmp_path)
+        assert str(refused.value) == refusal
         return
+    plan = pipeline.plan(cfg, tmp_path)
     assert plan.final_dir == (tmp_path / "out").resolve()
     assert any(method.stage == "engine" for method, _ in plan.stages)
+
+
+@pytest.mark.parametrize("name", GPU_RECIPES)
+def test_gpu_preset_refusal_is_one_line_on_the_command_line(name, tmp_path):
+    refusal = expected_refusal(name)
+    if refusal is None:
+        pytest.skip(f"this machine has what {name} needs (test_recipe_composes_and_plans plans it)")
+    out = tmp_path / "out"
+    proc = run_optimize(f"recipe={name}", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert one_error_line(proc) == f"error: {refusal}"
+    assert not out.exists()
 
 
 def test_default_recipe_resolves_the_expected_stages(tmp_path):

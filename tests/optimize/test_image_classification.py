@@ -7,18 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from pipeline_support import run_optimize
+from tests.support.cli import one_error_line, run_optimize
 
 pytest.importorskip("sklearn")
 FAST = ["evaluate.latency=false", "calibration.count=64", "quantize.params.calibration_count=64",
         "evaluate.data.count=200"]
-
-
-def _one_error_line(proc) -> str:
-    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
-    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert len(lines) == 1, proc.stderr[-2000:]
-    return lines[0]
 
 
 def test_training_script_writes_a_loadable_safetensors_checkpoint(tmp_path):
@@ -72,7 +65,7 @@ def test_digits_static_int8_recipe_passes_on_accuracy(tmp_path):
 def test_missing_calibration_data_exits_2(tmp_path, override, expected):
     proc = run_optimize("recipe=digits_cnn_int8_static", override, f"output_dir={tmp_path / 'a'}",
                         f"hydra.run.dir={tmp_path / 'run'}")
-    assert expected in _one_error_line(proc)
+    assert expected in one_error_line(proc)
     assert not (tmp_path / "a").exists()
 
 
@@ -81,13 +74,13 @@ def test_empty_calibration_file_exits_2(tmp_path):
     empty.write_text("")
     proc = run_optimize("recipe=digits_cnn_int8_static", "calibration.source=text_file", f"calibration.path={empty}",
                         f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'run'}")
-    assert "is empty" in _one_error_line(proc)
+    assert "is empty" in one_error_line(proc)
 
 
 def test_overlapping_evaluation_data_is_refused(tmp_path):
     proc = run_optimize("recipe=digits_cnn_int8_static", "evaluate.data.split=calibration", "evaluate.data.count=300",
                         "calibration.count=300", f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'run'}")
-    assert "also appear in the calibration data" in _one_error_line(proc)
+    assert "also appear in the calibration data" in one_error_line(proc)
 
 
 @pytest.mark.slow
@@ -107,11 +100,11 @@ def test_gpu_recipe_without_gpu_exits_2_naming_what_is_missing(tmp_path):
     if not missing_for("TensorrtExecutionProvider"):
         pytest.skip("this machine has a GPU with TensorRT")
     proc = run_optimize("recipe=minilm_fp16_trt", f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'run'}")
-    line = _one_error_line(proc)
+    line = one_error_line(proc)
     assert "TensorrtExecutionProvider" in line and "lacks" in line
 
 
 def test_text_data_for_an_image_model_is_refused(tmp_path):
     proc = run_optimize("recipe=digits_cnn_int8_static", "evaluate.data.source=cpython_docs", "evaluate.data.count=16",
                         "evaluate.latency=false", f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'run'}")
-    assert "has no labels" in _one_error_line(proc)
+    assert "has no labels" in one_error_line(proc)

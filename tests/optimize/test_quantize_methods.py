@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -10,6 +9,7 @@ import pytest
 from optimize import registry
 from optimize.errors import RecipeError
 from optimize.context import Model
+from tests.support.context import FakeContext
 
 onnx = pytest.importorskip("onnx")
 
@@ -32,23 +32,6 @@ def _tiny_mlp(path: Path, width: int = 64, seed: int = 0) -> Path:
     model.ir_version = 8
     onnx.save(model, str(path))
     return path
-
-
-class FakeContext:
-    """What the quantize methods use from the pipeline's Context: scratch, calibration inputs, records."""
-
-    def __init__(self, scratch: Path, count: int = 32, width: int = 64):
-        self.scratch, self.threads, self.records = scratch, 1, {}
-        self.items = [np.random.default_rng(i).standard_normal(width).astype(np.float32) for i in range(count)]
-
-    def calibration(self):
-        return SimpleNamespace(items=self.items)
-
-    def calibration_inputs(self, count: int) -> dict:
-        return {"x": np.stack(self.items[:count])}
-
-    def record(self, stage: str, info: dict) -> None:
-        self.records[stage] = info
 
 
 @pytest.fixture()
@@ -83,29 +66,29 @@ X_TEST = np.random.default_rng(99).standard_normal((16, 64)).astype(np.float32)
 
 @pytest.mark.parametrize("calibrate_method", ["minmax", "entropy", "percentile"])
 def test_static_qdq_calibrates_and_stays_close(mlp, tmp_path, calibrate_method):
-    ctx = FakeContext(tmp_path)
+    ctx = FakeContext.for_onnx(tmp_path)
     out = _run("ort_int8_static_qdq", mlp, ctx, calibrate_method=calibrate_method, calibration_count=16)
     assert out.precision == "int8" and {"QuantizeLinear", "DequantizeLinear"} <= _ops(out.onnx_path)
     assert _min_cosine(_outputs(mlp.onnx_path, X_TEST), _outputs(out.onnx_path, X_TEST)) > 0.98
-    record = ctx.records["quantize"]
+    record = ctx.stage_records["quantize"]
     assert record["calibrate_method"] == calibrate_method and record["calibration_items"] == 16
     assert record["activations"] == "uint8 static"
 
 
 def test_static_qdq_s8s8_and_excluded_node(mlp, tmp_path):
-    ctx = FakeContext(tmp_path)
+    ctx = FakeContext.for_onnx(tmp_path)
     out = _run("ort_int8_static_qdq", mlp, ctx, activation_type="int8", nodes_to_exclude=["fc2"],
                reduce_range=False)
     graph = onnx.load(str(out.onnx_path)).graph
     fc2 = next(n for n in graph.node if n.name == "fc2")
     assert "w2" in fc2.input  # excluded: still multiplies the FP32 weight
-    assert ctx.records["quantize"]["reduce_range"] is False
+    assert ctx.stage_records["quantize"]["reduce_range"] is False
 
 
 def test_static_qdq_sensitivity_fallback_keeps_nodes_fp32(mlp, tmp_path):
-    ctx = FakeContext(tmp_path)
+    ctx = FakeContext.for_onnx(tmp_path)
     _run("ort_int8_static_qdq", mlp, ctx, fallback_min_cosine=1.0, max_fp32_nodes=1, sensitivity_samples=8)
-    assert len(ctx.records["quantize"]["fp32_nodes"]) == 1  # unreachable target: stops at max_fp32_nodes
+    assert len(ctx.stage_records["quantize"]["fp32_nodes"]) == 1  # unreachable target: stops at max_fp32_nodes
 
 
 def test_static_qdq_rejects_bad_params():
@@ -117,13 +100,13 @@ def test_static_qdq_rejects_bad_params():
 
 
 def test_dynamic_int8_still_works(mlp, tmp_path):
-    ctx = FakeContext(tmp_path)
+    ctx = FakeContext.for_onnx(tmp_path)
     out = _run("ort_int8_dynamic", mlp, ctx, fallback_min_cosine=None)
     assert _min_cosine(_outputs(mlp.onnx_path, X_TEST), _outputs(out.onnx_path, X_TEST)) > 0.98
 
 
 def test_fp16_on_cpu_converts_weights(mlp, tmp_path):
-    ctx = FakeContext(tmp_path)
+    ctx = FakeContext.for_onnx(tmp_path)
     out = _run("ort_fp16", mlp, ctx, execution_provider="CPUExecutionProvider")
     model = onnx.load(str(out.onnx_path))
     assert {i.data_type for i in model.graph.initializer} == {onnx.TensorProto.FLOAT16}
@@ -144,16 +127,16 @@ def test_fp16_for_a_missing_gpu_provider_is_one_clear_error():
 @pytest.mark.parametrize("params", [{"algorithm": "rtn", "symmetric": True}, {"algorithm": "rtn", "symmetric": False},
                                     {"algorithm": "hqq"}, {"algorithm": "gptq", "calibration_count": 8}])
 def test_int4_weight_only_packs_matmuls(mlp, tmp_path, params):
-    ctx = FakeContext(tmp_path)
+    ctx = FakeContext.for_onnx(tmp_path)
     out = _run("ort_int4_weight_only", mlp, ctx, block_size=32, **params)
     assert "MatMulNBits" in _ops(out.onnx_path) and "MatMul" not in _ops(out.onnx_path)
-    assert out.precision == "int4" and ctx.records["quantize"]["matmulnbits_nodes"] == 2
+    assert out.precision == "int4" and ctx.stage_records["quantize"]["matmulnbits_nodes"] == 2
     assert _min_cosine(_outputs(mlp.onnx_path, X_TEST), _outputs(out.onnx_path, X_TEST)) > 0.97
     assert out.onnx_path.stat().st_size < mlp.onnx_path.stat().st_size / 3
 
 
 def test_int4_excluded_node_stays_matmul(mlp, tmp_path):
-    out = _run("ort_int4_weight_only", mlp, FakeContext(tmp_path), nodes_to_exclude=["fc2"])
+    out = _run("ort_int4_weight_only", mlp, FakeContext.for_onnx(tmp_path), nodes_to_exclude=["fc2"])
     assert {"MatMulNBits", "MatMul"} <= _ops(out.onnx_path)
 
 
@@ -169,13 +152,13 @@ def test_methods_need_an_onnx_model(tmp_path):
     for method in ("ort_int8_static_qdq", "ort_int4_weight_only", "ort_fp16"):
         params = {"execution_provider": "CPUExecutionProvider"} if method == "ort_fp16" else {}
         with pytest.raises(RecipeError, match="needs an ONNX model"):
-            _run(method, torch_model, FakeContext(tmp_path), **params)
+            _run(method, torch_model, FakeContext.for_onnx(tmp_path), **params)
 
 
 def test_static_qdq_keeps_consumers_of_an_op_type_in_fp32(mlp, tmp_path):
-    ctx = FakeContext(tmp_path)
+    ctx = FakeContext.for_onnx(tmp_path)
     out = _run("ort_int8_static_qdq", mlp, ctx, exclude_consumers_of=["Relu"])
-    assert ctx.records["quantize"]["excluded_nodes"] == ["fc2"]
+    assert ctx.stage_records["quantize"]["excluded_nodes"] == ["fc2"]
     fc2 = next(n for n in onnx.load(str(out.onnx_path)).graph.node if n.name == "fc2")
     assert "w2" in fc2.input
 
@@ -199,11 +182,11 @@ def _gram_model(path: Path, width: int = 64) -> Path:
 @pytest.mark.parametrize("const_b_only", [True, False])
 def test_static_qdq_leaves_activation_by_activation_matmuls_fp32(tmp_path, const_b_only):
     model = Model("torch", "generic").with_onnx(_gram_model(tmp_path / "gram.onnx"))
-    ctx = FakeContext(tmp_path)
+    ctx = FakeContext.for_onnx(tmp_path)
     out = _run("ort_int8_static_qdq", model, ctx, matmul_const_b_only=const_b_only)
     graph = onnx.load(str(out.onnx_path)).graph
     producer = {o: n for n in graph.node for o in n.output}
-    assert ("gram" in ctx.records["quantize"]["excluded_nodes"]) == const_b_only
+    assert ("gram" in ctx.stage_records["quantize"]["excluded_nodes"]) == const_b_only
     # Excluded, the MatMul's own output gets no Q/DQ pair (its inputs may still carry their
     # producers' pairs): the graph output comes straight from it.
     assert (producer["y"].op_type == "MatMul") == const_b_only
@@ -225,7 +208,7 @@ def test_static_ranking_uses_the_calibrated_range():
 def test_calibration_ranges_read_from_onnxruntime_cache(mlp, tmp_path):
     from optimize.quantize.ort_int8_static_qdq import read_calibration_ranges
 
-    ctx = FakeContext(tmp_path)
+    ctx = FakeContext.for_onnx(tmp_path)
     _run("ort_int8_static_qdq", mlp, ctx, calibrate_method="minmax")
     ranges = read_calibration_ranges(tmp_path / "quantize_static" / "calibration_ranges.json")
     x = np.stack(ctx.items)

@@ -1,4 +1,4 @@
-"""Helpers shared by the pipeline tests (a module of its own: tests/serve has its own conftest)."""
+"""The pipeline's command line as a user runs it, and the one check for its refusals (exit 2, one line)."""
 from __future__ import annotations
 
 import os
@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
@@ -25,3 +25,16 @@ def run_optimize(*overrides: str, cwd: Path | None = None, timeout: int = 900) -
     env = dict(os.environ, HYDRA_FULL_ERROR="0")
     return subprocess.run([sys.executable, "-m", "optimize", *overrides], cwd=cwd or ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def one_error_line(proc: subprocess.CompletedProcess, *fragments: str) -> str:
+    """A refusal as every command line here makes it (`python -m optimize`, `optimize.verify`,
+    `python -m serve`): exit 2, stderr one line `error: ...` naming each fragment, no traceback.
+    Returns the line."""
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr[-2000:]
+    for fragment in fragments:
+        assert fragment in lines[0], f"{fragment!r} not in {lines[0]!r}"
+    assert "Traceback" not in proc.stderr
+    return lines[0]

@@ -1,0 +1,45 @@
+"""Build a genuinely tiny causal-LM artifact: random-weight Llama (2 layers, width 64, context 256), a
+byte-level BPE tokenizer trained on CPython's own docs, a chat template (tests.support.models), converted
+by onnxruntime-genai's builder, wrapped in a manifest that passes verification. Offline, about 20 s.
+
+    python -m tests.support.tiny_llm OUT_DIR     (from the repository root)
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def write_manifest(artifact: Path) -> None:
+    from engines.artifact import MANIFEST, SCHEMA_VERSION, file_table
+
+    manifest = {
+        "schema_version": SCHEMA_VERSION, "id": "tiny-llm-test", "parent_id": None,
+        "recipe": {"name": "tiny_llm", "resolved": {"serve": {"max_queue": 8}}},
+        "model": {"source": "random LlamaConfig (tests)", "task": "causal_lm"},
+        "engine": {"format": "onnxruntime-genai", "dir": "genai", "precision": "fp32", "task": "causal_lm",
+                   "tokenizer": "genai", "providers": ["CPUExecutionProvider"]},
+        "gate": {"passed": True, "checks": []}, "verdict": "passed",
+        "files": file_table(artifact),
+    }
+    (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2))
+
+
+def build(out: Path) -> Path:
+    from tests.support.models import tiny_llama_folder
+
+    artifact = Path(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = tiny_llama_folder(Path(tmp) / "src", max_positions=256)
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-m",
+                        str(source), "-o", str(artifact / "genai"), "-p", "fp32", "-e", "cpu"],
+                       check=True, capture_output=True, text=True)
+    write_manifest(artifact)
+    return artifact
+
+
+if __name__ == "__main__":
+    build(Path(sys.argv[1]))
