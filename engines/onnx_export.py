@@ -7,6 +7,7 @@ module on real inputs before anything else touches it (as Optimum does with its 
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -55,3 +56,21 @@ def check_fidelity(reference: dict[str, np.ndarray], exported: dict[str, np.ndar
             raise ExportMismatch(f"exported output {name!r} differs from PyTorch: max abs error "
                                  f"{r['max_abs_error']:.2e} (atol {atol:g}), min cosine {r['min_cosine']:.6f}")
     return report
+
+
+def copy_onnx(path: Path, folder: Path) -> Path:
+    """Copy an ONNX graph as folder/model.onnx, with its external-data file if it has one (weights
+    beside the graph, as the dynamo exporter writes them and as models over 2 GB need)."""
+    import onnx
+
+    folder.mkdir(parents=True, exist_ok=True)
+    dest = folder / "model.onnx"
+    locations = {entry.value for tensor in onnx.load(str(path), load_external_data=False).graph.initializer
+                 for entry in tensor.external_data if entry.key == "location"}
+    shutil.copy2(path, dest)
+    for location in locations:
+        source = path.parent / location
+        if source.resolve().parent != path.parent.resolve() or not source.is_file():
+            raise ValueError(f"{path}: external data {location!r} is not a file beside the graph")
+        shutil.copy2(source, folder / location)
+    return dest

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from engines.artifact import EngineUnavailable
+from engines.hardware import cpu_flags
 
 PRECISIONS = ("f32", "bf16")
 PERFORMANCE_HINTS = ("LATENCY", "THROUGHPUT")
@@ -33,17 +34,6 @@ _ONNX_TYPE_NAMES = {
 _BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def _cpuinfo_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def cpu_optimization_capabilities() -> list[str]:
     """What OpenVINO's CPU plugin says it can run natively here ('FP32', 'BF16', 'INT8', ...)."""
     import openvino as ov
@@ -60,7 +50,7 @@ def missing_cpu_features(precision: str) -> list[str]:
     if precision not in PRECISIONS:
         raise ValueError(f"inference_precision {precision!r}: use one of {PRECISIONS}")
     if precision == "bf16" and "BF16" not in cpu_optimization_capabilities():
-        present = [f for f in _BF16_CPU_FLAGS if f in _cpuinfo_flags()]
+        present = [f for f in _BF16_CPU_FLAGS if f in cpu_flags()]
         if present:  # the CPU has it but this OpenVINO build does not use it
             return [f"native bf16 in OpenVINO's CPU plugin (the CPU reports {', '.join(present)})"]
         return [" or ".join(_BF16_CPU_FLAGS)]

@@ -112,3 +112,8 @@ def judge(baseline: dict, candidate: dict, thresholds: dict) -> Verdict:
 
 def gate_keys() -> set[str]:
     return {spec.threshold_key for spec in CHECKS}
+
+
+def untimed_keys() -> set[str]:
+    """Thresholds on what does not depend on timing: accuracy, size and memory."""
+    return {spec.threshold_key for spec in CHECKS if not spec.timed}

@@ -155,10 +155,10 @@ def _ship_extra_files(ctx: Context, stage: Path) -> None:
 
 def _engine_bytes(root: Path, engine: dict) -> int:
     """Bytes of the engine's model files (the tokenizer is not counted)."""
-    if "file" in engine:
+    if "file" in engine:  # the model file and its weights beside it (ONNX external data, OpenVINO .bin)
         main = root / engine["file"]
-        data = main.with_name(main.name + ".data")
-        return main.stat().st_size + (data.stat().st_size if data.exists() else 0)
+        weights = [main.with_name(main.name + ".data"), main.with_suffix(".bin")]
+        return main.stat().st_size + sum(w.stat().st_size for w in weights if w.exists())
     folder = root / engine.get("dir", ".")
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and TOKENIZER_DIR not in p.parts)
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass
 
 from optimize.errors import RecipeError
@@ -35,8 +34,9 @@ def onnx_engine(model, cfg: OnnxExportConfig, ctx):
     out = ctx.scratch / "onnx"
     out.mkdir(parents=True, exist_ok=True)
     if model.kind == "onnx":  # already an ONNX graph: the engine ships it as it is
-        shutil.copyfile(model.onnx_path, out / "model.onnx")
-        return model.with_onnx(out / "model.onnx")
+        from engines.onnx_export import copy_onnx
+
+        return model.with_onnx(copy_onnx(model.onnx_path, out))
     if model.kind != "torch":
         raise RecipeError("engine.method=onnx needs a PyTorch or ONNX model")
     from engines.onnx_export import ExportMismatch, check_fidelity, export

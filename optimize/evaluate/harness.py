@@ -47,9 +47,14 @@ def run_all(runner, batches: list[dict]) -> dict[str, np.ndarray]:
 
 
 def compare_outputs(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], task_output: str | None,
-             top_k: int) -> dict:
+                    top_k: int) -> dict:
     batches = batches_of(inputs, FIDELITY_BATCH)
-    base, cand = run_all(baseline.runner, batches), run_all(candidate.runner, batches)
+    return fidelity_of(run_all(baseline.runner, batches), run_all(candidate.runner, batches), task_output, top_k)
+
+
+def fidelity_of(base: dict[str, np.ndarray], cand: dict[str, np.ndarray], task_output: str | None,
+                top_k: int) -> dict:
+    """The task's deciding output compared (embeddings: cosine and retrieval), or every output."""
     if task_output:
         return embedding_fidelity(base[task_output], cand[task_output], top_k)
     return output_fidelity(base, cand)
@@ -105,15 +110,21 @@ def compare_runners(baseline: Subject, candidate: Subject, ctx, task_output: str
     """Evaluate two runners on the same inputs: evaluation text (tokenized by the artifact's own
     tokenizer) or, when the recipe asks, random tensors shaped from the model's signature."""
     cfg = ctx.cfg.evaluate
-    if cfg.inputs == "random":
-        inputs = random_inputs(candidate.runner.signature(), cfg.data.count, cfg.data.seed)
-        described = {"source": "random", "count": cfg.data.count, "seed": cfg.data.seed}
-    else:
-        data = ctx.evaluation_data()
-        inputs, described = ctx.encode(data.items), data.describe()
+    inputs, described = evaluation_inputs(ctx, candidate.runner)
     metrics = shared_metrics(baseline, candidate, inputs, cfg, ctx.scratch)
     metrics["candidate"]["fidelity"] = compare_outputs(baseline, candidate, inputs, task_output, cfg.top_k)
     return metrics, described
+
+
+def evaluation_inputs(ctx, runner) -> tuple[dict[str, np.ndarray], dict]:
+    """(inputs, what they are): evaluation items encoded by the artifact's own tokenizer or the task's
+    encoder, or, when the recipe asks, random tensors shaped from the runner's signature."""
+    cfg = ctx.cfg.evaluate
+    if cfg.inputs == "random":
+        inputs = random_inputs(runner.signature(), cfg.data.count, cfg.data.seed)
+        return inputs, {"source": "random", "count": cfg.data.count, "seed": cfg.data.seed}
+    data = ctx.evaluation_data()
+    return ctx.encode(data.items), data.describe()
 
 
 def random_inputs(signature: list[dict], count: int, seed: int, dim: int = 16) -> dict[str, np.ndarray]:

@@ -1,0 +1,432 @@
+"""Engine: the race. Build the candidates that make sense for the model and this machine, measure each
+with the same harness, and ship the fastest that passes every accuracy check of the gate.
+
+Which runtime and precision wins depends on the CPU: ONNX Runtime's INT8 GEMM runs at its FP32
+speed on AVX2 without VNNI, OpenVINO's bf16 needs AVX512-BF16 or AMX, and oneDNN's kernels behind
+OpenVINO pull ahead where AMX exists. So nothing here is chosen in advance: every candidate is
+built, scored against the baseline on the evaluation data (the data the gate judges), timed in one
+block-alternating benchmark with the baseline, and recorded in the manifest, winners and losers
+alike, with the reason each lost. Built candidates are cached by content hash (the model's weights,
+the candidate's methods and parameters, the calibration set, the package versions and the CPU), so a
+rerun with another gate rebuilds nothing.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from optimize.errors import RecipeError
+from optimize.registry import register
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    engine: str
+    engine_params: dict = field(default_factory=dict)
+    quantize: Optional[str] = None
+    quantize_params: dict = field(default_factory=dict)
+
+
+# The candidates the race knows, by name. ORT INT8 comes as the sensitivity-fallback variant (a few
+# MatMuls kept FP32 until the calibration cosine holds) and as all-INT8; static QDQ with the settings
+# that held min cosine 0.99 on MiniLM (percentile calibration, GELU-fed MatMuls kept FP32).
+CANDIDATES: dict[str, Candidate] = {
+    "ort_fp32": Candidate("onnx"),
+    "ort_int8_dynamic": Candidate("onnx", quantize="ort_int8_dynamic"),
+    "ort_int8_dynamic_all": Candidate("onnx", quantize="ort_int8_dynamic",
+                                      quantize_params={"fallback_min_cosine": None}),
+    "ort_int8_static": Candidate("onnx", quantize="ort_int8_static_qdq", quantize_params={
+        "op_types": ["MatMul"], "calibrate_method": "percentile", "percentile": 99.999,
+        "exclude_consumers_of": ["BiasGelu", "Gelu", "FastGelu"], "fallback_min_cosine": 0.995,
+        "max_fp32_nodes": 6}),
+    "openvino_f32": Candidate("openvino", {"precision": "f32"}),
+    "openvino_bf16": Candidate("openvino", {"precision": "bf16"}),
+    "openvino_int8": Candidate("openvino", {"precision": "int8"}),
+}
+DEFAULT_CANDIDATES = ["ort_fp32", "ort_int8_dynamic", "ort_int8_dynamic_all", "openvino_f32", "openvino_bf16",
+                      "openvino_int8"]
+
+
+@dataclass
+class EngineRaceConfig:
+    """Example recipe (add static INT8 to the default set, five minutes at most):
+
+        engine:
+          method: auto
+          params: {candidates: [ort_fp32, ort_int8_dynamic, ort_int8_static, openvino_bf16, openvino_int8],
+                   time_budget_s: 300}
+    """
+
+    candidates: List[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES))
+    # Parameters merged into a candidate's methods, by candidate name:
+    # {openvino_int8: {engine: {smooth_quant_alpha: 0.5}}, ort_int8_dynamic: {quantize: {max_fp32_nodes: 4}}}
+    candidate_params: Dict[str, Any] = field(default_factory=dict)
+    time_budget_s: float = 300.0  # building stops when this is spent; candidates not built are recorded
+    timing_repeats: int = 16  # timed calls per candidate and batch size (fewer when slow)
+    cache: bool = True  # reuse candidates built before with the same content hash
+
+    def validate(self):
+        unknown = [c for c in self.candidates if c not in CANDIDATES]
+        if unknown or not self.candidates:
+            raise RecipeError(f"engine.params.candidates={self.candidates}: unknown {unknown} "
+                              f"(known: {', '.join(CANDIDATES)})")
+        stray = set(self.candidate_params) - set(self.candidates)
+        if stray:
+            raise RecipeError(f"engine.params.candidate_params names {sorted(stray)}, which are not candidates")
+        for name, params in self.candidate_params.items():
+            if not isinstance(params, dict) or set(params) - {"engine", "quantize"}:
+                raise RecipeError(f"engine.params.candidate_params.{name} takes engine: and quantize: sections")
+        if self.time_budget_s <= 0 or self.timing_repeats < 1:
+            raise RecipeError("engine.params.time_budget_s and timing_repeats must be positive")
+
+    def spec(self, name: str) -> Candidate:
+        base, extra = CANDIDATES[name], self.candidate_params.get(name) or {}
+        return Candidate(base.engine, {**base.engine_params, **(extra.get("engine") or {})}, base.quantize,
+                         {**base.quantize_params, **(extra.get("quantize") or {})})
+
+
+@dataclass
+class Entry:
+    """One candidate in the race: how it was built, how it scored, whether it won and why not."""
+
+    name: str
+    spec: Candidate
+    model: Any = None
+    records: dict = field(default_factory=dict)
+    cached: bool = False
+    build_s: float = 0.0
+    size_mb: Optional[float] = None
+    fidelity: dict = field(default_factory=dict)
+    latency: dict = field(default_factory=dict)
+    accuracy_checks: list = field(default_factory=list)
+    passed: Optional[bool] = None
+    outcome: str = ""
+
+    def report(self) -> dict:
+        return {"name": self.name, "engine": self.spec.engine, "engine_params": self.spec.engine_params,
+                "quantize": self.spec.quantize, "quantize_params": self.spec.quantize_params,
+                "precision": self.model.precision if self.model else None, "cached": self.cached,
+                "build_s": round(self.build_s, 1), "size_mb": self.size_mb, "fidelity": self.fidelity,
+                "latency": self.latency, "accuracy_checks": self.accuracy_checks, "passed_accuracy": self.passed,
+                "outcome": self.outcome}
+
+
+@register("engine", "auto", EngineRaceConfig, input_format="torch", tasks=("sentence_embedding", "generic"))
+def engine_race(model, cfg: EngineRaceConfig, ctx):
+    """Race ONNX Runtime and OpenVINO candidates on this machine; ship the fastest that passes accuracy."""
+    _refuse_onnx_quantize(ctx)
+    started = time.monotonic()
+    exported = _export_once(model, ctx)
+    entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates]
+    key_base = _identity(model, ctx)
+    with _progress(len(entries)) as bar:
+        for entry in entries:
+            bar.set_description(f"race: building {entry.name}")
+            if time.monotonic() - started > cfg.time_budget_s:
+                entry.outcome = f"not built: the race's time budget ({cfg.time_budget_s:.0f} s) was spent"
+            else:
+                _build(entry, exported, ctx, key_base if cfg.cache else None)
+            bar.update(1)
+    built = [e for e in entries if e.model is not None]
+    if not built:
+        raise RecipeError("engine.method=auto: no candidate could be built here: "
+                          + "; ".join(f"{e.name}: {e.outcome}" for e in entries))
+    baseline_p50 = _score(built, ctx)
+    winner = _choose(built, ctx)
+    export = ctx.stage_records.pop("export", None)
+    ctx.stage_records.update(winner.records)  # the winner's own engine (and quantize) records
+    winner_engine = ctx.stage_records.pop("engine", None)
+    ctx.record("engine", _race_record(ctx, entries, winner, baseline_p50, export, winner_engine,
+                                      time.monotonic() - started))
+    return winner.model
+
+
+def _refuse_onnx_quantize(ctx) -> None:
+    from optimize import registry
+
+    name = ctx.cfg.quantize.method
+    if name not in (None, "none") and registry.get("quantize", name).input_format == "onnx":
+        raise RecipeError(f"engine.method=auto builds its own quantized candidates, and quantize.method={name} "
+                          "works on the ONNX graph after the engine: set quantize=none")
+
+
+# ---------------------------------------------------------------- building
+
+def _export_once(model, ctx):
+    """One checked ONNX export (fused for ONNX Runtime) that every candidate starts from."""
+    from optimize.compile.onnx import OnnxExportConfig, onnx_engine
+
+    if model.kind == "onnx":
+        return model
+    exported = onnx_engine(model, OnnxExportConfig(), ctx)
+    ctx.stage_records["export"] = ctx.stage_records.pop("engine", {})
+    folder = ctx.scratch / "race" / "export"
+    folder.mkdir(parents=True, exist_ok=True)
+    return exported.with_onnx(_copy_onnx(exported.onnx_path, folder))
+
+
+def _build(entry: Entry, exported, ctx, key_base: Optional[str]) -> None:
+    """Build one candidate from the export (or take it from the cache); a candidate that cannot be
+    built here (no OpenVINO, no bf16, a method that does not apply) is recorded, not fatal."""
+    from optimize import registry
+
+    folder = _cache_dir(key_base, entry.spec) if key_base else ctx.scratch / "race" / entry.name
+    if folder and (folder / "candidate.json").is_file():
+        entry.model, entry.records = _load_cached(folder, exported)
+        entry.cached = True
+        return
+    start = time.monotonic()
+    before = dict(ctx.stage_records)
+    try:
+        methods = [("engine", entry.spec.engine, entry.spec.engine_params)]
+        if entry.spec.quantize:
+            methods.append(("quantize", entry.spec.quantize, entry.spec.quantize_params))
+        built = exported
+        for stage, name, params in methods:
+            method = registry.get(stage, name)
+            built = method.fn(built, registry.build_config(method, dict(params)), ctx)
+    except RecipeError as exc:
+        entry.outcome = f"not built: {exc}"
+        log.info("race: %s not built: %s", entry.name, exc)
+        return
+    finally:
+        records = {k: v for k, v in ctx.stage_records.items() if before.get(k) is not v}
+        ctx.stage_records.clear()
+        ctx.stage_records.update(before)
+    entry.build_s = time.monotonic() - start
+    entry.model, entry.records = _save(built, records, folder), records
+
+
+def _save(model, records: dict, folder: Path):
+    """Move a built candidate's engine files into `folder` (atomically when it is the cache)."""
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if model.kind == "onnx":
+        _copy_onnx(model.onnx_path, tmp)
+        saved = {"kind": "onnx", "file": "model.onnx"}
+    else:
+        shutil.copytree(model.engine_dir, tmp, dirs_exist_ok=True)
+        saved = {"kind": "engine"}
+    saved.update(engine=model.engine, precision=model.precision, layer_precision=model.layer_precision,
+                 records=records)
+    (tmp / "candidate.json").write_text(json.dumps(saved, default=str))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return _model_from(folder, saved, model)
+
+
+def _load_cached(folder: Path, exported):
+    saved = json.loads((folder / "candidate.json").read_text())
+    return _model_from(folder, saved, exported), saved["records"]
+
+
+def _model_from(folder: Path, saved: dict, template):
+    import dataclasses
+
+    if saved["kind"] == "onnx":
+        model = template.with_onnx(folder / saved["file"], precision=saved["precision"])
+        model.engine.update(saved["engine"], file=saved["file"])
+    else:
+        model = template.with_engine(folder, saved["engine"], precision=saved["precision"])
+    return dataclasses.replace(model, layer_precision=saved.get("layer_precision") or {})
+
+
+def _copy_onnx(path: Path, folder: Path) -> Path:
+    from engines.onnx_export import copy_onnx
+
+    return copy_onnx(path, folder)
+
+
+# ---------------------------------------------------------------- the cache
+
+def _identity(model, ctx) -> str:
+    """What every candidate is built from: the weights themselves (a pruned or distilled module's
+    too), the calibration set, the package versions and the CPU features that change kernels."""
+    from engines.hardware import CPU_FEATURES, cpu_flags
+    from optimize.environment import package_versions
+
+    identity = {"weights": _weights_hash(model), "task": model.task, "calibration": ctx.calibration().describe(),
+                "max_length": ctx.cfg.model.max_length, "packages": package_versions(),
+                "cpu": sorted(f for f in CPU_FEATURES if f in cpu_flags())}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _weights_hash(model) -> str:
+    from engines.artifact import sha256_file
+
+    if model.kind == "onnx":
+        return sha256_file(model.onnx_path)
+    digest = hashlib.sha256()
+    for name, tensor in model.module.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _cache_dir(key_base: str, spec: Candidate) -> Path:
+    from optimize.models import cache_root
+
+    key = hashlib.sha256((key_base + json.dumps(asdict(spec), sort_keys=True)).encode()).hexdigest()[:24]
+    return cache_root() / "race" / key
+
+
+# ---------------------------------------------------------------- scoring and choosing
+
+def _score(entries: list[Entry], ctx) -> dict:
+    """Fidelity of every candidate against the baseline on the evaluation data, then one timing run
+    per batch size with the baseline and every candidate taking turns. Returns the baseline's p50s."""
+    from engines import load_engine
+    from optimize import tasks
+    from optimize.evaluate import benchmark, harness
+
+    task = tasks.get(entries[0].model.task)
+    baseline = _baseline_runner(ctx, task)
+    runners = {}
+    for entry in entries:
+        runner = load_engine(entry.model.engine_dir, entry.model.engine, threads=ctx.threads)
+        runners[entry.name] = runner
+        entry.size_mb = _size_mb(entry.model)
+    inputs, _ = harness.evaluation_inputs(ctx, next(iter(runners.values())))
+    batches = harness.batches_of(inputs, harness.FIDELITY_BATCH)
+    reference = harness.run_all(baseline, batches)
+    for entry in entries:
+        entry.fidelity = harness.fidelity_of(reference, harness.run_all(runners[entry.name], batches),
+                                             task.fidelity_output, ctx.cfg.evaluate.top_k)
+    race_cfg = ctx.cfg.engine.params
+    baseline_p50 = {}
+    for batch_size in ctx.cfg.evaluate.batch_sizes:
+        timed = [b for b in harness.batches_of(inputs, batch_size) if len(next(iter(b.values()))) == batch_size]
+        stats = benchmark.measure({"baseline": baseline, **runners}, timed, batch_size, warmup=2,
+                                  repeats=race_cfg.timing_repeats, budget_s=8.0)
+        baseline_p50[str(batch_size)] = stats["baseline"]["p50_ms"]
+        for entry in entries:
+            entry.latency[str(batch_size)] = {"p50_ms": stats[entry.name]["p50_ms"],
+                                              "x_baseline": stats["baseline"]["p50_ms"] / stats[entry.name]["p50_ms"],
+                                              "other_cpu_share": stats["other_cpu_share"]}
+    return baseline_p50
+
+
+def _baseline_runner(ctx, task):
+    from engines import load_engine
+    from engines.pytorch_runner import TorchRunner
+
+    source = ctx.source
+    if source.kind == "onnx":
+        return load_engine(source.onnx_path.parent, {"format": "onnxruntime", "file": source.onnx_path.name},
+                           threads=ctx.threads)
+    return TorchRunner(task.module(source.module, ctx), list(task.input_names), list(task.output_names), ctx.threads)
+
+
+def _size_mb(model) -> float:
+    folder = model.engine_dir
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name != "candidate.json") / 2**20
+
+
+def race_batch_size(ctx) -> str:
+    """The batch size the race is won at: the gate's speedup (or p95) batch, else the first timed one."""
+    gate = ctx.cfg.gate
+    if gate.min_speedup is not None:
+        return str(gate.speedup_batch_size)
+    if gate.max_p95_ms is not None:
+        return str(gate.latency_batch_size)
+    return str(ctx.cfg.evaluate.batch_sizes[0])
+
+
+def _choose(entries: list[Entry], ctx) -> Entry:
+    """The fastest at the race's batch size among the candidates that pass every accuracy (and size)
+    check of the gate. A candidate that fails accuracy is never shipped, however fast."""
+    from omegaconf import OmegaConf
+
+    from optimize import gate
+
+    thresholds = OmegaConf.to_container(ctx.cfg.gate, resolve=True)
+    accuracy = {k: v for k, v in thresholds.items() if k in gate.untimed_keys() and k != "max_peak_memory_mb"}
+    batch = race_batch_size(ctx)
+    for entry in entries:
+        verdict = gate.judge({}, {"fidelity": entry.fidelity, "size_mb": entry.size_mb}, accuracy)
+        entry.accuracy_checks = [asdict(c) for c in verdict.checks]
+        entry.passed = verdict.passed
+    passing = sorted((e for e in entries if e.passed), key=lambda e: e.latency[batch]["p50_ms"])
+    if not passing:  # nothing passes: ship the most accurate, so the gate fails on a real artifact
+        best = max(entries, key=lambda e: e.fidelity.get("cosine_min", 0.0))
+        for entry in entries:
+            entry.outcome = "failed accuracy" + ("; shipped as the most accurate" if entry is best else "")
+        return best
+    winner = passing[0]
+    for entry in entries:
+        if entry is winner:
+            entry.outcome = f"won: fastest at batch {batch} of the {len(passing)} that pass accuracy"
+        elif not entry.passed:
+            failed = [c["name"] for c in entry.accuracy_checks if not c["passed"]]
+            entry.outcome = f"lost: failed accuracy ({', '.join(failed)})"
+        else:
+            ratio = entry.latency[batch]["p50_ms"] / winner.latency[batch]["p50_ms"]
+            entry.outcome = f"lost: {ratio:.2f}x the winner's p50 at batch {batch}"
+    return winner
+
+
+# ---------------------------------------------------------------- report
+
+def _race_record(ctx, entries: list[Entry], winner: Entry, baseline_p50: dict, export: Optional[dict],
+                 winner_engine: Optional[dict], seconds: float) -> dict:
+    plot = _plot(entries, race_batch_size(ctx), ctx.scratch / "race_front.png")
+    if plot:
+        ctx.extra_files["race/front.png"] = plot
+    for entry in entries:
+        log.info("race: %-22s %s", entry.name, entry.outcome)
+    return {"method": "auto", "winner": winner.name, "batch_size": race_batch_size(ctx),
+            "baseline_p50_ms": baseline_p50, "candidates": [e.report() for e in entries],
+            "seconds": round(seconds, 1), "plot": "race/front.png" if plot else None, "export": export,
+            "winner_engine": winner_engine}
+
+
+def _plot(entries: list[Entry], batch: str, path: Path) -> Optional[Path]:
+    """Latency at the race's batch size against min cosine: the accuracy/latency front."""
+    scored = [e for e in entries if e.latency and "cosine_min" in e.fidelity]
+    if not scored:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for entry in scored:
+        x, y = entry.latency[batch]["p50_ms"], entry.fidelity["cosine_min"]
+        ax.scatter([x], [y], color="tab:green" if entry.passed else "tab:red", marker="*" if "won" in entry.outcome else "o",
+                   s=160 if "won" in entry.outcome else 50)
+        ax.annotate(entry.name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    ax.set_xlabel(f"p50 latency at batch {batch} (ms)")
+    ax.set_ylabel("min cosine vs baseline")
+    ax.set_title("engine race: green passes accuracy, red fails, star ships")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+class _progress:
+    """A progress bar on a terminal (tqdm), nothing in logs and CI."""
+
+    def __init__(self, total: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, disable=not sys.stderr.isatty(), leave=False)
+
+    def __enter__(self):
+        return self.bar
+
+    def __exit__(self, *exc):
+        self.bar.close()
+        return False
