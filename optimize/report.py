@@ -52,13 +52,45 @@ def check_rows(gate: dict) -> list[list[str]]:
     return rows
 
 
+def race_rows(race: dict) -> list[list[str]]:
+    """The engine race: every candidate with its accuracy, p50 per batch size, size and outcome."""
+    batches = list(race.get("baseline_p50_ms", {}))
+    rows = [["candidate", "precision", "cosine min", "cosine mean"] + [f"p50 ms b{b} (x base)" for b in batches]
+            + ["size MB", "outcome"]]
+    for c in race["candidates"]:
+        fid, lat = c.get("fidelity") or {}, c.get("latency") or {}
+        timings = [f"{lat[b]['p50_ms']:.2f} ({lat[b]['x_baseline']:.2f}x)" if b in lat else "-" for b in batches]
+        rows.append([c["name"], str(c.get("precision") or "-"), _fmt(fid.get("cosine_min"), 4),
+                     _fmt(fid.get("cosine_mean"), 4), *timings, _fmt(c.get("size_mb"), 1), c["outcome"]])
+    return rows
+
+
+def _environment_lines(manifest: dict) -> list[str]:
+    """The CPU the figures came from, and what INT8 buys on it (measured in this run)."""
+    cpu = (manifest.get("environment") or {}).get("cpu") or {}
+    lines = [f"CPU: {cpu.get('model', 'unknown')}, {cpu.get('cores')} cores, features: "
+             f"{', '.join(cpu.get('features') or []) or 'none of note'}"]
+    stages = manifest.get("stages") or {}
+    probe = (stages.get("engine") or {}).get("int8_gemm") or (stages.get("quantize") or {}).get("int8_gemm")
+    if probe:
+        from optimize.evaluate.kernels import describe_int8
+
+        lines.append(describe_int8(probe))
+    return lines
+
+
 def render(manifest: dict, path) -> str:
     threads = manifest["metrics"].get("threads", {})
-    parts = [
-        f"recipe {manifest['recipe']['name']}: {manifest['model']['source']}",
+    race = (manifest.get("stages") or {}).get("engine") or {}
+    parts = [f"recipe {manifest['recipe']['name']}: {manifest['model']['source']}"]
+    if race.get("method") == "auto":
+        parts += [f"engine race ({race['seconds']:.0f} s; won at batch {race['batch_size']}; "
+                  f"baseline p50 per batch {race['baseline_p50_ms']}):", _table(race_rows(race)), ""]
+    parts += [
         _table(metrics_rows(manifest["metrics"])),
         f"(threads: {threads.get('requested')}, cpu count {threads.get('cpu_count')}; "
         f"{manifest['evaluation'].get('count')} evaluation samples)",
+        *_environment_lines(manifest),
         "",
         _table(check_rows(manifest["gate"])),
         "",

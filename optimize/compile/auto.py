@@ -379,6 +379,8 @@ def _choose(entries: list[Entry], ctx) -> Entry:
 
 def _race_record(ctx, entries: list[Entry], winner: Entry, baseline_p50: dict, export: Optional[dict],
                  winner_engine: Optional[dict], seconds: float) -> dict:
+    from optimize.evaluate.kernels import int8_gemm_speedup
+
     plot = _plot(entries, race_batch_size(ctx), ctx.scratch / "race_front.png")
     if plot:
         ctx.extra_files["race/front.png"] = plot
@@ -387,7 +389,7 @@ def _race_record(ctx, entries: list[Entry], winner: Entry, baseline_p50: dict, e
     return {"method": "auto", "winner": winner.name, "batch_size": race_batch_size(ctx),
             "baseline_p50_ms": baseline_p50, "candidates": [e.report() for e in entries],
             "seconds": round(seconds, 1), "plot": "race/front.png" if plot else None, "export": export,
-            "winner_engine": winner_engine}
+            "winner_engine": winner_engine, "int8_gemm": int8_gemm_speedup(ctx.threads)}
 
 
 def _plot(entries: list[Entry], batch: str, path: Path) -> Optional[Path]:

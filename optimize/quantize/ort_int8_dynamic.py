@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-
 from optimize.errors import RecipeError
 from optimize.quantize.common import auto_reduce_range, quant_type, require_onnx, workdir
 from optimize.quantize.sensitivity import sensitivity_fallback
@@ -65,7 +64,9 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
     if cfg.fallback_min_cosine is not None:
         fp32_nodes, score = sensitivity_fallback(model, cfg, ctx, quantize, reduce_range)
     path = quantize(fp32_nodes)
-    ctx.record("quantize", {"method": "ort_int8_dynamic", "weights": cfg.weight_type, "activations": "uint8 dynamic",
+    from optimize.evaluate.kernels import int8_gemm_speedup
+
+    ctx.record("quantize", {"method": "ort_int8_dynamic", "int8_gemm": int8_gemm_speedup(ctx.threads), "weights": cfg.weight_type, "activations": "uint8 dynamic",
                             "per_channel": cfg.per_channel, "reduce_range": reduce_range,
                             "fp32_nodes": fp32_nodes, "calibration_min_cosine": score})
     return model.with_onnx(path, precision="int8")

@@ -23,8 +23,14 @@ from typing import List, Optional
 import numpy as np
 
 from optimize.errors import RecipeError
-from optimize.quantize.common import (CalibrationReader, auto_reduce_range, onnx_input_names, quant_type,
-                                      require_onnx, workdir)
+from optimize.quantize.common import (
+    CalibrationReader,
+    auto_reduce_range,
+    onnx_input_names,
+    quant_type,
+    require_onnx,
+    workdir,
+)
 from optimize.quantize.sensitivity import sensitivity_fallback
 from optimize.registry import register
 
@@ -106,7 +112,9 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
         fp32_nodes, score = sensitivity_fallback(model.with_onnx(source), _RankingView(cfg, excluded, cache), ctx,
                                                  quantize, reduce_range)
     path = quantize(fp32_nodes)
-    ctx.record("quantize", {"method": "ort_int8_static_qdq", "format": "QDQ", "weights": cfg.weight_type,
+    from optimize.evaluate.kernels import int8_gemm_speedup
+
+    ctx.record("quantize", {"method": "ort_int8_static_qdq", "int8_gemm": int8_gemm_speedup(ctx.threads), "format": "QDQ", "weights": cfg.weight_type,
                             "activations": f"{cfg.activation_type} static", "calibrate_method": cfg.calibrate_method,
                             "percentile": cfg.percentile if cfg.calibrate_method == "percentile" else None,
                             "per_channel": cfg.per_channel, "reduce_range": reduce_range,
