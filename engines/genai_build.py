@@ -15,7 +15,8 @@ class BuildError(RuntimeError):
     """The builder failed; the message is its last line of output."""
 
 
-def build(source_dir: Path, out: Path, precision: str, execution_provider: str, options: list[str], cache: Path) -> None:
+def build(source_dir: Path, out: Path, precision: str, execution_provider: str, options: list[str],
+          cache: Path) -> None:
     """Run the builder in a subprocess (it prints per-tensor progress; kept in a log file)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source_dir), "-m",
@@ -27,7 +28,7 @@ def build(source_dir: Path, out: Path, precision: str, execution_provider: str, 
     with open(logfile, "w") as f:
         proc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
     if proc.returncode != 0 or not (out / "genai_config.json").is_file():
-        lines = [l for l in logfile.read_text(errors="replace").splitlines() if l.strip()]
+        lines = [line for line in logfile.read_text(errors="replace").splitlines() if line.strip()]
         raise BuildError(f"the GenAI builder failed: {lines[-1][:300] if lines else 'no output'}")
     logfile.unlink()
 

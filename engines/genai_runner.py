@@ -10,7 +10,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -102,7 +102,7 @@ class GenAIRunner:
             yield token, stream.decode(token)
 
     def search_options(self, prompt_length: int, sampling: Sampling) -> dict:
-        options = {"max_length": min(self.context_length, prompt_length + sampling.max_new_tokens),
+        options: dict[str, Any] = {"max_length": min(self.context_length, prompt_length + sampling.max_new_tokens),
                    "do_sample": sampling.temperature > 0}
         if sampling.temperature > 0:
             # OpenAI semantics: temperature and top_p only, so top-k must not cut anything.

@@ -22,9 +22,9 @@ def _rss_mb() -> float:
 
 def main(argv: list[str]) -> None:
     root, engine_json, inputs_path = Path(argv[0]), argv[1], argv[2]
-    import numpy as np
-
     import importlib
+
+    import numpy as np
 
     from engines import formats, load_engine
 

@@ -55,7 +55,7 @@ def overrides_of(argv: list[str]) -> list[str]:
     return overrides
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException | None) -> str:
     """The most specific message of an exception chain, on one line."""
     messages = []
     while exc is not None:

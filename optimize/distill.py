@@ -237,7 +237,8 @@ class EmbeddingObjective(Objective):
         import torch
 
         kept = [t + 1 for _, t in self.matched_layers()]  # hidden_states index 0 is the embedding output
-        hidden, embeddings = {i: [] for i in kept}, []
+        hidden: dict[int, list] = {i: [] for i in kept}
+        embeddings: list = []
         count, size = batches.count, batches.batch_size
         with torch.no_grad():  # (not inference_mode: the cosine loss saves the teacher side for backward)
             for start in range(0, count, size):

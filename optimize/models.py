@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 
 from engines.pytorch_runner import PICKLE_SUFFIXES
-from optimize.context import SourceModel
 from optimize import tasks
+from optimize.context import SourceModel
 from optimize.errors import RecipeError
 
 log = logging.getLogger(__name__)
@@ -87,6 +87,7 @@ def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
 
     location, gguf_file = (cfg.source if path is None else str(path)), cfg.gguf_file
     if kind == "gguf":
+        assert path is not None  # a .gguf source is a file
         location, gguf_file = str(path.parent), path.name
         if importlib.util.find_spec("gguf") is None:
             raise RecipeError("loading a GGUF file needs the 'gguf' package: pip install gguf accelerate")
@@ -110,7 +111,7 @@ def source_hash(source: SourceModel) -> dict:
     from engines.artifact import sha256_file
 
     path = Path(source.location)
-    if source.kind == "onnx":
+    if source.kind == "onnx" and source.onnx_path is not None:
         return {source.onnx_path.name: sha256_file(source.onnx_path)}
     if source.gguf_file:
         return {source.gguf_file: sha256_file(path / source.gguf_file)}

@@ -77,7 +77,8 @@ def collect_importance(model, batches: list[dict]) -> dict:
         for hook in hooks:
             hook.remove()
     n = len(batches)
-    return {"layers": (block / n).tolist(), "heads": [h / n for h in sums["heads"]], "ffn": [f / n for f in sums["ffn"]]}
+    return {"layers": (block / n).tolist(), "heads": [h / n for h in sums["heads"]],
+            "ffn": [f / n for f in sums["ffn"]]}
 
 
 def _block_importance(hidden_states, mask) -> "torch.Tensor":
@@ -121,7 +122,8 @@ class StructuredPruneConfig:
                 raise RecipeError(f"prune.params.{exact}={value}: keep at least 1")
             if fraction is not None and not 0 < fraction <= 1:
                 raise RecipeError(f"prune.params.{ratio}={fraction}: the fraction kept must be in (0, 1]")
-        if all(getattr(self, k) is None for k in ("layers", "heads", "ffn", "layers_ratio", "heads_ratio", "ffn_ratio")):
+        targets = ("layers", "heads", "ffn", "layers_ratio", "heads_ratio", "ffn_ratio")
+        if all(getattr(self, k) is None for k in targets):
             raise RecipeError("prune.method=structured needs a target: layers, heads, ffn or a *_ratio")
         if self.calibration_samples < 1 or self.batch_size < 1:
             raise RecipeError("prune.params.calibration_samples and batch_size must be at least 1")
@@ -134,8 +136,8 @@ class StructuredPruneConfig:
         exact, fraction = getattr(self, name), getattr(self, name + "_ratio")
         kept = exact if exact is not None else total if fraction is None else max(1, round(fraction * total))
         if kept > total:
-            raise RecipeError(f"prune.params.{name}={kept}, but the model has only {total} "
-                              f"{ {'layers': 'layers', 'heads': 'attention heads per layer', 'ffn': 'FFN channels per layer'}[name]}")
+            what = {"layers": "layers", "heads": "attention heads per layer", "ffn": "FFN channels per layer"}[name]
+            raise RecipeError(f"prune.params.{name}={kept}, but the model has only {total} {what}")
         return kept
 
 
@@ -156,7 +158,7 @@ def structured(model, cfg: StructuredPruneConfig, ctx):
     batches = calibration_batches(ctx, cfg)
     scores = collect_importance(student, batches)
     kept_layers = choose_layers(student, cfg.layer_selection, scores["layers"], batches, targets["layers"])
-    removed = {"layers": [i for i in range(len(scores["layers"])) if i not in kept_layers]}
+    removed: dict[str, object] = {"layers": [i for i in range(len(scores["layers"])) if i not in kept_layers]}
     keep_layers(student, kept_layers)
     removed["heads"] = prune_heads(student, [scores["heads"][i] for i in kept_layers], targets["heads"])
     removed["ffn_channels"] = prune_ffn(student, [scores["ffn"][i] for i in kept_layers], targets["ffn"])
@@ -204,7 +206,8 @@ def _greedy_output_fidelity(model, batches: list[dict], keep: int) -> list[int]:
         total, count = 0.0, 0.0
         for got, want, batch in zip(states, reference, batches):
             cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
-            mask = torch.as_tensor(batch["attention_mask"]).float() if "attention_mask" in batch else torch.ones_like(cos)
+            mask = (torch.as_tensor(batch["attention_mask"]).float() if "attention_mask" in batch
+                    else torch.ones_like(cos))
             total, count = total + float((cos * mask).sum()), count + float(mask.sum())
         return total / count
 
@@ -216,7 +219,7 @@ def _greedy_output_fidelity(model, batches: list[dict], keep: int) -> list[int]:
             for candidate in kept:
                 layout.set_layers([layers[i] for i in kept if i != candidate])
                 scores[candidate] = fidelity(final_states(), reference)
-            drop = max(scores, key=scores.get)
+            drop = max(scores, key=lambda layer: scores[layer])
             log.info("prune: layer %d dropped (final hidden-state cosine %.4f)", drop, scores[drop])
             kept.remove(drop)
     finally:

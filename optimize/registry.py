@@ -121,9 +121,8 @@ def build_config(method: Method, params: dict[str, Any]) -> Any:
     hints = typing.get_type_hints(method.config_cls)
     for key, value in params.items():
         if key not in fields:
-            raise RecipeError(
-                f"{method.stage}.params.{key} is not a parameter of {method.name} (known: {', '.join(fields) or 'none'})"
-            )
+            known = ", ".join(fields) or "none"
+            raise RecipeError(f"{method.stage}.params.{key} is not a parameter of {method.name} (known: {known})")
         _check_type(f"{method.stage}.params.{key}", value, hints[key])
     config = method.config_cls(**params)
     validate = getattr(config, "validate", None)

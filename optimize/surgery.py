@@ -56,7 +56,7 @@ class Layout:
     def inputs(self, batch: dict) -> dict:
         import torch
 
-        names = ("input_ids", "attention_mask", "token_type_ids") if self.kind == "bert" else ("input_ids", "attention_mask")
+        names = ("input_ids", "attention_mask") + (("token_type_ids",) if self.kind == "bert" else ())
         return {n: torch.as_tensor(batch[n]) for n in names if n in batch}
 
 

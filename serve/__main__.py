@@ -59,7 +59,8 @@ def build_parser() -> OneLineParser:
     p.add_argument("--max-inputs", type=positive(int), help="texts per embeddings request (default 2048)")
     p.add_argument("--max-prompt-tokens", type=positive(int), help="causal LMs: prompt limit (default: context - 1)")
     p.add_argument("--max-tokens", type=positive(int), help="causal LMs: cap on max_tokens (default 512)")
-    p.add_argument("--threads", type=non_negative(int), help="ONNX Runtime threads (default: the CPUs this process may use)")
+    p.add_argument("--threads", type=non_negative(int),
+                   help="ONNX Runtime threads (default: the CPUs this process may use)")
     p.add_argument("--ort-spinning", action="store_true",
                    help="let idle ONNX Runtime threads spin (faster on a dedicated machine, slower on a shared one)")
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")

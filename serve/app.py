@@ -16,7 +16,7 @@ import hmac
 import logging
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -96,7 +96,7 @@ async def drain(state: ServeState) -> None:
 def error_response(path: str, error: HTTPError) -> JSONResponse:
     """KServe clients read {"error": "..."}; OpenAI clients read {"error": {message, type, ...}}."""
     if path.startswith("/v2"):
-        body = {"error": error.message}
+        body: dict[str, Any] = {"error": error.message}
     else:
         body = {"error": {"message": error.message, "type": error.kind, "param": error.param,
                           "code": error.status}}
@@ -217,9 +217,10 @@ def create_app(root: str | Path, config: ServeConfig | None = None, manifest: di
 
     from starlette.middleware import Middleware
 
+    handlers: dict[Any, Callable[..., Any]] = {HTTPError: on_http_error, HTTPException: on_starlette_error,
+                                               Exception: on_unexpected_error}
     app = Starlette(routes=routes, lifespan=lifespan,
                     middleware=[Middleware(Gatekeeper, state=state, routes=routes)],
-                    exception_handlers={HTTPError: on_http_error, HTTPException: on_starlette_error,
-                                        Exception: on_unexpected_error})
+                    exception_handlers=handlers)
     app.state.serve = state
     return app

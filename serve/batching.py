@@ -49,7 +49,7 @@ class Batcher:
         self.arriving = 0  # requests accepted and being parsed: more work is on its way
         self.last_batch_requests = 0
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-runner")
-        self.wakeup: asyncio.Event | None = None
+        self.wakeup = asyncio.Event()  # replaced by start(), inside the serving loop
         self.worker: asyncio.Task | None = None
         self.closing = False
 
@@ -102,7 +102,8 @@ class Batcher:
                 await self.run(batch)
 
     async def collect(self) -> list[Pending]:
-        batch, rows = [], 0
+        batch: list[Pending] = []
+        rows = 0
         deadline = time.perf_counter() + self.max_queue_delay_s
         while rows < self.max_batch_size:
             if self.queue:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 
@@ -43,7 +44,7 @@ class EncoderModel:
 
         self.root = root
         self.max_length = int(engine.get("max_length") or 128)
-        self.runner = load_engine(root, engine, threads=threads, spinning=spinning)
+        self.runner: Any = cast(Any, load_engine(root, engine, threads=threads, spinning=spinning))  # OrtRunner
         self.text = TextEncoder(root / engine.get("tokenizer", "tokenizer"), self.max_length)
         self.vocab_size = self.text.tokenizer.get_vocab_size()
         self.input_names = list(self.runner.input_names)

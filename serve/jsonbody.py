@@ -17,7 +17,7 @@ from starlette.responses import JSONResponse
 try:
     import orjson
 except ImportError:  # pragma: no cover - exercised by test_serve_jsonbody with orjson hidden
-    orjson = None
+    orjson = None  # type: ignore[assignment]
 
 # Array dtypes orjson writes natively (OPT_SERIALIZE_NUMPY); others go through tolist().
 NATIVE = {np.dtype(t) for t in ("float32", "float64", "int8", "int16", "int32", "int64",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 import numpy as np
 from starlette.requests import Request
@@ -15,10 +16,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve.body import arriving, read_body
-from serve.state import state_of
 from serve.errors import bad_request, not_found, unprocessable
 from serve.jsonbody import FastJSONResponse, array
 from serve.protocol import NUMPY_TO_KSERVE, parse_infer_request
+from serve.state import state_of
 
 MODEL = "/v2/models/{name}"
 VERSIONED = "/v2/models/{name}/versions/{version}"
@@ -152,7 +153,8 @@ def infer_response(state, parsed, wanted: list[tuple[str, bool]], outputs: dict[
     tensors, blobs = [], []
     for name, binary in wanted:
         value = np.ascontiguousarray(outputs[name])
-        tensor = {"name": name, "datatype": NUMPY_TO_KSERVE[value.dtype.newbyteorder("<")], "shape": list(value.shape)}
+        tensor: dict[str, Any] = {"name": name, "datatype": NUMPY_TO_KSERVE[value.dtype.newbyteorder("<")],
+                                  "shape": list(value.shape)}
         if binary:
             blob = value.astype(value.dtype.newbyteorder("<")).tobytes()
             tensor["parameters"] = {"binary_data_size": len(blob)}

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, cast
 
 from serve.errors import bad_request, busy, unavailable
 from serve.protocol import GenerationRequest
@@ -28,7 +29,7 @@ class GenerativeModel:
                  max_tokens: int = 512):
         from engines import load_engine
 
-        self.runner = load_engine(root, engine, threads=threads)
+        self.runner: Any = cast(Any, load_engine(root, engine, threads=threads))  # a GenAIRunner
         self.context_length = self.runner.context_length
         self.max_prompt_tokens = min(max_prompt_tokens or self.context_length - 1, self.context_length - 1)
         self.max_tokens = max_tokens
@@ -39,7 +40,7 @@ class GenerativeModel:
         elif request.prompt is not None:
             ids = self.runner.encode(request.prompt)
         else:
-            ids = list(request.prompt_ids)
+            ids = list(request.prompt_ids or [])
             vocab = self.runner.vocab_size
             if vocab and not all(0 <= t < vocab for t in ids):
                 raise bad_request(f"prompt token ids must be in [0, {vocab})", param="prompt")

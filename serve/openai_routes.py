@@ -11,6 +11,7 @@ import base64
 import json
 import time
 import uuid
+from typing import Any
 
 import numpy as np
 from starlette.requests import Request
@@ -18,11 +19,10 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from serve.body import arriving, read_body
-from serve.state import state_of
 from serve.errors import HTTPError, bad_request, timed_out
 from serve.jsonbody import FastJSONResponse, array
-from serve.protocol import (json_object, parse_chat_request, parse_completion_request,
-                            parse_embeddings_request)
+from serve.protocol import json_object, parse_chat_request, parse_completion_request, parse_embeddings_request
+from serve.state import state_of
 
 
 def routes() -> list[Route]:
@@ -165,7 +165,7 @@ class Reply:
             raise timed_out(timeout_s) from None
         finally:
             self.generation.cancel.set()
-        choice = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
         return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                              "created": self.created, "model": self.model, "choices": [choice],

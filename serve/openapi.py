@@ -1,10 +1,12 @@
 """The OpenAPI 3.0 document served at /openapi.json, written out by hand.
 
 It describes what this server accepts and returns, status codes included, so that a
-schema-driven tester (schemathesis, tests/serve/test_schema.py) can generate requests from it and
+schema-driven tester (schemathesis, tests/serve/test_serve_schema.py) can generate requests from it and
 check every response against it. Model names appear as examples; other names answer 404.
 """
 from __future__ import annotations
+
+from typing import Any
 
 
 def ref(name: str) -> dict:
@@ -35,7 +37,7 @@ def path_param(name: str, example: str) -> dict:
 
 
 def openapi_document(state) -> dict:
-    doc = {
+    doc: dict[str, Any] = {
         "openapi": "3.0.3",
         "info": {"title": f"serve: {state.name}", "version": "1",
                  "description": "KServe v2 / Triton HTTP and OpenAI-compatible endpoints for one gated artifact."},
@@ -119,7 +121,7 @@ def misc_paths() -> dict:
     }
 
 
-TENSOR_META = {"type": "object", "required": ["name", "datatype", "shape"], "properties": {
+TENSOR_META: dict[str, Any] = {"type": "object", "required": ["name", "datatype", "shape"], "properties": {
     "name": {"type": "string"}, "datatype": {"type": "string"},
     "shape": {"type": "array", "items": {"type": "integer"}}}}
 DATATYPES = ["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64"]
@@ -143,7 +145,7 @@ USAGE = {"type": "object", "required": ["prompt_tokens", "total_tokens"], "prope
 OPENAI_OBJECT = lambda kind, **props: {"type": "object", "required": ["object"], "properties": {  # noqa: E731
     "object": {"type": "string", "enum": [kind]}, **props}}
 
-SCHEMAS = {
+SCHEMAS: dict[str, Any] = {
     "KServeError": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
     "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
         "type": "object", "required": ["message", "type"], "properties": {

@@ -2,7 +2,7 @@
 
 Pure functions from bytes or decoded JSON to plain dataclasses. Each one either returns a request
 the server can act on or raises HTTPError with a 4xx status: no other exception may escape, which
-tests/serve/test_fuzz.py checks with hypothesis on arbitrary input.
+tests/serve/test_serve_fuzz.py checks with hypothesis on arbitrary input.
 
 Checks that need the model (input names, dtypes, token ranges, prompt length) live with the model
 (serve/encoder.py, serve/llm.py); here only the protocol's own schema is enforced.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from typing import Literal, overload
 
 import numpy as np
 
@@ -50,6 +51,12 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@overload
+def get_str(data: dict, key: str, default: str) -> str: ...
+@overload
+def get_str(data: dict, key: str, default: None = None, *, required: Literal[True]) -> str: ...
+@overload
+def get_str(data: dict, key: str, default: None = None, required: bool = False) -> str | None: ...
 def get_str(data: dict, key: str, default=None, required: bool = False) -> str | None:
     value = data.get(key, default)
     if value is None and not required:
@@ -178,7 +185,8 @@ def parse_input_tensor(raw, index: int, binary: bytes, offset: int) -> tuple[str
 
 def binary_tensor(binary: bytes, offset: int, size: int, dtype: np.dtype, count: int, where: str):
     if size != count * dtype.itemsize:
-        raise bad_request(f"{where}: binary_data_size {size} does not match the shape ({count} x {dtype.itemsize} bytes)")
+        raise bad_request(f"{where}: binary_data_size {size} does not match the shape "
+                          f"({count} x {dtype.itemsize} bytes)")
     if offset + size > len(binary):
         raise bad_request(f"{where}: binary data ends early ({len(binary) - offset} of {size} bytes)")
     array = np.frombuffer(binary, dtype=dtype, count=count, offset=offset)
@@ -200,7 +208,7 @@ def json_tensor(data, datatype: str, count: int, where: str) -> np.ndarray:
         raise unprocessable(f"{where}: 'data' has {array.size} elements but the shape needs {count}")
     target = KSERVE_DTYPES[datatype]
     if array.size and array.dtype.kind in "iu" and target.kind in "iu":
-        info = np.iinfo(target)
+        info = np.iinfo(target)  # type: ignore[type-var]  # numpy's stubs: an integer dtype is checked above
         if array.min() < info.min or array.max() > info.max:
             raise unprocessable(f"{where}: values out of range for {datatype}")
     return array.astype(target.newbyteorder("=")).reshape(-1)
@@ -232,7 +240,7 @@ class EmbeddingsRequest:
 
     @property
     def count(self) -> int:
-        return len(self.texts if self.texts is not None else self.token_ids)
+        return len(self.texts) if self.texts is not None else len(self.token_ids or [])
 
 
 def parse_embeddings_request(data: dict, max_inputs: int) -> EmbeddingsRequest:

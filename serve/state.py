@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 from starlette.requests import Request
 
@@ -23,9 +23,9 @@ class ServeState:
         self.version = "1"
         self.load_model = load_model
         self.metrics = Metrics()
-        self.model = None
-        self.batcher = None    # encoders: serve.batching.Batcher
-        self.generator = None  # causal LMs: serve.llm.GenerationService
+        self.model: Any = None  # serve.encoder.EncoderModel or serve.llm.GenerativeModel, once loaded
+        self.batcher: Any = None    # encoders: serve.batching.Batcher
+        self.generator: Any = None  # causal LMs: serve.llm.GenerationService
         self.load_error: str | None = None
         self.on_fatal: Callable[[str], None] = lambda message: None
         self.draining = False

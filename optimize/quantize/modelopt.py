@@ -131,12 +131,14 @@ def _calibration_batches(ctx, cfg: ModeloptConfig) -> list:
 
 def quantized_linears(module) -> dict:
     """Linear layers whose weight quantizer is on (quantized) or off (kept in the source precision)."""
-    on, off = [], []
+    on: list[str] = []
+    off: list[str] = []
     for name, sub in module.named_modules():
         quantizer = getattr(sub, "weight_quantizer", None)
         if quantizer is not None:
             (on if quantizer.is_enabled else off).append(name)
-    return {"quantized": {"count": len(on), "nodes": _kinds(on)}, "kept_fp32": {"count": len(off), "nodes": _kinds(off)}}
+    return {"quantized": {"count": len(on), "nodes": _kinds(on)},
+            "kept_fp32": {"count": len(off), "nodes": _kinds(off)}}
 
 
 def _kinds(names: list[str]) -> list[str]:

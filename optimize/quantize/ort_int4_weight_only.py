@@ -81,8 +81,11 @@ def ort_int4_weight_only(model, cfg: OrtInt4WeightOnlyConfig, ctx):
 
 
 def _algo_config(model, cfg: OrtInt4WeightOnlyConfig, ctx):
-    from onnxruntime.quantization.matmul_nbits_quantizer import (DefaultWeightOnlyQuantConfig,
-                                                                 GPTQWeightOnlyQuantConfig, HQQWeightOnlyQuantConfig)
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        GPTQWeightOnlyQuantConfig,
+        HQQWeightOnlyQuantConfig,
+    )
 
     if cfg.algorithm == "hqq":
         return HQQWeightOnlyQuantConfig(block_size=cfg.block_size, bits=4, op_types_to_quantize=("MatMul",))

@@ -60,7 +60,8 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
                          nodes_to_exclude=cfg.nodes_to_exclude + excluded)
         return path
 
-    fp32_nodes, score = [], None
+    fp32_nodes: list[str] = []
+    score = None
     if cfg.fallback_min_cosine is not None:
         fp32_nodes, score = sensitivity_fallback(model, cfg, ctx, quantize, reduce_range)
     path = quantize(fp32_nodes)

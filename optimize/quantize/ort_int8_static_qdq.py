@@ -107,7 +107,8 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
         _quantize_static(source, path, reader, cfg, reduce_range, excluded + fallback, cache)
         return path
 
-    fp32_nodes, score = [], None
+    fp32_nodes: list[str] = []
+    score = None
     if cfg.fallback_min_cosine is not None:
         fp32_nodes, score = sensitivity_fallback(model.with_onnx(source), _RankingView(cfg, excluded, cache), ctx,
                                                  quantize, reduce_range)

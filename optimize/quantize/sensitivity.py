@@ -33,7 +33,7 @@ def _simulated_error(x: np.ndarray, w: np.ndarray, per_channel: bool, reduce_ran
     int8 (per output column when per_channel). x's range is its own min/max, as ONNX Runtime's
     DynamicQuantizeLinear computes it, unless `x_range` gives the calibrated range of a static model."""
     x = x.reshape(-1, x.shape[-1]).astype(np.float64)
-    lo, hi = x_range if x_range is not None else (x.min(), x.max())
+    lo, hi = x_range if x_range is not None else (float(x.min()), float(x.max()))
     lo, hi = min(lo, 0.0), max(hi, 0.0)
     x_scale = (hi - lo) / 255 or 1.0
     x_zero = np.round(-lo / x_scale)
@@ -43,7 +43,7 @@ def _simulated_error(x: np.ndarray, w: np.ndarray, per_channel: bool, reduce_ran
     w_scale = np.where(w_max > 0, w_max / qmax, 1.0)
     wq = np.clip(np.round(w / w_scale), -qmax, qmax) * w_scale
     exact = x @ w
-    return float(np.linalg.norm(xq @ wq - exact) / max(np.linalg.norm(exact), 1e-30))
+    return float(np.linalg.norm(xq @ wq - exact)) / max(float(np.linalg.norm(exact)), 1e-30)
 
 
 def _rank_by_simulated_error(onnx_path: Path, inputs: dict, cfg, reduce_range: bool) -> list[str]:
@@ -73,7 +73,7 @@ def _rank_by_simulated_error(onnx_path: Path, inputs: dict, cfg, reduce_range: b
         w = weights[weight].T if trans_b else weights[weight]
         errors[name] = _simulated_error(activations[activation], w, cfg.per_channel, reduce_range,
                                         ranges.get(activation))
-    return sorted(errors, key=errors.get, reverse=True)
+    return sorted(errors, key=lambda name: errors[name], reverse=True)
 
 
 def sensitivity_fallback(model, cfg, ctx, quantize, reduce_range: bool) -> tuple[list[str], float]:

@@ -17,7 +17,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, List, Optional, cast
 
 import numpy as np
 
@@ -55,8 +55,8 @@ def eval_config(ctx) -> LLMEvalConfig:
 
     from optimize.registry import Method, build_config
 
-    params = OmegaConf.to_container(ctx.cfg.evaluate.get("task_params") or {}, resolve=True)
-    method = Method("evaluate", "causal_lm", LLMEvalConfig, fn=None)
+    params = cast(dict, OmegaConf.to_container(ctx.cfg.evaluate.get("task_params") or {}, resolve=True))
+    method = Method("evaluate", "causal_lm", LLMEvalConfig, fn=lambda *args: None)  # only its config is built
     try:
         return build_config(method, params)
     except RecipeError as exc:  # the registry names the key as evaluate.params.*; say task_params
@@ -136,7 +136,7 @@ def speed(runners: dict, prompts: list[list[int]], new_tokens: int, warmup: int,
     """TTFT and decode tokens/s per runner over `runs` timed generations (after `warmup`), interleaved
     and in alternating order. Decode speed of a run = (n - 1) / (time of token n - time of token 1).
     The p95 of tokens/s is the slow tail: the 5th percentile of per-run tokens/s."""
-    samples = {name: {"ttft_ms": [], "tok_s": []} for name in runners}
+    samples: dict[str, dict[str, list[float]]] = {name: {"ttft_ms": [], "tok_s": []} for name in runners}
     names = list(runners)
     for i in range(warmup + runs):
         for name in names if i % 2 == 0 else names[::-1]:
@@ -160,8 +160,8 @@ def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
 
     base = TorchLM(ctx.source.module, ctx.threads)
     cand = candidate.runner
-    metrics = {"baseline": {"size_mb": baseline.size_bytes / 2**20},
-               "candidate": {"size_mb": candidate.size_bytes / 2**20}}
+    metrics: dict[str, Any] = {"baseline": {"size_mb": baseline.size_bytes / 2**20},
+                               "candidate": {"size_mb": candidate.size_bytes / 2**20}}
     described = dict(data.describe())
     _perplexity_metrics(metrics, base, cand, tokens, data.items, cfg, described)
     _sample_metrics(metrics, base, cand, tokens, cfg)
@@ -180,7 +180,7 @@ def _layers_in_words(nodes: list[str]) -> str:
     """['layers.0/attn/qkv_proj', 'layers.3/attn/qkv_proj', 'lm_head'] -> 'attn/qkv_proj 0,3; lm_head'."""
     import re
 
-    by_kind: dict[str, list[str]] = {}
+    by_kind: dict[str, list[str | None]] = {}
     for node in nodes:
         match = re.match(r".*layers\.(\d+|\*)/(.*)", node)
         kind, layer = (match.group(2), match.group(1)) if match else (node, None)
@@ -191,9 +191,10 @@ def _layers_in_words(nodes: list[str]) -> str:
 
 def _ranges(layers: list) -> str:
     """['0', '1', '2', '6'] -> '0-2,6'."""
-    if not all(l and l.isdigit() for l in layers):
-        return ",".join(l for l in layers if l)
-    numbers, spans = sorted(int(l) for l in layers), []
+    if not all(layer and layer.isdigit() for layer in layers):
+        return ",".join(layer for layer in layers if layer)
+    numbers = sorted(int(layer) for layer in layers)
+    spans: list[list[int]] = []
     for n in numbers:
         if spans and n == spans[-1][1] + 1:
             spans[-1][1] = n

@@ -11,9 +11,8 @@ import pytest
 ov = pytest.importorskip("openvino", reason="openvino is not installed (pip install openvino nncf)")
 onnx = pytest.importorskip("onnx")
 
-from engines import load, load_engine  # noqa: E402
+from engines import load, load_engine, openvino_runner  # noqa: E402
 from engines.artifact import EngineUnavailable  # noqa: E402
-from engines import openvino_runner  # noqa: E402
 from engines.onnxruntime_runner import OrtRunner  # noqa: E402
 from engines.openvino_build import count_ops, onnx_to_ir  # noqa: E402
 from engines.openvino_runner import OpenVINORunner, load_openvino_runner  # noqa: E402
@@ -32,7 +31,8 @@ def _tiny_encoder(path: Path, seed: int = 0) -> Path:
         return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
 
     inits = [init("embedding", VOCAB, WIDTH), init("w1", WIDTH, WIDTH, scale=0.15), init("b1", WIDTH, scale=0.1),
-             init("ln_scale", WIDTH, scale=0.1), init("ln_bias", WIDTH, scale=0.1), init("w2", WIDTH, WIDTH, scale=0.15),
+             init("ln_scale", WIDTH, scale=0.1), init("ln_bias", WIDTH, scale=0.1),
+             init("w2", WIDTH, WIDTH, scale=0.15),
              numpy_helper.from_array(np.array([1], np.int64), "sequence_axis")]
     nodes = [helper.make_node("Gather", ["embedding", "input_ids"], ["embedded"], name="embed"),
              helper.make_node("MatMul", ["embedded", "w1"], ["h0"], name="fc1"),

@@ -81,8 +81,8 @@ def test_distill_without_a_student_is_a_recipe_error(tmp_path):
 
 
 def test_cli_bad_targets_exit_2_with_one_clear_line(tmp_path):
-    common = ["recipe=minilm_prune_distill_int8", "calibration.count=16", "evaluate.data.count=16", "evaluate.latency=false",
-              f"hydra.run.dir={tmp_path / 'run'}"]
+    common = ["recipe=minilm_prune_distill_int8", "calibration.count=16", "evaluate.data.count=16",
+              "evaluate.latency=false", f"hydra.run.dir={tmp_path / 'run'}"]
     heads = run_optimize(*common, "prune.params.heads=13", f"output_dir={tmp_path / 'a'}")
     assert heads.returncode == 2 and "only 12 attention heads" in heads.stderr + heads.stdout
     student = run_optimize(*common, "prune=none", "distill.params.student_layers=7", f"output_dir={tmp_path / 'b'}")
@@ -93,7 +93,8 @@ def test_cli_bad_targets_exit_2_with_one_clear_line(tmp_path):
 def test_recovery_row_and_gate_for_original_pruned_and_distilled_perplexity():
     from optimize import gate
 
-    metrics = {"baseline": {"perplexity": 10.0}, "candidate": {"perplexity": 14.0}, "table": [["perplexity", "", "", ""]]}
+    metrics = {"baseline": {"perplexity": 10.0}, "candidate": {"perplexity": 14.0},
+               "table": [["perplexity", "", "", ""]]}
     distill.add_recovery(metrics, pruned=20.0)  # lost 10, won back 6
     assert metrics["candidate"]["distill_recovery"] == pytest.approx(0.6)
     assert metrics["table"][1][1:3] == ["10.000", "20.000 / 14.000"]
@@ -118,7 +119,8 @@ def test_cached_teacher_outputs_match_a_fresh_teacher_pass_on_any_batch(tmp_path
     with torch.no_grad():
         fresh = teacher(**batch, output_hidden_states=True)
     last = layer_map[-1] + 1
-    assert torch.allclose(objective.cached["hidden"][last][rows].float(), fresh.hidden_states[last], atol=1e-2, rtol=1e-3)
+    assert torch.allclose(objective.cached["hidden"][last][rows].float(), fresh.hidden_states[last], atol=1e-2,
+                          rtol=1e-3)
     pooled = distill._pool(fresh.last_hidden_state, batch["attention_mask"], objective.pooling)
     assert torch.allclose(objective.cached["embedding"][rows], pooled, atol=1e-5)
 

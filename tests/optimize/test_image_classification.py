@@ -15,8 +15,8 @@ FAST = ["evaluate.latency=false", "calibration.count=64", "quantize.params.calib
 
 
 def test_training_script_writes_a_loadable_safetensors_checkpoint(tmp_path):
-    from optimize.train_digits import train
     from optimize.tasks.image_classification import encode_images, load_cnn
+    from optimize.train_digits import train
 
     trained = train(tmp_path / "cnn", epochs=1, seed=1)
     assert (tmp_path / "cnn" / "model.safetensors").is_file() and trained["items"] > 1000
@@ -29,10 +29,11 @@ def test_training_script_writes_a_loadable_safetensors_checkpoint(tmp_path):
 
 
 def test_checked_in_checkpoint_is_accurate():
+    import torch
+
     from calibration.images import digits
     from optimize.models import resolve_package_path
     from optimize.tasks.image_classification import encode_images, load_cnn, top1_accuracy
-    import torch
 
     module, config = load_cnn(resolve_package_path("pkg://optimize/assets/digits_cnn"))
     held_out = digits("evaluation")
@@ -65,7 +66,7 @@ def test_digits_static_int8_recipe_passes_on_accuracy(tmp_path):
 def test_missing_calibration_data_exits_2(tmp_path, override, expected):
     proc = run_optimize("recipe=digits_cnn_int8_static", override, f"output_dir={tmp_path / 'a'}",
                         f"hydra.run.dir={tmp_path / 'run'}")
-    assert expected in one_error_line(proc)
+    assert expected in one_error_line(proc, log_lines=True)
     assert not (tmp_path / "a").exists()
 
 
@@ -74,13 +75,13 @@ def test_empty_calibration_file_exits_2(tmp_path):
     empty.write_text("")
     proc = run_optimize("recipe=digits_cnn_int8_static", "calibration.source=text_file", f"calibration.path={empty}",
                         f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'run'}")
-    assert "is empty" in one_error_line(proc)
+    assert "is empty" in one_error_line(proc, log_lines=True)
 
 
 def test_overlapping_evaluation_data_is_refused(tmp_path):
     proc = run_optimize("recipe=digits_cnn_int8_static", "evaluate.data.split=calibration", "evaluate.data.count=300",
                         "calibration.count=300", f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'run'}")
-    assert "also appear in the calibration data" in one_error_line(proc)
+    assert "also appear in the calibration data" in one_error_line(proc, log_lines=True)
 
 
 @pytest.mark.slow
@@ -100,11 +101,11 @@ def test_gpu_recipe_without_gpu_exits_2_naming_what_is_missing(tmp_path):
     if not missing_for("TensorrtExecutionProvider"):
         pytest.skip("this machine has a GPU with TensorRT")
     proc = run_optimize("recipe=minilm_fp16_trt", f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'run'}")
-    line = one_error_line(proc)
+    line = one_error_line(proc, log_lines=True)
     assert "TensorrtExecutionProvider" in line and "lacks" in line
 
 
 def test_text_data_for_an_image_model_is_refused(tmp_path):
     proc = run_optimize("recipe=digits_cnn_int8_static", "evaluate.data.source=cpython_docs", "evaluate.data.count=16",
                         "evaluate.latency=false", f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'run'}")
-    assert "has no labels" in one_error_line(proc)
+    assert "has no labels" in one_error_line(proc, log_lines=True)

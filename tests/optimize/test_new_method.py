@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import shutil
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -79,7 +78,7 @@ def new_method(tmp_path, monkeypatch) -> Path:
 def compose_with(recipes: Path, *overrides: str):
     register_schema()  # stores every method's schema, the new one included
     with initialize_config_dir(config_dir=str(recipes), version_base=None):
-        return compose("config", overrides=["recipe=minilm_int8_cpu", f"quantize={NAME}", *overrides])
+        return compose("config", overrides=["recipe=minilm_int8_cpu", "engine=onnx", f"quantize={NAME}", *overrides])
 
 
 def test_the_new_module_is_found_by_scanning_the_package(new_method):

@@ -7,9 +7,9 @@ import time
 import numpy as np
 
 import engines
-from tests.support.cli import FAST_OVERRIDES, ROOT, one_error_line, run_optimize
 from engines.artifact import read_manifest, verify
 from engines.text import TextEncoder
+from tests.support.cli import FAST_OVERRIDES, ROOT, one_error_line, run_optimize
 
 
 def test_default_recipe_end_to_end_on_a_small_evaluation_set(tmp_path):

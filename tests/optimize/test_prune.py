@@ -27,6 +27,7 @@ def bert_outputs(module, texts=("a b c", "d e f g")):
 
 def test_structured_bert_shrinks_depth_heads_and_ffn_and_exports(tmp_path):
     import numpy as np
+
     from engines.onnx_export import export
     from engines.onnxruntime_runner import OrtRunner
     from engines.pytorch_runner import sentence_embedding_module
@@ -141,8 +142,12 @@ def test_output_fidelity_selection_drops_the_layer_that_matters_least(tmp_path, 
 
     reference = final(full)
     mask = batch["attention_mask"].float()
-    score = {drop: float((torch.cosine_similarity(final([l for i, l in enumerate(full) if i != drop]), reference, dim=-1)
-                          * mask).sum() / mask.sum()) for drop in range(len(full))}
+
+    def kept_score(drop: int) -> float:
+        others = [layer for i, layer in enumerate(full) if i != drop]
+        return float((torch.cosine_similarity(final(others), reference, dim=-1) * mask).sum() / mask.sum())
+
+    score = {drop: kept_score(drop) for drop in range(len(full))}
     layout.set_layers(full)
     assert [i for i in range(len(full)) if i not in kept] == [max(score, key=score.get)]
     assert len(out.module.encoder.layer if task != "causal_lm" else out.module.model.layers) == 3

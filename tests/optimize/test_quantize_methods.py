@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from optimize import registry
-from optimize.errors import RecipeError
 from optimize.context import Model
+from optimize.errors import RecipeError
 from tests.support.context import FakeContext
 
 onnx = pytest.importorskip("onnx")
@@ -142,7 +142,8 @@ def test_int4_excluded_node_stays_matmul(mlp, tmp_path):
 
 def test_int4_rejects_bad_params():
     method = registry.get("quantize", "ort_int4_weight_only")
-    for params in ({"block_size": 24}, {"block_size": 8}, {"algorithm": "awq"}, {"algorithm": "hqq", "symmetric": True}):
+    for params in ({"block_size": 24}, {"block_size": 8}, {"algorithm": "awq"},
+                   {"algorithm": "hqq", "symmetric": True}):
         with pytest.raises(RecipeError):
             registry.build_config(method, params)
 

@@ -207,7 +207,8 @@ def test_embeddings_bad_requests(encoder, encoder_name):
 
 def test_llm_endpoints_on_an_encoder_explain_why(encoder, encoder_name):
     for path, body in (("/v1/completions", {"model": encoder_name, "prompt": "hi"}),
-                       ("/v1/chat/completions", {"model": encoder_name, "messages": [{"role": "user", "content": "hi"}]})):
+                       ("/v1/chat/completions",
+                        {"model": encoder_name, "messages": [{"role": "user", "content": "hi"}]})):
         error = openai_error(encoder.post(path, json=body), 400)
         assert "encoder" in error["message"] and "/v1/embeddings" in error["message"]
 

@@ -10,8 +10,13 @@ from hypothesis import strategies as st
 
 from serve.errors import HTTPError
 from serve.llm import StopMatcher
-from serve.protocol import (KSERVE_DTYPES, parse_chat_request, parse_completion_request,
-                            parse_embeddings_request, parse_infer_request)
+from serve.protocol import (
+    KSERVE_DTYPES,
+    parse_chat_request,
+    parse_completion_request,
+    parse_embeddings_request,
+    parse_infer_request,
+)
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Requests with many optional fields are slow to generate: fewer examples, same coverage of fields.

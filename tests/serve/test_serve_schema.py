@@ -9,8 +9,13 @@ from __future__ import annotations
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from schemathesis.checks import (content_type_conformance, negative_data_rejection, not_a_server_error,
-                                 response_schema_conformance, status_code_conformance)
+from schemathesis.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
 from schemathesis.generation.modes import GenerationMode
 
 from tests.support.serve import running_server

@@ -7,6 +7,6 @@
 - tiny_llm: the tiny causal-LM artifact for the serve tests (`python -m tests.support.tiny_llm OUT`);
 - serve: a real `python -m serve` subprocess and in-process apps.
 
-The modules import torch, transformers or starlette only inside functions, so importing one costs
-little; import what a test needs from its module (`from tests.support.cli import run_optimize`).
+Import what a test needs from its module (`from tests.support.cli import run_optimize`): cli, serve
+and tiny_llm import no torch at import time; models and context do (and set torch to one thread).
 """

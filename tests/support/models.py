@@ -50,6 +50,7 @@ def tiny_llama_folder(out: Path, max_positions: int = 512) -> Path:
 def train_tokenizer(out: Path) -> int:
     """Byte-level BPE (512 tokens) trained on CPython's docs, saved to `out`; returns the vocabulary size."""
     from pydoc_data.topics import topics
+
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
