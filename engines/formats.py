@@ -14,6 +14,7 @@ ONNXRUNTIME_GENAI = "onnxruntime-genai"
 PYTORCH = "pytorch"
 MODELOPT_TORCH = "modelopt-torch"
 OPENVINO = "openvino"
+OPENVINO_GENAI = "openvino-genai"
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ FORMATS: dict[str, EngineFormat] = {f.name: f for f in (
     EngineFormat(PYTORCH, "engines.pytorch_runner:load_pytorch_runner", ("torch",), None),
     EngineFormat(MODELOPT_TORCH, "engines.modelopt_runner:load_modelopt_runner", ("torch",), None),
     EngineFormat(OPENVINO, "engines.openvino_runner:load_openvino_runner", ("openvino",), "encoder"),
+    EngineFormat(OPENVINO_GENAI, "engines.openvino_genai_runner:load_ov_genai_runner", ("openvino", "openvino_genai"),
+                 "causal_lm"),
 )}
 
 

@@ -8,7 +8,8 @@ from importlib import metadata
 from engines.hardware import CPU_FEATURES, cpu_flags, gpus
 
 PACKAGES = ("optimize", "torch", "transformers", "onnx", "onnxruntime", "onnxscript", "numpy", "hydra-core",
-            "tokenizers", "safetensors", "nvidia-modelopt", "tensorrt", "onnxruntime-genai")
+            "tokenizers", "safetensors", "nvidia-modelopt", "tensorrt", "onnxruntime-genai", "openvino", "nncf",
+            "openvino-genai", "openvino-tokenizers")
 
 
 def cpu_model() -> str:

@@ -1,0 +1,336 @@
+"""Building OpenVINO GenAI causal-LM folders: a Hugging Face Llama-style model -> a stateful IR with its
+KV cache held inside the model (what `openvino_genai.LLMPipeline` runs), the OpenVINO tokenizer and
+detokenizer, the config files the pipeline reads; then NNCF weight-only compression (INT4/INT8) and a
+summary of which weights ended at which precision. Pure functions over folders; the pipeline decides
+what to build and records it.
+
+The IR's interface is the one LLMPipeline expects (and optimum-intel writes): inputs input_ids,
+attention_mask, position_ids [batch, tokens] (i64) and beam_idx [batch] (i32); output logits
+[batch, tokens, vocab]. Every layer's past key and value are internal state (ReadValue/Assign pairs,
+zeros at the start of a sequence, reset by the caller between sequences), reordered along the batch
+axis by beam_idx at every step (a Gather, for beam search). Weights are kept FP32.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Iterable, Optional
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+IR_FILE = "openvino_model.xml"
+TOKENIZER_FILE = "openvino_tokenizer.xml"
+DETOKENIZER_FILE = "openvino_detokenizer.xml"
+WEIGHT_FORMATS = ("int4_sym", "int4_asym", "int8_asym")
+# The Hugging Face files LLMPipeline (and the runner) read beside the IR: the model config (context
+# length, vocabulary), the generation defaults (EOS ids), the tokenizer and its chat template.
+CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+# The mask value for hidden positions: float16's minimum, as optimum-intel uses, rather than
+# float32's (a score plus float32's minimum can overflow to -inf, and a row of -inf gives NaN).
+MASK_MIN = -65504.0
+
+
+class ExportError(RuntimeError):
+    """The model cannot be exported (not a decoder with a KV cache we know how to lay out)."""
+
+
+def _cache_layout(config) -> tuple[int, int, int]:
+    """(layers, key/value heads, head size) of a Llama-style decoder config."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    layers = int(text.num_hidden_layers)
+    heads = int(text.num_attention_heads)
+    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    return layers, kv_heads, head_dim
+
+
+def _wrapper(model, layers: int):
+    """forward(input_ids, attention_mask, position_ids, *past) -> (logits, *present), past and present
+    flattened as (key 0, value 0, key 1, ...), each [batch, kv heads, tokens, head size].
+
+    The 4D additive mask is built here from the 2D attention mask with tensor ops only (no Python
+    ints taken from shapes, which a trace would freeze), so one IR serves every prompt and cache length;
+    transformers returns a prepared 4D mask as it is."""
+    import inspect
+
+    import torch
+    from transformers.cache_utils import DynamicCache, DynamicLayer
+
+    # transformers 5.x renamed past_key_values to cache (the old name still works, with a warning)
+    cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    class StatefulLM(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = model
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):
+            cache = DynamicCache()
+            cache.layers = []
+            for i in range(layers):
+                layer = DynamicLayer()
+                layer.keys, layer.values = past[2 * i], past[2 * i + 1]
+                layer.dtype, layer.device, layer.is_initialized = past[2 * i].dtype, past[2 * i].device, True
+                cache.layers.append(layer)
+            ones_kv = torch.ones_like(attention_mask)
+            kv_pos = torch.cumsum(ones_kv, dim=1) - 1  # [B, K]: 0..K-1
+            past_len = ones_kv.sum(dim=1, keepdim=True) - torch.ones_like(input_ids).sum(dim=1, keepdim=True)
+            q_pos = past_len + torch.cumsum(torch.ones_like(input_ids), dim=1) - 1  # [B, Q]: K-Q..K-1
+            visible = (kv_pos[:, None, None, :] <= q_pos[:, None, :, None]) & (attention_mask[:, None, None, :] > 0)
+            mask = torch.where(visible, torch.tensor(0.0), torch.tensor(MASK_MIN))
+            out = self.lm(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
+                          **{cache_kwarg: cache}, use_cache=True, return_dict=True)
+            present = []  # the cache object was updated in place
+            for layer in cache.layers:
+                present += [layer.keys, layer.values]
+            return (out.logits, *present)
+
+    return StatefulLM().eval()
+
+
+def _load_fp32(hf_folder: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(hf_folder), dtype=torch.float32, attn_implementation="sdpa")
+    except (OSError, ValueError) as exc:
+        raise ExportError(f"cannot load a causal LM from {hf_folder}: {str(exc).splitlines()[0]}") from None
+    return model.eval()
+
+
+def convert_decoder(model):
+    """The traced decoder as an ov.Model with named inputs and outputs, cache still explicit."""
+    import openvino as ov
+    import torch
+
+    layers, kv_heads, head_dim = _cache_layout(model.config)
+    batch, new, past = 2, 3, 4  # distinct sizes, so no dimension is mistaken for another
+    example = {
+        "input_ids": torch.randint(1, min(int(model.config.vocab_size), 100), (batch, new)),
+        "attention_mask": torch.ones(batch, past + new, dtype=torch.int64),
+        "position_ids": torch.arange(past, past + new).repeat(batch, 1),
+    }
+    cache = [torch.randn(batch, kv_heads, past, head_dim) * 0.1 for _ in range(2 * layers)]
+    names = list(example)
+    for i in range(layers):
+        names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
+    shapes = [([-1, -1], ov.Type.i64)] * 3 + [([-1, kv_heads, -1, head_dim], ov.Type.f32)] * (2 * layers)
+    with torch.no_grad():
+        ov_model = ov.convert_model(_wrapper(model, layers), example_input=(*example.values(), *cache),
+                                    input=shapes)
+    for port, name in zip(ov_model.inputs, names):
+        port.get_tensor().set_names({name})
+    outputs = ["logits"] + [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+    if len(ov_model.outputs) != len(outputs):
+        raise ExportError(f"the traced decoder has {len(ov_model.outputs)} outputs, expected {len(outputs)}")
+    for port, name in zip(ov_model.outputs, outputs):
+        port.get_tensor().set_names({name})
+    return ov_model, names[3:], outputs[1:]
+
+
+def make_stateful(ov_model, past_names: list[str], present_names: list[str]) -> None:
+    """Cache in, cache out -> internal state, in place: a beam_idx input whose Gather reorders every
+    cache input along the batch axis (fused beam reordering), the make-stateful transformation, and
+    zero initial values shaped from input_ids' batch (so a reset state starts a fresh sequence)."""
+    import openvino as ov
+    from openvino import opset13
+    from openvino._offline_transformations import apply_make_stateful_transformation
+
+    batch_dim = ov_model.input("input_ids").get_partial_shape()[0]
+    beam_idx = opset13.parameter(name="beam_idx", dtype=ov.Type.i32, shape=ov.PartialShape([batch_dim]))
+    beam_idx.output(0).get_tensor().add_names({"beam_idx"})
+    ov_model.add_parameters([beam_idx])
+    for name in past_names:
+        port = ov_model.input(name)
+        consumers = port.get_target_inputs()
+        gather = opset13.gather(port, beam_idx, opset13.constant(0))
+        for consumer in consumers:
+            consumer.replace_source_output(gather.output(0))
+    ov_model.validate_nodes_and_infer_types()
+    apply_make_stateful_transformation(ov_model, dict(zip(past_names, present_names)))
+    input_ids = ov_model.input("input_ids")
+    batch = opset13.gather(opset13.shape_of(input_ids, output_type="i64"), opset13.constant([0]),
+                           opset13.constant(0))
+    for op in ov_model.get_ops():
+        if op.get_type_name() == "ReadValue":
+            dims = [d.min_length for d in op.get_output_partial_shape(0)]
+            parts = [batch if i == 0 else opset13.constant(np.array([d], dtype=np.int64)) for i, d in enumerate(dims)]
+            zeros = opset13.broadcast(opset13.constant(0.0, dtype=op.get_output_element_type(0)),
+                                      opset13.concat(parts, axis=0))
+            op.set_arguments([zeros])
+    ov_model.validate_nodes_and_infer_types()
+
+
+def save_ir(ov_model, out_dir: Path) -> Path:
+    """openvino_model.xml + .bin, weights as they are (save_model would halve FP32 weights to FP16)."""
+    import openvino as ov
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    xml = out_dir / IR_FILE
+    ov.save_model(ov_model, str(xml), compress_to_fp16=False)
+    return xml
+
+
+def convert_tokenizer(hf_folder: Path, out_dir: Path) -> None:
+    """openvino_tokenizer.xml and openvino_detokenizer.xml (openvino_tokenizers), with the chat template
+    and special tokens in their runtime info, where LLMPipeline reads them."""
+    import openvino as ov
+    from openvino_tokenizers import convert_tokenizer as ov_convert
+    from transformers import AutoTokenizer
+
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(hf_folder))
+    tokenizer, detokenizer = ov_convert(hf_tokenizer, with_detokenizer=True)
+    ov.save_model(tokenizer, str(out_dir / TOKENIZER_FILE))
+    ov.save_model(detokenizer, str(out_dir / DETOKENIZER_FILE))
+
+
+def copy_configs(hf_folder: Path, out_dir: Path, model_config=None) -> None:
+    """The config files beside the IR; a generation_config.json is written from the model config when
+    the folder has none (LLMPipeline takes its EOS ids from it)."""
+    for name in CONFIG_FILES:
+        if (hf_folder / name).is_file():
+            shutil.copy2(hf_folder / name, out_dir / name)
+    if not (out_dir / "generation_config.json").is_file() and model_config is not None:
+        settings = {k: getattr(model_config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        (out_dir / "generation_config.json").write_text(json.dumps({k: v for k, v in settings.items()
+                                                                     if v is not None}, indent=2))
+
+
+def export_stateful_lm(hf_folder: str | Path, out_dir: str | Path) -> Path:
+    """A Hugging Face causal-LM folder (Llama-style, loaded in FP32 with SDPA attention) -> out_dir
+    holding the stateful FP32 IR, the OpenVINO tokenizer/detokenizer and the config files that
+    `openvino_genai.LLMPipeline(out_dir, "CPU")` reads. Returns the IR's path."""
+    hf_folder, out_dir = Path(hf_folder), Path(out_dir)
+    model = _load_fp32(hf_folder)
+    ov_model, past, present = convert_decoder(model)
+    make_stateful(ov_model, past, present)
+    xml = save_ir(ov_model, out_dir)
+    convert_tokenizer(hf_folder, out_dir)
+    copy_configs(hf_folder, out_dir, model.config)
+    return xml
+
+
+# ---------------------------------------------------------------- NNCF weight compression
+
+def calibration_inputs(token_rows: Iterable[Iterable[int]]) -> list[dict[str, np.ndarray]]:
+    """Model inputs for data-aware compression (AWQ, scale estimation, GPTQ): each row of token ids as
+    one whole sequence from an empty cache (the state is zeros for each item, as NNCF infers them)."""
+    items = []
+    for row in token_rows:
+        ids = np.asarray(list(row), dtype=np.int64)[None, :]
+        if ids.shape[1] < 2:
+            continue
+        items.append({"input_ids": ids, "attention_mask": np.ones_like(ids),
+                      "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None, :],
+                      "beam_idx": np.zeros(1, dtype=np.int32)})
+    return items
+
+
+class CompressionError(RuntimeError):
+    """NNCF refused the settings (for example a group size that does not divide the channels)."""
+
+
+def compress_weights(xml: str | Path, out_dir: str | Path, mode: str = "int4_asym", group_size: int = 64,
+                     ratio: float = 1.0, awq: bool = False, scale_estimation: bool = False, gptq: bool = False,
+                     calibration_batches: Optional[list[dict[str, np.ndarray]]] = None,
+                     ignored_scope: Optional[dict] = None) -> Path:
+    """NNCF weight-only compression of the IR at `xml`, written to out_dir/openvino_model.xml.
+
+    int4 modes quantize `ratio` of the weight MatMuls (NNCF ranks them) to 4 bits in groups of
+    `group_size` input channels and the rest (always the embedding and LM head, NNCF's backup
+    precision) to INT8 per channel; int8_asym quantizes every weight to INT8 per channel. awq,
+    scale_estimation and gptq are data-aware and need `calibration_batches` (see calibration_inputs).
+    The other files in xml's folder (tokenizer, configs) are copied when out_dir differs."""
+    import nncf
+    import openvino as ov
+
+    if mode not in WEIGHT_FORMATS:
+        raise ValueError(f"mode {mode!r}: use one of {WEIGHT_FORMATS}")
+    xml, out_dir = Path(xml), Path(out_dir)
+    data_aware = awq or scale_estimation or gptq
+    if data_aware and not calibration_batches:
+        raise ValueError("awq, scale_estimation and gptq need calibration_batches")
+    kwargs: dict = {"mode": getattr(nncf.CompressWeightsMode, mode.upper())}
+    if mode.startswith("int4"):
+        kwargs.update(group_size=group_size, ratio=ratio)
+        if data_aware:
+            kwargs.update(dataset=nncf.Dataset(calibration_batches), awq=awq, scale_estimation=scale_estimation,
+                          gptq=gptq, subset_size=len(calibration_batches))
+    if ignored_scope:
+        kwargs["ignored_scope"] = nncf.IgnoredScope(names=list(ignored_scope.get("names", [])),
+                                                    types=list(ignored_scope.get("types", [])),
+                                                    patterns=list(ignored_scope.get("patterns", [])))
+    model = ov.Core().read_model(str(xml))
+    try:
+        compressed = nncf.compress_weights(model, **kwargs)
+    except (nncf.errors.InvalidGroupSizeError, nncf.errors.ValidationError, nncf.errors.ParameterNotSupportedError,
+            ValueError, RuntimeError) as exc:
+        raise CompressionError(f"NNCF {mode} group {group_size}: {_one_line(exc)}") from None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if out_dir.resolve() != xml.parent.resolve():
+        for path in xml.parent.iterdir():
+            if path.is_file() and path.name not in (xml.name, xml.with_suffix(".bin").name):
+                shutil.copy2(path, out_dir / path.name)
+    out = out_dir / IR_FILE
+    ov.save_model(compressed, str(out), compress_to_fp16=False)
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return lines[0][:300] if lines else type(exc).__name__
+
+
+_PRECISION_NAMES = {"u4": "int4", "i4": "int4", "u8": "int8", "i8": "int8", "f32": "float", "f16": "float",
+                    "bf16": "float"}
+
+
+def weight_precision(xml: str | Path) -> dict:
+    """Which weights ended at which precision, {precision: {count, nodes}} (the shape of
+    engines.genai_build.weight_precision): every MatMul and Gather (the embedding) whose weight input
+    is a constant, by the element type of that constant (u4/i4 -> int4, u8/i8 -> int8, else float);
+    nodes are named like 'layers.3/self_attn/q_proj' or 'lm_head'."""
+    import openvino as ov
+
+    model = ov.Core().read_model(str(xml))
+    groups: dict[str, list[str]] = {}
+    for op in model.get_ordered_ops():
+        kind = op.get_type_name()
+        if kind not in ("MatMul", "Gather"):
+            continue
+        port = 0 if kind == "Gather" else 1
+        constant = _weight_constant(op.input_value(port).get_node())
+        if constant is None:
+            continue
+        element = constant.get_output_element_type(0).get_type_name()
+        groups.setdefault(_PRECISION_NAMES.get(element, element), []).append(_layer_name(op.get_friendly_name()))
+    return {precision: {"count": len(names), "nodes": list(dict.fromkeys(names))} for precision, names in groups.items()}
+
+
+def _weight_constant(node, depth: int = 0):
+    """The Constant a weight input comes from, through NNCF's decompression subgraph (Convert,
+    Subtract, Multiply, Reshape); None when the input is computed from activations."""
+    kind = node.get_type_name()
+    if kind == "Constant":
+        shape = node.get_output_partial_shape(0)
+        return node if shape.rank.get_length() >= 2 else None
+    if depth > 6 or kind not in ("Convert", "Subtract", "Multiply", "Reshape", "Transpose"):
+        return None
+    return _weight_constant(node.input_value(0).get_node(), depth + 1)
+
+
+def _layer_name(friendly: str) -> str:
+    """'__module.lm.model.layers.3.self_attn.q_proj/aten::linear/MatMul' -> 'layers.3/self_attn/q_proj'."""
+    import re
+
+    name = friendly.split("/")[0]
+    name = re.sub(r"^__module\.", "", name)
+    name = re.sub(r"^(lm\.)?(model\.)?", "", name)
+    name = re.sub(r"^(layers\.\d+)\.", r"\1/", name).replace(".", "/").replace("layers/", "layers.")
+    return re.sub(r"^layers\.(\d+)/", r"layers.\1/", name)

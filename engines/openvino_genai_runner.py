@@ -1,0 +1,251 @@
+"""OpenVINO GenAI runner for causal LMs: the same surface as engines.genai_runner.GenAIRunner, so the
+causal-LM evaluation (optimize/tasks) and serve/ use either unchanged.
+
+A causal-LM artifact's engine block reads {"format": "openvino-genai", "dir": SUBDIR,
+"inference_precision": "f32" | "bf16", "kv_cache_precision": ..., "task": "causal_lm"}; SUBDIR holds
+the stateful IR (openvino_model.xml), openvino_tokenizer.xml / openvino_detokenizer.xml and the
+Hugging Face config files (engines/openvino_genai_build.py writes them).
+
+Generation runs through `openvino_genai.LLMPipeline` (a streamer receives each token as it is
+produced). Scoring (logits, log_likelihood) runs the same IR compiled with the same CPU properties,
+directly: state reset, the whole sequence in one forward pass, logits read back. Every numeric
+property is set explicitly: the CPU plugin otherwise computes in bf16 on bf16 CPUs and stores the KV
+cache in u8, and an artifact measured as FP32 must run as FP32. Torch-free: serve/ uses this directly.
+"""
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from engines.genai_runner import FALLBACK_CHAT_TEMPLATE, Sampling, token_logprobs
+from engines.openvino_runner import PRECISIONS, compile_properties, require_cpu_features
+
+IR_FILE = "openvino_model.xml"
+KV_CACHE_PRECISIONS = ("f32", "bf16", "u8")
+_DONE = object()
+
+
+def runner_properties(threads: int, inference_precision: str, kv_cache_precision: str | None,
+                      spinning: bool) -> dict:
+    """CPU plugin properties shared by the pipeline and the scoring model."""
+    kv = kv_cache_precision or inference_precision
+    if kv not in KV_CACHE_PRECISIONS:
+        raise ValueError(f"kv_cache_precision {kv!r}: use one of {KV_CACHE_PRECISIONS}")
+    properties = compile_properties(threads, inference_precision, "LATENCY", spinning)
+    properties["KV_CACHE_PRECISION"] = kv
+    return properties
+
+
+class _TokenStreamer:
+    """An openvino_genai.StreamerBase that hands each token id to `on_token` and stops the generation
+    when `stop()` says so. Built lazily (the base class lives in openvino_genai)."""
+
+    @staticmethod
+    def make(ov_genai, on_token: Callable[[int], None], stop: Callable[[], bool], on_end=lambda: None):
+        class Streamer(ov_genai.StreamerBase):
+            def write(self, token):
+                for t in (token if isinstance(token, (list, tuple)) else [token]):
+                    on_token(int(t))
+                return ov_genai.StreamingStatus.CANCEL if stop() else ov_genai.StreamingStatus.RUNNING
+
+            def end(self):
+                on_end()
+
+        return Streamer()
+
+
+class OVGenAIRunner:
+    # The Runner contract: {"input_ids": [B, T]} -> {"logits": [B, T, vocab]} (see __call__).
+    input_names = ["input_ids"]
+    output_names = ["logits"]
+
+    def __init__(self, model_dir: str | Path, threads: int = 0, inference_precision: str = "f32",
+                 kv_cache_precision: str | None = None, spinning: bool = True):
+        try:
+            import openvino_genai as ov_genai
+        except ImportError:
+            raise RuntimeError("OpenVINO GenAI artifacts need openvino-genai: "
+                               "pip install openvino-genai openvino-tokenizers") from None
+        if inference_precision not in PRECISIONS:
+            raise ValueError(f"inference_precision {inference_precision!r}: use one of {PRECISIONS}")
+        self.ov_genai = ov_genai
+        self.dir = Path(model_dir)
+        self.inference_precision = inference_precision
+        self.properties = runner_properties(threads, inference_precision, kv_cache_precision, spinning)
+        config = json.loads((self.dir / "config.json").read_text())
+        self.context_length = int(config.get("max_position_embeddings") or 2048)
+        self.vocab_size = int(config.get("vocab_size") or 0)
+        # ATTENTION_BACKEND=SDPA: the stateful model as exported (the one scoring runs), not the
+        # paged-attention rewrite the pipeline may otherwise pick.
+        self.pipe = ov_genai.LLMPipeline(str(self.dir), "CPU", ATTENTION_BACKEND="SDPA", **self.properties)
+        self.tokenizer = self.pipe.get_tokenizer()
+        self.eos_token_ids = self._eos_ids(config)
+        self._request = None  # the scoring model, compiled on first use (serve never scores)
+        self._lock = threading.Lock()
+
+    def _eos_ids(self, config: dict) -> set[int]:
+        ids: set[int] = set()
+        path = self.dir / "generation_config.json"
+        for source in ((json.loads(path.read_text()) if path.is_file() else {}), config):
+            value = source.get("eos_token_id")
+            if value is not None:
+                ids.update(int(v) for v in (value if isinstance(value, list) else [value]))
+            if ids:
+                break
+        if not ids:
+            ids.add(int(self.tokenizer.get_eos_token_id()))
+        return ids
+
+    # ------------------------------------------------------------ text
+
+    def encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text).input_ids.data[0]]
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode([int(t) for t in ids])
+
+    def chat_prompt(self, messages: list[dict]) -> str:
+        """The model's own chat template when it has one, a plain role-tagged one otherwise."""
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        try:
+            if self.tokenizer.chat_template:
+                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except Exception:  # a template the tokenizer cannot render: use the fallback
+            pass
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                  chat_template=FALLBACK_CHAT_TEMPLATE)
+
+    # ------------------------------------------------------------ generation
+
+    def generation_config(self, prompt_length: int, sampling: Sampling):
+        config = self.pipe.get_generation_config()
+        config.max_new_tokens = max(1, min(sampling.max_new_tokens, self.context_length - prompt_length))
+        config.stop_token_ids = set(self.eos_token_ids)
+        config.num_beam_groups, config.num_beams, config.num_return_sequences = 1, 1, 1
+        config.repetition_penalty, config.presence_penalty, config.frequency_penalty = 1.0, 0.0, 0.0
+        config.do_sample = sampling.temperature > 0
+        if config.do_sample:
+            # OpenAI semantics: temperature and top_p only, so top-k must not cut anything.
+            config.temperature, config.top_p, config.top_k = sampling.temperature, sampling.top_p, 2**63 - 1
+            if sampling.seed is not None:
+                config.rng_seed = int(sampling.seed)
+        return config
+
+    @staticmethod
+    def _tensor(ids) -> object:
+        import openvino as ov
+
+        return ov.Tensor(np.asarray([list(ids)], dtype=np.int64))
+
+    def generate(self, prompt_ids: list[int], sampling: Sampling,
+                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, str]]:
+        """Yield (token id, text piece) until EOS, max_new_tokens, the context end, or cancellation.
+
+        LLMPipeline.generate blocks until it is done, so it runs in a helper thread and its streamer
+        hands tokens over a queue; closing this iterator early cancels the generation."""
+        config = self.generation_config(len(prompt_ids), sampling)
+        tokens: queue.Queue = queue.Queue()
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        streamer = _TokenStreamer.make(self.ov_genai, tokens.put, lambda: stop.is_set() or cancelled())
+
+        def work():
+            try:
+                with self._lock:
+                    self.pipe.generate(self._tensor(prompt_ids), config, streamer)
+            except BaseException as exc:  # handed to the consumer
+                errors.append(exc)
+            finally:
+                tokens.put(_DONE)
+
+        thread = threading.Thread(target=work, name="ov-genai-generate", daemon=True)
+        thread.start()
+        ids: list[int] = []
+        emitted = ""
+        try:
+            while True:
+                token = tokens.get()
+                if token is _DONE:
+                    break
+                if token in self.eos_token_ids:
+                    stop.set()
+                    continue
+                ids.append(token)
+                text = self.decode(ids)
+                # Hold back an incomplete UTF-8 sequence (the decoder shows it as U+FFFD) until the
+                # token that completes it arrives.
+                piece = "" if text.endswith("\ufffd") else text[len(emitted):]
+                emitted += piece
+                yield token, piece
+                if cancelled():
+                    stop.set()
+        finally:
+            stop.set()
+            thread.join()
+        if errors:
+            raise errors[0]
+
+    def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
+        """Greedy decoding of exactly `new_tokens` tokens (EOS may not end it early): perf_counter()
+        after each token. The prefill runs inside this call, so [0] minus the caller's start is the time
+        to first token."""
+        config = self.generation_config(len(prompt_ids), Sampling(max_new_tokens=new_tokens))
+        config.max_new_tokens = config.min_new_tokens = new_tokens
+        config.ignore_eos = True
+        config.stop_token_ids = set()
+        stamps: list[float] = []
+        streamer = _TokenStreamer.make(self.ov_genai, lambda _: stamps.append(time.perf_counter()), lambda: False)
+        with self._lock:
+            self.pipe.generate(self._tensor([int(i) for i in prompt_ids]), config, streamer)
+        return stamps
+
+    # ------------------------------------------------------------ scoring
+
+    def _scoring_request(self):
+        if self._request is None:
+            import openvino as ov
+
+            core = ov.Core()
+            compiled = core.compile_model(core.read_model(str(self.dir / IR_FILE)), "CPU", self.properties)
+            self._request = compiled.create_infer_request()
+        return self._request
+
+    def logits(self, ids) -> np.ndarray:
+        """Logits at every position of one sequence, in one forward pass from an empty cache: [T, vocab]."""
+        ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        request = self._scoring_request()
+        with self._lock:
+            request.reset_state()
+            request.infer({"input_ids": ids, "attention_mask": np.ones_like(ids),
+                           "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None, :],
+                           "beam_idx": np.zeros(1, dtype=np.int32)}, share_inputs=True)
+            logits = np.array(request.get_tensor("logits").data[0])  # a copy: the next call overwrites it
+            request.reset_state()
+        return logits
+
+    def log_likelihood(self, ids, start: int = 1) -> np.ndarray:
+        """log p(token i | the tokens before it) for each i >= start (start >= 1)."""
+        return token_logprobs(self.logits(ids), ids)[start - 1:]
+
+    def __call__(self, inputs: dict) -> dict:
+        return {"logits": np.stack([self.logits(row) for row in inputs["input_ids"]]).astype(np.float32)}
+
+
+def ov_genai_dir(root: Path, engine: dict) -> Path:
+    return Path(root) / engine.get("dir", ".")
+
+
+def load_ov_genai_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> OVGenAIRunner:
+    """The Runner of an artifact's {"format": "openvino-genai", ...} engine block; refuses, with the
+    missing CPU feature named, a precision this CPU cannot run."""
+    precision = engine.get("inference_precision", "f32")
+    folder = ov_genai_dir(root, engine)
+    require_cpu_features(precision, what=str(folder))
+    return OVGenAIRunner(folder, threads=threads, inference_precision=precision,
+                         kv_cache_precision=engine.get("kv_cache_precision"), spinning=spinning)

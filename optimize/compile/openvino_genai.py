@@ -1,0 +1,187 @@
+"""Engine stage for causal LMs: OpenVINO GenAI. The Hugging Face model is exported to a stateful
+OpenVINO IR (KV cache held inside the model, weights FP32), its tokenizer converted with
+openvino_tokenizers, then NNCF compresses the weights (INT4 in groups with an INT8 remainder, or
+INT8), optionally data-aware (AWQ, scale estimation, GPTQ) on the recipe's calibration text.
+`openvino_genai.LLMPipeline` runs the result (engines/openvino_genai_runner.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import List, Optional
+
+from engines import formats
+from optimize.errors import RecipeError
+from optimize.registry import register
+
+log = logging.getLogger(__name__)
+ENGINE_DIR = "openvino_genai"
+WEIGHT_FORMATS = ("int4_sym", "int4_asym", "int8_asym", "fp32")
+
+
+@dataclass
+class OVGenAIConfig:
+    """Example recipe (asymmetric INT4 in groups of 64, every weight MatMul at 4 bits except what NNCF
+    keeps at 8: the embedding and LM head):
+
+        engine:
+          method: openvino_genai
+          params: {weight_format: int4_asym, group_size: 64, ratio: 1.0}
+
+    group_size must divide the model's hidden size (SmolLM2's 576: 32 or 64, not 128).
+    """
+
+    weight_format: str = "int4_asym"  # int4_sym | int4_asym | int8_asym | fp32 (no compression)
+    group_size: int = 64  # input channels per INT4 scale; -1: one scale per output channel
+    ratio: float = 1.0  # share of the weight MatMuls at INT4 (NNCF ranks them); the rest INT8
+    # Data-aware INT4 (calibrated on the recipe's calibration text)
+    awq: bool = False
+    scale_estimation: bool = False
+    gptq: bool = False
+    calibration_samples: int = 32  # calibration texts, each one sequence
+    max_tokens: int = 256  # tokens per calibration text
+    ignored_names: List[str] = field(default_factory=list)  # weight MatMuls kept FP32 (OpenVINO node names)
+    inference_precision: str = "f32"  # f32 | bf16 (refused on CPUs without native bf16)
+    kv_cache_precision: Optional[str] = None  # null: as inference_precision | u8 (the CPU plugin's default)
+
+    @property
+    def int4(self) -> bool:
+        return self.weight_format.startswith("int4")
+
+    @property
+    def data_aware(self) -> bool:
+        return self.awq or self.scale_estimation or self.gptq
+
+    def validate(self):
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise RecipeError(f"engine.params.weight_format={self.weight_format} (use {', '.join(WEIGHT_FORMATS)})")
+        if self.group_size != -1 and self.group_size < 1:
+            raise RecipeError(f"engine.params.group_size={self.group_size} (a positive channel count, or -1)")
+        if not 0 < self.ratio <= 1:
+            raise RecipeError(f"engine.params.ratio={self.ratio} (a share of the layers in (0, 1])")
+        if self.data_aware and not self.int4:
+            raise RecipeError("engine.params.awq/scale_estimation/gptq apply to int4 weight formats only")
+        if self.calibration_samples < 1 or self.max_tokens < 2:
+            raise RecipeError("engine.params.calibration_samples must be >= 1 and max_tokens >= 2")
+        if self.inference_precision not in ("f32", "bf16"):
+            raise RecipeError(f"engine.params.inference_precision={self.inference_precision} (use f32 or bf16)")
+        if self.kv_cache_precision not in (None, "f32", "bf16", "u8"):
+            raise RecipeError(f"engine.params.kv_cache_precision={self.kv_cache_precision} (use f32, bf16 or u8)")
+        missing = ov_genai_missing(self.inference_precision, self.weight_format != "fp32")
+        if missing:  # checked before any weights load
+            raise RecipeError(f"engine.method=openvino_genai: {missing}")
+
+    @property
+    def precision(self) -> str:
+        """The artifact's precision: the weights' where compressed, the inference precision otherwise."""
+        if self.weight_format == "fp32":
+            return "bf16" if self.inference_precision == "bf16" else "fp32"
+        return self.weight_format.split("_")[0]
+
+
+def ov_genai_missing(inference_precision: str, compress: bool) -> str | None:
+    """What this machine lacks for the engine, in words (None: nothing)."""
+    import importlib.util
+
+    packages = {"openvino": "openvino", "openvino_genai": "openvino-genai",
+                "openvino_tokenizers": "openvino-tokenizers", **({"nncf": "nncf"} if compress else {})}
+    absent = [pip for module, pip in packages.items() if importlib.util.find_spec(module) is None]
+    if absent:
+        return f"needs {' and '.join(absent)}: pip install {' '.join(absent)}"
+    if inference_precision == "bf16":
+        from engines.openvino_runner import missing_cpu_features
+
+        lacks = missing_cpu_features("bf16")
+        if lacks:
+            return f"inference_precision=bf16, but this CPU has no native bf16 (it lacks {'; '.join(lacks)})"
+    return None
+
+
+@register("engine", "openvino_genai", OVGenAIConfig, input_format="torch", tasks=("causal_lm",),
+          needs_calibration=True)
+def openvino_genai_engine(model, cfg: OVGenAIConfig, ctx):
+    """OpenVINO GenAI: stateful IR with KV cache, NNCF weight-only INT4/INT8, LLMPipeline decoding."""
+    if model.kind != "torch":
+        raise RecipeError("engine.method=openvino_genai needs a Hugging Face causal LM")
+    from engines.openvino_genai_build import (CompressionError, ExportError, compress_weights, export_stateful_lm,
+                                              weight_precision)
+
+    source_dir = _source_folder(model, ctx)
+    out = ctx.scratch / "openvino_genai_engine"
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        xml = export_stateful_lm(source_dir, out / "fp32")
+    except ExportError as exc:
+        raise RecipeError(f"engine.method=openvino_genai: {exc}") from None
+    record: dict = {"method": "openvino_genai", "weight_format": cfg.weight_format,
+                    "openvino": metadata.version("openvino"), "openvino_genai": metadata.version("openvino-genai"),
+                    "inference_precision": cfg.inference_precision,
+                    "kv_cache_precision": cfg.kv_cache_precision or cfg.inference_precision}
+    if cfg.weight_format == "fp32":
+        final = xml.parent
+    else:
+        batches = _calibration_batches(ctx, cfg) if cfg.data_aware else None
+        log.info("NNCF %s (group %d, ratio %.2f%s)", cfg.weight_format, cfg.group_size, cfg.ratio,
+                 f", data-aware on {len(batches)} texts" if batches else "")
+        try:
+            xml = compress_weights(xml, out / "compressed", mode=cfg.weight_format, group_size=cfg.group_size,
+                                   ratio=cfg.ratio, awq=cfg.awq, scale_estimation=cfg.scale_estimation, gptq=cfg.gptq,
+                                   calibration_batches=batches,
+                                   ignored_scope={"names": cfg.ignored_names} if cfg.ignored_names else None)
+        except CompressionError as exc:
+            raise RecipeError(f"engine.method=openvino_genai: {exc}") from None
+        shutil.rmtree(out / "fp32", ignore_errors=True)
+        final = xml.parent
+        record["nncf"] = _nncf_record(cfg, len(batches) if batches else 0)
+    shutil.move(str(final), str(out / ENGINE_DIR))
+    layers = weight_precision(out / ENGINE_DIR / xml.name)
+    record["layer_precision"] = layers
+    ctx.record("engine", record)
+    engine = {"format": formats.OPENVINO_GENAI, "dir": ENGINE_DIR, "inference_precision": cfg.inference_precision}
+    if cfg.kv_cache_precision:
+        engine["kv_cache_precision"] = cfg.kv_cache_precision
+    return dataclasses.replace(model.with_engine(out, engine, precision=cfg.precision), layer_precision=layers)
+
+
+def _nncf_record(cfg: OVGenAIConfig, calibration_texts: int) -> dict:
+    info = {"nncf": metadata.version("nncf"), "mode": cfg.weight_format, "ignored_names": cfg.ignored_names}
+    if cfg.int4:
+        info.update(group_size=cfg.group_size, ratio=cfg.ratio, awq=cfg.awq, scale_estimation=cfg.scale_estimation,
+                    gptq=cfg.gptq, backup_mode="int8_asym")
+        if cfg.data_aware:
+            info.update(calibration_texts=calibration_texts, max_tokens=cfg.max_tokens)
+    return info
+
+
+def _calibration_batches(ctx, cfg: OVGenAIConfig) -> list[dict]:
+    """Model inputs from the recipe's calibration text: each text's first max_tokens tokens as one
+    sequence (tokenized by the artifact's own tokenizer)."""
+    from engines.openvino_genai_build import calibration_inputs
+    from optimize.tasks.causal_lm import Tokens
+
+    tokens = Tokens(ctx)
+    texts = ctx.calibration().items[: cfg.calibration_samples]
+    batches = calibration_inputs(tokens(text)[: cfg.max_tokens] for text in texts)
+    if not batches:
+        raise RecipeError("engine.method=openvino_genai: the calibration texts gave no sequence of 2 or more tokens")
+    return batches
+
+
+def _source_folder(model, ctx) -> Path:
+    """A Hugging Face folder to export: the (cached) source, or the module a torch-side method changed
+    saved with the source's tokenizer files."""
+    from optimize.models import hf_folder
+
+    if model.module is ctx.source.module:
+        return hf_folder(ctx.source)
+    folder = ctx.scratch / "openvino_genai_input"
+    shutil.rmtree(folder, ignore_errors=True)
+    model.module.save_pretrained(str(folder))
+    for path in hf_folder(ctx.source).glob("*"):
+        if path.suffix in (".json", ".jinja", ".txt", ".model") and path.name != "config.json":
+            shutil.copy2(path, folder / path.name)
+    return folder
