@@ -56,6 +56,9 @@ class OrtRunner:
         """Input names, element types and shapes (symbolic dims as strings)."""
         return [{"name": i.name, "type": i.type, "shape": list(i.shape)} for i in self.inputs]
 
+    def output_signature(self) -> list[dict]:
+        return [{"name": o.name, "type": o.type, "shape": list(o.shape)} for o in self.session.get_outputs()]
+
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         feed = {}
         for name in self.input_names:

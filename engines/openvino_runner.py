@@ -126,6 +126,11 @@ class OpenVINORunner:
                  "shape": [d.get_length() if d.is_static else str(d) for d in port.get_partial_shape()]}
                 for name, port in zip(self.input_names, self.inputs)]
 
+    def output_signature(self) -> list[dict]:
+        return [{"name": name, "type": _onnx_type_name(port.get_element_type()),
+                 "shape": [d.get_length() if d.is_static else str(d) for d in port.get_partial_shape()]}
+                for name, port in zip(self.output_names, self.compiled.outputs)]
+
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         feed = {}
         for name in self.input_names:

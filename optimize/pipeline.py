@@ -46,6 +46,7 @@ def plan(cfg, run_dir: Path) -> Plan:
         if cfg.model.task not in method.tasks:
             raise RecipeError(f"{stage}.method={method.name} does not support model.task={cfg.model.task}")
         stages.append((method, registry.build_config(method, params)))
+    _refuse_after_candidates(stages)
     if not any(m.stage == "engine" for m, _ in stages):
         raise RecipeError("engine.method is required (the artifact needs an engine to run on)")
     if not any(cfg.gate[k] is not None for k in gate.gate_keys()):
@@ -63,6 +64,15 @@ def plan(cfg, run_dir: Path) -> Plan:
     final = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else run_dir / "artifact"
     artifact.check_destination(final, cfg.overwrite)
     return Plan(stages, any(m.needs_calibration for m, _ in stages), final)
+
+
+def _refuse_after_candidates(stages) -> None:
+    engine = next((m for m, _ in stages if m.stage == "engine"), None)
+    onnx_side = [m for m, _ in stages if m.input_format == "onnx" and m.stage != "engine"]
+    if engine is not None and engine.builds_candidates and onnx_side:
+        raise RecipeError(f"engine.method={engine.name} builds its own quantized candidates, and "
+                          f"{onnx_side[0].stage}.method={onnx_side[0].name} works on the ONNX graph after the engine: "
+                          f"set {onnx_side[0].stage}=none")
 
 
 def order(stages):

@@ -44,6 +44,8 @@ class Method:
     needs_calibration: bool = False
     # What the method consumes: "torch" (a module, before the engine) or "onnx" (a file, after it).
     input_format: InputFormat = "onnx"
+    # An engine that builds its own ONNX-side candidates (the race): no ONNX-side method may follow it.
+    builds_candidates: bool = False
     tasks: tuple[str, ...] = ("sentence_embedding", "causal_lm", "image_classification", "generic")
     summary: str = ""
 

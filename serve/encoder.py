@@ -44,14 +44,16 @@ class EncoderModel:
 
         self.root = root
         self.max_length = int(engine.get("max_length") or 128)
-        self.runner: Any = cast(Any, load_engine(root, engine, threads=threads, spinning=spinning))  # OrtRunner
+        # Any runtime whose Runner describes its tensors (ONNX Runtime, OpenVINO): see engines/formats.py.
+        self.runner: Any = cast(Any, load_engine(root, engine, threads=threads, spinning=spinning))
         self.text = TextEncoder(root / engine.get("tokenizer", "tokenizer"), self.max_length)
         self.vocab_size = self.text.tokenizer.get_vocab_size()
         self.input_names = list(self.runner.input_names)
         self.output_names = list(self.runner.output_names)
-        self.outputs_meta = {o.name: o for o in self.runner.session.get_outputs()}
+        self.inputs_meta = self.runner.signature()
+        self.outputs_meta = {o["name"]: o for o in self.runner.output_signature()}
         # The symbolic name of the inputs' sequence axis; outputs that share it are per-token.
-        self.sequence_axis = self.runner.session.get_inputs()[0].shape[1]
+        self.sequence_axis = self.inputs_meta[0]["shape"][1]
 
     # --- metadata ----------------------------------------------------------------------------------
 
@@ -59,17 +61,16 @@ class EncoderModel:
         """KServe metadata: names, datatypes and shapes (-1 for dimensions the graph leaves open)."""
         from serve.protocol import NUMPY_TO_KSERVE
 
-        def describe(arg) -> dict:
-            dtype = np.dtype(ORT_TO_NUMPY.get(arg.type, "float32"))
-            shape = [d if isinstance(d, int) else -1 for d in arg.shape]
-            return {"name": arg.name, "datatype": NUMPY_TO_KSERVE.get(dtype, "FP32"), "shape": shape}
+        def describe(arg: dict) -> dict:
+            dtype = np.dtype(ORT_TO_NUMPY.get(arg["type"], "float32"))
+            shape = [d if isinstance(d, int) else -1 for d in arg["shape"]]
+            return {"name": arg["name"], "datatype": NUMPY_TO_KSERVE.get(dtype, "FP32"), "shape": shape}
 
-        session = self.runner.session
-        return [describe(i) for i in session.get_inputs()], [describe(o) for o in session.get_outputs()]
+        return [describe(i) for i in self.inputs_meta], [describe(o) for o in self.outputs_meta.values()]
 
     @property
     def embedding_dim(self) -> int:
-        shape = self.outputs_meta["sentence_embedding"].shape
+        shape = self.outputs_meta["sentence_embedding"]["shape"]
         return shape[-1] if isinstance(shape[-1], int) else -1
 
     # --- building batch items ----------------------------------------------------------------------
@@ -138,7 +139,7 @@ class EncoderModel:
 
     def trim(self, name: str, value: np.ndarray, length: int) -> np.ndarray:
         """Cut per-token outputs (axis 1 is the inputs' sequence axis) back to the request's own length."""
-        shape = self.outputs_meta[name].shape
+        shape = self.outputs_meta[name]["shape"]
         if len(shape) >= 2 and isinstance(shape[1], str) and shape[1] == self.sequence_axis:
             return value[:, :length]
         return value

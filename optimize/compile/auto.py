@@ -120,10 +120,10 @@ class Entry:
                 "outcome": self.outcome}
 
 
-@register("engine", "auto", EngineRaceConfig, input_format="torch", tasks=("sentence_embedding", "generic"))
+@register("engine", "auto", EngineRaceConfig, needs_calibration=True, input_format="torch", builds_candidates=True,
+          tasks=("sentence_embedding", "generic"))
 def engine_race(model, cfg: EngineRaceConfig, ctx):
     """Race ONNX Runtime and OpenVINO candidates on this machine; ship the fastest that passes accuracy."""
-    _refuse_onnx_quantize(ctx)
     started = time.monotonic()
     exported = _export_once(model, ctx)
     entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates]
@@ -150,13 +150,6 @@ def engine_race(model, cfg: EngineRaceConfig, ctx):
     return winner.model
 
 
-def _refuse_onnx_quantize(ctx) -> None:
-    from optimize import registry
-
-    name = ctx.cfg.quantize.method
-    if name not in (None, "none") and registry.get("quantize", name).input_format == "onnx":
-        raise RecipeError(f"engine.method=auto builds its own quantized candidates, and quantize.method={name} "
-                          "works on the ONNX graph after the engine: set quantize=none")
 
 
 # ---------------------------------------------------------------- building

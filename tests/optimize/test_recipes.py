@@ -88,7 +88,7 @@ def test_gpu_preset_refusal_is_one_line_on_the_command_line(name, tmp_path):
 def test_default_recipe_resolves_the_expected_stages(tmp_path):
     cfg = compose_recipe("minilm_int8_cpu")
     plan = pipeline.plan(cfg, tmp_path)
-    assert [m.name for m, _ in pipeline.order(plan.stages)] == ["onnx", "ort_int8_dynamic"]
+    assert [m.name for m, _ in pipeline.order(plan.stages)] == ["auto"]  # the engine race
     assert plan.needs_calibration
     assert plan.final_dir == tmp_path / "artifact"
     assert cfg.gate.min_speedup == 1.5 and cfg.gate.min_cosine == 0.99
@@ -96,19 +96,20 @@ def test_default_recipe_resolves_the_expected_stages(tmp_path):
 
 def test_overrides_reach_every_setting(tmp_path):
     cfg = compose_recipe("minilm_int8_cpu", "gate.min_speedup=2.0", "evaluate.batch_sizes=[1,8]",
-                         "quantize.params.max_fp32_nodes=2")
+                         "engine.params.time_budget_s=60", "engine.params.candidates=[ort_fp32,openvino_f32]")
     assert cfg.gate.min_speedup == 2.0
     assert list(cfg.evaluate.batch_sizes) == [1, 8]
     plan = pipeline.plan(cfg, tmp_path)
-    quantize_cfg = dict((m.name, c) for m, c in plan.stages)["ort_int8_dynamic"]
-    assert quantize_cfg.max_fp32_nodes == 2
+    race_cfg = dict((m.name, c) for m, c in plan.stages)["auto"]
+    assert race_cfg.time_budget_s == 60 and race_cfg.candidates == ["ort_fp32", "openvino_f32"]
 
 
 @pytest.mark.parametrize("overrides, message", [
     (["gate.min_cosine=null", "gate.min_mean_cosine=null", "gate.min_topk_agreement=null",
       "gate.min_speedup=null"], "the gate checks nothing"),
     (["quantize.method=int3"], "quantize.method='int3' is not a registered method"),
-    (["+quantize.params.bogus=1"], "quantize.params.bogus is not a parameter of ort_int8_dynamic"),
+    (["engine.params.candidates=[ort_fp32,bogus]"], r"unknown \['bogus'\]"),
+    (["quantize=ort_int8_dynamic"], "engine.method=auto builds its own quantized candidates"),
     (["engine.method=none"], "engine.method is required"),
     (["evaluate.batch_sizes=[]"], "evaluate.batch_sizes"),
     (["model.task=speech"], "model.task=speech is not supported"),
