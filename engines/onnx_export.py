@@ -24,14 +24,16 @@ def export(module, example: dict[str, np.ndarray], output_names: list[str], path
     """Export `module` (forward takes the example's keys positionally, in order) to `path`."""
     import torch
 
-    dims = {}
-    dynamic_shapes = {}
+    dims: dict[str, object] = {}
+    dynamic_shapes: dict[str, dict[int, object]] = {}
     for name, axes in dynamic_axes.items():
         dynamic_shapes[name] = {axis: dims.setdefault(label, torch.export.Dim(label)) for axis, label in axes.items()}
     # Keyword inputs in the forward's order: the exporter names graph inputs after them.
     kwargs = {name: torch.from_numpy(array) for name, array in example.items()}
     program = torch.onnx.export(module.eval(), (), kwargs=kwargs, dynamo=True, dynamic_shapes=dynamic_shapes,
                                 output_names=output_names, opset_version=opset, verbose=False)
+    if program is None:  # the dynamo exporter returns the program it wrote
+        raise RuntimeError(f"torch.onnx.export returned no program for {path}")
     program.save(str(path), external_data=False)
     return path
 

@@ -78,7 +78,8 @@ def compile_properties(threads: int, inference_precision: str, performance_hint:
     """
     if performance_hint not in PERFORMANCE_HINTS:
         raise ValueError(f"performance_hint {performance_hint!r}: use one of {PERFORMANCE_HINTS}")
-    properties = {"INFERENCE_PRECISION_HINT": inference_precision, "PERFORMANCE_HINT": performance_hint}
+    properties: dict[str, str | int | bool] = {"INFERENCE_PRECISION_HINT": inference_precision,
+                                               "PERFORMANCE_HINT": performance_hint}
     if threads > 0:
         properties["INFERENCE_NUM_THREADS"] = threads
     if not spinning:

@@ -107,6 +107,14 @@ class RecipeConfig:
     seed: int = 0
 
 
+def recipe_dict(node) -> dict[str, Any]:
+    """A recipe section as a plain dict, interpolations resolved (empty for an empty section)."""
+    from omegaconf import OmegaConf
+
+    container = OmegaConf.to_container(node, resolve=True) if node is not None else None
+    return {str(k): v for k, v in container.items()} if isinstance(container, dict) else {}
+
+
 def register_schema() -> None:
     from hydra.core.config_store import ConfigStore
 

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import numpy as np
 
 import calibration
+from calibration import TextSet
 from engines import formats
 from optimize.errors import RecipeError
 
@@ -78,15 +79,15 @@ class Context:
     # callables that may add to the evaluation's metrics before the gate judges them.
     extra_files: dict = field(default_factory=dict)
     metric_hooks: list[Callable[[dict], None]] = field(default_factory=list)
-    _calibration: calibration.TextSet | None = None
-    _evaluation: calibration.TextSet | None = None
+    _calibration: TextSet | None = None
+    _evaluation: TextSet | None = None
 
-    def calibration(self) -> calibration.TextSet:
+    def calibration(self) -> TextSet:
         if self._calibration is None:
             self._calibration = load_data(self.cfg.calibration)
         return self._calibration
 
-    def evaluation_data(self) -> calibration.TextSet:
+    def evaluation_data(self) -> TextSet:
         """Evaluation items, never overlapping the calibration items (checked by content hash)."""
         if self._evaluation is None:
             data = load_data(self.cfg.evaluate.data)
@@ -124,7 +125,7 @@ class Context:
             yield item
 
 
-def load_data(data_cfg) -> calibration.TextSet:
+def load_data(data_cfg) -> TextSet:
     try:
         return calibration.load(data_cfg.source, data_cfg.split, data_cfg.count, data_cfg.seed, path=data_cfg.path,
                                 field=data_cfg.field, min_chars=data_cfg.min_chars,

@@ -24,7 +24,7 @@ class CheckSpec:
     timed: bool = False  # a latency figure: not trusted when the machine was busy while timing
 
 
-def _dig(metrics: dict, *keys) -> Optional[float]:
+def _dig(metrics: Any, *keys) -> Any:
     for key in keys:
         if not isinstance(metrics, dict) or key not in metrics:
             return None

@@ -15,10 +15,13 @@ from omegaconf import OmegaConf
 
 from engines import formats, load_engine
 from optimize import artifact, environment, gate, registry, tasks
+from optimize.config import recipe_dict
 from optimize.context import Context, Model, SourceModel
 from optimize.errors import RecipeError
 from optimize.evaluate.harness import Subject
-from optimize.models import load as load_source, resolve as resolve_source, source_hash
+from optimize.models import load as load_source
+from optimize.models import resolve as resolve_source
+from optimize.models import source_hash
 
 log = logging.getLogger(__name__)
 TOKENIZER_DIR = "tokenizer"
@@ -42,10 +45,10 @@ def plan(cfg, run_dir: Path) -> Plan:
         if section.method in (None, "none"):
             continue
         method = registry.get(stage, section.method)
-        params = OmegaConf.to_container(section.params, resolve=True) or {}
+        params = recipe_dict(section.params)
         if cfg.model.task not in method.tasks:
             raise RecipeError(f"{stage}.method={method.name} does not support model.task={cfg.model.task}")
-        stages.append((method, registry.build_config(method, params)))
+        stages.append((method, registry.build_config(method, dict(params))))
     _refuse_after_candidates(stages)
     if not any(m.stage == "engine" for m, _ in stages):
         raise RecipeError("engine.method is required (the artifact needs an engine to run on)")
@@ -113,7 +116,7 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         metrics["baseline"].update(engine=baseline.engine["format"], precision="fp32")
         metrics["candidate"].update(engine=engine["format"], precision=engine["precision"])
         metrics["threads"] = _threads(ctx.threads)
-        verdict = gate.judge(metrics["baseline"], metrics["candidate"], OmegaConf.to_container(cfg.gate))
+        verdict = gate.judge(metrics["baseline"], metrics["candidate"], recipe_dict(cfg.gate))
         manifest = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started)
         manifest = artifact.write_manifest(stage, manifest)
         artifact.publish(stage, the_plan.final_dir)
@@ -121,7 +124,7 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
 
 
 def _initial_model(source: SourceModel) -> Model:
-    if source.kind == "onnx":
+    if source.onnx_path is not None:
         return Model("torch", source.task).with_onnx(source.onnx_path)
     return Model("torch", source.task, module=source.module)
 
@@ -180,7 +183,8 @@ def _candidate(stage: Path, engine: dict, ctx: Context, layer_precision: dict) -
 
 def _baseline(ctx: Context, source: SourceModel, task: tasks.Task) -> Subject:
     """The source model as it came, on its own runtime: PyTorch FP32, or ONNX Runtime for an ONNX source."""
-    if source.kind == "onnx":
+    engine: dict[str, Any]
+    if source.onnx_path is not None:
         engine = {"format": formats.ONNXRUNTIME, "file": source.onnx_path.name}
         root = source.onnx_path.parent
         return Subject("baseline", load_engine(root, engine, ctx.threads), engine, root, _engine_bytes(root, engine))

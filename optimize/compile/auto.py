@@ -206,7 +206,7 @@ def _save(model, records: dict, folder: Path):
     tmp.mkdir(parents=True)
     if model.kind == "onnx":
         _copy_onnx(model.onnx_path, tmp)
-        saved = {"kind": "onnx", "file": "model.onnx"}
+        saved: dict[str, Any] = {"kind": "onnx", "file": "model.onnx"}
     else:
         shutil.copytree(model.engine_dir, tmp, dirs_exist_ok=True)
         saved = {"kind": "engine"}
@@ -338,11 +338,10 @@ def race_batch_size(ctx) -> str:
 def _choose(entries: list[Entry], ctx) -> Entry:
     """The fastest at the race's batch size among the candidates that pass every accuracy (and size)
     check of the gate. A candidate that fails accuracy is never shipped, however fast."""
-    from omegaconf import OmegaConf
-
     from optimize import gate
+    from optimize.config import recipe_dict
 
-    thresholds = OmegaConf.to_container(ctx.cfg.gate, resolve=True)
+    thresholds = recipe_dict(ctx.cfg.gate)
     accuracy = {k: v for k, v in thresholds.items() if k in gate.untimed_keys() and k != "max_peak_memory_mb"}
     batch = race_batch_size(ctx)
     for entry in entries:
@@ -398,8 +397,9 @@ def _plot(entries: list[Entry], batch: str, path: Path) -> Optional[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for entry in scored:
         x, y = entry.latency[batch]["p50_ms"], entry.fidelity["cosine_min"]
-        ax.scatter([x], [y], color="tab:green" if entry.passed else "tab:red", marker="*" if "won" in entry.outcome else "o",
-                   s=160 if "won" in entry.outcome else 50)
+        shipped = entry.outcome.startswith("won")
+        ax.scatter([x], [y], color="tab:green" if entry.passed else "tab:red", marker="*" if shipped else "o",
+                   s=160 if shipped else 50)
         ax.annotate(entry.name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     ax.set_xlabel(f"p50 latency at batch {batch} (ms)")
     ax.set_ylabel("min cosine vs baseline")

@@ -4,8 +4,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from optimize.errors import RecipeError
 from optimize import tasks
+from optimize.errors import RecipeError
 from optimize.registry import register
 
 log = logging.getLogger(__name__)
@@ -40,8 +40,8 @@ def onnx_engine(model, cfg: OnnxExportConfig, ctx):
     if model.kind != "torch":
         raise RecipeError("engine.method=onnx needs a PyTorch or ONNX model")
     from engines.onnx_export import ExportMismatch, check_fidelity, export
-    from engines.ort_fusion import fuse_for_onnxruntime
     from engines.onnxruntime_runner import OrtRunner
+    from engines.ort_fusion import fuse_for_onnxruntime
     from engines.pytorch_runner import TorchRunner
 
     task = tasks.get(model.task)

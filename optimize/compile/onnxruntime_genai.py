@@ -66,7 +66,8 @@ def onnxruntime_genai_engine(model, cfg: GenAIConfig, ctx):
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
-        raise RecipeError("engine.method=onnxruntime_genai needs onnxruntime-genai: pip install onnxruntime-genai") from None
+        raise RecipeError("engine.method=onnxruntime_genai needs onnxruntime-genai: "
+                          "pip install onnxruntime-genai") from None
     source_dir = _source_folder(model, ctx)
     out = ctx.scratch / "genai_engine"
     shutil.rmtree(out, ignore_errors=True)

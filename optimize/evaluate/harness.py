@@ -7,6 +7,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -67,8 +68,8 @@ def latency(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray]
         batches = [b for b in batches_of(inputs, batch_size) if len(next(iter(b.values()))) == batch_size]
         if not batches:
             raise ValueError(f"evaluation set too small for batch size {batch_size}")
-        stats = benchmark.measure({"baseline": baseline.runner, "candidate": candidate.runner}, batches, batch_size,
-                                  cfg.warmup, cfg.repeats)
+        runners: dict[str, Any] = {"baseline": baseline.runner, "candidate": candidate.runner}
+        stats: dict[str, Any] = benchmark.measure(runners, batches, batch_size, cfg.warmup, cfg.repeats)
         stats["speedup"] = stats["baseline"]["p50_ms"] / stats["candidate"]["p50_ms"]
         results[str(batch_size)] = stats
         log.info("batch %d: baseline p50 %.2f ms, candidate p50 %.2f ms, speedup %.2fx", batch_size,
@@ -79,7 +80,7 @@ def latency(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray]
 def peak_memory_mb(subject: Subject, batch: dict[str, np.ndarray], scratch: Path, threads: int) -> float:
     """Run the subject alone in a fresh interpreter on one batch; see engines/memprobe.py."""
     inputs_path = scratch / f"memprobe-{subject.label}.npz"
-    np.savez(inputs_path, **batch)
+    np.savez(inputs_path, **batch)  # type: ignore[arg-type]  # numpy stubs type **kwds as bool
     engine = dict(subject.engine, threads=threads)
     proc = subprocess.run([sys.executable, "-m", "engines.memprobe", str(subject.root), json.dumps(engine),
                            str(inputs_path)], capture_output=True, text=True, timeout=600)
@@ -91,7 +92,7 @@ def peak_memory_mb(subject: Subject, batch: dict[str, np.ndarray], scratch: Path
 def shared_metrics(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], cfg,
                    scratch: Path) -> dict:
     """What every task reports: size on disk, latency per batch size (with speedup), peak memory."""
-    metrics = {"baseline": {"size_mb": baseline.size_bytes / 2**20},
+    metrics: dict[str, dict[str, Any]] = {"baseline": {"size_mb": baseline.size_bytes / 2**20},
                "candidate": {"size_mb": candidate.size_bytes / 2**20}}
     if cfg.latency:
         per_batch = latency(baseline, candidate, inputs, cfg)

@@ -7,8 +7,9 @@ on the machine at hand is this one ratio, so reports that involve INT8 carry it.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
 import tempfile
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -46,7 +47,7 @@ def int8_gemm_speedup(threads: int = 0) -> dict:
         fp32 = _matmul_model(Path(tmp) / "fp32.onnx")
         int8 = Path(tmp) / "int8.onnx"
         quantize_dynamic(fp32, int8, weight_type=QuantType.QInt8, per_channel=True, reduce_range=not cpu_has_vnni())
-        runners = {"fp32": OrtRunner(fp32, threads=threads), "int8": OrtRunner(int8, threads=threads)}
+        runners: dict[str, Any] = {"fp32": OrtRunner(fp32, threads=threads), "int8": OrtRunner(int8, threads=threads)}
         batch = {"x": np.random.default_rng(1).standard_normal((ROWS, K)).astype(np.float32)}
         stats = measure(runners, [batch], ROWS, warmup=20, repeats=200, budget_s=1.5, min_repeats=50)
     fp32_ms, int8_ms = stats["fp32"]["p50_ms"], stats["int8"]["p50_ms"]

@@ -67,7 +67,8 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
     path = quantize(fp32_nodes)
     from optimize.evaluate.kernels import int8_gemm_speedup
 
-    ctx.record("quantize", {"method": "ort_int8_dynamic", "int8_gemm": int8_gemm_speedup(ctx.threads), "weights": cfg.weight_type, "activations": "uint8 dynamic",
+    ctx.record("quantize", {"method": "ort_int8_dynamic", "int8_gemm": int8_gemm_speedup(ctx.threads),
+                            "weights": cfg.weight_type, "activations": "uint8 dynamic",
                             "per_channel": cfg.per_channel, "reduce_range": reduce_range,
                             "fp32_nodes": fp32_nodes, "calibration_min_cosine": score})
     return model.with_onnx(path, precision="int8")

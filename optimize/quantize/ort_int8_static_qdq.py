@@ -115,7 +115,8 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
     path = quantize(fp32_nodes)
     from optimize.evaluate.kernels import int8_gemm_speedup
 
-    ctx.record("quantize", {"method": "ort_int8_static_qdq", "int8_gemm": int8_gemm_speedup(ctx.threads), "format": "QDQ", "weights": cfg.weight_type,
+    ctx.record("quantize", {"method": "ort_int8_static_qdq", "int8_gemm": int8_gemm_speedup(ctx.threads),
+                            "format": "QDQ", "weights": cfg.weight_type,
                             "activations": f"{cfg.activation_type} static", "calibrate_method": cfg.calibrate_method,
                             "percentile": cfg.percentile if cfg.calibrate_method == "percentile" else None,
                             "per_channel": cfg.per_channel, "reduce_range": reduce_range,
