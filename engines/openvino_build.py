@@ -141,3 +141,29 @@ def count_ops(xml_or_model) -> dict[str, int]:
         kind = op.get_type_name()
         counts[kind] = counts.get(kind, 0) + 1
     return counts
+
+
+def int8_node_counts(xml_or_model) -> dict:
+    """{'int8': n, 'float': m, 'by_op': {...}} over MatMuls and convolutions: INT8 when an input comes
+    through a FakeQuantize (activations) or from an 8-bit constant (weights NNCF stored compressed)."""
+    int8 = floating = 0
+    for op in _read(xml_or_model).get_ops():
+        if op.get_type_name() not in ("MatMul", "Convolution"):
+            continue
+        if any(_is_int8_input(op.input_value(i).get_node(), depth=4) for i in range(op.get_input_size())):
+            int8 += 1
+        else:
+            floating += 1
+    return {"int8": int8, "float": floating,
+            "by_op": {"MatMul/Convolution INT8": int8, "MatMul/Convolution float": floating}}
+
+
+def _is_int8_input(node, depth: int) -> bool:
+    kind = node.get_type_name()
+    if kind == "FakeQuantize":
+        return True
+    if kind == "Constant":
+        return node.get_output_element_type(0).get_type_name() in ("i8", "u8")
+    if depth == 0 or kind not in ("Convert", "Multiply", "Subtract", "Reshape", "Transpose"):
+        return False
+    return any(_is_int8_input(node.input_value(i).get_node(), depth - 1) for i in range(node.get_input_size()))

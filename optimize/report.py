@@ -55,12 +55,14 @@ def check_rows(gate: dict) -> list[list[str]]:
 def race_rows(race: dict) -> list[list[str]]:
     """The engine race: every candidate with its accuracy, p50 per batch size, size and outcome."""
     batches = list(race.get("baseline_p50_ms", {}))
-    rows = [["candidate", "precision", "cosine min", "cosine mean"] + [f"p50 ms b{b} (x base)" for b in batches]
-            + ["size MB", "outcome"]]
+    rows = [["candidate", "precision", "INT8/float nodes", "cosine min", "cosine mean"]
+            + [f"p50 ms b{b} (x base)" for b in batches] + ["size MB", "outcome"]]
     for c in race["candidates"]:
         fid, lat = c.get("fidelity") or {}, c.get("latency") or {}
         timings = [f"{lat[b]['p50_ms']:.2f} ({lat[b]['x_baseline']:.2f}x)" if b in lat else "-" for b in batches]
-        rows.append([c["name"], str(c.get("precision") or "-"), _fmt(fid.get("cosine_min"), 4),
+        kernels = c.get("kernels") or {}
+        nodes = f"{kernels['int8']}/{kernels['float']}" if kernels else "-"
+        rows.append([c["name"], str(c.get("precision") or "-"), nodes, _fmt(fid.get("cosine_min"), 4),
                      _fmt(fid.get("cosine_mean"), 4), *timings, _fmt(c.get("size_mb"), 1), c["outcome"]])
     return rows
 
@@ -76,6 +78,10 @@ def _environment_lines(manifest: dict) -> list[str]:
         from optimize.evaluate.kernels import describe_int8
 
         lines.append(describe_int8(probe))
+    kernels = (stages.get("quantize") or {}).get("kernels")
+    if kernels:
+        lines.append(f"weighted nodes running INT8 kernels: {kernels['int8']}, float: {kernels['float']} "
+                     f"({', '.join(f'{op} {n}' for op, n in sorted(kernels['by_op'].items()))})")
     return lines
 
 

@@ -111,12 +111,17 @@ class Entry:
     passed: Optional[bool] = None
     outcome: str = ""
 
+    def kernels(self) -> Optional[dict]:
+        """INT8 and float weighted nodes: from the quantize record (ONNX Runtime) or the OpenVINO op counts."""
+        return (self.records.get("quantize") or {}).get("kernels") or (self.records.get("engine") or {}).get("kernels")
+
     def report(self) -> dict:
         return {"name": self.name, "engine": self.spec.engine, "engine_params": self.spec.engine_params,
                 "quantize": self.spec.quantize, "quantize_params": self.spec.quantize_params,
                 "precision": self.model.precision if self.model else None, "cached": self.cached,
                 "build_s": round(self.build_s, 1), "size_mb": self.size_mb, "fidelity": self.fidelity,
                 "latency": self.latency, "accuracy_checks": self.accuracy_checks, "passed_accuracy": self.passed,
+                "kernels": self.kernels(),
                 "outcome": self.outcome}
 
 

@@ -99,9 +99,12 @@ def openvino_engine(model, cfg: OpenVINOConfig, ctx):
                         smooth_quant_alpha=cfg.smooth_quant_alpha, ignored_scope=cfg.ignored_scope())
     final = out / ENGINE_DIR
     shutil.move(str(xml.parent), str(final))
-    ops = _op_counts(final / xml.name)
+    from engines.openvino_build import int8_node_counts
+
+    ops, kernels = _op_counts(final / xml.name), int8_node_counts(final / xml.name)
     ctx.record("engine", {"method": "openvino", "precision": cfg.precision, "openvino": ov_version(),
                           "performance_hint": cfg.performance_hint, "onnx_export": export_record, "ops": ops,
+                          "kernels": kernels,
                           **({"nncf": _nncf_record(cfg)} if cfg.precision == "int8" else {})})
     engine = {"format": formats.OPENVINO, "file": f"{ENGINE_DIR}/{xml.name}",
               "inference_precision": "bf16" if cfg.precision == "bf16" else "f32",

@@ -57,3 +57,31 @@ def onnx_input_names(path: Path) -> list[str]:
     from engines.onnxruntime_runner import OrtRunner
 
     return OrtRunner(path).input_names
+
+
+# Ops that run integer kernels in ONNX Runtime (dynamic, QOperator and fused-QDQ forms), and the
+# float ops that carry weights: counting both says plainly how much of a graph is really INT8.
+INT8_OPS = ("MatMulInteger", "DynamicQuantizeMatMul", "QLinearMatMul", "QAttention", "ConvInteger", "QLinearConv",
+            "MatMulIntegerToFloat", "QGemm")
+WEIGHTED_FLOAT_OPS = ("MatMul", "Gemm", "Conv", "Attention")
+
+
+def int8_node_counts(onnx_path: Path) -> dict:
+    """{'int8': n, 'float': m, 'by_op': {...}} over the nodes that carry weights. In QDQ graphs a
+    MatMul/Conv whose weight comes from DequantizeLinear runs as INT8 once ONNX Runtime fuses it."""
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    weights = {i.name for i in graph.initializer}
+    dequantized = {n.output[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in weights}
+    by_op: dict[str, int] = {}
+    int8 = floating = 0
+    for node in graph.node:
+        if node.op_type in INT8_OPS or (node.op_type in ("MatMul", "Gemm", "Conv")
+                                        and any(i in dequantized for i in node.input[1:2])):
+            int8 += 1
+            by_op[node.op_type] = by_op.get(node.op_type, 0) + 1
+        elif node.op_type in WEIGHTED_FLOAT_OPS and any(i in weights for i in node.input[1:]):
+            floating += 1
+            by_op[f"{node.op_type} (float)"] = by_op.get(f"{node.op_type} (float)", 0) + 1
+    return {"int8": int8, "float": floating, "by_op": by_op}

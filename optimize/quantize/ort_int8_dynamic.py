@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from optimize.errors import RecipeError
-from optimize.quantize.common import auto_reduce_range, quant_type, require_onnx, workdir
+from optimize.quantize.common import auto_reduce_range, int8_node_counts, quant_type, require_onnx, workdir
 from optimize.quantize.sensitivity import sensitivity_fallback
 from optimize.registry import register
 
@@ -70,5 +70,6 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
     ctx.record("quantize", {"method": "ort_int8_dynamic", "int8_gemm": int8_gemm_speedup(ctx.threads),
                             "weights": cfg.weight_type, "activations": "uint8 dynamic",
                             "per_channel": cfg.per_channel, "reduce_range": reduce_range,
-                            "fp32_nodes": fp32_nodes, "calibration_min_cosine": score})
+                            "fp32_nodes": fp32_nodes, "calibration_min_cosine": score,
+                            "kernels": int8_node_counts(path)})
     return model.with_onnx(path, precision="int8")

@@ -26,6 +26,7 @@ from optimize.errors import RecipeError
 from optimize.quantize.common import (
     CalibrationReader,
     auto_reduce_range,
+    int8_node_counts,
     onnx_input_names,
     quant_type,
     require_onnx,
@@ -121,7 +122,8 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
                             "percentile": cfg.percentile if cfg.calibrate_method == "percentile" else None,
                             "per_channel": cfg.per_channel, "reduce_range": reduce_range,
                             "optimize_graph": cfg.optimize_graph, "calibration_items": count,
-                            "excluded_nodes": excluded, "fp32_nodes": fp32_nodes, "calibration_min_cosine": score})
+                            "excluded_nodes": excluded, "fp32_nodes": fp32_nodes, "calibration_min_cosine": score,
+                            "kernels": int8_node_counts(path)})
     return model.with_onnx(path, precision="int8")
 
 
