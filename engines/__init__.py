@@ -11,7 +11,7 @@ from typing import Protocol
 
 import numpy as np
 
-from engines.artifact import ArtifactError, read_manifest
+from engines.artifact import ArtifactError, check_engine_paths, read_manifest
 
 
 class Runner(Protocol):
@@ -31,11 +31,16 @@ def load(artifact_dir: str | Path, threads: int = 0, spinning: bool = True) -> R
 def load_engine(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> Runner:
     """The Runner of an engine block, through the engine table (engines/formats.py).
 
-    `spinning=False` for servers: idle runtime threads sleep instead of busy-waiting."""
+    `spinning=False` for servers: idle runtime threads sleep instead of busy-waiting. The block's paths
+    (`file`, `dir`, `tokenizer`, and an ONNX graph's external data) must resolve inside `root` through
+    no symbolic link, and name regular single-link files, before any runtime opens them. (`model_dir`
+    is the PyTorch baseline's source folder, outside any artifact; a manifest's is checked by
+    read_manifest.)"""
     from engines import formats
 
     try:
         fmt = formats.get(engine.get("format"))
     except formats.UnknownFormat as exc:
         raise ArtifactError(f"{exc.args[0]} in {root}") from None
+    check_engine_paths(Path(root), engine, keys=("file", "dir", "tokenizer"))
     return fmt.load(Path(root), engine, threads=threads, spinning=spinning)

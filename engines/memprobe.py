@@ -20,7 +20,36 @@ def _rss_mb() -> float:
     return 0.0
 
 
+def die_with_parent() -> None:
+    """Ask Linux to SIGKILL this process when its parent dies (a pipeline killed with SIGKILL must not
+    leave a probe running); elsewhere, or if prctl is unavailable, a thread polls the parent instead."""
+    import os
+    import signal
+
+    parent = os.getppid()
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        if libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl")
+    except (OSError, AttributeError):
+        import threading
+        import time
+
+        def watch() -> None:
+            while os.getppid() == parent:
+                time.sleep(0.5)
+            os._exit(1)
+
+        threading.Thread(target=watch, daemon=True).start()
+    if os.getppid() != parent or parent == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def main(argv: list[str]) -> None:
+    die_with_parent()
     root, engine_json, inputs_path = Path(argv[0]), argv[1], argv[2]
     import importlib
 

@@ -1,6 +1,7 @@
 """The pipeline: recipe -> model -> [prune] -> [distill] -> [quantize] -> engine -> evaluate -> gate -> artifact."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 import tempfile
@@ -91,8 +92,11 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
     started = time.time()
     the_plan = plan(cfg, run_dir)
     task = tasks.get(cfg.model.task)
-    with tempfile.TemporaryDirectory(prefix="optimize-") as scratch, artifact.staging(the_plan.final_dir) as stage:
-        ctx = Context(cfg, Path(scratch), threads=cfg.evaluate.threads)
+    # Scratch lives in the hidden partial directory beside the artifact (so one removal cleans both,
+    # and a run killed with SIGKILL leaves one directory that the next run removes); libraries that
+    # ask tempfile for a folder get one inside it too.
+    with artifact.staging(the_plan.final_dir) as stage, _temp_inside(artifact.scratch_for(stage)) as scratch:
+        ctx = Context(cfg, scratch, threads=cfg.evaluate.threads)
         # Data first: a missing or overlapping data set fails before minutes of model loading.
         if the_plan.needs_calibration:
             ctx.calibration()
@@ -123,6 +127,17 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
     return manifest, the_plan.final_dir
 
 
+@contextlib.contextmanager
+def _temp_inside(scratch: Path):
+    """tempfile's default folder set to `scratch` for the run, then restored."""
+    previous = tempfile.tempdir
+    tempfile.tempdir = str(scratch)
+    try:
+        yield scratch
+    finally:
+        tempfile.tempdir = previous
+
+
 def _initial_model(source: SourceModel) -> Model:
     if source.onnx_path is not None:
         return Model("torch", source.task).with_onnx(source.onnx_path)
@@ -147,10 +162,12 @@ def _install_engine(model: Model, stage: Path, cfg) -> dict:
     if model.engine_dir is None:
         raise RecipeError("the engine stage produced no engine files")
     for path in sorted(model.engine_dir.rglob("*")):
+        if path.is_symlink() or not (path.is_dir() or path.is_file()):
+            raise RecipeError(f"the engine stage left {path.name}, which is not a regular file; refused")
         if path.is_file():
             dest = stage / path.relative_to(model.engine_dir)
             dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, dest)
+            shutil.copyfile(path, dest)  # a copy of the content only: never a link to the source
     engine = dict(model.engine, precision=model.precision, task=model.task, max_length=cfg.model.max_length,
                   tokenizer=TOKENIZER_DIR if (stage / TOKENIZER_DIR).exists() else None)
     runner = load_engine(stage, engine)

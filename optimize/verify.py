@@ -1,31 +1,55 @@
-"""`python -m optimize.verify ARTIFACT`: check every file against the manifest's sha256.
+"""`python -m optimize.verify ARTIFACT [--key FILE] [--require-signature]`: check an artifact.
+
+The manifest's own digest, its signature (HMAC-SHA256, with a key), that every path it names stays
+inside the artifact, that every entry is a regular single-link file, and every file's sha256
+(engines/artifact.py, the checker serve/ uses too).
 
 Exit 0 when the artifact is intact (and says whether its gate passed), 1 when a file is changed,
-missing or unexpected, 2 when the path is not an artifact.
+missing or unexpected, 2 when the artifact is refused: not an artifact, a malformed or edited
+manifest, a path leaving the artifact, a symlink, hard link or special file, a bad or missing
+signature (one line `error: ...`).
 """
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 
-from engines.artifact import ArtifactError, read_manifest, verify
+from engines.artifact import VERIFY_KEY_ENV, ArtifactError, check_signature, read_key, read_manifest, verify
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python -m optimize.verify ARTIFACT_DIR", file=sys.stderr)
-        return 2
+    parser = _Parser(prog="python -m optimize.verify")
+    parser.add_argument("artifact")
+    parser.add_argument("--key", help=f"file holding the HMAC-SHA256 secret the manifest was signed with "
+                                      f"(default: the file {VERIFY_KEY_ENV} names)")
+    parser.add_argument("--require-signature", action="store_true", help="refuse an unsigned manifest")
+    args = parser.parse_args(argv)
     try:
-        manifest = read_manifest(argv[0])
-        problems = verify(argv[0])
+        key_file = args.key or os.environ.get(VERIFY_KEY_ENV)
+        key = read_key(key_file) if key_file else None
+        manifest = read_manifest(args.artifact)
+        signed = check_signature(manifest, key, args.require_signature)
+        problems = verify(args.artifact, key, args.require_signature)
     except ArtifactError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: {args.artifact}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     for problem in problems:
         print(problem)
     if problems:
-        print(f"{argv[0]}: {len(problems)} problem(s); the artifact does not match its manifest")
+        print(f"{args.artifact}: {len(problems)} problem(s); the artifact does not match its manifest")
         return 1
-    print(f"{argv[0]}: {len(manifest['files'])} files match the manifest; gate {manifest.get('verdict', 'unknown')}")
+    print(f"{args.artifact}: {len(manifest['files'])} files match the manifest; "
+          f"gate {manifest.get('verdict', 'unknown')}; manifest {signed}")
     return 0
 
 

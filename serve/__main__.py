@@ -69,6 +69,10 @@ def build_parser() -> OneLineParser:
     p.add_argument("--allow-modified", action="store_true",
                    help="serve even if files differ from the manifest's sha256 (not recommended)")
     p.add_argument("--allow-failed-gate", action="store_true", help="serve an artifact whose gate failed")
+    p.add_argument("--key", help="file holding the HMAC-SHA256 secret the manifest must be signed with "
+                                 "(default: the file ARTIFACT_VERIFY_KEY names)")
+    p.add_argument("--require-signature", action="store_true",
+                   help="refuse an artifact whose manifest is not signed (with --key, by that key)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -78,29 +82,40 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def check_artifact(root: Path, allow_modified: bool, allow_failed_gate: bool) -> dict:
-    """Verify every file against the manifest before anything is loaded."""
-    from engines.artifact import ArtifactError, read_manifest, verify
+def check_artifact(root: Path, allow_modified: bool, allow_failed_gate: bool, key_file: str | None = None,
+                   require_signature: bool = False) -> dict:
+    """Verify the manifest (its digest, signature and paths) and every file before anything is loaded.
+    A refused artifact (malformed or edited manifest, a path leaving it, a link or special file, a bad
+    signature) is refused whatever the flags; --allow-modified lifts only changed, missing or extra files."""
+    import os
+
+    from engines.artifact import VERIFY_KEY_ENV, ArtifactError, check_signature, read_key, read_manifest, verify
 
     if not root.is_dir():
         fail(f"{root} is not a directory")
     try:
+        key_file = key_file or os.environ.get(VERIFY_KEY_ENV)
+        key = read_key(key_file) if key_file else None
         manifest = read_manifest(root)
-        problems = verify(root)
+        signed = check_signature(manifest, key, require_signature)
+        problems = verify(root, key, require_signature)
     except ArtifactError as exc:
         fail(str(exc))
-    except (KeyError, TypeError, OSError) as exc:
-        fail(f"{root}: unreadable manifest or files ({type(exc).__name__}: {exc})")
+    except OSError as exc:
+        fail(f"{root}: unreadable manifest or files ({type(exc).__name__}: {exc.strerror or exc})")
     if problems and not allow_modified:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         fail(f"{root} does not match its manifest: {problems[0]}{more}; refusing to serve (--allow-modified overrides)")
     gate = manifest.get("gate") or {}
-    if not gate.get("passed") and not allow_failed_gate:
-        failed = [c.get("name") for c in gate.get("checks", []) if not c.get("passed")]
+    if gate.get("passed") is not True and not allow_failed_gate:
+        failed = [c.get("name") if isinstance(c, dict) else c for c in gate.get("checks", [])
+                  if not (isinstance(c, dict) and c.get("passed"))]
         fail(f"{root}: the gate did not pass (failed checks: {', '.join(map(str, failed)) or 'none recorded'}); "
              f"refusing to serve (--allow-failed-gate overrides)")
+    log = logging.getLogger("serve")
     for problem in problems:
-        logging.getLogger("serve").warning("serving a modified artifact: %s", problem)
+        log.warning("serving a modified artifact: %s", problem)
+    log.info("serve: manifest %s", signed)
     return manifest
 
 
@@ -108,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     root = Path(args.artifact)
-    manifest = check_artifact(root, args.allow_modified, args.allow_failed_gate)
+    manifest = check_artifact(root, args.allow_modified, args.allow_failed_gate, args.key, args.require_signature)
 
     from serve.app import create_app
     from serve.config import resolve

@@ -199,7 +199,10 @@ def _write_artifact(root: Path, xml: Path, engine: dict) -> Path:
     root.mkdir()
     for suffix in (".xml", ".bin"):
         (root / f"model{suffix}").write_bytes(xml.with_suffix(suffix).read_bytes())
-    (root / "manifest.json").write_text(json.dumps({"schema_version": 1, "engine": engine}))
+    from engines.artifact import SCHEMA_VERSION, file_table, seal
+
+    manifest = seal({"schema_version": SCHEMA_VERSION, "engine": engine, "files": file_table(root)})
+    (root / "manifest.json").write_text(json.dumps(manifest))
     return root
 
 

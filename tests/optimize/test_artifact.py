@@ -15,14 +15,14 @@ def make_stage(tmp_path):
 def test_manifest_lists_every_file_with_its_sha256(tmp_path):
     final = make_stage(tmp_path)
     with artifact.staging(final) as stage:
-        (stage / "model.onnx").write_bytes(b"weights")
+        (stage / "model.bin").write_bytes(b"weights")
         (stage / "tokenizer").mkdir()
         (stage / "tokenizer" / "tokenizer.json").write_text("{}")
         manifest = artifact.write_manifest(stage, {"id": "x"})
         artifact.publish(stage, final)
-    assert [f["path"] for f in manifest["files"]] == ["model.onnx", "tokenizer/tokenizer.json"]
-    assert manifest["files"][0]["sha256"] == sha256_file(final / "model.onnx")
-    assert read_manifest(final)["schema_version"] == 1
+    assert [f["path"] for f in manifest["files"]] == ["model.bin", "tokenizer/tokenizer.json"]
+    assert manifest["files"][0]["sha256"] == sha256_file(final / "model.bin")
+    assert read_manifest(final)["schema_version"] == artifact.SCHEMA_VERSION
     assert verify(final) == []
 
 

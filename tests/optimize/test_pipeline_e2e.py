@@ -127,7 +127,7 @@ def test_sigterm_midway_leaves_no_artifact(tmp_path):
                              f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and not list(tmp_path.glob(".artifact.partial-*/tokenizer")):
+    while time.time() < deadline and not list(tmp_path.glob(".artifact.partial-*/artifact/tokenizer")):
         time.sleep(0.2)
     assert list(tmp_path.glob(".artifact.partial-*")), "the run never started staging"
     proc.send_signal(signal.SIGTERM)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 def write_manifest(artifact: Path) -> None:
-    from engines.artifact import MANIFEST, SCHEMA_VERSION, file_table
+    from engines.artifact import MANIFEST, SCHEMA_VERSION, file_table, seal
 
     manifest = {
         "schema_version": SCHEMA_VERSION, "id": "tiny-llm-test", "parent_id": None,
@@ -25,7 +25,7 @@ def write_manifest(artifact: Path) -> None:
         "gate": {"passed": True, "checks": []}, "verdict": "passed",
         "files": file_table(artifact),
     }
-    (artifact / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    (artifact / MANIFEST).write_text(json.dumps(seal(manifest), indent=2))
 
 
 def build(out: Path) -> Path:
