@@ -53,17 +53,14 @@ def check_rows(gate: dict) -> list[list[str]]:
 
 
 def race_rows(race: dict) -> list[list[str]]:
-    """The engine race: every candidate with its accuracy, p50 per batch size, size and outcome."""
-    batches = list(race.get("baseline_p50_ms", {}))
-    rows = [["candidate", "precision", "INT8/float nodes", "cosine min", "cosine mean"]
-            + [f"p50 ms b{b} (x base)" for b in batches] + ["size MB", "outcome"]]
+    """The engine race: every candidate with the task's figures (accuracy, speed), size and outcome."""
+    columns = list(dict.fromkeys(k for c in race["candidates"] for k in c.get("columns") or {}))
+    rows = [["candidate", "precision", "INT8/float nodes", *columns, "size MB", "outcome"]]
     for c in race["candidates"]:
-        fid, lat = c.get("fidelity") or {}, c.get("latency") or {}
-        timings = [f"{lat[b]['p50_ms']:.2f} ({lat[b]['x_baseline']:.2f}x)" if b in lat else "-" for b in batches]
-        kernels = c.get("kernels") or {}
+        kernels, cells = c.get("kernels") or {}, c.get("columns") or {}
         nodes = f"{kernels['int8']}/{kernels['float']}" if kernels else "-"
-        rows.append([c["name"], str(c.get("precision") or "-"), nodes, _fmt(fid.get("cosine_min"), 4),
-                     _fmt(fid.get("cosine_mean"), 4), *timings, _fmt(c.get("size_mb"), 1), c["outcome"]])
+        rows.append([c["name"], str(c.get("precision") or "-"), nodes, *(cells.get(k, "-") for k in columns),
+                     _fmt(c.get("size_mb"), 1), c["outcome"]])
     return rows
 
 
@@ -90,8 +87,7 @@ def render(manifest: dict, path) -> str:
     race = (manifest.get("stages") or {}).get("engine") or {}
     parts = [f"recipe {manifest['recipe']['name']}: {manifest['model']['source']}"]
     if race.get("method") == "auto":
-        parts += [f"engine race ({race['seconds']:.0f} s; won at batch {race['batch_size']}; "
-                  f"baseline p50 per batch {race['baseline_p50_ms']}):", _table(race_rows(race)), ""]
+        parts += [f"engine race ({race['seconds']:.0f} s; won on {race['won_on']}):", _table(race_rows(race)), ""]
     parts += [
         _table(metrics_rows(manifest["metrics"])),
         f"(threads: {threads.get('requested')}, cpu count {threads.get('cpu_count')}; "

@@ -52,8 +52,26 @@ CANDIDATES: dict[str, Candidate] = {
     "openvino_bf16": Candidate("openvino", {"precision": "bf16"}),
     "openvino_int8": Candidate("openvino", {"precision": "int8"}),
 }
-DEFAULT_CANDIDATES = ["ort_fp32", "ort_int8_dynamic", "ort_int8_dynamic_all", "openvino_f32", "openvino_bf16",
-                      "openvino_int8"]
+# Causal LMs: decoders with KV cache from ONNX Runtime GenAI and OpenVINO GenAI, weight-only INT4
+# (with 8-bit LM head and sensitive layers where the builder offers it) and INT8.
+CANDIDATES.update({
+    "ort_genai_int4": Candidate("onnxruntime_genai", {"precision": "int4", "accuracy_level": 4}),
+    "ort_genai_int4_k_quant_mixed": Candidate("onnxruntime_genai", {"precision": "int4", "accuracy_level": 4,
+                                                                    "algo_config": "k_quant_mixed"}),
+    "openvino_genai_int4": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 64}),
+    "openvino_genai_int4_g32": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 32}),
+    "openvino_genai_int8": Candidate("openvino_genai", {"weight_format": "int8_asym"}),
+})
+DEFAULT_CANDIDATES = {
+    "causal_lm": ["ort_genai_int4_k_quant_mixed", "openvino_genai_int4", "openvino_genai_int4_g32",
+                  "openvino_genai_int8"],
+    "default": ["ort_fp32", "ort_int8_dynamic", "ort_int8_dynamic_all", "openvino_f32", "openvino_bf16",
+                "openvino_int8"],
+}
+
+
+def default_candidates(task: str) -> list[str]:
+    return list(DEFAULT_CANDIDATES.get(task, DEFAULT_CANDIDATES["default"]))
 
 
 @dataclass
@@ -66,7 +84,7 @@ class EngineRaceConfig:
                    time_budget_s: 300}
     """
 
-    candidates: List[str] = field(default_factory=lambda: list(DEFAULT_CANDIDATES))
+    candidates: List[str] = field(default_factory=list)  # empty: the model task's default set
     # Parameters merged into a candidate's methods, by candidate name:
     # {openvino_int8: {engine: {smooth_quant_alpha: 0.5}}, ort_int8_dynamic: {quantize: {max_fp32_nodes: 4}}}
     candidate_params: Dict[str, Any] = field(default_factory=dict)
@@ -76,10 +94,10 @@ class EngineRaceConfig:
 
     def validate(self):
         unknown = [c for c in self.candidates if c not in CANDIDATES]
-        if unknown or not self.candidates:
+        if unknown:
             raise RecipeError(f"engine.params.candidates={self.candidates}: unknown {unknown} "
                               f"(known: {', '.join(CANDIDATES)})")
-        stray = set(self.candidate_params) - set(self.candidates)
+        stray = set(self.candidate_params) - set(self.candidates or CANDIDATES)
         if stray:
             raise RecipeError(f"engine.params.candidate_params names {sorted(stray)}, which are not candidates")
         for name, params in self.candidate_params.items():
@@ -107,6 +125,7 @@ class Entry:
     size_mb: Optional[float] = None
     fidelity: dict = field(default_factory=dict)
     latency: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)  # causal LMs: perplexity, lm-eval, generation speed
     accuracy_checks: list = field(default_factory=list)
     passed: Optional[bool] = None
     outcome: str = ""
@@ -121,17 +140,34 @@ class Entry:
                 "precision": self.model.precision if self.model else None, "cached": self.cached,
                 "build_s": round(self.build_s, 1), "size_mb": self.size_mb, "fidelity": self.fidelity,
                 "latency": self.latency, "accuracy_checks": self.accuracy_checks, "passed_accuracy": self.passed,
-                "kernels": self.kernels(),
+                "metrics": self.metrics, "kernels": self.kernels(), "columns": self.columns(),
                 "outcome": self.outcome}
+
+    def columns(self) -> dict:
+        """What the report shows of this candidate (the task's own figures)."""
+        if self.metrics:
+            from optimize.compile import race_lm
+
+            return race_lm.columns(self)
+        cells = {"cosine min": _fmt(self.fidelity.get("cosine_min")),
+                 "cosine mean": _fmt(self.fidelity.get("cosine_mean"))}
+        for batch, timing in self.latency.items():
+            cells[f"p50 ms b{batch} (x base)"] = f"{timing['p50_ms']:.2f} ({timing['x_baseline']:.2f}x)"
+        return cells
+
+
+def _fmt(value, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
 @register("engine", "auto", EngineRaceConfig, needs_calibration=True, input_format="torch", builds_candidates=True,
-          tasks=("sentence_embedding", "generic"))
+          tasks=("sentence_embedding", "generic", "causal_lm"))
 def engine_race(model, cfg: EngineRaceConfig, ctx):
     """Race ONNX Runtime and OpenVINO candidates on this machine; ship the fastest that passes accuracy."""
     started = time.monotonic()
-    exported = _export_once(model, ctx)
-    entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates]
+    lm = model.task == "causal_lm"
+    exported = model if lm else _export_once(model, ctx)  # decoders are built from the module itself
+    entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates or default_candidates(model.task)]
     key_base = _identity(model, ctx)
     with _progress(len(entries)) as bar:
         for entry in entries:
@@ -145,12 +181,18 @@ def engine_race(model, cfg: EngineRaceConfig, ctx):
     if not built:
         raise RecipeError("engine.method=auto: no candidate could be built here: "
                           + "; ".join(f"{e.name}: {e.outcome}" for e in entries))
-    baseline_p50 = _score(built, ctx)
-    winner = _choose(built, ctx)
+    if lm:
+        from optimize.compile import race_lm
+
+        baseline = race_lm.score(built, ctx)
+        winner = race_lm.choose(built, ctx)
+    else:
+        baseline = _score(built, ctx)
+        winner = _choose(built, ctx)
     export = ctx.stage_records.pop("export", None)
     ctx.stage_records.update(winner.records)  # the winner's own engine (and quantize) records
     winner_engine = ctx.stage_records.pop("engine", None)
-    ctx.record("engine", _race_record(ctx, entries, winner, baseline_p50, export, winner_engine,
+    ctx.record("engine", _race_record(ctx, entries, winner, baseline, export, winner_engine,
                                       time.monotonic() - started))
     return winner.model
 
@@ -374,24 +416,28 @@ def _choose(entries: list[Entry], ctx) -> Entry:
 
 # ---------------------------------------------------------------- report
 
-def _race_record(ctx, entries: list[Entry], winner: Entry, baseline_p50: dict, export: Optional[dict],
+def _race_record(ctx, entries: list[Entry], winner: Entry, baseline: dict, export: Optional[dict],
                  winner_engine: Optional[dict], seconds: float) -> dict:
     from optimize.evaluate.kernels import int8_gemm_speedup
 
+    lm = bool(winner.metrics)
     plot = _plot(entries, race_batch_size(ctx), ctx.scratch / "race_front.png")
     if plot:
         ctx.extra_files["race/front.png"] = plot
     for entry in entries:
-        log.info("race: %-22s %s", entry.name, entry.outcome)
-    return {"method": "auto", "winner": winner.name, "batch_size": race_batch_size(ctx),
-            "baseline_p50_ms": baseline_p50, "candidates": [e.report() for e in entries],
-            "seconds": round(seconds, 1), "plot": "race/front.png" if plot else None, "export": export,
-            "winner_engine": winner_engine, "int8_gemm": int8_gemm_speedup(ctx.threads)}
+        log.info("race: %-28s %s", entry.name, entry.outcome)
+    record = {"method": "auto", "winner": winner.name, "won_on": "generation time" if lm else
+              f"p50 at batch {race_batch_size(ctx)}", "candidates": [e.report() for e in entries],
+              "seconds": round(seconds, 1), "plot": "race/front.png" if plot else None, "winner_engine": winner_engine}
+    if lm:
+        return {**record, "baseline": baseline}
+    return {**record, "batch_size": race_batch_size(ctx), "baseline_p50_ms": baseline, "export": export,
+            "int8_gemm": int8_gemm_speedup(ctx.threads)}
 
 
 def _plot(entries: list[Entry], batch: str, path: Path) -> Optional[Path]:
-    """Latency at the race's batch size against min cosine: the accuracy/latency front."""
-    scored = [e for e in entries if e.latency and "cosine_min" in e.fidelity]
+    """Latency against accuracy (min cosine; for causal LMs, generation time against perplexity increase)."""
+    scored = [e for e in entries if (e.latency and "cosine_min" in e.fidelity) or "generation_ms" in e.metrics]
     if not scored:
         return None
     import matplotlib
@@ -400,14 +446,16 @@ def _plot(entries: list[Entry], batch: str, path: Path) -> Optional[Path]:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    lm = "generation_ms" in scored[0].metrics
     for entry in scored:
-        x, y = entry.latency[batch]["p50_ms"], entry.fidelity["cosine_min"]
+        x, y = ((entry.metrics["generation_ms"], entry.metrics["perplexity_increase_pct"]) if lm
+                else (entry.latency[batch]["p50_ms"], entry.fidelity["cosine_min"]))
         shipped = entry.outcome.startswith("won")
         ax.scatter([x], [y], color="tab:green" if entry.passed else "tab:red", marker="*" if shipped else "o",
                    s=160 if shipped else 50)
         ax.annotate(entry.name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    ax.set_xlabel(f"p50 latency at batch {batch} (ms)")
-    ax.set_ylabel("min cosine vs baseline")
+    ax.set_xlabel("generation time, p50 TTFT + decode (ms)" if lm else f"p50 latency at batch {batch} (ms)")
+    ax.set_ylabel("perplexity increase (%)" if lm else "min cosine vs baseline")
     ax.set_title("engine race: green passes accuracy, red fails, star ships")
     ax.grid(alpha=0.3)
     fig.tight_layout()

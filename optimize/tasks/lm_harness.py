@@ -94,6 +94,21 @@ def lm_adapter(runner, tokens):
 
 def lm_eval_scores(metrics, base, cand, tokens, paragraphs, cfg, scratch: Path) -> dict:
     """Accuracy per task for both sides, and the candidate's largest drop in points."""
+    scores = {}
+    for side, runner in (("baseline", base), ("candidate", cand)):
+        scores[side], described = lm_eval_accuracy(runner, tokens, paragraphs, cfg, scratch, side)
+        metrics[side]["lm_eval"] = scores[side]
+    metrics["candidate"]["lm_eval_drop_pts"] = lm_eval_drop(scores["baseline"], scores["candidate"])
+    return described
+
+
+def lm_eval_drop(baseline: dict[str, float], candidate: dict[str, float]) -> float:
+    """The candidate's largest accuracy drop over the tasks, in points."""
+    return max((baseline[t] - candidate[t]) * 100 for t in candidate)
+
+
+def lm_eval_accuracy(runner, tokens, paragraphs, cfg, scratch: Path, label: str = "") -> tuple[dict, dict]:
+    """({task: accuracy}, what was evaluated) for one runner on the configured lm-eval tasks."""
     try:
         import lm_eval
         from lm_eval.tasks import TaskManager
@@ -105,19 +120,14 @@ def lm_eval_scores(metrics, base, cand, tokens, paragraphs, cfg, scratch: Path) 
     items = next_sentence_items(paragraphs, cfg.lm_eval_limit or len(paragraphs))
     data = write_local_task(items, scratch / "lm_eval")
     manager = TaskManager(include_path=str(data.parent))
-    scores = {}
-    for side, runner in (("baseline", base), ("candidate", cand)):
-        log.info("lm-eval %s: %s", side, ", ".join(cfg.lm_eval_tasks))
-        try:
-            out = lm_eval.simple_evaluate(model=lm_adapter(runner, tokens), tasks=list(cfg.lm_eval_tasks),
-                                          task_manager=manager, limit=cfg.lm_eval_limit, num_fewshot=0,
-                                          bootstrap_iters=0, log_samples=False, verbosity="ERROR")
-        except Exception as exc:  # a standard task whose dataset cannot be fetched offline, a typo, ...
-            raise RecipeError(f"lm-eval could not run {cfg.lm_eval_tasks}: {str(exc).splitlines()[0][:200]}") from None
-        scores[side] = {task: float(result["acc,none"]) for task, result in out["results"].items()
-                        if "acc,none" in result}
-        metrics[side]["lm_eval"] = scores[side]
-    metrics["candidate"]["lm_eval_drop_pts"] = max(
-        (scores["baseline"][t] - scores["candidate"][t]) * 100 for t in scores["candidate"])
-    return {"tasks": list(cfg.lm_eval_tasks), "limit": cfg.lm_eval_limit, "local_items": len(items),
-            "local_sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
+    log.info("lm-eval %s: %s", label, ", ".join(cfg.lm_eval_tasks))
+    try:
+        out = lm_eval.simple_evaluate(model=lm_adapter(runner, tokens), tasks=list(cfg.lm_eval_tasks),
+                                      task_manager=manager, limit=cfg.lm_eval_limit, num_fewshot=0,
+                                      bootstrap_iters=0, log_samples=False, verbosity="ERROR")
+    except Exception as exc:  # a standard task whose dataset cannot be fetched offline, a typo, ...
+        raise RecipeError(f"lm-eval could not run {cfg.lm_eval_tasks}: {str(exc).splitlines()[0][:200]}") from None
+    scores = {task: float(result["acc,none"]) for task, result in out["results"].items() if "acc,none" in result}
+    described = {"tasks": list(cfg.lm_eval_tasks), "limit": cfg.lm_eval_limit, "local_items": len(items),
+                 "local_sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
+    return scores, described

@@ -39,8 +39,9 @@ def tiny_genai_fp32(tiny_llm, tmp_path_factory):
     return GenAIRunner(out)
 
 
+# The ONNX Runtime GenAI engine alone, k_quant_mixed as the race's ORT candidate builds it.
 TINY_OVERRIDES = [
-    "recipe=smollm2_int4_cpu", "model.max_length=128",
+    "recipe=smollm2_int4_cpu", "engine=genai_int4", "engine.params.algo_config=k_quant_mixed", "model.max_length=128",
     "gate.max_ppl_increase_pct=1000", "gate.min_decode_speedup=0.01",
     "evaluate.data.count=8", "evaluate.warmup=1", "evaluate.repeats=3", "calibration.count=4",
     "evaluate.task_params.perplexity_tokens=256", "evaluate.task_params.perplexity_window=128",

@@ -89,3 +89,41 @@ def test_race_end_to_end_ships_a_passing_candidate_and_reuses_its_cache(tmp_path
     race = read_manifest(out)["stages"]["engine"]
     assert all(c["cached"] for c in race["candidates"])
     assert next(c for c in race["candidates"] if c["name"] == race["winner"])["passed_accuracy"]
+
+
+def test_causal_lm_race_on_a_tiny_llama_ships_the_fastest_generation_within_the_perplexity_bar(tmp_path):
+    pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("openvino_genai")
+    from tests.support.models import tiny_llama_folder
+
+    source = tiny_llama_folder(tmp_path / "src")
+    out = tmp_path / "artifact"
+    proc = run_optimize(
+        f"model.source={source}", "recipe=smollm2_int4_cpu", "engine=auto", "model.max_length=128",
+        "engine.params.candidates=[ort_genai_int4,openvino_genai_int4_g32,openvino_genai_int8]",
+        "gate.max_ppl_increase_pct=1000", "gate.min_decode_speedup=null", "evaluate.data.count=8",
+        "evaluate.warmup=1", "evaluate.repeats=2", "calibration.count=4", "evaluate.task_params.perplexity_tokens=256",
+        "evaluate.task_params.perplexity_window=128", "evaluate.task_params.prompt_tokens=16",
+        "evaluate.task_params.new_tokens=8", "evaluate.task_params.lm_eval_tasks=[]", f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}", env={"OPTIMIZE_CACHE": str(tmp_path / "cache")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = read_manifest(out)
+    race = manifest["stages"]["engine"]
+    by_name = {c["name"]: c for c in race["candidates"]}
+    assert set(by_name) == {"ort_genai_int4", "openvino_genai_int4_g32", "openvino_genai_int8"}
+    for candidate in by_name.values():
+        metrics = candidate["metrics"]
+        assert metrics["perplexity"] > 0 and metrics["generation"]["decode_tok_s"]["p50"] > 0
+        assert metrics["generation_ms"] == pytest.approx(auto_generation_ms(metrics))
+    winner = by_name[race["winner"]]
+    assert winner["outcome"].startswith("won")
+    assert winner["metrics"]["generation_ms"] == min(c["metrics"]["generation_ms"] for c in by_name.values()
+                                                     if c["passed_accuracy"])
+    assert manifest["engine"]["format"] == {"ort_genai_int4": "onnxruntime-genai"}.get(race["winner"], "openvino-genai")
+    assert "engine race" in proc.stdout and "generation ms" in proc.stdout
+
+
+def auto_generation_ms(metrics: dict) -> float:
+    from optimize.compile.race_lm import generation_ms
+
+    return generation_ms(metrics["generation"], metrics["generation"]["new_tokens"])
