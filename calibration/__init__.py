@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import random
+import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -180,13 +182,56 @@ def jsonl(split: str, path: str | None = None, field: str = "text", min_chars: i
     return _split_items(items, split)
 
 
-def _read(path: str | None) -> bytes:
+# Data files are read whole: past this size a file is refused instead of filling memory (calibration
+# and evaluation draw at most a few thousand items). OPTIMIZE_MAX_DATA_BYTES raises it.
+MAX_DATA_BYTES = 64 << 20
+MAX_DATA_BYTES_ENV = "OPTIMIZE_MAX_DATA_BYTES"
+
+
+def max_data_bytes() -> int:
+    value = os.environ.get(MAX_DATA_BYTES_ENV, "")
+    return int(value) if value.isdigit() and int(value) > 0 else MAX_DATA_BYTES
+
+
+def check_data_file(path: str | None) -> Path:
+    """A data file that exists and is a regular file (not a directory, FIFO, device or symbolic link)
+    within the size limit; one DataError saying which it is otherwise."""
     if not path:
         raise DataError("this data source needs a path")
     p = Path(path).expanduser()
-    if not p.is_file():
-        raise DataError(f"data file {path} does not exist")
-    return p.read_bytes()
+    try:
+        info = os.lstat(p)
+    except FileNotFoundError:
+        raise DataError(f"data file {path} does not exist") from None
+    except OSError as exc:
+        raise DataError(f"data file {path}: {exc.strerror}") from None
+    if stat.S_ISDIR(info.st_mode):
+        raise DataError(f"data file {path} is a directory; give a file")
+    if stat.S_ISLNK(info.st_mode):
+        raise DataError(f"data file {path} is a symbolic link; give the file itself")
+    if not stat.S_ISREG(info.st_mode):
+        kind = "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device" if stat.S_ISCHR(info.st_mode) or \
+            stat.S_ISBLK(info.st_mode) else "not a regular file"
+        raise DataError(f"data file {path} is {kind}; give a regular file")
+    limit = max_data_bytes()
+    if info.st_size > limit:
+        raise DataError(f"data file {path} is {info.st_size} bytes, over the limit of {limit} "
+                        f"(set {MAX_DATA_BYTES_ENV} to raise it)")
+    return p
+
+
+def _read(path: str | None) -> bytes:
+    """The file's bytes, at most the size limit (a file that grows while read is refused too)."""
+    p = check_data_file(path)
+    limit = max_data_bytes()
+    fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            raise DataError(f"data file {path} is not a regular file")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise DataError(f"data file {path} is over the limit of {limit} bytes (set {MAX_DATA_BYTES_ENV} to raise it)")
+    return data
 
 
 def names() -> list[str]:

@@ -2,9 +2,10 @@
 (local parquet/json/jsonl/csv/text files here; hub names on a networked machine)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-from calibration import DataError, _split_items, source
+from calibration import DataError, _split_items, check_data_file, source
 
 # File suffix -> the `datasets` builder that reads it.
 _BUILDERS = {".parquet": "parquet", ".json": "json", ".jsonl": "json", ".csv": "csv", ".txt": "text"}
@@ -21,9 +22,9 @@ def parquet(split: str, path: str | None = None, field: str = "text", min_chars:
     """A parquet file; column `field` holds the text. Items are split by content hash."""
     import pyarrow.parquet as pq
 
-    if not path or not Path(path).expanduser().is_file():
-        raise DataError(f"data file {path} does not exist" if path else "the parquet source needs a path")
-    table = pq.read_table(str(Path(path).expanduser()))
+    if not path:
+        raise DataError("the parquet source needs a path")
+    table = pq.read_table(str(check_data_file(path)))
     if field not in table.column_names:
         raise DataError(f"{path} has no column {field!r} (columns: {', '.join(table.column_names)})")
     return _split_items(_texts(table.column(field).to_pylist(), field, path, min_chars), split)
@@ -48,7 +49,8 @@ def _load_dataset(path: str, dataset_split: str):
 
     local = Path(path).expanduser()
     try:
-        if local.is_file():
+        if os.path.lexists(local) and not local.is_dir():
+            check_data_file(path)  # a FIFO, device, link or oversized file is refused before any reader opens it
             builder = _BUILDERS.get(local.suffix)
             if builder is None:
                 raise DataError(f"{path}: cannot tell the format of {local.suffix or 'a file without suffix'} "

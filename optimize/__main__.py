@@ -1,18 +1,21 @@
 """`python -m optimize recipe=NAME key=value ...`
 
 Exit codes: 0 the gate passed, 1 the gate failed (artifact kept, marked failed), 2 the recipe or an
-input is bad (one line on stderr, nothing written), 3 an internal error (a bug: traceback shown).
+input is bad (one line on stderr, nothing written), 3 an internal error (a bug: traceback shown),
+130 interrupted by SIGINT (Ctrl-C), 143 stopped by SIGTERM (nothing written in either case).
 """
 from __future__ import annotations
 
 import logging
+import shutil
 import signal
 import sys
+import tempfile
 import traceback
 from pathlib import Path
 
 from optimize import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL_ERROR, EXIT_PASSED
-from optimize.errors import RecipeError
+from optimize.errors import RecipeError, bad_input_message
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "recipes")
 HYDRA_VERSION_BASE = "1.3"
@@ -20,6 +23,9 @@ HYDRA_VERSION_BASE = "1.3"
 _NO_JOB_FLAGS = {"-m", "--multirun", "-h", "--help", "--hydra-help", "-i", "--info", "-sc", "--shell-completion"}
 _VALUED_FLAGS = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
                  "--config-dir", "--experimental-rerun", "-i", "--info", "-sc", "--shell-completion"}
+# `+key` may add keys only inside these free-form sections; anywhere else the key must be in the schema.
+FREE_FORM = ("evaluate.task_params.", "hydra.")
+EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 log = logging.getLogger("optimize")
 
 
@@ -29,17 +35,54 @@ def fail(message: str) -> None:
 
 
 def precheck(argv: list[str]) -> None:
-    """Compose the recipe once before Hydra runs it, so a bad override or recipe is one line and exit 2
-    (Hydra itself prints several lines and exits 1, which CI would read as a failed gate)."""
-    from hydra import compose, initialize_config_dir
-
+    """Compose the recipe and plan it once before Hydra runs it, so a bad override, recipe or input
+    the plan can see is one line and exit 2 with nothing written (Hydra itself prints several lines
+    and exits 1, which CI would read as a failed gate, and writes .hydra/ and a log first)."""
     if _NO_JOB_FLAGS & {a.split("=")[0] for a in argv}:
         return  # sweeps are composed per job; help and info need no check
     try:
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base=HYDRA_VERSION_BASE):
-            compose("config", overrides=overrides_of(argv), return_hydra_config=True)
+        cfg = compose_recipe(overrides_of(argv))
+    except RecipeError as exc:
+        fail(str(exc))
     except Exception as exc:  # Hydra and OmegaConf raise many types; all mean "bad recipe"
         fail(_one_line(exc))
+    if {"-c", "--cfg"} & set(argv):
+        return  # printing the recipe loads and checks no inputs
+    try:
+        from optimize import pipeline
+
+        pipeline.plan(cfg, Path(tempfile.gettempdir()) / "optimize-precheck")
+    except Exception as exc:
+        message = bad_input_message(exc)
+        if message is None:
+            raise
+        fail(message)
+
+
+def compose_recipe(overrides: list[str]):
+    """The composed recipe (with Hydra's own config), after refusing `+key`/`++key` overrides that add a
+    key the schema does not have outside a free-form section (a typo such as `+gate.min_cosin=0.999`
+    would otherwise be accepted and never checked)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    adds = [o for o in parsed if (o.is_add() or o.is_force_add()) and "." in o.key_or_group]
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=HYDRA_VERSION_BASE):
+        if adds:
+            others = [text for text, o in zip(overrides, parsed) if o not in adds]
+            base = compose("config", overrides=others, return_hydra_config=True)
+            for o in adds:
+                key = o.key_or_group
+                if key.startswith(FREE_FORM) or OmegaConf.select(base, key, default=_ABSENT) is not _ABSENT:
+                    continue
+                raise RecipeError(f"+{key}: no such key in the recipe schema (a typo?); `+` adds keys only "
+                                  f"under {', '.join(p.rstrip('.') for p in FREE_FORM)}")
+        return compose("config", overrides=overrides, return_hydra_config=True)
+
+
+_ABSENT = object()
 
 
 def overrides_of(argv: list[str]) -> list[str]:
@@ -81,7 +124,11 @@ def main() -> None:
     entry()
 
 
+_signal_received: list[int] = []
+
+
 def _interrupt(signum, frame):
+    _signal_received.append(signum)
     raise KeyboardInterrupt
 
 
@@ -98,20 +145,38 @@ def run_job(cfg) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     hydra_cfg = HydraConfig.get()
     recipe = hydra_cfg.runtime.choices.get("recipe") or "custom"
+    run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
-        manifest, path = pipeline.run(cfg, recipe, Path(hydra_cfg.runtime.output_dir))
-    except RecipeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        manifest, path = pipeline.run(cfg, recipe, run_dir)
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
-        return 130
-    except Exception:
-        traceback.print_exc()
-        print("internal error: this is a bug in optimize; nothing was written", file=sys.stderr)
-        return EXIT_INTERNAL_ERROR
+        return EXIT_SIGTERM if signal.SIGTERM in _signal_received else EXIT_SIGINT
+    except Exception as exc:
+        message = bad_input_message(exc)
+        if message is None:
+            traceback.print_exc()
+            print("internal error: this is a bug in optimize; nothing was written", file=sys.stderr)
+            return EXIT_INTERNAL_ERROR
+        print(f"error: {message}", file=sys.stderr)
+        _remove_hydra_outputs(run_dir, hydra_cfg)
+        return EXIT_BAD_INPUT
     print(report.render(manifest, path))
     return EXIT_PASSED if manifest["gate"]["passed"] else EXIT_GATE_FAILED
+
+
+def _remove_hydra_outputs(run_dir: Path, hydra_cfg) -> None:
+    """A refused run writes nothing: remove what Hydra wrote for it (.hydra/, the job's log), and the
+    run directory if that leaves it empty."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.close()
+    if hydra_cfg.output_subdir:
+        shutil.rmtree(run_dir / hydra_cfg.output_subdir, ignore_errors=True)
+    (run_dir / f"{hydra_cfg.job.name}.log").unlink(missing_ok=True)
+    try:
+        run_dir.rmdir()  # only when empty
+    except OSError:
+        pass
 
 
 if __name__ == "__main__":

@@ -32,12 +32,25 @@ def resolve_package_path(source: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / sub
 
 
+# ONNX operator domains ONNX Runtime's CPU build runs; a graph using any other (a custom op library) cannot load.
+KNOWN_ONNX_DOMAINS = {"", "ai.onnx", "ai.onnx.ml", "com.microsoft", "com.microsoft.nchwc", "ai.onnx.preview.training"}
+MAX_LENGTH_LIMIT = 1 << 20
+
+
 def resolve(cfg) -> tuple[str, Path | None]:
-    """Returns (kind, local path or None for a hub id). Checks existence and pickle safety."""
+    """Returns (kind, local path or None for a hub id). Checks existence, file kind and pickle safety."""
     source = cfg.source
+    max_length = cfg.get("max_length")
+    if max_length is not None and not 1 <= max_length <= MAX_LENGTH_LIMIT:
+        raise RecipeError(f"model.max_length={max_length} must be between 1 and the model's position limit")
     path = resolve_package_path(source) if source.startswith("pkg://") else Path(source).expanduser()
-    if path.exists():
-        return _classify_local(path, cfg), path
+    if os.path.lexists(path):
+        if path.is_symlink() and path.suffix == ".onnx":
+            raise RecipeError(f"model.source={source} is a symbolic link; give the file itself")
+        kind = _classify_local(path, cfg)
+        if kind == "onnx":
+            check_onnx_source(path, source)
+        return kind, path
     looks_local = source.startswith(("pkg://", "/", ".", "~")) or path.suffix in (".onnx", ".gguf", *PICKLE_SUFFIXES)
     if looks_local or not _HUB_ID.match(source):
         raise RecipeError(f"model.source={source}: no such file or directory")
@@ -45,6 +58,10 @@ def resolve(cfg) -> tuple[str, Path | None]:
 
 
 def _classify_local(path: Path, cfg) -> str:
+    if path.exists() and not path.is_file() and not path.is_dir():
+        from engines.artifact import describe_kind
+
+        raise RecipeError(f"model.source={path} is {describe_kind(os.stat(path).st_mode)}, not a file or folder")
     if path.is_file():
         if path.suffix == ".onnx":
             return "onnx"
@@ -64,6 +81,67 @@ def _classify_local(path: Path, cfg) -> str:
                               "or set model.allow_pickle=true if you trust them")
         raise RecipeError(f"model.source={path} has no *.safetensors weights")
     return "folder"
+
+
+def check_onnx_source(path: Path, source: str) -> None:
+    """An ONNX source the pipeline can use, or one RecipeError: a regular single-link file, parseable,
+    its external data beside it (checked here, not left to onnx or ONNX Runtime), passing the ONNX
+    checker, and using no operator domain ONNX Runtime lacks."""
+    from engines.artifact import ArtifactError, check_onnx_external_data, check_regular_file
+
+    try:
+        check_regular_file(path, f"model.source={source}")
+        check_onnx_external_data(path)
+    except ArtifactError as exc:
+        text = str(exc)
+        raise RecipeError(text if text.startswith("model.source") else f"model.source={source}: {text}") from None
+    import onnx
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+        onnx.checker.check_model(str(path))
+    except Exception as exc:  # DecodeError, ValidationError: both mean a bad file
+        text = " ".join(str(exc).strip().split("\n")[0].split())[:300] or type(exc).__name__
+        raise RecipeError(f"model.source={source} is not a valid ONNX model: {text}") from None
+    domains = {o.domain for o in model.opset_import} | {n.domain for n in model.graph.node}
+    custom = sorted(domains - KNOWN_ONNX_DOMAINS)
+    if custom:
+        raise RecipeError(f"model.source={source} uses operators of the custom domain(s) {', '.join(custom)}, "
+                          "which ONNX Runtime cannot run without their library")
+
+
+def check_max_length(cfg, module) -> None:
+    """model.max_length within what the model's position embeddings allow."""
+    config = getattr(module, "config", None)
+    limit = getattr(config, "max_position_embeddings", None)
+    if isinstance(limit, int) and cfg.max_length > limit:
+        raise RecipeError(f"model.max_length={cfg.max_length} is more than the {limit} positions this model's "
+                          "position embeddings allow")
+
+
+def hub_reachable(timeout_s: float = 3.0) -> bool:
+    """One quick TCP connection to the hub (HF_ENDPOINT), instead of the hub client's minute of retries."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        with socket.create_connection((url.hostname or "huggingface.co",
+                                       url.port or (443 if url.scheme == "https" else 80)), timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def _go_offline() -> None:
+    """Use only the local cache from now on (the environment for libraries not imported yet, the
+    constant for those that are)."""
+    import sys
+
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    constants = sys.modules.get("huggingface_hub.constants")
+    if constants is not None:
+        constants.HF_HUB_OFFLINE = True  # type: ignore[attr-defined]
 
 
 def load(cfg) -> SourceModel:
@@ -86,6 +164,11 @@ def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
     from engines.pytorch_runner import load_hf_model
 
     location, gguf_file = (cfg.source if path is None else str(path)), cfg.gguf_file
+    offline = False
+    if kind == "hub" and os.environ.get("HF_HUB_OFFLINE") not in ("1", "true", "True", "YES", "yes"):
+        if not hub_reachable():
+            _go_offline()
+            offline = True
     if kind == "gguf":
         assert path is not None  # a .gguf source is a file
         location, gguf_file = str(path.parent), path.name
@@ -98,8 +181,17 @@ def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
         module = load_hf_model(location, cfg.task, allow_pickle=cfg.allow_pickle,
                                trust_remote_code=cfg.trust_remote_code, revision=cfg.revision, gguf_file=gguf_file)
     except OSError as exc:  # transformers reports unreachable hubs and missing files as OSError
-        first_line = str(exc).strip().splitlines()[0]
+        if offline:
+            raise RecipeError(f"model.source={cfg.source}: the hub is unreachable and the model is not in the "
+                              "local cache") from None
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RecipeError(f"model.source={cfg.source}: cannot load ({first_line})") from None
+    except ValueError as exc:
+        if "trust_remote_code" in str(exc):
+            raise RecipeError(f"model.source={cfg.source} needs custom code from its repository, which would "
+                              "run on this machine; set model.trust_remote_code=true only if you trust it") from None
+        raise
+    check_max_length(cfg, module)
     tokenizer_dir = path if (path is not None and path.is_dir()) else None
     return SourceModel("hf", cfg.task, location, module=module, tokenizer_dir=tokenizer_dir, gguf_file=gguf_file,
                        info={"class": type(module).__name__,
@@ -108,11 +200,12 @@ def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
 
 def source_hash(source: SourceModel) -> dict:
     """sha256 of the source's weight files (or the ONNX file), by name."""
-    from engines.artifact import sha256_file
+    from engines.artifact import check_onnx_external_data, sha256_file
 
     path = Path(source.location)
-    if source.kind == "onnx" and source.onnx_path is not None:
-        return {source.onnx_path.name: sha256_file(source.onnx_path)}
+    if source.kind == "onnx" and source.onnx_path is not None:  # the graph and its external data files
+        files = [source.onnx_path, *check_onnx_external_data(source.onnx_path)]
+        return {p.relative_to(source.onnx_path.parent).as_posix(): sha256_file(p) for p in files}
     if source.gguf_file:
         return {source.gguf_file: sha256_file(path / source.gguf_file)}
     if path.is_dir():
