@@ -59,6 +59,12 @@ def build_parser() -> OneLineParser:
     p.add_argument("--max-inputs", type=positive(int), help="texts per embeddings request (default 2048)")
     p.add_argument("--max-prompt-tokens", type=positive(int), help="causal LMs: prompt limit (default: context - 1)")
     p.add_argument("--max-tokens", type=positive(int), help="causal LMs: cap on max_tokens (default 512)")
+    p.add_argument("--header-timeout-s", type=positive(float), default=10.0,
+                   help="close a connection whose request headers are not complete within this (default 10)")
+    p.add_argument("--body-timeout-s", type=positive(float), default=30.0,
+                   help="408 for a request body not received within this (default 30)")
+    p.add_argument("--max-connections", type=positive(int), default=1024,
+                   help="open connections and requests in progress before new ones get 503 (default 1024)")
     p.add_argument("--threads", type=non_negative(int),
                    help="ONNX Runtime threads (default: the CPUs this process may use)")
     p.add_argument("--ort-spinning", action="store_true",
@@ -140,7 +146,9 @@ def run_server(app, host: str, port: int, config, log_level: str) -> int:
     exit_code = [0]
     server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                            timeout_graceful_shutdown=int(config.timeout_s) + 5,
-                                           timeout_keep_alive=5, lifespan="on"), state)
+                                           timeout_keep_alive=5, lifespan="on",
+                                           limit_concurrency=config.max_connections,
+                                           http=header_timeout_protocol(config.header_timeout_s)), state)
 
     def fatal(message: str) -> None:
         exit_code[0] = 1
@@ -149,6 +157,52 @@ def run_server(app, host: str, port: int, config, log_level: str) -> int:
     state.on_fatal = fatal
     server.run()
     return exit_code[0]
+
+
+def header_timeout_protocol(timeout_s: float):
+    """uvicorn's HTTP protocol (httptools, else h11) with a deadline on request headers: uvicorn has none,
+    and its keep-alive timer stops at the first byte, so a client trickling a header a byte at a time
+    would hold its connection forever. The deadline starts when the connection opens and again when a
+    new request begins; the connection is closed if the headers are not complete by then."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as Base
+    except ImportError:  # pragma: no cover - httptools is in the serve extra
+        from uvicorn.protocols.http.h11_impl import H11Protocol as Base  # type: ignore[assignment]
+
+    class HeaderTimeoutProtocol(Base):  # type: ignore[valid-type, misc]
+        header_timer = None
+
+        def arm(self) -> None:
+            if self.header_timer is None:
+                self.header_timer = self.loop.call_later(timeout_s, self.headers_too_slow)
+
+        def disarm(self) -> None:
+            if self.header_timer is not None:
+                self.header_timer.cancel()
+                self.header_timer = None
+
+        def headers_too_slow(self) -> None:
+            self.header_timer = None
+            if self.transport is not None and not self.transport.is_closing():
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self.arm()
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            self.arm()
+
+        def on_headers_complete(self) -> None:
+            self.disarm()
+            super().on_headers_complete()
+
+        def connection_lost(self, exc) -> None:
+            self.disarm()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutProtocol
 
 
 def draining_server_class():

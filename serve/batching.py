@@ -8,7 +8,8 @@ is not coming, so batching costs nothing at concurrency 1.
 
 The queue is bounded: a request that finds it full is refused at once (429 with Retry-After)
 instead of joining an unbounded backlog. Each request carries a deadline; one that expires while
-queued is dropped before it reaches the model.
+queued is dropped before it reaches the model; so are the queued pieces of a request that is
+refused, times out or is abandoned by its client (submit_many).
 
 The model runs in one dedicated thread: ONNX Runtime releases the GIL while it computes, so the
 event loop keeps accepting and parsing requests while a batch runs. The hand-offs are kept to the
@@ -71,21 +72,52 @@ class Batcher:
 
     async def submit(self, payload, rows: int, timeout_s: float):
         """Queue one request of `rows` rows and wait for its result (429 if full, 504 on timeout)."""
+        return (await self.submit_many([(payload, rows)], timeout_s))[0]
+
+    async def submit_many(self, pieces: list[tuple[Any, int]], timeout_s: float) -> list:
+        """Queue a request's pieces [(payload, rows)] together and wait for all their results.
+
+        All or nothing: a request that does not fit in the queue is refused (429) before any piece is
+        queued. One deadline covers every piece; when the request fails, times out or its caller goes
+        away (a client disconnect cancels this coroutine), its pieces still queued are removed at once,
+        so none reaches the model and none holds a place another request could use."""
         if self.worker is None or self.closing:
             raise unavailable("the model is not accepting requests")
-        if len(self.queue) >= self.max_queue:
+        if len(self.queue) + len(pieces) > self.max_queue:
             raise busy()
         loop = asyncio.get_running_loop()
-        pending = Pending(payload, rows, loop.create_future())
-        self.queue.append(pending)
+        pending = [Pending(payload, rows, loop.create_future()) for payload, rows in pieces]
+        self.queue.extend(pending)
         self.observe_queue()
         self.wakeup.set()
-        timer = loop.call_later(timeout_s, expire, pending.future, timeout_s)
+        timer = loop.call_later(timeout_s, self.expire_all, pending, timeout_s)
         try:
-            # A caller that goes away cancels its future: if still queued, the worker skips it.
-            return await pending.future
+            results = []
+            for p in pending:  # the first failure ends the wait (and drops the rest below)
+                results.append(await p.future)
+            return results
         finally:
             timer.cancel()
+            self.drop(pending)
+
+    def drop(self, pending: list[Pending]) -> None:
+        """Take a request's pieces out of the queue, cancelling those not finished."""
+        for p in pending:
+            if not p.future.done():
+                p.future.cancel()
+            elif not p.future.cancelled():
+                p.future.exception()  # retrieved: asyncio does not log it as never retrieved
+        gone = {id(p) for p in pending}
+        if any(id(p) in gone for p in self.queue):
+            self.queue = collections.deque(p for p in self.queue if id(p) not in gone)
+            self.observe_queue()
+
+    def expire_all(self, pending: list[Pending], timeout_s: float) -> None:
+        """The request's deadline passed: its caller gets 504; its pieces still queued leave the queue."""
+        for p in pending:
+            if not p.future.done():
+                p.future.set_exception(timed_out(timeout_s))
+        self.drop(pending)
 
     # --- the worker ------------------------------------------------------------------------------
 
@@ -168,6 +200,5 @@ class Batcher:
 
 
 def expire(future: asyncio.Future, timeout_s: float) -> None:
-    """The request's deadline passed: its caller gets 504; if still queued, it never runs."""
     if not future.done():
         future.set_exception(timed_out(timeout_s))

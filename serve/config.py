@@ -22,6 +22,9 @@ class ServeConfig:
     api_key: str | None = None
     open_health_metrics: bool = False  # with an API key: leave /v2/health/* and /metrics open
     model_name: str | None = None
+    header_timeout_s: float = 10.0  # request headers must be complete within this, or the connection closes
+    body_timeout_s: float = 30.0    # the whole request body within this, or 408
+    max_connections: int = 1024     # uvicorn's limit_concurrency: past it, 503
 
     @property
     def max_queue_delay_s(self) -> float:

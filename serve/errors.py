@@ -47,3 +47,9 @@ def unavailable(message: str, retry_after_s: int = 1) -> HTTPError:
 
 def timed_out(timeout_s: float) -> HTTPError:
     return HTTPError(504, f"the request did not finish within {timeout_s:g} s", kind="timeout")
+
+
+def too_large_batch(rows: int, limit: int) -> HTTPError:
+    """More rows (texts, token arrays, tensor rows) in one request than the server takes."""
+    return HTTPError(413, f"the request has {rows} rows; at most {limit} per request (--max-inputs)",
+                     kind="request_too_large", param="input")

@@ -6,7 +6,6 @@ default: a JSON header of `Inference-Header-Content-Length` bytes followed by ra
 """
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -16,7 +15,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve.body import arriving, read_body
-from serve.errors import bad_request, not_found, unprocessable
+from serve.errors import bad_request, not_found, too_large_batch, unprocessable
 from serve.jsonbody import FastJSONResponse, array
 from serve.protocol import NUMPY_TO_KSERVE, parse_infer_request
 from serve.state import state_of
@@ -121,6 +120,8 @@ async def infer(request: Request) -> Response:
         body = await read_body(request, state.config.max_request_bytes)
         parsed = parse_infer_request(body, request.headers.get("inference-header-content-length"))
         item = state.model.from_tensors(parsed.inputs)
+        if item.rows > state.config.max_inputs:
+            raise too_large_batch(item.rows, state.config.max_inputs)
         wanted = requested_outputs(parsed, state.model.output_names)
     state.metrics.prompt_tokens.inc(int(item.inputs["attention_mask"].sum()))
     outputs = await run_encoder(state, item)
@@ -142,10 +143,14 @@ async def run_encoder(state, item) -> dict[str, np.ndarray]:
     from serve.encoder import EncoderBatchItem
 
     size, timeout = state.config.max_batch_size, state.config.timeout_s
+    if item.rows > state.config.max_inputs:  # every route: the cap on rows per request
+        raise too_large_batch(item.rows, state.config.max_inputs)
     if item.rows <= size:
         return await state.batcher.submit(item, item.rows, timeout)
     pieces = [EncoderBatchItem({k: v[i:i + size] for k, v in item.inputs.items()}) for i in range(0, item.rows, size)]
-    results = await asyncio.gather(*(state.batcher.submit(p, p.rows, timeout) for p in pieces))
+    # All pieces are queued or none is (429), and a refused, timed-out or abandoned request's pieces
+    # leave the queue at once: none of them reaches the model.
+    results = await state.batcher.submit_many([(p, p.rows) for p in pieces], timeout)
     return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
 
 

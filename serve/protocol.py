@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Literal, overload
 
@@ -29,13 +30,39 @@ NUMPY_TO_KSERVE = {dtype: name for name, dtype in KSERVE_DTYPES.items()}
 MAX_DIMS = 8
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def load_json(body: bytes) -> object:
     try:
-        return json.loads(body)
+        data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"malformed JSON: {exc}") from None
     except RecursionError:
         raise bad_request("malformed JSON: nested too deeply") from None
+    # JSON's \uD800-\uDFFF escapes can spell a lone surrogate, a string that is not valid UTF-8 (and
+    # that tokenizers fail on); only a body holding such an escape is walked.
+    if _SURROGATE_ESCAPE.search(body):
+        check_utf8(data)
+    return data
+
+
+def check_utf8(value, where: str = "body") -> None:
+    """400 for any string (key or value) that cannot be UTF-8: a lone surrogate."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad_request(f"a string in the request ({path}) is not valid UTF-8 (a lone surrogate)") from None
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((key, path))
+                stack.append((child, f"{path}.{key}" if isinstance(key, str) and key.isascii() else path))
+        elif isinstance(item, list):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
 
 
 def json_object(body: bytes) -> dict:

@@ -31,6 +31,7 @@ class ServeState:
         self.draining = False
         self.accepted = 0
         self.completed = 0
+        self.disconnected = 0  # clients that closed the connection before their answer (counted as 499)
         self.created = int(time.time())
 
     @property

@@ -1,10 +1,9 @@
 """`python -m serve` refuses bad input before loading anything: one line `error: ...`, exit 2.
-Tampered copies are built with hard links for the big file and real copies for the changed ones,
-so the session's artifact is never modified."""
+Tampered copies are real copies (an artifact with a hard link is refused: engines/artifact.py), so
+the session's artifact is never modified."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.artifact import seal
 from tests.support.cli import one_error_line
 from tests.support.serve import ROOT, running_server
 
@@ -22,20 +22,8 @@ def serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 def clone(artifact: Path, dest: Path) -> Path:
-    """A copy that shares the large model file by hard link (read-only use) and copies the rest."""
-    for path in artifact.rglob("*"):
-        target = dest / path.relative_to(artifact)
-        if path.is_dir():
-            target.mkdir(parents=True, exist_ok=True)
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if path.stat().st_size > 1 << 20:
-            try:
-                os.link(path, target)
-                continue
-            except OSError:
-                pass
-        shutil.copy2(path, target)
+    """A copy of every file (hard links would be refused, and would share the session's artifact)."""
+    shutil.copytree(artifact, dest)
     return dest
 
 
@@ -73,7 +61,7 @@ def test_failed_gate_refuses_to_start(encoder_artifact, tmp_path):
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["gate"]["passed"] = False
     manifest["gate"]["checks"][0]["passed"] = False
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    (copy / "manifest.json").write_text(json.dumps(seal(manifest)))  # an artifact whose gate failed
     one_error_line(serve(str(copy)), "gate did not pass", manifest["gate"]["checks"][0]["name"], "--allow-failed-gate")
 
 
@@ -86,7 +74,7 @@ def test_overrides_serve_a_modified_failed_artifact_and_say_so(encoder_artifact,
     copy = clone(encoder_artifact, tmp_path / "a")
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["gate"]["passed"] = False
-    (copy / "manifest.json").write_text(json.dumps(manifest))
+    (copy / "manifest.json").write_text(json.dumps(seal(manifest)))  # an artifact whose gate failed
     config = copy / "tokenizer" / "tokenizer_config.json"
     config.write_text(config.read_text() + " ")
     with running_server(copy, "--allow-modified", "--allow-failed-gate") as server:
