@@ -221,7 +221,7 @@ def export_stateful_lm(hf_folder: str | Path, out_dir: str | Path) -> Path:
 def calibration_inputs(token_rows: Iterable[Iterable[int]]) -> list[dict[str, np.ndarray]]:
     """Model inputs for data-aware compression (AWQ, scale estimation, GPTQ): each row of token ids as
     one whole sequence from an empty cache (the state is zeros for each item, as NNCF infers them)."""
-    items = []
+    items: list[dict[str, np.ndarray]] = []
     for row in token_rows:
         ids = np.asarray(list(row), dtype=np.int64)[None, :]
         if ids.shape[1] < 2:
@@ -256,12 +256,13 @@ def compress_weights(xml: str | Path, out_dir: str | Path, mode: str = "int4_asy
     data_aware = awq or scale_estimation or gptq
     if data_aware and not calibration_batches:
         raise ValueError("awq, scale_estimation and gptq need calibration_batches")
+    batches = calibration_batches or []
     kwargs: dict = {"mode": getattr(nncf.CompressWeightsMode, mode.upper())}
     if mode.startswith("int4"):
         kwargs.update(group_size=group_size, ratio=ratio)
         if data_aware:
-            kwargs.update(dataset=nncf.Dataset(calibration_batches), awq=awq, scale_estimation=scale_estimation,
-                          gptq=gptq, subset_size=len(calibration_batches))
+            kwargs.update(dataset=nncf.Dataset(batches), awq=awq, scale_estimation=scale_estimation, gptq=gptq,
+                          subset_size=len(batches))
     if ignored_scope:
         kwargs["ignored_scope"] = nncf.IgnoredScope(names=list(ignored_scope.get("names", [])),
                                                     types=list(ignored_scope.get("types", [])),
@@ -310,7 +311,8 @@ def weight_precision(xml: str | Path) -> dict:
             continue
         element = constant.get_output_element_type(0).get_type_name()
         groups.setdefault(_PRECISION_NAMES.get(element, element), []).append(_layer_name(op.get_friendly_name()))
-    return {precision: {"count": len(names), "nodes": list(dict.fromkeys(names))} for precision, names in groups.items()}
+    return {precision: {"count": len(names), "nodes": list(dict.fromkeys(names))}
+            for precision, names in groups.items()}
 
 
 def _weight_constant(node, depth: int = 0):

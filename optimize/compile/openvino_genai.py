@@ -12,7 +12,7 @@ import shutil
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from engines import formats
 from optimize.errors import RecipeError
@@ -107,8 +107,13 @@ def openvino_genai_engine(model, cfg: OVGenAIConfig, ctx):
     """OpenVINO GenAI: stateful IR with KV cache, NNCF weight-only INT4/INT8, LLMPipeline decoding."""
     if model.kind != "torch":
         raise RecipeError("engine.method=openvino_genai needs a Hugging Face causal LM")
-    from engines.openvino_genai_build import (CompressionError, ExportError, compress_weights, export_stateful_lm,
-                                              weight_precision)
+    from engines.openvino_genai_build import (
+        CompressionError,
+        ExportError,
+        compress_weights,
+        export_stateful_lm,
+        weight_precision,
+    )
 
     source_dir = _source_folder(model, ctx)
     out = ctx.scratch / "openvino_genai_engine"
@@ -148,7 +153,8 @@ def openvino_genai_engine(model, cfg: OVGenAIConfig, ctx):
 
 
 def _nncf_record(cfg: OVGenAIConfig, calibration_texts: int) -> dict:
-    info = {"nncf": metadata.version("nncf"), "mode": cfg.weight_format, "ignored_names": cfg.ignored_names}
+    info: dict[str, Any] = {"nncf": metadata.version("nncf"), "mode": cfg.weight_format,
+                            "ignored_names": cfg.ignored_names}
     if cfg.int4:
         info.update(group_size=cfg.group_size, ratio=cfg.ratio, awq=cfg.awq, scale_estimation=cfg.scale_estimation,
                     gptq=cfg.gptq, backup_mode="int8_asym")

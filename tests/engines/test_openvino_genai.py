@@ -42,7 +42,7 @@ def varied_llama_folder(out: Path) -> Path:
     model = AutoModelForCausalLM.from_pretrained(str(out))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 2:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
     model.save_pretrained(str(out))
