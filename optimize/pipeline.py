@@ -186,9 +186,12 @@ def _ship_extra_files(ctx: Context, stage: Path) -> None:
 def _engine_bytes(root: Path, engine: dict) -> int:
     """Bytes of the engine's model files (the tokenizer is not counted)."""
     if "file" in engine:  # the model file and its weights beside it (ONNX external data, OpenVINO .bin)
+        from engines.artifact import onnx_external_locations
+
         main = root / engine["file"]
-        weights = [main.with_name(main.name + ".data"), main.with_suffix(".bin")]
-        return main.stat().st_size + sum(w.stat().st_size for w in weights if w.exists())
+        beside = onnx_external_locations(main) if main.suffix == ".onnx" else [main.with_suffix(".bin").name]
+        weights = {main.parent / name for name in beside}
+        return main.stat().st_size + sum(w.stat().st_size for w in weights if w.is_file())
     folder = root / engine.get("dir", ".")
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and TOKENIZER_DIR not in p.parts)
 
