@@ -112,6 +112,26 @@ class GenAIRunner:
                 options["random_seed"] = sampling.seed
         return options
 
+    # What one decode step reads from memory, for the report's roofline (optimize/evaluate/roofline.py).
+
+    def weight_bytes_per_token(self):
+        """Bytes of weights read per generated token: the decoder's ONNX initializers as stored
+        (MatMulNBits packed weights, scales, zero points), gathered tables one row per token."""
+        from optimize.evaluate.roofline import onnx_weight_bytes
+
+        return onnx_weight_bytes(self._decoder_path())
+
+    def kv_shape(self):
+        """Layers, KV heads, head size (genai_config.json) and KV element bytes (the ONNX past inputs)."""
+        from optimize.evaluate.roofline import kv_shape_from_genai_config, onnx_kv_dtype_bytes
+
+        config = json.loads((self.dir / "genai_config.json").read_text())
+        return kv_shape_from_genai_config(config, onnx_kv_dtype_bytes(self._decoder_path()) or 4)
+
+    def _decoder_path(self) -> Path:
+        config = json.loads((self.dir / "genai_config.json").read_text())
+        return self.dir / config["model"]["decoder"].get("filename", "model.onnx")
+
     # Scoring and timing, used by the pipeline's causal-LM evaluation (optimize/tasks/causal_lm.py).
 
     def _generator(self, max_length: int, min_length: int = 0):
@@ -136,7 +156,8 @@ class GenAIRunner:
 
     def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
         """Greedy decoding of exactly `new_tokens` tokens (EOS may not end it early): perf_counter()
-        after each token. The prefill runs inside this call, so [0] minus the caller's start is the time to first token."""
+        after each token. The prefill runs inside this call, so [0] minus the caller's start is the time
+        to first token."""
         prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
         generator = self._generator(len(prompt_ids) + new_tokens, min_length=len(prompt_ids) + new_tokens)
         generator.append_tokens(prompt_ids)

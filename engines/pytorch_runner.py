@@ -123,6 +123,18 @@ class TorchLM:
             torch.set_num_threads(threads)
         self.model = model.eval()
 
+    def weight_bytes_per_token(self):
+        """Bytes of parameters read per generated token (an untied embedding: one row per token)."""
+        from optimize.evaluate.roofline import torch_weight_bytes
+
+        return torch_weight_bytes(self.model)
+
+    def kv_shape(self):
+        """Layers, KV heads, head size from the model's config; KV element bytes from its parameters."""
+        from optimize.evaluate.roofline import kv_shape_from_hf_config
+
+        return kv_shape_from_hf_config(self.model.config.to_dict(), next(self.model.parameters()).element_size())
+
     def logits(self, ids) -> np.ndarray:
         import torch
 

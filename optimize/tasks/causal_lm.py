@@ -22,6 +22,7 @@ from typing import Any, List, Optional, cast
 import numpy as np
 
 from optimize.errors import RecipeError
+from optimize.evaluate.roofline import NOT_KNOWN
 from optimize.tasks import register_task
 from optimize.tasks.base import Task
 from optimize.tasks.lm_harness import LOCAL_TASK, greedy_ids, lm_eval_scores
@@ -169,6 +170,7 @@ def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
         _speed_metrics(metrics, base, cand, tokens, data.items, cfg, ctx.cfg.evaluate)
     else:
         metrics["candidate"]["speed_note"] = "latency not measured (evaluate.latency=false)"
+    _roofline_metrics(metrics, base, cand, cfg, ctx.threads)
     if cfg.lm_eval_tasks:
         described["lm_eval"] = lm_eval_scores(metrics, base, cand, tokens, data.items, cfg, ctx.scratch)
     metrics["candidate"]["layer_precision"] = candidate.layer_precision
@@ -241,6 +243,63 @@ def _speed_metrics(metrics, base, cand, tokens, items, cfg, evaluate_cfg) -> Non
     metrics["candidate"]["ttft_speedup"] = b["ttft_ms"]["p50"] / c["ttft_ms"]["p50"]
 
 
+def _roofline_metrics(metrics, base, cand, cfg, threads: int) -> None:
+    """metrics[side]["roofline"]: weight and KV bytes read per decoded token, the memory read bandwidth
+    measured now with the run's thread count, the bound it puts on decode tok/s, and the share of it
+    the measured decode speed reaches (optimize/evaluate/roofline.py says what is counted)."""
+    from optimize.evaluate import roofline as rl
+    from optimize.evaluate.benchmark import OtherCpuUse
+
+    threads = threads or rl.cpu_count()
+    with OtherCpuUse() as others:
+        bandwidth = rl.read_bandwidth(threads)
+    bandwidth["other_cpu_share"] = others.share
+    # Decode tokens 2..n (those decode tok/s is timed on) attend to prompt+1 .. prompt+n-1 cached tokens.
+    context = cfg.prompt_tokens + cfg.new_tokens // 2
+    for side, runner in (("baseline", base), ("candidate", cand)):
+        weight, kv = rl.runner_read_bytes(runner)
+        tok_s = metrics[side].get("generation", {}).get("decode_tok_s", {}).get("p50")
+        metrics[side]["roofline"] = {**rl.roofline(weight, kv, context, bandwidth["bandwidth_gb_s"], tok_s),
+                                     "bandwidth": bandwidth}
+    log.info("roofline: %.1f GB/s read (%d threads); bound %s / %s tok/s", bandwidth["bandwidth_gb_s"], threads,
+             _fmt(metrics["baseline"]["roofline"]["bound_tok_s"], 1),
+             _fmt(metrics["candidate"]["roofline"]["bound_tok_s"], 1))
+
+
+def _roofline_rows(b: dict, c: dict) -> list[list[str]]:
+    rb, rc = b.get("roofline"), c.get("roofline")
+    if not rb or not rc:
+        return []
+
+    def mb(r, key):
+        return NOT_KNOWN if r.get(key) is None else f"{r[key] / 1e6:.1f}"
+
+    def ratio(key, fmt):
+        return fmt(rc[key] / rb[key]) if rb.get(key) and rc.get(key) is not None else ""
+
+    rows = [["weights read per token MB", mb(rb, "weight_bytes_per_token"), mb(rc, "weight_bytes_per_token"),
+             ratio("weight_bytes_per_token", lambda x: f"{x:.2f}x")],
+            [f"KV cache read per token MB ({rc['context_tokens']} tokens)", mb(rb, "kv_bytes_per_token"),
+             mb(rc, "kv_bytes_per_token"), ""],
+            ["memory read bandwidth GB/s (measured)", _fmt(rb["bandwidth_gb_s"], 1), _fmt(rc["bandwidth_gb_s"], 1),
+             f"{rc['bandwidth']['threads']} threads, others {rc['bandwidth']['other_cpu_share']:.0%} CPU"],
+            ["roofline bound decode tok/s", _fmt_known(rb["bound_tok_s"], 1), _fmt_known(rc["bound_tok_s"], 1),
+             ratio("bound_tok_s", lambda x: f"{x:.2f}x")]]
+    if rb.get("share") is not None or rc.get("share") is not None:
+        rows.append(["decode p50 share of bound", _pct(rb), _pct(rc), ""])
+    return rows
+
+
+def _fmt_known(value, digits=2) -> str:
+    return NOT_KNOWN if value is None else f"{value:.{digits}f}"
+
+
+def _pct(r: dict) -> str:
+    if r.get("share") is not None:
+        return f"{r['share']:.0%}"
+    return NOT_KNOWN if r.get("bound_tok_s") is None else "-"
+
+
 def _fmt(value, digits=2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -263,6 +322,7 @@ def table_rows(metrics: dict) -> list[list[str]]:
                          f"{cg['decode_tok_s'][pct] / bg['decode_tok_s'][pct]:.2f}x" if pct == "p50" else ""])
     else:
         rows.append(["decode speed", "-", "-", c.get("speed_note", "not measured")])
+    rows += _roofline_rows(b, c)
     for precision, info in c.get("layer_precision", {}).items():
         rows.append([f"weights kept at {precision}", "", f"{info['count']} nodes", _layers_in_words(info["nodes"])])
     rows.append(["greedy sample", repr(b["sample"]["continuation"][:40]), repr(c["sample"]["continuation"][:40]), ""])
