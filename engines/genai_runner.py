@@ -117,13 +117,13 @@ class GenAIRunner:
     def weight_bytes_per_token(self):
         """Bytes of weights read per generated token: the decoder's ONNX initializers as stored
         (MatMulNBits packed weights, scales, zero points), gathered tables one row per token."""
-        from optimize.evaluate.roofline import onnx_weight_bytes
+        from engines.weights import onnx_weight_bytes
 
         return onnx_weight_bytes(self._decoder_path())
 
     def kv_shape(self):
         """Layers, KV heads, head size (genai_config.json) and KV element bytes (the ONNX past inputs)."""
-        from optimize.evaluate.roofline import kv_shape_from_genai_config, onnx_kv_dtype_bytes
+        from engines.weights import kv_shape_from_genai_config, onnx_kv_dtype_bytes
 
         config = json.loads((self.dir / "genai_config.json").read_text())
         return kv_shape_from_genai_config(config, onnx_kv_dtype_bytes(self._decoder_path()) or 4)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engines.weights import WeightBytes
+
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 ENCODER_INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
 
@@ -125,13 +127,12 @@ class TorchLM:
 
     def weight_bytes_per_token(self):
         """Bytes of parameters read per generated token (an untied embedding: one row per token)."""
-        from optimize.evaluate.roofline import torch_weight_bytes
 
         return torch_weight_bytes(self.model)
 
     def kv_shape(self):
         """Layers, KV heads, head size from the model's config; KV element bytes from its parameters."""
-        from optimize.evaluate.roofline import kv_shape_from_hf_config
+        from engines.weights import kv_shape_from_hf_config
 
         return kv_shape_from_hf_config(self.model.config.to_dict(), next(self.model.parameters()).element_size())
 
@@ -183,3 +184,28 @@ class TorchLM:
             out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
                                       do_sample=False, pad_token_id=self.model.config.eos_token_id)
         return out[0, ids.shape[1]:].tolist()
+
+
+def torch_weight_bytes(model) -> WeightBytes:
+    """Parameters of a torch module (each tensor once, tied ones too); an nn.Embedding whose weight
+    no other module uses counts one row per token."""
+    import torch
+
+    owners: dict[int, list[torch.nn.Module]] = {}
+    tensors: dict[int, tuple[str, torch.nn.Parameter]] = {}
+    for module_name, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            key = id(param)
+            owners.setdefault(key, []).append(module)
+            tensors.setdefault(key, (f"{module_name}.{pname}".strip("."), param))
+    per_token = stored = 0
+    gathered = []
+    for key, (name, param) in tensors.items():
+        size = param.numel() * param.element_size()
+        stored += size
+        if all(isinstance(m, torch.nn.Embedding) for m in owners[key]) and param.dim() >= 1:
+            per_token += -(-size // max(param.shape[0], 1))
+            gathered.append(name)
+        else:
+            per_token += size
+    return WeightBytes(per_token, stored, sorted(gathered), "torch parameters")

@@ -44,6 +44,7 @@ CANDIDATES: dict[str, Candidate] = {
     "ort_int8_dynamic": Candidate("onnx", quantize="ort_int8_dynamic"),
     "ort_int8_dynamic_all": Candidate("onnx", quantize="ort_int8_dynamic",
                                       quantize_params={"fallback_min_cosine": None}),
+    "ort_int8_qattention": Candidate("onnx", quantize="ort_int8_dynamic", quantize_params={"quantize_attention": True}),
     "ort_int8_static": Candidate("onnx", quantize="ort_int8_static_qdq", quantize_params={
         "op_types": ["MatMul"], "calibrate_method": "percentile", "percentile": 99.999,
         "exclude_consumers_of": ["BiasGelu", "Gelu", "FastGelu"], "fallback_min_cosine": 0.995,
@@ -60,13 +61,19 @@ CANDIDATES.update({
                                                                     "algo_config": "k_quant_mixed"}),
     "openvino_genai_int4": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 64}),
     "openvino_genai_int4_g32": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 32}),
+    # Data-aware INT4 (AWQ + scale estimation on the calibration text): SmolLM2 +15.5% perplexity at
+    # group 64 against +32% for plain rounding.
+    "openvino_genai_int4_awq": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 64,
+                                                            "awq": True, "scale_estimation": True}),
+    "openvino_genai_int4_g32_awq": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 32,
+                                                                "awq": True, "scale_estimation": True}),
     "openvino_genai_int8": Candidate("openvino_genai", {"weight_format": "int8_asym"}),
 })
 DEFAULT_CANDIDATES = {
-    "causal_lm": ["ort_genai_int4_k_quant_mixed", "openvino_genai_int4", "openvino_genai_int4_g32",
+    "causal_lm": ["ort_genai_int4_k_quant_mixed", "openvino_genai_int4_awq", "openvino_genai_int4_g32_awq",
                   "openvino_genai_int8"],
-    "default": ["ort_fp32", "ort_int8_dynamic", "ort_int8_dynamic_all", "openvino_f32", "openvino_bf16",
-                "openvino_int8"],
+    "default": ["ort_fp32", "ort_int8_dynamic", "ort_int8_qattention", "ort_int8_dynamic_all", "openvino_f32",
+                "openvino_bf16", "openvino_int8"],
 }
 
 
