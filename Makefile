@@ -21,9 +21,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m optimize recipe=minilm_int8_cpu
 
-# The linter, the import contracts ([tool.importlinter]) and the type checker, configured in pyproject.toml.
+# The linter and formatter, the import contracts ([tool.importlinter]) and the type checker (pyproject.toml).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 

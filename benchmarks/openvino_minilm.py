@@ -11,6 +11,7 @@ Fidelity: min/mean cosine of the sentence embedding (mean pooled) against PyTorc
 CPython doc paragraphs; NNCF calibrates on 100 others. Latency: optimize.benchmark.measure, p50
 after warm-up, at batch 1 and 32 (padded to the batch's longest text, at most 128 tokens).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,10 +48,17 @@ def build_runners(fused_onnx: Path, unfused_onnx: Path, work: Path, calibration:
 
     fused_ir = onnx_to_ir(fused_onnx, work / "ov-fused")
     unfused_ir = onnx_to_ir(unfused_onnx, work / "ov-unfused")
-    int8_ir = nncf_int8(unfused_ir, calibration, work / "ov-int8", preset="mixed", model_type="transformer",
-                        subset_size=len(calibration))
-    print("int8 ops:", {k: v for k, v in count_ops(int8_ir).items() if k in ("FakeQuantize", "MatMul")},
-          file=sys.stderr)
+    int8_ir = nncf_int8(
+        unfused_ir,
+        calibration,
+        work / "ov-int8",
+        preset="mixed",
+        model_type="transformer",
+        subset_size=len(calibration),
+    )
+    print(
+        "int8 ops:", {k: v for k, v in count_ops(int8_ir).items() if k in ("FakeQuantize", "MatMul")}, file=sys.stderr
+    )
     return {
         "ort_fp32_fused": OrtRunner(fused_onnx, threads=threads),
         "ort_fp32_unfused": OrtRunner(unfused_onnx, threads=threads),
@@ -68,13 +76,20 @@ def cpu_description() -> dict:
     from optimize.environment import cpu_model
 
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    model_name = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines()
-                       if line.startswith("Model name")), cpu_model())
-    flags = sorted(f for f in cpu_flags() if f in ("avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile",
-                                                  "avx_vnni", "avx512_fp16"))
-    return {"model_name": model_name, "flags": flags,
-            "ov_capabilities": ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"),
-            "openvino": ov.get_version()}
+    model_name = next(
+        (line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), cpu_model()
+    )
+    flags = sorted(
+        f
+        for f in cpu_flags()
+        if f in ("avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile", "avx_vnni", "avx512_fp16")
+    )
+    return {
+        "model_name": model_name,
+        "flags": flags,
+        "ov_capabilities": ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"),
+        "openvino": ov.get_version(),
+    }
 
 
 def main() -> None:
@@ -100,7 +115,7 @@ def main() -> None:
     held_out = calibration.load("cpython_docs", "evaluation", args.eval_texts, 0).items
     runners = build_runners(args.fused_onnx, args.unfused_onnx, args.work, calib, args.threads)
 
-    eval_batches = [encode(tokenizer, held_out[i:i + 32]) for i in range(0, len(held_out), 32)]
+    eval_batches = [encode(tokenizer, held_out[i : i + 32]) for i in range(0, len(held_out), 32)]
     reference = torch_reference(model_dir)
     expected = np.concatenate([reference(b)["sentence_embedding"] for b in eval_batches])
     report = {"cpu": cpu_description(), "threads": args.threads, "fidelity": {}, "latency": {}}
@@ -110,12 +125,13 @@ def main() -> None:
         report["fidelity"][name] = {"min_cosine": float(c.min()), "mean_cosine": float(c.mean())}
 
     for batch_size in (1, 32):
-        batches = [encode(tokenizer, held_out[i:i + batch_size]) for i in range(0, 2 * batch_size, batch_size)]
+        batches = [encode(tokenizer, held_out[i : i + batch_size]) for i in range(0, 2 * batch_size, batch_size)]
         stats = measure(runners, batches, batch_size, warmup=3, repeats=200, budget_s=args.budget_s)
         report["latency"][f"batch_{batch_size}"] = {
             "p50_ms": {name: round(stats[name]["p50_ms"], 2) for name in runners},
             "samples": {name: stats[name]["samples"] for name in runners},
-            "other_cpu_share": round(stats["other_cpu_share"], 3)}
+            "other_cpu_share": round(stats["other_cpu_share"], 3),
+        }
     text = json.dumps(report, indent=1)
     if args.out:
         args.out.write_text(text)

@@ -6,6 +6,7 @@ nothing from the project. Prints one JSON line: the quantized model's path and t
 
     SIDE_VENV/bin/python benchmarks/optimum_int8_build.py MODEL_DIR OUT_DIR ISA
 """
+
 from __future__ import annotations
 
 import json

@@ -17,6 +17,7 @@ kernels take the time.
 
     .venv/bin/python benchmarks/ort_int8_variants.py --artifact DIR [--texts 64] [--json OUT]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,11 +47,30 @@ from benchmarks.peers import (  # noqa: E402
     unfused_export,
 )
 
-COUNTED = ("MatMul", "FusedMatMul", "Gemm", "MatMulInteger", "DynamicQuantizeMatMul", "DynamicQuantizeLinear",
-           "MatMulIntegerToFloat", "Attention", "QAttention", "MultiHeadAttention", "SkipLayerNormalization",
-           "BiasGelu", "Gelu", "FastGelu", "Softmax")
-PROFILED = ("fused INT8 (all MatMuls)", "fused INT8 + QAttention", "default (fallback on)",
-            "unfused INT8 per-channel", "Optimum export INT8")
+COUNTED = (
+    "MatMul",
+    "FusedMatMul",
+    "Gemm",
+    "MatMulInteger",
+    "DynamicQuantizeMatMul",
+    "DynamicQuantizeLinear",
+    "MatMulIntegerToFloat",
+    "Attention",
+    "QAttention",
+    "MultiHeadAttention",
+    "SkipLayerNormalization",
+    "BiasGelu",
+    "Gelu",
+    "FastGelu",
+    "Softmax",
+)
+PROFILED = (
+    "fused INT8 (all MatMuls)",
+    "fused INT8 + QAttention",
+    "default (fallback on)",
+    "unfused INT8 per-channel",
+    "Optimum export INT8",
+)
 OPTIMUM = "Optimum export INT8"
 
 
@@ -58,8 +78,14 @@ def quantize(source: Path, out: Path, op_types: list[str], reduce_range: bool) -
     """The same quantize_dynamic call as the project's ort_int8_dynamic (per-channel, s8 weights)."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    quantize_dynamic(source, out, op_types_to_quantize=op_types, per_channel=True, reduce_range=reduce_range,
-                     weight_type=QuantType.QInt8)
+    quantize_dynamic(
+        source,
+        out,
+        op_types_to_quantize=op_types,
+        per_channel=True,
+        reduce_range=reduce_range,
+        weight_type=QuantType.QInt8,
+    )
     return out
 
 
@@ -115,9 +141,12 @@ def build_graphs(module, example: dict, artifact: Path, work: Path) -> dict[str,
         "ORT FP32 unfused": unfused,
         "ORT FP32 fused": fused,
         "fused INT8 (all MatMuls)": quantize(fused, work / "fused-int8.onnx", ["MatMul", "Gemm"], default_rr),
-        "fused INT8 + QAttention": quantize(pack_qkv(fused, work / "fused-packed.onnx"),
-                                            work / "fused-int8-qattn.onnx", ["MatMul", "Gemm", "Attention"],
-                                            default_rr),
+        "fused INT8 + QAttention": quantize(
+            pack_qkv(fused, work / "fused-packed.onnx"),
+            work / "fused-int8-qattn.onnx",
+            ["MatMul", "Gemm", "Attention"],
+            default_rr,
+        ),
         "default (fallback on)": artifact / "model.onnx",
         "unfused INT8 per-channel": quantize(unfused, work / "unfused-int8.onnx", ["MatMul", "Gemm"], False),
         "unfused INT8 per-channel rr": quantize(unfused, work / "unfused-int8-rr.onnx", ["MatMul", "Gemm"], True),
@@ -164,8 +193,11 @@ def per_op_ms(events: list[dict]) -> dict[str, float]:
     spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == "model_run")[1:]
     totals = collections.Counter()
     for e in events:
-        if e.get("cat") == "Node" and e.get("name", "").endswith("_kernel_time") and \
-                any(a <= e["ts"] <= b for a, b in spans):
+        if (
+            e.get("cat") == "Node"
+            and e.get("name", "").endswith("_kernel_time")
+            and any(a <= e["ts"] <= b for a, b in spans)
+        ):
             totals[e["args"]["op_name"]] += e["dur"] / 1e3
     result = {"(run)": sum(b - a for a, b in spans) / 1e3 / len(spans)}
     result.update({op: ms / len(spans) for op, ms in totals.most_common()})
@@ -182,8 +214,11 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--retries", type=int, default=2)
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--optimum-python", default=os.environ.get("PEERS_OPTIMUM_PYTHON"),
-                        help="venv python with optimum: adds Optimum's export + ORTQuantizer INT8 graph")
+    parser.add_argument(
+        "--optimum-python",
+        default=os.environ.get("PEERS_OPTIMUM_PYTHON"),
+        help="venv python with optimum: adds Optimum's export + ORTQuantizer INT8 graph",
+    )
     args = parser.parse_args(argv)
     args.model = args.model or default_model_dir()
     return args
@@ -197,9 +232,13 @@ def table(entries: list[Entry], counts: dict, latency: dict, keys: list[str]) ->
     head = ["graph", "min cos", "mean cos"] + [f"p50 ms b{b}" for b in keys] + [f"x PyTorch b{b}" for b in keys]
     head += ["ops in the graph ORT runs"]
     vnni = [f for f in ("avx512_vnni", "avx_vnni", "amx_int8") if f in cpu_flags()]
-    lines = [f"CPU: {cpu_model()} ({', '.join(vnni) or 'no VNNI'}); other_cpu_share: "
-             + ", ".join(f"b{b} {latency[b]['other_cpu_share']:.3f}" for b in keys), "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        f"CPU: {cpu_model()} ({', '.join(vnni) or 'no VNNI'}); other_cpu_share: "
+        + ", ".join(f"b{b} {latency[b]['other_cpu_share']:.3f}" for b in keys),
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for e in entries:
         ops = counts.get(e.name, {}).get("runtime", {})
         row = [e.name, f"{e.fidelity['cosine_min']:.4f}", f"{e.fidelity['cosine_mean']:.4f}"]
@@ -225,18 +264,21 @@ def main(argv=None) -> dict:
         module, torch_runner = pytorch_baseline(args.model, 0)
         graphs = build_graphs(module, encode(texts("calibration", 2, seed=0)), args.artifact, work)
         entries = [Entry(BASELINE, "baseline", torch_runner, "")]
-        entries += [Entry(name, ARTIFACT if "default" in name else "variant", OrtRunner(path), str(path.name))
-                    for name, path in graphs.items()]
+        entries += [
+            Entry(name, ARTIFACT if "default" in name else "variant", OrtRunner(path), str(path.name))
+            for name, path in graphs.items()
+        ]
         if args.optimum_python:  # the TorchScript-style export Optimum writes, quantized its way
-            path, recipe, _ = optimum_peer(args.optimum_python, args.model, graphs["ORT FP32 unfused"], work,
-                                           optimum_isa(cpu_flags()))
+            path, recipe, _ = optimum_peer(
+                args.optimum_python, args.model, graphs["ORT FP32 unfused"], work, optimum_isa(cpu_flags())
+            )
             graphs[OPTIMUM] = path
-            entries.append(Entry(OPTIMUM, "variant", MeanPooled(OrtRunner(path), read_pooling(Path(args.model))),
-                                 recipe))
+            entries.append(
+                Entry(OPTIMUM, "variant", MeanPooled(OrtRunner(path), read_pooling(Path(args.model))), recipe)
+            )
         counts = {name: op_counts(path, work) for name, path in graphs.items()}
         measure_fidelity(entries, inputs)
-        latency = {b: measure_latency(entries, inputs, int(b), 3, args.repeats, args.retries, BUSY_SHARE)
-                   for b in keys}
+        latency = {b: measure_latency(entries, inputs, int(b), 3, args.repeats, args.retries, BUSY_SHARE) for b in keys}
         batch = batches_of(inputs, args.profile_batch)[0]
         profiles = {name: profile(graphs[name], batch, work) for name in PROFILED if name in graphs}
     print(table(entries, counts, latency, keys))
@@ -244,8 +286,12 @@ def main(argv=None) -> dict:
         run, kernels = ops.pop("(run)"), sum(ops.values())
         top = ", ".join(f"{op} {ms:.1f} ({ms / kernels:.0%})" for op, ms in list(ops.items())[:7])
         print(f"\nprofile b{args.profile_batch} {name}: run {run:.1f} ms, kernels {kernels:.1f} ms: {top}")
-    result = {"counts": counts, "profiles": profiles, "latency": latency,
-              "runners": [{"name": e.name, "fidelity": e.fidelity, "p50_ms": e.p50_ms} for e in entries]}
+    result = {
+        "counts": counts,
+        "profiles": profiles,
+        "latency": latency,
+        "runners": [{"name": e.name, "fidelity": e.fidelity, "p50_ms": e.p50_ms} for e in entries],
+    }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result

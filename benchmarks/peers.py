@@ -22,6 +22,7 @@ The Optimum side venv (about 1 GB; torch pinned to the CPU build):
     python3.11 -m venv /work/peer-venvs/optimum
     /work/peer-venvs/optimum/bin/pip install torch==2.13.0 "optimum-onnx[onnxruntime]"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -131,7 +132,9 @@ class MeanPooled:
     def __call__(self, inputs: dict) -> dict:
         hidden = self.runner(inputs)["last_hidden_state"]
         mask = inputs["attention_mask"][..., None].astype(hidden.dtype)
-        pooled = hidden[:, 0] if self.pooling["mode"] == "cls" else (hidden * mask).sum(1) / np.maximum(mask.sum(1), 1e-9)
+        pooled = (
+            hidden[:, 0] if self.pooling["mode"] == "cls" else (hidden * mask).sum(1) / np.maximum(mask.sum(1), 1e-9)
+        )
         if self.pooling["normalize"]:
             pooled = pooled / np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)
         return {"last_hidden_state": hidden, OUTPUT: pooled}
@@ -141,19 +144,34 @@ def optimum_peer(python: str | None, model_dir: str, export_path: Path, work: Pa
     """(model path, recipe line, versions). Optimum itself when its venv builds the model; otherwise
     its recipe reproduced here, and the recipe line says so."""
     if python and Path(python).exists():
-        proc = subprocess.run([python, str(ROOT / "benchmarks" / "optimum_int8_build.py"), model_dir,
-                               str(work / "optimum"), isa], capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(
+            [python, str(ROOT / "benchmarks" / "optimum_int8_build.py"), model_dir, str(work / "optimum"), isa],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
         if proc.returncode == 0:
             built = json.loads(proc.stdout.strip().splitlines()[-1])
-            return Path(built["model"]), f"optimum ORTQuantizer, AutoQuantizationConfig.{isa} dynamic per-channel", \
-                built["versions"]
-        print(f"note: Optimum's build failed in {python}, using its recipe directly: "
-              f"{proc.stderr.strip()[-400:]}", file=sys.stderr)
+            return (
+                Path(built["model"]),
+                f"optimum ORTQuantizer, AutoQuantizationConfig.{isa} dynamic per-channel",
+                built["versions"],
+            )
+        print(
+            f"note: Optimum's build failed in {python}, using its recipe directly: {proc.stderr.strip()[-400:]}",
+            file=sys.stderr,
+        )
     else:
-        print("note: no Optimum venv (--optimum-python): its recipe is reproduced with "
-              "onnxruntime quantize_dynamic on the project's unfused export", file=sys.stderr)
-    return reproduce_optimum_recipe(export_path, work / "optimum-recipe.onnx", isa), \
-        f"REPRODUCED without optimum: quantize_dynamic as AutoQuantizationConfig.{isa} (per-channel, unfused export)", {}
+        print(
+            "note: no Optimum venv (--optimum-python): its recipe is reproduced with "
+            "onnxruntime quantize_dynamic on the project's unfused export",
+            file=sys.stderr,
+        )
+    return (
+        reproduce_optimum_recipe(export_path, work / "optimum-recipe.onnx", isa),
+        f"REPRODUCED without optimum: quantize_dynamic as AutoQuantizationConfig.{isa} (per-channel, unfused export)",
+        {},
+    )
 
 
 def reproduce_optimum_recipe(source: Path, out: Path, isa: str) -> Path:
@@ -162,8 +180,14 @@ def reproduce_optimum_recipe(source: Path, out: Path, isa: str) -> Path:
     from onnxruntime.quantization import QuantType, quantize_dynamic
     from onnxruntime.quantization.registry import IntegerOpsRegistry
 
-    quantize_dynamic(source, out, op_types_to_quantize=list(IntegerOpsRegistry), per_channel=True,
-                     reduce_range=False, weight_type=QuantType.QInt8)
+    quantize_dynamic(
+        source,
+        out,
+        op_types_to_quantize=list(IntegerOpsRegistry),
+        per_channel=True,
+        reduce_range=False,
+        weight_type=QuantType.QInt8,
+    )
     return out
 
 
@@ -212,8 +236,9 @@ def nncf_int8(fp32_xml: Path, samples: list[dict], work: Path) -> Path:
 
     model = ov.Core().read_model(str(fp32_xml))
     with contextlib.redirect_stdout(sys.stderr):  # its progress bars would interleave with the table
-        quantized = nncf.quantize(model, nncf.Dataset(samples), model_type=nncf.ModelType.TRANSFORMER,
-                                  subset_size=len(samples))
+        quantized = nncf.quantize(
+            model, nncf.Dataset(samples), model_type=nncf.ModelType.TRANSFORMER, subset_size=len(samples)
+        )
     xml = work / "openvino-nncf-int8" / "model.xml"
     ov.save_model(quantized, str(xml), compress_to_fp16=False)
     return xml
@@ -228,27 +253,50 @@ def build_entries(args, work: Path, encode, calibration_texts: list[str]) -> tup
 
     notes: dict = {"skipped": {}}
     module, torch_runner = pytorch_baseline(args.model, args.threads)
-    entries = [Entry(BASELINE, "baseline", torch_runner, "transformers AutoModel, SDPA attention, mean pooling"),
-               Entry(ARTIFACT, "artifact", engines.load(args.artifact, threads=args.threads), artifact_recipe(args.artifact))]
+    entries = [
+        Entry(BASELINE, "baseline", torch_runner, "transformers AutoModel, SDPA attention, mean pooling"),
+        Entry(ARTIFACT, "artifact", engines.load(args.artifact, threads=args.threads), artifact_recipe(args.artifact)),
+    ]
     export_path = unfused_export(module, encode(calibration_texts[:2]), work / "unfused.onnx")
     isa = optimum_isa(cpu_flags(), os.uname().machine)
-    optimum_path, recipe, notes["optimum_versions"] = optimum_peer(args.optimum_python, args.model, export_path, work, isa)
-    entries.append(Entry(f"ORT INT8 (Optimum {isa})", "peer",
-                         MeanPooled(OrtRunner(optimum_path, threads=args.threads), read_pooling(Path(args.model))),
-                         recipe))
+    optimum_path, recipe, notes["optimum_versions"] = optimum_peer(
+        args.optimum_python, args.model, export_path, work, isa
+    )
+    entries.append(
+        Entry(
+            f"ORT INT8 (Optimum {isa})",
+            "peer",
+            MeanPooled(OrtRunner(optimum_path, threads=args.threads), read_pooling(Path(args.model))),
+            recipe,
+        )
+    )
     fp32_xml = openvino_fp32(export_path, work)
-    entries.append(Entry("OpenVINO FP32", "peer", OvRunner(fp32_xml, "f32", args.threads), "convert_model(ONNX), f32 hint"))
+    entries.append(
+        Entry("OpenVINO FP32", "peer", OvRunner(fp32_xml, "f32", args.threads), "convert_model(ONNX), f32 hint")
+    )
     supported, reason = bf16_support()
     if supported:
-        entries.append(Entry("OpenVINO bf16", "peer", OvRunner(fp32_xml, "bf16", args.threads),
-                             "same IR, INFERENCE_PRECISION_HINT=bf16"))
+        entries.append(
+            Entry(
+                "OpenVINO bf16",
+                "peer",
+                OvRunner(fp32_xml, "bf16", args.threads),
+                "same IR, INFERENCE_PRECISION_HINT=bf16",
+            )
+        )
     else:
         notes["skipped"]["OpenVINO bf16"] = reason
         print(f"skipped OpenVINO bf16: {reason}", file=sys.stderr)
     samples = [encode([t]) for t in calibration_texts]
     int8_xml = nncf_int8(fp32_xml, samples, work)
-    entries.append(Entry("OpenVINO NNCF INT8", "peer", OvRunner(int8_xml, "f32", args.threads),
-                         f"nncf.quantize TRANSFORMER, {len(samples)} calibration texts"))
+    entries.append(
+        Entry(
+            "OpenVINO NNCF INT8",
+            "peer",
+            OvRunner(int8_xml, "f32", args.threads),
+            f"nncf.quantize TRANSFORMER, {len(samples)} calibration texts",
+        )
+    )
     return entries, notes
 
 
@@ -277,8 +325,9 @@ def measure_fidelity(entries: list[Entry], inputs: dict) -> None:
         entry.fidelity = {"cosine_min": float(cosine.min()), "cosine_mean": float(cosine.mean())}
 
 
-def measure_latency(entries: list[Entry], inputs: dict, batch_size: int, warmup: int, repeats: int,
-                    retries: int, busy_share: float) -> dict:
+def measure_latency(
+    entries: list[Entry], inputs: dict, batch_size: int, warmup: int, repeats: int, retries: int, busy_share: float
+) -> dict:
     """All runners in one measure() call so they alternate. A run during which other processes took
     more than `busy_share` of the CPUs is repeated (up to `retries` times); the quietest run is kept."""
     from optimize.evaluate import benchmark
@@ -297,8 +346,11 @@ def measure_latency(entries: list[Entry], inputs: dict, batch_size: int, warmup:
     best = min(attempts, key=lambda s: s["other_cpu_share"])
     for entry in entries:
         entry.p50_ms[str(batch_size)] = best[entry.name]["p50_ms"]
-    return {"other_cpu_share": best["other_cpu_share"], "attempt_shares": [a["other_cpu_share"] for a in attempts],
-            "stats": {e.name: best[e.name] for e in entries}}
+    return {
+        "other_cpu_share": best["other_cpu_share"],
+        "attempt_shares": [a["other_cpu_share"] for a in attempts],
+        "stats": {e.name: best[e.name] for e in entries},
+    }
 
 
 def ratios(entries: list[Entry], batch_sizes: list[str], min_cosine: float = MIN_PEER_COSINE) -> dict:
@@ -332,9 +384,14 @@ def environment(notes: dict) -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             pass
-    return {"date": datetime.date.today().isoformat(), "cpu": cpu_model(), "cores": os.cpu_count(),
-            "flags": [f for f in watched if f in cpu_flags()], "packages": versions,
-            "optimum_venv_packages": notes.get("optimum_versions") or {}}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "flags": [f for f in watched if f in cpu_flags()],
+        "packages": versions,
+        "optimum_venv_packages": notes.get("optimum_versions") or {},
+    }
 
 
 def markdown(entries: list[Entry], batch_sizes: list[str], table: dict, latency: dict, env: dict, notes: dict) -> str:
@@ -344,11 +401,15 @@ def markdown(entries: list[Entry], batch_sizes: list[str], table: dict, latency:
     head = ["runner", "built with", "min cos", "mean cos"]
     head += [f"p50 ms b{b}" for b in batch_sizes] + [f"x PyTorch b{b}" for b in batch_sizes]
     head += [f"x best peer b{b}" for b in batch_sizes]
-    lines = [f"CPU: {env['cpu']} ({env['cores']} cores; {', '.join(env['flags'])}); date {env['date']}",
-             "other_cpu_share: " + ", ".join(f"b{b} {latency[b]['other_cpu_share']:.3f}" for b in batch_sizes),
-             "best peer (fastest with min cos >= 0.99): " + ", ".join(f"b{b} {table[b]['best_peer']}" for b in batch_sizes),
-             "packages: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items()),
-             "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = [
+        f"CPU: {env['cpu']} ({env['cores']} cores; {', '.join(env['flags'])}); date {env['date']}",
+        "other_cpu_share: " + ", ".join(f"b{b} {latency[b]['other_cpu_share']:.3f}" for b in batch_sizes),
+        "best peer (fastest with min cos >= 0.99): " + ", ".join(f"b{b} {table[b]['best_peer']}" for b in batch_sizes),
+        "packages: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items()),
+        "",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
     for e in entries:
         row = [e.name, e.recipe, f"{e.fidelity['cosine_min']:.4f}", f"{e.fidelity['cosine_mean']:.4f}"]
         row += [f"{e.p50_ms[b]:.2f}" for b in batch_sizes]
@@ -375,8 +436,11 @@ def parse_args(argv=None):
     parser.add_argument("--retries", type=int, default=2, help="re-runs of a batch size timed on a busy machine")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--markdown", nargs="?", const="-", help="also write the table to this file")
-    parser.add_argument("--optimum-python", default=os.environ.get("PEERS_OPTIMUM_PYTHON"),
-                        help="python of a venv with optimum-onnx[onnxruntime] (env PEERS_OPTIMUM_PYTHON)")
+    parser.add_argument(
+        "--optimum-python",
+        default=os.environ.get("PEERS_OPTIMUM_PYTHON"),
+        help="python of a venv with optimum-onnx[onnxruntime] (env PEERS_OPTIMUM_PYTHON)",
+    )
     args = parser.parse_args(argv)
     args.model = args.model or default_model_dir()
     return args
@@ -392,17 +456,26 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="peers-") as tmp:
         entries, notes = build_entries(args, Path(tmp), encode, texts("calibration", args.calibration, seed=0))
         measure_fidelity(entries, inputs)
-        latency = {str(b): measure_latency(entries, inputs, b, args.warmup, args.repeats, args.retries, BUSY_SHARE)
-                   for b in batch_sizes}
+        latency = {
+            str(b): measure_latency(entries, inputs, b, args.warmup, args.repeats, args.retries, BUSY_SHARE)
+            for b in batch_sizes
+        }
     keys = [str(b) for b in batch_sizes]
     table, env = ratios(entries, keys), environment(notes)
     report = markdown(entries, keys, table, latency, env, notes)
     print(report)
     if args.markdown and args.markdown != "-":
         Path(args.markdown).write_text(report + "\n")
-    result = {"environment": env, "notes": notes, "ratios": table, "latency": latency,
-              "runners": [{"name": e.name, "role": e.role, "recipe": e.recipe, "fidelity": e.fidelity,
-                           "p50_ms": e.p50_ms} for e in entries]}
+    result = {
+        "environment": env,
+        "notes": notes,
+        "ratios": table,
+        "latency": latency,
+        "runners": [
+            {"name": e.name, "role": e.role, "recipe": e.recipe, "fidelity": e.fidelity, "p50_ms": e.p50_ms}
+            for e in entries
+        ],
+    }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result

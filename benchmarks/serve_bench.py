@@ -27,6 +27,7 @@ How it is kept honest on a small shared machine:
 
     .venv/bin/python benchmarks/serve_bench.py ARTIFACT [--rounds 3] [--seconds 8]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,8 +54,9 @@ def free_port() -> int:
 
 def start_server(artifact: Path, *args: str) -> tuple[subprocess.Popen, int]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "serve", str(artifact), "--port", str(port),
-                             "--log-level", "warning", *args], cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "serve", str(artifact), "--port", str(port), "--log-level", "warning", *args], cwd=ROOT
+    )
     deadline = time.monotonic() + 60
     while not ready(port):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -95,6 +97,7 @@ def post(conn: http.client.HTTPConnection, body: bytes) -> None:
 
 # --- 1. overhead at concurrency 1 --------------------------------------------------------------------
 
+
 def timed(call, n: int, skip: int) -> list[float]:
     """`skip` uncounted calls (the previous block's threads settle), then `n` timed ones, in ms."""
     for _ in range(skip):
@@ -113,8 +116,10 @@ def direct_models(artifact: Path, threads: int) -> dict:
     from serve.encoder import EncoderModel
 
     engine = read_manifest(artifact)["engine"]
-    return {"spinning": EncoderModel(artifact, engine, threads, spinning=True),
-            "sleeping": EncoderModel(artifact, engine, threads, spinning=False)}
+    return {
+        "spinning": EncoderModel(artifact, engine, threads, spinning=True),
+        "sleeping": EncoderModel(artifact, engine, threads, spinning=False),
+    }
 
 
 def direct_call(model, text: str):
@@ -138,10 +143,13 @@ def overhead_round(port: int, body: bytes, models: dict, text: str, requests: in
 
 # --- 2. throughput at concurrency 32 ---------------------------------------------------------------
 
+
 async def load_generator(port: int, body: bytes, clients: int, seconds: float, warmup_s: float) -> dict:
     """Closed-loop clients on one event loop: requests answered during `seconds` after warm-up."""
-    request = (b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-               b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+    request = (
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     state = {"counting": False, "stop": False, "done": 0, "errors": 0, "first_error": None}
 
     async def client() -> None:
@@ -151,8 +159,11 @@ async def load_generator(port: int, body: bytes, clients: int, seconds: float, w
                 writer.write(request)
                 head = await reader.readuntil(b"\r\n\r\n")
                 status = int(head.split(b" ", 2)[1])
-                length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
+                length = next(
+                    int(line.split(b":", 1)[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
                 payload = await reader.readexactly(length)
                 if status != 200:
                     state["errors"] += 1
@@ -170,14 +181,30 @@ async def load_generator(port: int, body: bytes, clients: int, seconds: float, w
     state["stop"] = True
     results = await asyncio.gather(*tasks, return_exceptions=True)
     failures = [r for r in results if isinstance(r, BaseException)]
-    return {"req_per_s": done / elapsed, "errors": state["errors"] + len(failures),
-            "first_error": state["first_error"] or (repr(failures[0]) if failures else None)}
+    return {
+        "req_per_s": done / elapsed,
+        "errors": state["errors"] + len(failures),
+        "first_error": state["first_error"] or (repr(failures[0]) if failures else None),
+    }
 
 
 def throughput(port: int, body: bytes, clients: int, seconds: float, warmup_s: float = 2.0) -> float:
     """Requests/s from the load generator, run in its own process."""
-    proc = subprocess.run([sys.executable, __file__, "--load-generator", str(port), str(clients), str(seconds),
-                           str(warmup_s), body.decode()], capture_output=True, text=True, timeout=seconds + 120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--load-generator",
+            str(port),
+            str(clients),
+            str(seconds),
+            str(warmup_s),
+            body.decode(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 120,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"the load generator failed: {proc.stderr[-2000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -195,6 +222,7 @@ def served_throughput(artifact: Path, body: bytes, clients: int, seconds: float,
 
 
 # --- main --------------------------------------------------------------------------------------------
+
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--load-generator":
@@ -228,9 +256,11 @@ def main() -> None:
             finally:
                 stop_server(proc)
             latency.append(p50)
-            line.append(f"direct p50 {p50['direct']:.2f} ms (spinning {p50['spinning']:.2f}, sleeping "
-                        f"{p50['sleeping']:.2f}), served p50 {p50['served']:.2f} ms, "
-                        f"overhead {p50['served'] - p50['direct']:.2f} ms;")
+            line.append(
+                f"direct p50 {p50['direct']:.2f} ms (spinning {p50['spinning']:.2f}, sleeping "
+                f"{p50['sleeping']:.2f}), served p50 {p50['served']:.2f} ms, "
+                f"overhead {p50['served'] - p50['direct']:.2f} ms;"
+            )
         if not args.skip_throughput:
             variants = [("batched", ()), ("single", ("--max-batch-size", "1"))]
             if round_ % 2:  # A-B, then B-A: drift in the machine's load falls on both alike
@@ -238,28 +268,39 @@ def main() -> None:
             for name, extra in variants:
                 rate = served_throughput(args.artifact, body, args.clients, args.seconds, *extra)
                 (batched if name == "batched" else single).append(rate)
-            line.append(f"batched {batched[-1]:.1f} req/s, batch-size-1 {single[-1]:.1f} req/s "
-                        f"({batched[-1] / single[-1]:.2f}x)")
+            line.append(
+                f"batched {batched[-1]:.1f} req/s, batch-size-1 {single[-1]:.1f} req/s "
+                f"({batched[-1] / single[-1]:.2f}x)"
+            )
         print(" ".join(line), flush=True)
     result = {"clients": args.clients, "rounds": args.rounds, "ort_threads": threads, "text": args.text}
     if latency:
-        result.update({
-            "direct_p50_ms": statistics.median(p["direct"] for p in latency),
-            "served_p50_ms": statistics.median(p["served"] for p in latency),
-            "overhead_p50_ms": statistics.median(p["served"] - p["direct"] for p in latency),
-        })
+        result.update(
+            {
+                "direct_p50_ms": statistics.median(p["direct"] for p in latency),
+                "served_p50_ms": statistics.median(p["served"] for p in latency),
+                "overhead_p50_ms": statistics.median(p["served"] - p["direct"] for p in latency),
+            }
+        )
     if batched:
-        result.update({
-            "batched_req_per_s": statistics.median(batched), "batch1_req_per_s": statistics.median(single),
-            "batching_speedup": statistics.median([b / s for b, s in zip(batched, single)]),
-        })
+        result.update(
+            {
+                "batched_req_per_s": statistics.median(batched),
+                "batch1_req_per_s": statistics.median(single),
+                "batching_speedup": statistics.median([b / s for b, s in zip(batched, single)]),
+            }
+        )
     print(json.dumps(result, indent=2))
     if latency:
-        print(f"overhead at concurrency 1: {result['overhead_p50_ms']:.2f} ms (target <= 2 ms): "
-              f"{'met' if result['overhead_p50_ms'] <= 2 else 'NOT met'}")
+        print(
+            f"overhead at concurrency 1: {result['overhead_p50_ms']:.2f} ms (target <= 2 ms): "
+            f"{'met' if result['overhead_p50_ms'] <= 2 else 'NOT met'}"
+        )
     if batched:
-        print(f"dynamic batching at concurrency {args.clients}: {result['batching_speedup']:.2f}x (target >= 3x): "
-              f"{'met' if result['batching_speedup'] >= 3 else 'NOT met'}")
+        print(
+            f"dynamic batching at concurrency {args.clients}: {result['batching_speedup']:.2f}x (target >= 3x): "
+            f"{'met' if result['batching_speedup'] >= 3 else 'NOT met'}"
+        )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ in order), so a manifest can say what calibrated or evaluated a model, and a rer
 items. Sources: cpython_docs, text_file, jsonl (here); parquet, hf_dataset (files.py); digits
 (images.py); random (synthetic.py, only when a recipe names it, and the manifest says so).
 """
+
 from __future__ import annotations
 
 import functools
@@ -69,9 +70,16 @@ class TextSet:
         return digest.hexdigest()
 
     def describe(self) -> dict:
-        return {"source": self.source, "split": self.split, "count": len(self.items), "seed": self.seed,
-                "available": self.available, "sha256": self.sha256, "dropped_overlap": self.dropped_overlap,
-                **self.extra}
+        return {
+            "source": self.source,
+            "split": self.split,
+            "count": len(self.items),
+            "seed": self.seed,
+            "available": self.available,
+            "sha256": self.sha256,
+            "dropped_overlap": self.dropped_overlap,
+            **self.extra,
+        }
 
 
 _SOURCES: dict[str, Callable[..., list[str]]] = {}
@@ -210,13 +218,20 @@ def check_data_file(path: str | None) -> Path:
     if stat.S_ISLNK(info.st_mode):
         raise DataError(f"data file {path} is a symbolic link; give the file itself")
     if not stat.S_ISREG(info.st_mode):
-        kind = "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a device" if stat.S_ISCHR(info.st_mode) or \
-            stat.S_ISBLK(info.st_mode) else "not a regular file"
+        kind = (
+            "a FIFO"
+            if stat.S_ISFIFO(info.st_mode)
+            else "a device"
+            if stat.S_ISCHR(info.st_mode) or stat.S_ISBLK(info.st_mode)
+            else "not a regular file"
+        )
         raise DataError(f"data file {path} is {kind}; give a regular file")
     limit = max_data_bytes()
     if info.st_size > limit:
-        raise DataError(f"data file {path} is {info.st_size} bytes, over the limit of {limit} "
-                        f"(set {MAX_DATA_BYTES_ENV} to raise it)")
+        raise DataError(
+            f"data file {path} is {info.st_size} bytes, over the limit of {limit} "
+            f"(set {MAX_DATA_BYTES_ENV} to raise it)"
+        )
     return p
 
 
@@ -271,8 +286,15 @@ def load(name: str, split: str, count: int, seed: int, **options) -> TextSet:
     if name == "random":
         extra["random"] = True
         extra["note"] = "synthetic random data, asked for by name: scales do not reflect real inputs"
-    return TextSet(name, split, seed, [items[i] for i in chosen], available=len(items), extra=extra,
-                   labels=[labels[i] for i in chosen] if labels is not None else None)
+    return TextSet(
+        name,
+        split,
+        seed,
+        [items[i] for i in chosen],
+        available=len(items),
+        extra=extra,
+        labels=[labels[i] for i in chosen] if labels is not None else None,
+    )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -287,8 +309,9 @@ def remove_overlap(calibration: TextSet, evaluation: TextSet, policy: str) -> Te
     keep = [evaluation.items[i] for i in keep_index]
     overlap = len(evaluation.items) - len(keep)
     if overlap and policy != "drop":
-        raise DataError(f"{overlap} evaluation items also appear in the calibration data "
-                        "(set evaluate.overlap=drop to remove them)")
+        raise DataError(
+            f"{overlap} evaluation items also appear in the calibration data (set evaluate.overlap=drop to remove them)"
+        )
     if overlap and not keep:
         raise DataError("every evaluation item also appears in the calibration data")
     evaluation.items = keep

@@ -1,5 +1,6 @@
 """Tabular and Hugging Face `datasets` sources: parquet files, and any dataset `datasets` can load
 (local parquet/json/jsonl/csv/text files here; hub names on a networked machine)."""
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,9 @@ def parquet(split: str, path: str | None = None, field: str = "text", min_chars:
 
 
 @source("hf_dataset")
-def hf_dataset(split: str, path: str | None = None, field: str = "text", min_chars: int = 1,
-               dataset_split: str | None = None, **_) -> list[str]:
+def hf_dataset(
+    split: str, path: str | None = None, field: str = "text", min_chars: int = 1, dataset_split: str | None = None, **_
+) -> list[str]:
     """A Hugging Face dataset: `path` is a local file or folder, or a hub name. With `dataset_split`
     (e.g. test) every item of that split is used; without it the train split is divided by content hash."""
     if not path:
@@ -53,8 +55,10 @@ def _load_dataset(path: str, dataset_split: str):
             check_data_file(path)  # a FIFO, device, link or oversized file is refused before any reader opens it
             builder = _BUILDERS.get(local.suffix)
             if builder is None:
-                raise DataError(f"{path}: cannot tell the format of {local.suffix or 'a file without suffix'} "
-                                f"(known: {', '.join(_BUILDERS)})")
+                raise DataError(
+                    f"{path}: cannot tell the format of {local.suffix or 'a file without suffix'} "
+                    f"(known: {', '.join(_BUILDERS)})"
+                )
             return datasets.load_dataset(builder, data_files={dataset_split: str(local)}, split=dataset_split)
         return datasets.load_dataset(str(local) if local.exists() else path, split=dataset_split)
     except DataError:

@@ -1,6 +1,7 @@
 """Image sources with real labels: scikit-learn's digits (1,797 8x8 images, 10 classes, ships with
 scikit-learn, so it works offline). Images are split by a hash of their pixels, so an image (or an
 exact duplicate of it) is never in both splits."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -2,6 +2,7 @@
 
 Never a fallback: a method that needs calibration data and gets none fails instead. This exists
 for smoke tests of a pipeline on models without real data, where scales do not matter."""
+
 from __future__ import annotations
 
 import hashlib

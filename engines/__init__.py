@@ -4,6 +4,7 @@ A Runner is called on a batch of named numpy arrays and returns named numpy arra
 Runner is what the pipeline measures and what serve/ runs. This package imports on a CPU-only
 machine without torch: each engine imports its runtime inside the functions that need it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -18,6 +18,7 @@ What is checked, before anything opens a file the manifest names:
 - the external-data locations of every ONNX graph (read from the protobuf here, not left to
   onnx or ONNX Runtime) are files beside the graph, inside the artifact, checked as above.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,7 +34,7 @@ MANIFEST = "manifest.json"
 SCHEMA_VERSION = 2  # 2: the manifest carries `integrity` (its own digest, optionally signed)
 INTEGRITY = "integrity"
 SIGNING_KEY_ENV = "ARTIFACT_SIGNING_KEY"  # the pipeline signs with this key (a file holding the HMAC secret)
-VERIFY_KEY_ENV = "ARTIFACT_VERIFY_KEY"    # verify and serve check with this one when --key is not given
+VERIFY_KEY_ENV = "ARTIFACT_VERIFY_KEY"  # verify and serve check with this one when --key is not given
 HMAC_SCHEME = "hmac-sha256"
 ENGINE_PATH_KEYS = ("file", "dir", "tokenizer", "model_dir")
 MAX_MANIFEST_BYTES = 64 << 20
@@ -51,13 +52,19 @@ class EngineUnavailable(ArtifactError):
 
 # --- files: regular, one link, no symlink on the way ----------------------------------------------
 
+
 def describe_kind(mode: int) -> str | None:
     """None for a regular file, else what it is (in words)."""
     if stat.S_ISREG(mode):
         return None
-    for test, word in ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISDIR, "a directory")):
+    for test, word in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISDIR, "a directory"),
+    ):
         if test(mode):
             return word
     return "not a regular file"
@@ -146,11 +153,13 @@ def list_files(root: Path) -> list[Path]:
 def file_table(root: Path) -> list[dict]:
     """[{path, bytes, sha256}] for every file of the artifact (paths relative, POSIX style)."""
     root = Path(root)
-    return [{"path": rel, "bytes": os.lstat(root / rel).st_size, "sha256": sha256_file(root / rel)}
-            for rel in walk(root)]
+    return [
+        {"path": rel, "bytes": os.lstat(root / rel).st_size, "sha256": sha256_file(root / rel)} for rel in walk(root)
+    ]
 
 
 # --- the manifest: shape, digest, signature --------------------------------------------------------
+
 
 def canonical(manifest: dict) -> bytes:
     """The bytes the digest covers: the manifest without `integrity`, sorted keys, compact, ASCII."""
@@ -169,8 +178,10 @@ def read_key(source: str | Path) -> bytes:
     except OSError as exc:
         raise ArtifactError(f"key file {source}: {exc.strerror}") from None
     if key.startswith(b"-----BEGIN"):
-        raise ArtifactError(f"key file {source} holds a PEM key; Ed25519 needs the 'cryptography' package, "
-                            "which this installation does not use: give an HMAC secret")
+        raise ArtifactError(
+            f"key file {source} holds a PEM key; Ed25519 needs the 'cryptography' package, "
+            "which this installation does not use: give an HMAC secret"
+        )
     if len(key) < 16:
         raise ArtifactError(f"key file {source}: an HMAC secret needs at least 16 bytes")
     return key
@@ -187,8 +198,11 @@ def seal(manifest: dict, key: bytes | None = None) -> dict:
     digest = digest_of(body)
     integrity: dict = {"algorithm": "sha256", "digest": digest}
     if key:
-        integrity["signature"] = {"scheme": HMAC_SCHEME, "key_id": key_id(key),
-                                  "value": hmac.new(key, digest.encode(), hashlib.sha256).hexdigest()}
+        integrity["signature"] = {
+            "scheme": HMAC_SCHEME,
+            "key_id": key_id(key),
+            "value": hmac.new(key, digest.encode(), hashlib.sha256).hexdigest(),
+        }
     return {**body, INTEGRITY: integrity}
 
 
@@ -209,8 +223,10 @@ def check_shape(raw: object) -> dict:
     manifest: dict = _expect(raw, dict, "the manifest")
     version = manifest.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise ArtifactError(f"schema_version {version!r}, this version reads {SCHEMA_VERSION}"
-                            + (" (rebuild the artifact)" if version == 1 else ""))
+        raise ArtifactError(
+            f"schema_version {version!r}, this version reads {SCHEMA_VERSION}"
+            + (" (rebuild the artifact)" if version == 1 else "")
+        )
     files = _expect(manifest.get("files"), list, "files")
     seen = set()
     for i, entry in enumerate(files):
@@ -222,8 +238,9 @@ def check_shape(raw: object) -> dict:
         if "bytes" in entry:
             _expect(entry["bytes"], int, f"files[{i}].bytes")
         if rel.as_posix() in seen or rel.as_posix() == MANIFEST:
-            raise ArtifactError(f"malformed manifest: files[{i}].path {rel.as_posix()!r} is listed twice or "
-                                "is the manifest")
+            raise ArtifactError(
+                f"malformed manifest: files[{i}].path {rel.as_posix()!r} is listed twice or is the manifest"
+            )
         seen.add(rel.as_posix())
     engine = _expect(manifest.get("engine") or {}, dict, "engine")
     for key in ENGINE_PATH_KEYS:
@@ -263,8 +280,9 @@ def read_manifest(root: str | Path) -> dict:
     except ArtifactError as exc:
         raise ArtifactError(f"{path}: {exc}") from None
     if not hmac.compare_digest(digest_of(manifest), manifest[INTEGRITY]["digest"]):
-        raise ArtifactError(f"{path} was modified after it was written (its digest does not match its content); "
-                            "refused")
+        raise ArtifactError(
+            f"{path} was modified after it was written (its digest does not match its content); refused"
+        )
     return manifest
 
 
@@ -289,6 +307,7 @@ def check_signature(manifest: dict, key: bytes | None, require: bool = False) ->
 
 
 # --- ONNX external data, read from the protobuf -----------------------------------------------------
+
 
 def _varint(buf, pos: int) -> tuple[int, int]:
     result, shift = 0, 0
@@ -360,8 +379,9 @@ def _collect(buf, start: int, end: int, kind: str, out: list[str], depth: int) -
     if kind == "tensor":
         for number, wire, value in _fields(buf, start, end):
             if number == 13 and wire == 2:  # external_data: StringStringEntryProto {key=1, value=2}
-                entry = {n: bytes(buf[v[0]:v[1]]).decode("utf-8", "replace")
-                         for n, w, v in _fields(buf, *value) if w == 2}
+                entry = {
+                    n: bytes(buf[v[0] : v[1]]).decode("utf-8", "replace") for n, w, v in _fields(buf, *value) if w == 2
+                }
                 if entry.get(1) == "location":
                     out.append(entry.get(2, ""))
         return
@@ -385,6 +405,7 @@ def check_onnx_external_data(model: Path) -> list[Path]:
 
 
 # --- the whole check ------------------------------------------------------------------------------
+
 
 def check_engine_paths(root: Path, engine: dict, keys: tuple[str, ...] = ENGINE_PATH_KEYS) -> None:
     """Every path of an engine block resolves inside root; its ONNX graphs' external data too."""

@@ -3,6 +3,7 @@
 `engines.load_engine`, the memory probe (engines/memprobe.py) and serve/ read this table; nothing
 else branches on a format string. A new runtime is one module with a loader plus one row here.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -34,15 +35,22 @@ class EngineFormat:
         return loader(root, engine, threads=threads, spinning=spinning)
 
 
-FORMATS: dict[str, EngineFormat] = {f.name: f for f in (
-    EngineFormat(ONNXRUNTIME, "engines.onnxruntime_runner:load_ort_runner", ("onnxruntime",), "encoder"),
-    EngineFormat(ONNXRUNTIME_GENAI, "engines.genai_runner:load_genai_runner", ("onnxruntime_genai",), "causal_lm"),
-    EngineFormat(PYTORCH, "engines.pytorch_runner:load_pytorch_runner", ("torch",), None),
-    EngineFormat(MODELOPT_TORCH, "engines.modelopt_runner:load_modelopt_runner", ("torch",), None),
-    EngineFormat(OPENVINO, "engines.openvino_runner:load_openvino_runner", ("openvino",), "encoder"),
-    EngineFormat(OPENVINO_GENAI, "engines.openvino_genai_runner:load_ov_genai_runner", ("openvino", "openvino_genai"),
-                 "causal_lm"),
-)}
+FORMATS: dict[str, EngineFormat] = {
+    f.name: f
+    for f in (
+        EngineFormat(ONNXRUNTIME, "engines.onnxruntime_runner:load_ort_runner", ("onnxruntime",), "encoder"),
+        EngineFormat(ONNXRUNTIME_GENAI, "engines.genai_runner:load_genai_runner", ("onnxruntime_genai",), "causal_lm"),
+        EngineFormat(PYTORCH, "engines.pytorch_runner:load_pytorch_runner", ("torch",), None),
+        EngineFormat(MODELOPT_TORCH, "engines.modelopt_runner:load_modelopt_runner", ("torch",), None),
+        EngineFormat(OPENVINO, "engines.openvino_runner:load_openvino_runner", ("openvino",), "encoder"),
+        EngineFormat(
+            OPENVINO_GENAI,
+            "engines.openvino_genai_runner:load_ov_genai_runner",
+            ("openvino", "openvino_genai"),
+            "causal_lm",
+        ),
+    )
+}
 
 
 class UnknownFormat(KeyError):

@@ -1,6 +1,7 @@
 """ONNX Runtime GenAI's model builder: a Hugging Face causal-LM folder -> a decoder with KV cache,
 tokenizer and genai_config.json (weight-only INT4/INT8 MatMulNBits on CPU), and a summary of which
 weights kept which precision."""
+
 from __future__ import annotations
 
 import logging
@@ -15,12 +16,28 @@ class BuildError(RuntimeError):
     """The builder failed; the message is its last line of output."""
 
 
-def build(source_dir: Path, out: Path, precision: str, execution_provider: str, options: list[str],
-          cache: Path) -> None:
+def build(
+    source_dir: Path, out: Path, precision: str, execution_provider: str, options: list[str], cache: Path
+) -> None:
     """Run the builder in a subprocess (it prints per-tensor progress; kept in a log file)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source_dir), "-m",
-               str(source_dir), "-o", str(out), "-p", precision, "-e", execution_provider, "-c", str(cache)]
+    command = [
+        sys.executable,
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-i",
+        str(source_dir),
+        "-m",
+        str(source_dir),
+        "-o",
+        str(out),
+        "-p",
+        precision,
+        "-e",
+        execution_provider,
+        "-c",
+        str(cache),
+    ]
     if options:
         command += ["--extra_options", *options]
     log.info("GenAI builder: %s", " ".join(command[3:]))
@@ -53,6 +70,7 @@ def _summarize(names: list[str]) -> list[str]:
     """/model/layers.7/attn/qkv_proj/MatMul_Q4 -> layers.7/attn/qkv_proj (graph order kept)."""
     import re
 
-    kinds = [re.sub(r"/model/", "", n).strip("/").replace("/MatMul", "").replace("_Q4", "").replace("_Q8", "")
-             for n in names]
+    kinds = [
+        re.sub(r"/model/", "", n).strip("/").replace("/MatMul", "").replace("_Q4", "").replace("_Q8", "") for n in names
+    ]
     return list(dict.fromkeys(kinds))

@@ -4,6 +4,7 @@ A causal-LM artifact's engine block reads {"format": "onnxruntime-genai", "dir":
 "causal_lm", ...}; SUBDIR holds genai_config.json, the ONNX decoder with its KV cache, and the
 tokenizer files the GenAI builder writes. Torch-free: serve/ uses this directly.
 """
+
 from __future__ import annotations
 
 import json
@@ -81,11 +82,13 @@ class GenAIRunner:
         try:
             return self.tokenizer.apply_chat_template(payload, add_generation_prompt=True)
         except Exception:  # no template in the folder (GenAI raises a generic error)
-            return self.tokenizer.apply_chat_template(payload, template_str=FALLBACK_CHAT_TEMPLATE,
-                                                      add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(
+                payload, template_str=FALLBACK_CHAT_TEMPLATE, add_generation_prompt=True
+            )
 
-    def generate(self, prompt_ids: list[int], sampling: Sampling,
-                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, str]]:
+    def generate(
+        self, prompt_ids: list[int], sampling: Sampling, cancelled: Callable[[], bool] = lambda: False
+    ) -> Iterator[tuple[int, str]]:
         """Yield (token id, text piece) until EOS, max_new_tokens, the context end, or cancellation."""
         params = self.og.GeneratorParams(self.model)
         params.set_search_options(**self.search_options(len(prompt_ids), sampling))
@@ -102,12 +105,13 @@ class GenAIRunner:
             yield token, stream.decode(token)
 
     def search_options(self, prompt_length: int, sampling: Sampling) -> dict:
-        options: dict[str, Any] = {"max_length": min(self.context_length, prompt_length + sampling.max_new_tokens),
-                   "do_sample": sampling.temperature > 0}
+        options: dict[str, Any] = {
+            "max_length": min(self.context_length, prompt_length + sampling.max_new_tokens),
+            "do_sample": sampling.temperature > 0,
+        }
         if sampling.temperature > 0:
             # OpenAI semantics: temperature and top_p only, so top-k must not cut anything.
-            options.update(temperature=sampling.temperature, top_p=sampling.top_p,
-                           top_k=self.vocab_size or 1 << 20)
+            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=self.vocab_size or 1 << 20)
             if sampling.seed is not None:
                 options["random_seed"] = sampling.seed
         return options
@@ -136,8 +140,9 @@ class GenAIRunner:
 
     def _generator(self, max_length: int, min_length: int = 0):
         params = self.og.GeneratorParams(self.model)
-        params.set_search_options(do_sample=False, max_length=min(max_length, self.context_length),
-                                  min_length=min_length)
+        params.set_search_options(
+            do_sample=False, max_length=min(max_length, self.context_length), min_length=min_length
+        )
         return self.og.Generator(self.model, params)
 
     def logits(self, ids) -> np.ndarray:
@@ -149,7 +154,7 @@ class GenAIRunner:
 
     def log_likelihood(self, ids, start: int = 1) -> np.ndarray:
         """log p(token i | the tokens before it) for each i >= start (start >= 1)."""
-        return token_logprobs(self.logits(ids), ids)[start - 1:]
+        return token_logprobs(self.logits(ids), ids)[start - 1 :]
 
     def __call__(self, inputs: dict) -> dict:
         return {"logits": np.stack([self.logits(row) for row in inputs["input_ids"]]).astype(np.float32)}

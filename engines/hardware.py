@@ -2,6 +2,7 @@
 
 Engines use it to refuse an artifact the CPU cannot run; the pipeline records it in every manifest.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,8 +34,9 @@ def gpus() -> list[str]:
     if not shutil.which("nvidia-smi"):
         return []
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=10
+        )
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [line.strip() for line in out.stdout.splitlines() if line.strip()]

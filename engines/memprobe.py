@@ -4,6 +4,7 @@
 prints {"idle_rss_mb", "peak_rss_mb", "peak_memory_mb"}: peak_memory_mb is the peak resident size
 while loading and running the batch in INPUTS_NPZ, less the process's size before loading (imports included).
 """
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 Simulated numerics (weights and activations rounded to the target format, computed in FP32): the
 pipeline measures its accuracy; serve/ does not run it (engines/formats.py says so).
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -4,6 +4,7 @@ The TorchScript exporter was measured to drift from PyTorch on BERT-style encode
 0.94-0.97), so only the dynamo path is used, and every export is compared with the source
 module on real inputs before anything else touches it (as Optimum does with its atol check).
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,14 @@ class ExportMismatch(Exception):
     """The exported graph does not compute what the PyTorch module computes."""
 
 
-def export(module, example: dict[str, np.ndarray], output_names: list[str], path: Path,
-           dynamic_axes: dict[str, dict[int, str]], opset: int = 18) -> Path:
+def export(
+    module,
+    example: dict[str, np.ndarray],
+    output_names: list[str],
+    path: Path,
+    dynamic_axes: dict[str, dict[int, str]],
+    opset: int = 18,
+) -> Path:
     """Export `module` (forward takes the example's keys positionally, in order) to `path`."""
     import torch
 
@@ -30,8 +37,16 @@ def export(module, example: dict[str, np.ndarray], output_names: list[str], path
         dynamic_shapes[name] = {axis: dims.setdefault(label, torch.export.Dim(label)) for axis, label in axes.items()}
     # Keyword inputs in the forward's order: the exporter names graph inputs after them.
     kwargs = {name: torch.from_numpy(array) for name, array in example.items()}
-    program = torch.onnx.export(module.eval(), (), kwargs=kwargs, dynamo=True, dynamic_shapes=dynamic_shapes,
-                                output_names=output_names, opset_version=opset, verbose=False)
+    program = torch.onnx.export(
+        module.eval(),
+        (),
+        kwargs=kwargs,
+        dynamo=True,
+        dynamic_shapes=dynamic_shapes,
+        output_names=output_names,
+        opset_version=opset,
+        verbose=False,
+    )
     if program is None:  # the dynamo exporter returns the program it wrote
         raise RuntimeError(f"torch.onnx.export returned no program for {path}")
     program.save(str(path), external_data=False)
@@ -50,13 +65,16 @@ def compare_outputs(reference: dict[str, np.ndarray], candidate: dict[str, np.nd
     return report
 
 
-def check_fidelity(reference: dict[str, np.ndarray], exported: dict[str, np.ndarray], atol: float,
-                   min_cosine: float = 0.9999) -> dict[str, dict]:
+def check_fidelity(
+    reference: dict[str, np.ndarray], exported: dict[str, np.ndarray], atol: float, min_cosine: float = 0.9999
+) -> dict[str, dict]:
     report = compare_outputs(reference, exported)
     for name, r in report.items():
         if r["max_abs_error"] > atol or r["min_cosine"] < min_cosine:
-            raise ExportMismatch(f"exported output {name!r} differs from PyTorch: max abs error "
-                                 f"{r['max_abs_error']:.2e} (atol {atol:g}), min cosine {r['min_cosine']:.6f}")
+            raise ExportMismatch(
+                f"exported output {name!r} differs from PyTorch: max abs error "
+                f"{r['max_abs_error']:.2e} (atol {atol:g}), min cosine {r['min_cosine']:.6f}"
+            )
     return report
 
 
@@ -67,8 +85,12 @@ def copy_onnx(path: Path, folder: Path) -> Path:
 
     folder.mkdir(parents=True, exist_ok=True)
     dest = folder / "model.onnx"
-    locations = {entry.value for tensor in onnx.load(str(path), load_external_data=False).graph.initializer
-                 for entry in tensor.external_data if entry.key == "location"}
+    locations = {
+        entry.value
+        for tensor in onnx.load(str(path), load_external_data=False).graph.initializer
+        for entry in tensor.external_data
+        if entry.key == "location"
+    }
     shutil.copy2(path, dest)
     for location in locations:
         source = path.parent / location

@@ -1,4 +1,5 @@
 """ONNX Runtime Runner."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -37,8 +38,9 @@ def session_options(threads: int = 0, spinning: bool = True):
 class OrtRunner:
     """Runs an ONNX file with ONNX Runtime; inputs are cast to the dtypes the graph declares."""
 
-    def __init__(self, model_path: str | Path, threads: int = 0, providers: list[str] | None = None,
-                 spinning: bool = True):
+    def __init__(
+        self, model_path: str | Path, threads: int = 0, providers: list[str] | None = None, spinning: bool = True
+    ):
         import onnxruntime as ort
 
         self.path = Path(model_path)
@@ -72,5 +74,4 @@ class OrtRunner:
 
 def load_ort_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> OrtRunner:
     """Runner from an engine block: {'format': 'onnxruntime', 'file': NAME, 'providers': [...]}."""
-    return OrtRunner(Path(root) / engine["file"], threads=threads, providers=engine.get("providers"),
-                     spinning=spinning)
+    return OrtRunner(Path(root) / engine["file"], threads=threads, providers=engine.get("providers"), spinning=spinning)

@@ -1,6 +1,7 @@
 """Building OpenVINO IRs: ONNX -> IR, and NNCF post-training INT8. Pure functions over files and
 arrays; the pipeline decides what to build and records it.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -56,13 +57,20 @@ def _ignored_scope(ignored_scope: Optional[dict]):
     unknown = set(scope) - {"names", "types", "patterns"}
     if unknown:
         raise ValueError(f"ignored_scope keys {sorted(unknown)}: use names, types, patterns")
-    return nncf.IgnoredScope(names=list(scope.get("names", [])), types=list(scope.get("types", [])),
-                             patterns=list(scope.get("patterns", [])))
+    return nncf.IgnoredScope(
+        names=list(scope.get("names", [])), types=list(scope.get("types", [])), patterns=list(scope.get("patterns", []))
+    )
 
 
-def _quantization_settings(preset: str, model_type: Optional[str], subset_size: int, fast_bias_correction: bool,
-                           smooth_quant_alpha: Optional[float], ignored_scope: Optional[dict],
-                           target_device: str) -> dict:
+def _quantization_settings(
+    preset: str,
+    model_type: Optional[str],
+    subset_size: int,
+    fast_bias_correction: bool,
+    smooth_quant_alpha: Optional[float],
+    ignored_scope: Optional[dict],
+    target_device: str,
+) -> dict:
     """Keyword arguments common to nncf.quantize and nncf.quantize_with_accuracy_control (NNCF 3.x)."""
     import nncf
     from nncf.quantization.advanced_parameters import AdvancedQuantizationParameters, AdvancedSmoothQuantParameters
@@ -72,7 +80,8 @@ def _quantization_settings(preset: str, model_type: Optional[str], subset_size: 
         # NNCF 3.x takes the alpha per layer kind; only MatMuls matter for transformers, and a
         # negative alpha turns SmoothQuant off.
         advanced = AdvancedQuantizationParameters(
-            smooth_quant_alphas=AdvancedSmoothQuantParameters(matmul=smooth_quant_alpha))
+            smooth_quant_alphas=AdvancedSmoothQuantParameters(matmul=smooth_quant_alpha)
+        )
     return {
         "preset": nncf.QuantizationPreset(preset),
         "target_device": nncf.TargetDevice(target_device),
@@ -84,32 +93,52 @@ def _quantization_settings(preset: str, model_type: Optional[str], subset_size: 
     }
 
 
-def nncf_int8(xml_or_model, calibration_batches: list[dict[str, np.ndarray]], out_dir: str | Path, *,
-              preset: str = "mixed", model_type: Optional[str] = "transformer", subset_size: int = 300,
-              fast_bias_correction: bool = True, smooth_quant_alpha: Optional[float] = None,
-              ignored_scope: Optional[dict] = None, target_device: str = "CPU") -> Path:
+def nncf_int8(
+    xml_or_model,
+    calibration_batches: list[dict[str, np.ndarray]],
+    out_dir: str | Path,
+    *,
+    preset: str = "mixed",
+    model_type: Optional[str] = "transformer",
+    subset_size: int = 300,
+    fast_bias_correction: bool = True,
+    smooth_quant_alpha: Optional[float] = None,
+    ignored_scope: Optional[dict] = None,
+    target_device: str = "CPU",
+) -> Path:
     """NNCF post-training INT8 of an FP32 IR (path or ov.Model), calibrated on `calibration_batches`
     (named arrays, as a Runner takes them). `subset_size` counts batches, not samples: NNCF draws
     that many items from the dataset. preset 'mixed' quantizes activations asymmetrically (they are
     not centred after GELU/softmax), 'performance' symmetrically. Returns out_dir/model.xml."""
     import nncf
 
-    settings = _quantization_settings(preset, model_type, subset_size, fast_bias_correction, smooth_quant_alpha,
-                                      ignored_scope, target_device)
+    settings = _quantization_settings(
+        preset, model_type, subset_size, fast_bias_correction, smooth_quant_alpha, ignored_scope, target_device
+    )
     advanced = settings.pop("advanced")
-    quantized = nncf.quantize(_read(xml_or_model), nncf.Dataset(calibration_batches), **settings,
-                              advanced_parameters=advanced)
+    quantized = nncf.quantize(
+        _read(xml_or_model), nncf.Dataset(calibration_batches), **settings, advanced_parameters=advanced
+    )
     return save_ir(quantized, out_dir)
 
 
-def nncf_int8_with_accuracy_control(xml_or_model, calibration_batches: list[dict[str, np.ndarray]],
-                                    validation_batches: list[dict[str, np.ndarray]],
-                                    validate_fn: Callable[[object, Iterable[dict]], float], max_drop: float,
-                                    out_dir: str | Path, *, preset: str = "mixed",
-                                    model_type: Optional[str] = "transformer", subset_size: int = 300,
-                                    fast_bias_correction: bool = True, smooth_quant_alpha: Optional[float] = None,
-                                    ignored_scope: Optional[dict] = None, target_device: str = "CPU",
-                                    max_iterations: Optional[int] = None) -> Path:
+def nncf_int8_with_accuracy_control(
+    xml_or_model,
+    calibration_batches: list[dict[str, np.ndarray]],
+    validation_batches: list[dict[str, np.ndarray]],
+    validate_fn: Callable[[object, Iterable[dict]], float],
+    max_drop: float,
+    out_dir: str | Path,
+    *,
+    preset: str = "mixed",
+    model_type: Optional[str] = "transformer",
+    subset_size: int = 300,
+    fast_bias_correction: bool = True,
+    smooth_quant_alpha: Optional[float] = None,
+    ignored_scope: Optional[dict] = None,
+    target_device: str = "CPU",
+    max_iterations: Optional[int] = None,
+) -> Path:
     """INT8 like nncf_int8, then NNCF reverts quantized layers to FP32, most harmful first, until the
     metric is within `max_drop` (absolute) of the FP32 model's.
 
@@ -122,15 +151,24 @@ def nncf_int8_with_accuracy_control(xml_or_model, calibration_batches: list[dict
     import nncf
     from nncf.quantization.advanced_parameters import AdvancedAccuracyRestorerParameters
 
-    settings = _quantization_settings(preset, model_type, subset_size, fast_bias_correction, smooth_quant_alpha,
-                                      ignored_scope, target_device)
+    settings = _quantization_settings(
+        preset, model_type, subset_size, fast_bias_correction, smooth_quant_alpha, ignored_scope, target_device
+    )
     advanced = settings.pop("advanced")
-    restorer = (AdvancedAccuracyRestorerParameters(max_num_iterations=max_iterations)
-                if max_iterations is not None else None)
+    restorer = (
+        AdvancedAccuracyRestorerParameters(max_num_iterations=max_iterations) if max_iterations is not None else None
+    )
     quantized = nncf.quantize_with_accuracy_control(
-        _read(xml_or_model), nncf.Dataset(calibration_batches), nncf.Dataset(validation_batches), validate_fn,
-        max_drop=max_drop, drop_type=nncf.DropType.ABSOLUTE, **settings,
-        advanced_quantization_parameters=advanced, advanced_accuracy_restorer_parameters=restorer)
+        _read(xml_or_model),
+        nncf.Dataset(calibration_batches),
+        nncf.Dataset(validation_batches),
+        validate_fn,
+        max_drop=max_drop,
+        drop_type=nncf.DropType.ABSOLUTE,
+        **settings,
+        advanced_quantization_parameters=advanced,
+        advanced_accuracy_restorer_parameters=restorer,
+    )
     return save_ir(quantized, out_dir)
 
 
@@ -154,8 +192,11 @@ def int8_node_counts(xml_or_model) -> dict:
             int8 += 1
         else:
             floating += 1
-    return {"int8": int8, "float": floating,
-            "by_op": {"MatMul/Convolution INT8": int8, "MatMul/Convolution float": floating}}
+    return {
+        "int8": int8,
+        "float": floating,
+        "by_op": {"MatMul/Convolution INT8": int8, "MatMul/Convolution float": floating},
+    }
 
 
 def _is_int8_input(node, depth: int) -> bool:

@@ -10,6 +10,7 @@ attention_mask, position_ids [batch, tokens] (i64) and beam_idx [batch] (i32); o
 zeros at the start of a sequence, reset by the caller between sequences), reordered along the batch
 axis by beam_idx at every step (a Gather, for beam search). Weights are kept FP32.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,15 @@ DETOKENIZER_FILE = "openvino_detokenizer.xml"
 WEIGHT_FORMATS = ("int4_sym", "int4_asym", "int8_asym")
 # The Hugging Face files LLMPipeline (and the runner) read beside the IR: the model config (context
 # length, vocabulary), the generation defaults (EOS ids), the tokenizer and its chat template.
-CONFIG_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+CONFIG_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 # The mask value for hidden positions: float16's minimum, as optimum-intel uses, rather than
 # float32's (a score plus float32's minimum can overflow to -inf, and a row of -inf gives NaN).
 MASK_MIN = -65504.0
@@ -83,8 +91,14 @@ def _wrapper(model, layers: int):
             q_pos = past_len + torch.cumsum(torch.ones_like(input_ids), dim=1) - 1  # [B, Q]: K-Q..K-1
             visible = (kv_pos[:, None, None, :] <= q_pos[:, None, :, None]) & (attention_mask[:, None, None, :] > 0)
             mask = torch.where(visible, torch.tensor(0.0), torch.tensor(MASK_MIN))
-            out = self.lm(input_ids=input_ids, attention_mask=mask, position_ids=position_ids,
-                          **{cache_kwarg: cache}, use_cache=True, return_dict=True)
+            out = self.lm(
+                input_ids=input_ids,
+                attention_mask=mask,
+                position_ids=position_ids,
+                **{cache_kwarg: cache},
+                use_cache=True,
+                return_dict=True,
+            )
             present = []  # the cache object was updated in place
             for layer in cache.layers:
                 present += [layer.keys, layer.values]
@@ -122,8 +136,7 @@ def convert_decoder(model):
         names += [f"past_key_values.{i}.key", f"past_key_values.{i}.value"]
     shapes = [([-1, -1], ov.Type.i64)] * 3 + [([-1, kv_heads, -1, head_dim], ov.Type.f32)] * (2 * layers)
     with torch.no_grad():
-        ov_model = ov.convert_model(_wrapper(model, layers), example_input=(*example.values(), *cache),
-                                    input=shapes)
+        ov_model = ov.convert_model(_wrapper(model, layers), example_input=(*example.values(), *cache), input=shapes)
     for port, name in zip(ov_model.inputs, names):
         port.get_tensor().set_names({name})
     outputs = ["logits"] + [f"present.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
@@ -155,14 +168,14 @@ def make_stateful(ov_model, past_names: list[str], present_names: list[str]) -> 
     ov_model.validate_nodes_and_infer_types()
     apply_make_stateful_transformation(ov_model, dict(zip(past_names, present_names)))
     input_ids = ov_model.input("input_ids")
-    batch = opset13.gather(opset13.shape_of(input_ids, output_type="i64"), opset13.constant([0]),
-                           opset13.constant(0))
+    batch = opset13.gather(opset13.shape_of(input_ids, output_type="i64"), opset13.constant([0]), opset13.constant(0))
     for op in ov_model.get_ops():
         if op.get_type_name() == "ReadValue":
             dims = [d.min_length for d in op.get_output_partial_shape(0)]
             parts = [batch if i == 0 else opset13.constant(np.array([d], dtype=np.int64)) for i, d in enumerate(dims)]
-            zeros = opset13.broadcast(opset13.constant(0.0, dtype=op.get_output_element_type(0)),
-                                      opset13.concat(parts, axis=0))
+            zeros = opset13.broadcast(
+                opset13.constant(0.0, dtype=op.get_output_element_type(0)), opset13.concat(parts, axis=0)
+            )
             op.set_arguments([zeros])
     ov_model.validate_nodes_and_infer_types()
 
@@ -198,8 +211,9 @@ def copy_configs(hf_folder: Path, out_dir: Path, model_config=None) -> None:
             shutil.copy2(hf_folder / name, out_dir / name)
     if not (out_dir / "generation_config.json").is_file() and model_config is not None:
         settings = {k: getattr(model_config, k, None) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        (out_dir / "generation_config.json").write_text(json.dumps({k: v for k, v in settings.items()
-                                                                     if v is not None}, indent=2))
+        (out_dir / "generation_config.json").write_text(
+            json.dumps({k: v for k, v in settings.items() if v is not None}, indent=2)
+        )
 
 
 def export_stateful_lm(hf_folder: str | Path, out_dir: str | Path) -> Path:
@@ -218,6 +232,7 @@ def export_stateful_lm(hf_folder: str | Path, out_dir: str | Path) -> Path:
 
 # ---------------------------------------------------------------- NNCF weight compression
 
+
 def calibration_inputs(token_rows: Iterable[Iterable[int]]) -> list[dict[str, np.ndarray]]:
     """Model inputs for data-aware compression (AWQ, scale estimation, GPTQ): each row of token ids as
     one whole sequence from an empty cache (the state is zeros for each item, as NNCF infers them)."""
@@ -226,9 +241,14 @@ def calibration_inputs(token_rows: Iterable[Iterable[int]]) -> list[dict[str, np
         ids = np.asarray(list(row), dtype=np.int64)[None, :]
         if ids.shape[1] < 2:
             continue
-        items.append({"input_ids": ids, "attention_mask": np.ones_like(ids),
-                      "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None, :],
-                      "beam_idx": np.zeros(1, dtype=np.int32)})
+        items.append(
+            {
+                "input_ids": ids,
+                "attention_mask": np.ones_like(ids),
+                "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None, :],
+                "beam_idx": np.zeros(1, dtype=np.int32),
+            }
+        )
     return items
 
 
@@ -236,10 +256,18 @@ class CompressionError(RuntimeError):
     """NNCF refused the settings (for example a group size that does not divide the channels)."""
 
 
-def compress_weights(xml: str | Path, out_dir: str | Path, mode: str = "int4_asym", group_size: int = 64,
-                     ratio: float = 1.0, awq: bool = False, scale_estimation: bool = False, gptq: bool = False,
-                     calibration_batches: Optional[list[dict[str, np.ndarray]]] = None,
-                     ignored_scope: Optional[dict] = None) -> Path:
+def compress_weights(
+    xml: str | Path,
+    out_dir: str | Path,
+    mode: str = "int4_asym",
+    group_size: int = 64,
+    ratio: float = 1.0,
+    awq: bool = False,
+    scale_estimation: bool = False,
+    gptq: bool = False,
+    calibration_batches: Optional[list[dict[str, np.ndarray]]] = None,
+    ignored_scope: Optional[dict] = None,
+) -> Path:
     """NNCF weight-only compression of the IR at `xml`, written to out_dir/openvino_model.xml.
 
     int4 modes quantize `ratio` of the weight MatMuls (NNCF ranks them) to 4 bits in groups of
@@ -261,17 +289,29 @@ def compress_weights(xml: str | Path, out_dir: str | Path, mode: str = "int4_asy
     if mode.startswith("int4"):
         kwargs.update(group_size=group_size, ratio=ratio)
         if data_aware:
-            kwargs.update(dataset=nncf.Dataset(batches), awq=awq, scale_estimation=scale_estimation, gptq=gptq,
-                          subset_size=len(batches))
+            kwargs.update(
+                dataset=nncf.Dataset(batches),
+                awq=awq,
+                scale_estimation=scale_estimation,
+                gptq=gptq,
+                subset_size=len(batches),
+            )
     if ignored_scope:
-        kwargs["ignored_scope"] = nncf.IgnoredScope(names=list(ignored_scope.get("names", [])),
-                                                    types=list(ignored_scope.get("types", [])),
-                                                    patterns=list(ignored_scope.get("patterns", [])))
+        kwargs["ignored_scope"] = nncf.IgnoredScope(
+            names=list(ignored_scope.get("names", [])),
+            types=list(ignored_scope.get("types", [])),
+            patterns=list(ignored_scope.get("patterns", [])),
+        )
     model = ov.Core().read_model(str(xml))
     try:
         compressed = nncf.compress_weights(model, **kwargs)
-    except (nncf.errors.InvalidGroupSizeError, nncf.errors.ValidationError, nncf.errors.ParameterNotSupportedError,
-            ValueError, RuntimeError) as exc:
+    except (
+        nncf.errors.InvalidGroupSizeError,
+        nncf.errors.ValidationError,
+        nncf.errors.ParameterNotSupportedError,
+        ValueError,
+        RuntimeError,
+    ) as exc:
         raise CompressionError(f"NNCF {mode} group {group_size}: {_one_line(exc)}") from None
     out_dir.mkdir(parents=True, exist_ok=True)
     if out_dir.resolve() != xml.parent.resolve():
@@ -288,8 +328,15 @@ def _one_line(exc: BaseException) -> str:
     return lines[0][:300] if lines else type(exc).__name__
 
 
-_PRECISION_NAMES = {"u4": "int4", "i4": "int4", "u8": "int8", "i8": "int8", "f32": "float", "f16": "float",
-                    "bf16": "float"}
+_PRECISION_NAMES = {
+    "u4": "int4",
+    "i4": "int4",
+    "u8": "int8",
+    "i8": "int8",
+    "f32": "float",
+    "f16": "float",
+    "bf16": "float",
+}
 
 
 def weight_precision(xml: str | Path) -> dict:
@@ -311,8 +358,9 @@ def weight_precision(xml: str | Path) -> dict:
             continue
         element = constant.get_output_element_type(0).get_type_name()
         groups.setdefault(_PRECISION_NAMES.get(element, element), []).append(_layer_name(op.get_friendly_name()))
-    return {precision: {"count": len(names), "nodes": list(dict.fromkeys(names))}
-            for precision, names in groups.items()}
+    return {
+        precision: {"count": len(names), "nodes": list(dict.fromkeys(names))} for precision, names in groups.items()
+    }
 
 
 def _weight_constant(node, depth: int = 0):

@@ -12,6 +12,7 @@ directly: state reset, the whole sequence in one forward pass, logits read back.
 property is set explicitly: the CPU plugin otherwise computes in bf16 on bf16 CPUs and stores the KV
 cache in u8, and an artifact measured as FP32 must run as FP32. Torch-free: serve/ uses this directly.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,7 @@ KV_CACHE_PRECISIONS = ("f32", "bf16", "u8")
 _DONE = object()
 
 
-def runner_properties(threads: int, inference_precision: str, kv_cache_precision: str | None,
-                      spinning: bool) -> dict:
+def runner_properties(threads: int, inference_precision: str, kv_cache_precision: str | None, spinning: bool) -> dict:
     """CPU plugin properties shared by the pipeline and the scoring model."""
     kv = kv_cache_precision or inference_precision
     if kv not in KV_CACHE_PRECISIONS:
@@ -50,7 +50,7 @@ class _TokenStreamer:
     def make(ov_genai, on_token: Callable[[int], None], stop: Callable[[], bool], on_end=lambda: None):
         class Streamer(ov_genai.StreamerBase):
             def write(self, token):
-                for t in (token if isinstance(token, (list, tuple)) else [token]):
+                for t in token if isinstance(token, (list, tuple)) else [token]:
                     on_token(int(t))
                 return ov_genai.StreamingStatus.CANCEL if stop() else ov_genai.StreamingStatus.RUNNING
 
@@ -65,13 +65,20 @@ class OVGenAIRunner:
     input_names = ["input_ids"]
     output_names = ["logits"]
 
-    def __init__(self, model_dir: str | Path, threads: int = 0, inference_precision: str = "f32",
-                 kv_cache_precision: str | None = None, spinning: bool = True):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        threads: int = 0,
+        inference_precision: str = "f32",
+        kv_cache_precision: str | None = None,
+        spinning: bool = True,
+    ):
         try:
             import openvino_genai as ov_genai
         except ImportError:
-            raise RuntimeError("OpenVINO GenAI artifacts need openvino-genai: "
-                               "pip install openvino-genai openvino-tokenizers") from None
+            raise RuntimeError(
+                "OpenVINO GenAI artifacts need openvino-genai: pip install openvino-genai openvino-tokenizers"
+            ) from None
         if inference_precision not in PRECISIONS:
             raise ValueError(f"inference_precision {inference_precision!r}: use one of {PRECISIONS}")
         self.ov_genai = ov_genai
@@ -118,8 +125,9 @@ class OVGenAIRunner:
                 return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         except Exception:  # a template the tokenizer cannot render: use the fallback
             pass
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  chat_template=FALLBACK_CHAT_TEMPLATE)
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, chat_template=FALLBACK_CHAT_TEMPLATE
+        )
 
     # ------------------------------------------------------------ generation
 
@@ -143,8 +151,9 @@ class OVGenAIRunner:
 
         return ov.Tensor(np.asarray([list(ids)], dtype=np.int64))
 
-    def generate(self, prompt_ids: list[int], sampling: Sampling,
-                 cancelled: Callable[[], bool] = lambda: False) -> Iterator[tuple[int, str]]:
+    def generate(
+        self, prompt_ids: list[int], sampling: Sampling, cancelled: Callable[[], bool] = lambda: False
+    ) -> Iterator[tuple[int, str]]:
         """Yield (token id, text piece) until EOS, max_new_tokens, the context end, or cancellation.
 
         LLMPipeline.generate blocks until it is done, so it runs in a helper thread and its streamer
@@ -180,7 +189,7 @@ class OVGenAIRunner:
                 text = self.decode(ids)
                 # Hold back an incomplete UTF-8 sequence (the decoder shows it as U+FFFD) until the
                 # token that completes it arrives.
-                piece = "" if text.endswith("\ufffd") else text[len(emitted):]
+                piece = "" if text.endswith("\ufffd") else text[len(emitted) :]
                 emitted += piece
                 yield token, piece
                 if cancelled():
@@ -222,16 +231,22 @@ class OVGenAIRunner:
         request = self._scoring_request()
         with self._lock:
             request.reset_state()
-            request.infer({"input_ids": ids, "attention_mask": np.ones_like(ids),
-                           "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None, :],
-                           "beam_idx": np.zeros(1, dtype=np.int32)}, share_inputs=True)
+            request.infer(
+                {
+                    "input_ids": ids,
+                    "attention_mask": np.ones_like(ids),
+                    "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None, :],
+                    "beam_idx": np.zeros(1, dtype=np.int32),
+                },
+                share_inputs=True,
+            )
             logits = np.array(request.get_tensor("logits").data[0])  # a copy: the next call overwrites it
             request.reset_state()
         return logits
 
     def log_likelihood(self, ids, start: int = 1) -> np.ndarray:
         """log p(token i | the tokens before it) for each i >= start (start >= 1)."""
-        return token_logprobs(self.logits(ids), ids)[start - 1:]
+        return token_logprobs(self.logits(ids), ids)[start - 1 :]
 
     def __call__(self, inputs: dict) -> dict:
         return {"logits": np.stack([self.logits(row) for row in inputs["input_ids"]]).astype(np.float32)}
@@ -247,5 +262,10 @@ def load_ov_genai_runner(root: Path, engine: dict, threads: int = 0, spinning: b
     precision = engine.get("inference_precision", "f32")
     folder = ov_genai_dir(root, engine)
     require_cpu_features(precision, what=str(folder))
-    return OVGenAIRunner(folder, threads=threads, inference_precision=precision,
-                         kv_cache_precision=engine.get("kv_cache_precision"), spinning=spinning)
+    return OVGenAIRunner(
+        folder,
+        threads=threads,
+        inference_precision=precision,
+        kv_cache_precision=engine.get("kv_cache_precision"),
+        spinning=spinning,
+    )

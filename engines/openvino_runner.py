@@ -5,6 +5,7 @@ An OpenVINO artifact's engine block reads {"format": "openvino", "file": "model.
 serve/ loads it through engines.load_engine. Inputs, outputs and signature() follow OrtRunner, so
 code written for ONNX Runtime runners works unchanged.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -64,8 +65,9 @@ def bf16_supported() -> bool:
 def require_cpu_features(precision: str, what: str = "this model") -> None:
     missing = missing_cpu_features(precision)
     if missing:
-        raise EngineUnavailable(f"{what} runs OpenVINO in {precision}, which this CPU cannot: it lacks "
-                                f"{'; '.join(missing)}")
+        raise EngineUnavailable(
+            f"{what} runs OpenVINO in {precision}, which this CPU cannot: it lacks {'; '.join(missing)}"
+        )
 
 
 def compile_properties(threads: int, inference_precision: str, performance_hint: str, spinning: bool) -> dict:
@@ -78,8 +80,10 @@ def compile_properties(threads: int, inference_precision: str, performance_hint:
     """
     if performance_hint not in PERFORMANCE_HINTS:
         raise ValueError(f"performance_hint {performance_hint!r}: use one of {PERFORMANCE_HINTS}")
-    properties: dict[str, str | int | bool] = {"INFERENCE_PRECISION_HINT": inference_precision,
-                                               "PERFORMANCE_HINT": performance_hint}
+    properties: dict[str, str | int | bool] = {
+        "INFERENCE_PRECISION_HINT": inference_precision,
+        "PERFORMANCE_HINT": performance_hint,
+    }
     if threads > 0:
         properties["INFERENCE_NUM_THREADS"] = threads
     if not spinning:
@@ -104,8 +108,14 @@ def _onnx_type_name(element_type) -> str:
 class OpenVINORunner:
     """Runs an OpenVINO IR on the CPU with one infer request, reused call after call (latency path)."""
 
-    def __init__(self, xml_path: str | Path, threads: int = 0, inference_precision: str = "f32",
-                 performance_hint: str = "LATENCY", spinning: bool = True):
+    def __init__(
+        self,
+        xml_path: str | Path,
+        threads: int = 0,
+        inference_precision: str = "f32",
+        performance_hint: str = "LATENCY",
+        spinning: bool = True,
+    ):
         import openvino as ov
 
         self.path = Path(xml_path)
@@ -123,14 +133,24 @@ class OpenVINORunner:
 
     def signature(self) -> list[dict]:
         """Input names, element types and shapes; dynamic dims as strings ('?', or '1..8' when bounded)."""
-        return [{"name": name, "type": _onnx_type_name(port.get_element_type()),
-                 "shape": [d.get_length() if d.is_static else str(d) for d in port.get_partial_shape()]}
-                for name, port in zip(self.input_names, self.inputs)]
+        return [
+            {
+                "name": name,
+                "type": _onnx_type_name(port.get_element_type()),
+                "shape": [d.get_length() if d.is_static else str(d) for d in port.get_partial_shape()],
+            }
+            for name, port in zip(self.input_names, self.inputs)
+        ]
 
     def output_signature(self) -> list[dict]:
-        return [{"name": name, "type": _onnx_type_name(port.get_element_type()),
-                 "shape": [d.get_length() if d.is_static else str(d) for d in port.get_partial_shape()]}
-                for name, port in zip(self.output_names, self.compiled.outputs)]
+        return [
+            {
+                "name": name,
+                "type": _onnx_type_name(port.get_element_type()),
+                "shape": [d.get_length() if d.is_static else str(d) for d in port.get_partial_shape()],
+            }
+            for name, port in zip(self.output_names, self.compiled.outputs)
+        ]
 
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         feed = {}
@@ -151,5 +171,10 @@ def load_openvino_runner(root: Path, engine: dict, threads: int = 0, spinning: b
     precision = engine.get("inference_precision", "f32")
     xml_path = Path(root) / engine["file"]
     require_cpu_features(precision, what=str(xml_path))
-    return OpenVINORunner(xml_path, threads=threads, inference_precision=precision,
-                          performance_hint=engine.get("performance_hint", "LATENCY"), spinning=spinning)
+    return OpenVINORunner(
+        xml_path,
+        threads=threads,
+        inference_precision=precision,
+        performance_hint=engine.get("performance_hint", "LATENCY"),
+        spinning=spinning,
+    )

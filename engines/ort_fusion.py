@@ -1,5 +1,6 @@
 """Fusing an exported ONNX graph into ONNX Runtime's contrib kernels (Attention with packed QKV,
 SkipLayerNormalization, BiasGelu, RotaryEmbedding...) with onnxscript's ORT rewrite rules."""
+
 from __future__ import annotations
 
 import logging

@@ -1,4 +1,5 @@
 """ONNX Runtime execution providers: which this machine can run, and what it lacks for the others."""
+
 from __future__ import annotations
 
 GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
@@ -17,8 +18,10 @@ def missing_for(provider: str) -> list[str]:
         return []
     missing = [] if gpus() else ["an NVIDIA GPU with CUDA (nvidia-smi finds none)"]
     if provider not in ort.get_available_providers():
-        missing.append(f"onnxruntime with {provider} (install onnxruntime-gpu; this onnxruntime has "
-                       f"{', '.join(ort.get_available_providers())})")
+        missing.append(
+            f"onnxruntime with {provider} (install onnxruntime-gpu; this onnxruntime has "
+            f"{', '.join(ort.get_available_providers())})"
+        )
     if provider == "TensorrtExecutionProvider" and importlib.util.find_spec("tensorrt") is None:
         missing.append("TensorRT (the tensorrt Python package)")
     return missing

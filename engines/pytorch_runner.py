@@ -3,6 +3,7 @@
 Also holds the task wrappers that give a Hugging Face model the named-array interface of a Runner;
 the ONNX exporter exports these same wrappers, so baseline and candidate compute the same thing.
 """
+
 from __future__ import annotations
 
 import json
@@ -80,8 +81,14 @@ class TorchRunner:
         return {n: o.float().numpy() for n, o in zip(self.output_names, outputs)}
 
 
-def load_hf_model(source: str, task: str, allow_pickle: bool = False, trust_remote_code: bool = False,
-                  revision: str | None = None, gguf_file: str | None = None):
+def load_hf_model(
+    source: str,
+    task: str,
+    allow_pickle: bool = False,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    gguf_file: str | None = None,
+):
     """Load a Hugging Face model in FP32 from a hub id or a local folder (safetensors unless opted in)."""
     import torch
     import transformers
@@ -104,8 +111,9 @@ def load_pytorch_runner(root: Path, engine: dict, threads: int = 0, spinning: bo
     if not model_dir.is_absolute():
         model_dir = root / model_dir
     task = engine["task"]
-    model = load_hf_model(str(model_dir), task, allow_pickle=engine.get("allow_pickle", False),
-                          gguf_file=engine.get("gguf_file"))
+    model = load_hf_model(
+        str(model_dir), task, allow_pickle=engine.get("allow_pickle", False), gguf_file=engine.get("gguf_file")
+    )
     if task == "sentence_embedding":
         module = sentence_embedding_module(model, engine.get("pooling") or read_pooling(model_dir))
         return TorchRunner(module, ENCODER_INPUTS, ["last_hidden_state", "sentence_embedding"], threads)
@@ -146,7 +154,7 @@ class TorchLM:
     def log_likelihood(self, ids, start: int = 1) -> np.ndarray:
         from engines.genai_runner import token_logprobs
 
-        return token_logprobs(self.logits(ids), ids)[start - 1:]
+        return token_logprobs(self.logits(ids), ids)[start - 1 :]
 
     def __call__(self, inputs: dict) -> dict:
         return {"logits": np.stack([self.logits(row) for row in inputs["input_ids"]])}
@@ -171,9 +179,15 @@ class TorchLM:
         stamps = Stamps()
         ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))[None]
         with torch.inference_mode():
-            self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                min_new_tokens=new_tokens, do_sample=False, streamer=stamps,
-                                pad_token_id=self.model.config.eos_token_id)
+            self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                streamer=stamps,
+                pad_token_id=self.model.config.eos_token_id,
+            )
         return stamps.times
 
     def greedy(self, prompt_ids, new_tokens: int) -> list[int]:
@@ -181,9 +195,14 @@ class TorchLM:
 
         ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))[None]
         with torch.inference_mode():
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                      do_sample=False, pad_token_id=self.model.config.eos_token_id)
-        return out[0, ids.shape[1]:].tolist()
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=self.model.config.eos_token_id,
+            )
+        return out[0, ids.shape[1] :].tolist()
 
 
 def torch_weight_bytes(model) -> WeightBytes:

@@ -1,4 +1,5 @@
 """Text to model inputs with the `tokenizers` library: the same code in the pipeline and in serve/."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -3,6 +3,7 @@ row per token) and its KV cache. Counted from the engine's own files (ONNX initi
 IR constants) or a torch module, so runners can say it and optimize/evaluate/roofline.py can turn it
 into a bound on decode speed. Standard library and numpy only at import time.
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,27 @@ GATHERED_INPUTS = {
 }
 
 # onnx.TensorProto data types -> bits per element (4-bit types are packed two per byte).
-ONNX_BITS = {1: 32, 2: 8, 3: 8, 4: 16, 5: 16, 6: 32, 7: 64, 9: 8, 10: 16, 11: 64, 12: 32, 13: 64,
-             16: 16, 17: 8, 18: 8, 19: 8, 20: 8, 21: 4, 22: 4}
+ONNX_BITS = {
+    1: 32,
+    2: 8,
+    3: 8,
+    4: 16,
+    5: 16,
+    6: 32,
+    7: 64,
+    9: 8,
+    10: 16,
+    11: 64,
+    12: 32,
+    13: 64,
+    16: 16,
+    17: 8,
+    18: 8,
+    19: 8,
+    20: 8,
+    21: 4,
+    22: 4,
+}
 
 
 @dataclass
@@ -43,6 +63,7 @@ class WeightBytes:
 
 
 # ---------------------------------------------------------------- weights: ONNX (ONNX Runtime GenAI)
+
 
 def onnx_weight_bytes(onnx_path: str | Path) -> WeightBytes:
     """Weights read per token by an ONNX decoder: initializer sizes (external data is not loaded)."""
@@ -99,6 +120,7 @@ def onnx_kv_dtype_bytes(onnx_path: str | Path) -> Optional[int]:
 
 # ---------------------------------------------------------------- weights: OpenVINO IR
 
+
 def openvino_weight_bytes(xml_path: str | Path) -> WeightBytes:
     """Weights read per token by an OpenVINO IR: the constants stored in its .bin (their `size`),
     a constant that reaches only a Gather's data input (directly or through the decompression chain
@@ -109,7 +131,8 @@ def openvino_weight_bytes(xml_path: str | Path) -> WeightBytes:
     consumers: dict[str, list[tuple[str, int]]] = {}
     for edge in root.iter("edge"):
         consumers.setdefault(str(edge.get("from-layer")), []).append(
-            (str(edge.get("to-layer")), int(edge.get("to-port") or 0)))
+            (str(edge.get("to-layer")), int(edge.get("to-port") or 0))
+        )
     port_index = {lid: _input_port_index(layer) for lid, layer in layers.items()}
     spans: dict[tuple[str, int], dict[str, Any]] = {}  # (offset, size) -> bytes, rows, names, read whole?
     for lid, layer in layers.items():
@@ -118,14 +141,17 @@ def openvino_weight_bytes(xml_path: str | Path) -> WeightBytes:
             continue
         size = int(data.get("size") or 0)
         shape = [int(d) for d in (data.get("shape") or "").split(",") if d.strip()]
-        span = spans.setdefault((data.get("offset") or lid, size),
-                                {"size": size, "rows": shape[0] if shape else 1, "names": [], "whole": False})
+        span = spans.setdefault(
+            (data.get("offset") or lid, size),
+            {"size": size, "rows": shape[0] if shape else 1, "names": [], "whole": False},
+        )
         span["names"].append(layer.get("name") or lid)
         span["whole"] = span["whole"] or not _only_gathered(lid, layers, consumers, port_index)
     per_token = sum(sp["size"] if sp["whole"] else -(-sp["size"] // max(sp["rows"], 1)) for sp in spans.values())
     gathered = sorted(name for sp in spans.values() if not sp["whole"] for name in sp["names"])
-    return WeightBytes(per_token, sum(sp["size"] for sp in spans.values()), gathered,
-                       f"constants of {Path(xml_path).stem}.bin")
+    return WeightBytes(
+        per_token, sum(sp["size"] for sp in spans.values()), gathered, f"constants of {Path(xml_path).stem}.bin"
+    )
 
 
 def _input_port_index(layer) -> dict[int, int]:
@@ -158,6 +184,7 @@ def _only_gathered(lid, layers, consumers, port_index, depth=0) -> bool:
 
 # ---------------------------------------------------------------- KV cache
 
+
 @dataclass
 class KVShape:
     layers: int
@@ -174,15 +201,17 @@ def kv_shape_from_hf_config(config: dict, dtype_bytes: int = 4) -> KVShape:
     """config.json of a Hugging Face decoder (Llama-style names)."""
     heads = int(config["num_attention_heads"])
     head_dim = config.get("head_dim") or int(config["hidden_size"]) // heads
-    return KVShape(int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or heads),
-                   int(head_dim), dtype_bytes)
+    return KVShape(
+        int(config["num_hidden_layers"]), int(config.get("num_key_value_heads") or heads), int(head_dim), dtype_bytes
+    )
 
 
 def kv_shape_from_genai_config(config: dict, dtype_bytes: int = 4) -> KVShape:
     """genai_config.json of an ONNX Runtime GenAI model."""
     decoder = config["model"]["decoder"]
-    return KVShape(int(decoder["num_hidden_layers"]), int(decoder["num_key_value_heads"]),
-                   int(decoder["head_size"]), dtype_bytes)
+    return KVShape(
+        int(decoder["num_hidden_layers"]), int(decoder["num_key_value_heads"]), int(decoder["head_size"]), dtype_bytes
+    )
 
 
 def genai_read_bytes(model_dir: str | Path) -> tuple[WeightBytes, KVShape]:
@@ -201,5 +230,7 @@ def openvino_folder_read_bytes(model_dir: str | Path, kv_cache_precision: str = 
     """Weights and KV shape of an OpenVINO GenAI folder (openvino_model.xml/.bin + config.json)."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
-    return (openvino_weight_bytes(model_dir / "openvino_model.xml"),
-            kv_shape_from_hf_config(config, OV_KV_BYTES.get(str(kv_cache_precision).lower(), 4)))
+    return (
+        openvino_weight_bytes(model_dir / "openvino_model.xml"),
+        kv_shape_from_hf_config(config, OV_KV_BYTES.get(str(kv_cache_precision).lower(), 4)),
+    )

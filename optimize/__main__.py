@@ -4,6 +4,7 @@ Exit codes: 0 the gate passed, 1 the gate failed (artifact kept, marked failed),
 input is bad (one line on stderr, nothing written), 3 an internal error (a bug: traceback shown),
 130 interrupted by SIGINT (Ctrl-C), 143 stopped by SIGTERM (nothing written in either case).
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,8 +22,23 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "recipes")
 HYDRA_VERSION_BASE = "1.3"
 # Hydra's flags: those that mean "do not run a job here", and those that take a value.
 _NO_JOB_FLAGS = {"-m", "--multirun", "-h", "--help", "--hydra-help", "-i", "--info", "-sc", "--shell-completion"}
-_VALUED_FLAGS = {"-c", "--cfg", "-p", "--package", "-cp", "--config-path", "-cn", "--config-name", "-cd",
-                 "--config-dir", "--experimental-rerun", "-i", "--info", "-sc", "--shell-completion"}
+_VALUED_FLAGS = {
+    "-c",
+    "--cfg",
+    "-p",
+    "--package",
+    "-cp",
+    "--config-path",
+    "-cn",
+    "--config-name",
+    "-cd",
+    "--config-dir",
+    "--experimental-rerun",
+    "-i",
+    "--info",
+    "-sc",
+    "--shell-completion",
+}
 # `+key` may add keys only inside these free-form sections; anywhere else the key must be in the schema.
 FREE_FORM = ("evaluate.task_params.", "hydra.")
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
@@ -77,8 +93,10 @@ def compose_recipe(overrides: list[str]):
                 key = o.key_or_group
                 if key.startswith(FREE_FORM) or OmegaConf.select(base, key, default=_ABSENT) is not _ABSENT:
                     continue
-                raise RecipeError(f"+{key}: no such key in the recipe schema (a typo?); `+` adds keys only "
-                                  f"under {', '.join(p.rstrip('.') for p in FREE_FORM)}")
+                raise RecipeError(
+                    f"+{key}: no such key in the recipe schema (a typo?); `+` adds keys only "
+                    f"under {', '.join(p.rstrip('.') for p in FREE_FORM)}"
+                )
         return compose("config", overrides=overrides, return_hydra_config=True)
 
 

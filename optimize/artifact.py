@@ -7,6 +7,7 @@ so an interrupted run leaves no directory that looks like a finished artifact; t
 directory (scratch included) is removed on any error, and one left by a killed run (SIGKILL runs
 no cleanup) is removed by the next run into the same place once its PID is provably gone.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,5 +1,6 @@
 """The recipe schema. Hydra composes YAML from recipes/ onto these dataclasses, so an unknown or
 mistyped key fails at composition time with the key's name, before anything runs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -1,5 +1,6 @@
 """What flows through a run: the model between stages (Model), the source as loaded (SourceModel),
 and what stages and tasks may use (Context: the recipe, scratch space, data, tokenizer)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,14 +56,19 @@ class Model:
     def with_onnx(self, path: Path, precision: str | None = None) -> "Model":
         """The model as one ONNX file (alone in its directory) for ONNX Runtime."""
         path = Path(path)
-        return dataclasses.replace(self, kind="onnx", module=None, engine_dir=path.parent,
-                                   engine={"format": formats.ONNXRUNTIME, "file": path.name,
-                                           "providers": ["CPUExecutionProvider"]},
-                                   precision=precision or self.precision)
+        return dataclasses.replace(
+            self,
+            kind="onnx",
+            module=None,
+            engine_dir=path.parent,
+            engine={"format": formats.ONNXRUNTIME, "file": path.name, "providers": ["CPUExecutionProvider"]},
+            precision=precision or self.precision,
+        )
 
     def with_engine(self, engine_dir: Path, engine: dict, precision: str) -> "Model":
-        return dataclasses.replace(self, kind="engine", module=None, engine_dir=Path(engine_dir), engine=engine,
-                                   precision=precision)
+        return dataclasses.replace(
+            self, kind="engine", module=None, engine_dir=Path(engine_dir), engine=engine, precision=precision
+        )
 
 
 @dataclass
@@ -127,8 +133,16 @@ class Context:
 
 def load_data(data_cfg) -> TextSet:
     try:
-        return calibration.load(data_cfg.source, data_cfg.split, data_cfg.count, data_cfg.seed, path=data_cfg.path,
-                                field=data_cfg.field, min_chars=data_cfg.min_chars,
-                                dataset_split=data_cfg.get("dataset_split"), shape=data_cfg.get("shape"))
+        return calibration.load(
+            data_cfg.source,
+            data_cfg.split,
+            data_cfg.count,
+            data_cfg.seed,
+            path=data_cfg.path,
+            field=data_cfg.field,
+            min_chars=data_cfg.min_chars,
+            dataset_split=data_cfg.get("dataset_split"),
+            shape=data_cfg.get("shape"),
+        )
     except calibration.DataError as exc:
         raise RecipeError(f"{exc}") from None

@@ -24,6 +24,7 @@ Example recipe:
       method: logit_hidden_kd
       params: {max_steps: 300, max_seconds: 480, batch_size: 16, seq_len: 128, lr: 1e-4}
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -87,8 +88,14 @@ class DistillConfig:
             raise RecipeError(f"distill.params.student_layers={self.student_layers}: keep at least 1")
 
 
-@register("distill", "logit_hidden_kd", DistillConfig, input_format="torch", needs_calibration=True,
-          tasks=("sentence_embedding", "causal_lm"))
+@register(
+    "distill",
+    "logit_hidden_kd",
+    DistillConfig,
+    input_format="torch",
+    needs_calibration=True,
+    tasks=("sentence_embedding", "causal_lm"),
+)
 def logit_hidden_kd(model, cfg: DistillConfig, ctx):
     """Knowledge distillation from the source model: output (logit KL / embedding cosine) + hidden states."""
     import dataclasses
@@ -106,13 +113,22 @@ def logit_hidden_kd(model, cfg: DistillConfig, ctx):
     objective.prepare(batches)
     run = train(student, objective, batches, cfg, checkpoint_dir(ctx, cfg))
     ctx.extra_files["distill/loss_curve.png"] = plot_losses(run["losses"], ctx.scratch / "distill_loss.png")
-    ctx.record("distill", {"method": "logit_hidden_kd", "layer_map": layer_map, **before,
-                           **{k: v for k, v in run.items() if k != "losses"}, "loss_curve": "distill/loss_curve.png",
-                           "loss_curve_summary": loss_summary(run["losses"])})
+    ctx.record(
+        "distill",
+        {
+            "method": "logit_hidden_kd",
+            "layer_map": layer_map,
+            **before,
+            **{k: v for k, v in run.items() if k != "losses"},
+            "loss_curve": "distill/loss_curve.png",
+            "loss_curve_summary": loss_summary(run["losses"]),
+        },
+    )
     return dataclasses.replace(model, module=student.eval())
 
 
 # ---------------------------------------------------------------- the student
+
 
 def make_student(module, teacher, cfg: DistillConfig, ctx, kept_layers: list[int] | None = None):
     """(student, layer map). The prune stage's module is the student; without one, build it from
@@ -124,15 +140,19 @@ def make_student(module, teacher, cfg: DistillConfig, ctx, kept_layers: list[int
         if cfg.student_layers is None:
             raise RecipeError("distill needs a student: add a prune stage or set distill.params.student_layers")
         if cfg.student_layers > teacher_layers:
-            raise RecipeError(f"distill.params.student_layers={cfg.student_layers} is larger than the teacher "
-                              f"({teacher_layers} layers): the student must be smaller")
+            raise RecipeError(
+                f"distill.params.student_layers={cfg.student_layers} is larger than the teacher "
+                f"({teacher_layers} layers): the student must be smaller"
+            )
         module = student_copy(teacher)
         kept = evenly_spaced(teacher_layers, cfg.student_layers)
         keep_layers(module, kept)
     else:
         if cfg.student_layers is not None:
-            raise RecipeError("distill.params.student_layers is for runs without a prune stage (the prune "
-                              "stage already made the student)")
+            raise RecipeError(
+                "distill.params.student_layers is for runs without a prune stage (the prune "
+                "stage already made the student)"
+            )
         kept = kept_layers or evenly_spaced(teacher_layers, len(Layout(module).layers))
     if _parameters(module) > _parameters(teacher):
         raise RecipeError("distill: the student is larger than the teacher")
@@ -146,6 +166,7 @@ def _parameters(module) -> int:
 
 
 # ---------------------------------------------------------------- data
+
 
 class Batches:
     """batch(step) -> dict of int64 tensors; deterministic in the step, so a resumed run sees the
@@ -185,6 +206,7 @@ class Batches:
 
 
 # ---------------------------------------------------------------- losses
+
 
 class Objective:
     """loss(batch) -> (total, parts) for the task's outputs plus hidden states."""
@@ -229,6 +251,7 @@ class EmbeddingObjective(Objective):
     teacher's outputs for it do not depend on the batch it lands in. They are computed once
     (the mapped layers and the pooled embedding), which removes the teacher's forward pass (~40%
     of a step) from every step."""
+
     def __init__(self, teacher, student, layer_map, cfg, ctx):
         super().__init__(teacher, student, layer_map, cfg)
         self.pooling = ctx.pooling
@@ -242,15 +265,17 @@ class EmbeddingObjective(Objective):
         count, size = batches.count, batches.batch_size
         with torch.no_grad():  # (not inference_mode: the cosine loss saves the teacher side for backward)
             for start in range(0, count, size):
-                chunk = {k: v[start:start + size] for k, v in batches.samples.items()}
+                chunk = {k: v[start : start + size] for k, v in batches.samples.items()}
                 out = self.teacher(**chunk, output_hidden_states=True)
                 embeddings.append(_pool(out.last_hidden_state, chunk["attention_mask"], self.pooling))
                 for i in kept:
                     hidden[i].append(out.hidden_states[i])
         # Hidden states kept in float16 (relative error ~5e-4, far below what the student reaches):
         # 2048 samples of 96 tokens for MiniLM's 3 mapped layers are 450 MB instead of 900.
-        self.cached = {"embedding": torch.cat(embeddings),
-                       "hidden": {i: torch.cat(h).to(torch.float16) for i, h in hidden.items()}}
+        self.cached = {
+            "embedding": torch.cat(embeddings),
+            "hidden": {i: torch.cat(h).to(torch.float16) for i, h in hidden.items()},
+        }
 
     def loss(self, batch):
         import torch
@@ -290,9 +315,15 @@ class LogitObjective(Objective):
         temp = self.cfg.temperature
         vocab = s_out.logits.shape[-1]
         # KL(teacher || student) per token, averaged over tokens; T^2 restores the gradient scale.
-        kl = F.kl_div(F.log_softmax(s_out.logits.float().reshape(-1, vocab) / temp, -1),
-                      F.log_softmax(t_out.logits.float().reshape(-1, vocab) / temp, -1),
-                      log_target=True, reduction="batchmean") * temp ** 2
+        kl = (
+            F.kl_div(
+                F.log_softmax(s_out.logits.float().reshape(-1, vocab) / temp, -1),
+                F.log_softmax(t_out.logits.float().reshape(-1, vocab) / temp, -1),
+                log_target=True,
+                reduction="batchmean",
+            )
+            * temp**2
+        )
         return self.combine(kl, self.hidden_loss(s_out.hidden_states, t_out.hidden_states, mask))
 
     def before_training(self, student, ctx) -> dict:
@@ -320,20 +351,31 @@ def add_recovery(metrics: dict, pruned: float) -> None:
     recovery = (pruned - cand) / lost if lost > 0 else 1.0
     metrics["candidate"]["pruned_only_perplexity"] = pruned
     metrics["candidate"]["distill_recovery"] = recovery
-    metrics.setdefault("table", []).insert(1, [
-        "perplexity: original / pruned-only / pruned+distilled", f"{base:.3f}",
-        f"{pruned:.3f} / {cand:.3f}", f"recovered {recovery * 100:.0f}% of the pruning loss"])
+    metrics.setdefault("table", []).insert(
+        1,
+        [
+            "perplexity: original / pruned-only / pruned+distilled",
+            f"{base:.3f}",
+            f"{pruned:.3f} / {cand:.3f}",
+            f"recovered {recovery * 100:.0f}% of the pruning loss",
+        ],
+    )
 
 
 def loss_summary(losses: list[float]) -> dict:
     """First and last five-step means (single steps are noisy: every batch is different)."""
     if not losses:
         return {}
-    return {"first5_mean": sum(losses[:5]) / len(losses[:5]), "last5_mean": sum(losses[-5:]) / len(losses[-5:]),
-            "min": min(losses), "steps": len(losses)}
+    return {
+        "first5_mean": sum(losses[:5]) / len(losses[:5]),
+        "last5_mean": sum(losses[-5:]) / len(losses[-5:]),
+        "min": min(losses),
+        "steps": len(losses),
+    }
 
 
 # ---------------------------------------------------------------- training loop with checkpoints
+
 
 def checkpoint_dir(ctx, cfg: DistillConfig) -> Path:
     """$OPTIMIZE_CACHE/distill/<sha256 of (source hash, prune + distill config, calibration hash)>."""
@@ -342,9 +384,12 @@ def checkpoint_dir(ctx, cfg: DistillConfig) -> Path:
     from optimize.models import cache_root, source_hash
 
     config = {k: v for k, v in asdict(cfg).items() if k not in RUN_BOUNDS}
-    identity = {"source": source_hash(ctx.source) or ctx.source.location,
-                "prune": OmegaConf.to_container(ctx.cfg.prune, resolve=True), "distill": config,
-                "calibration": ctx.calibration().describe()}
+    identity = {
+        "source": source_hash(ctx.source) or ctx.source.location,
+        "prune": OmegaConf.to_container(ctx.cfg.prune, resolve=True),
+        "distill": config,
+        "calibration": ctx.calibration().describe(),
+    }
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
     return cache_root() / "distill" / key
 
@@ -388,8 +433,14 @@ def train(student, objective, batches: Batches, cfg: DistillConfig, folder: Path
     if step > resumed_from:
         save_checkpoint(folder, student, optimizer, step, losses, seconds())
     student.eval()
-    return {"steps": step, "resumed_from_step": resumed_from, "stopped_by": stopped_by,
-            "train_seconds": round(time.monotonic() - started, 1), "checkpoint": str(folder), "losses": losses}
+    return {
+        "steps": step,
+        "resumed_from_step": resumed_from,
+        "stopped_by": stopped_by,
+        "train_seconds": round(time.monotonic() - started, 1),
+        "checkpoint": str(folder),
+        "losses": losses,
+    }
 
 
 def progress(cfg: DistillConfig, step: int, seconds: float) -> float:

@@ -1,4 +1,5 @@
 """The environment a run measured on, recorded in every manifest."""
+
 from __future__ import annotations
 
 import os
@@ -7,9 +8,25 @@ from importlib import metadata
 
 from engines.hardware import CPU_FEATURES, cpu_flags, gpus
 
-PACKAGES = ("optimize", "torch", "transformers", "onnx", "onnxruntime", "onnxscript", "numpy", "hydra-core",
-            "tokenizers", "safetensors", "nvidia-modelopt", "tensorrt", "onnxruntime-genai", "openvino", "nncf",
-            "openvino-genai", "openvino-tokenizers")
+PACKAGES = (
+    "optimize",
+    "torch",
+    "transformers",
+    "onnx",
+    "onnxruntime",
+    "onnxscript",
+    "numpy",
+    "hydra-core",
+    "tokenizers",
+    "safetensors",
+    "nvidia-modelopt",
+    "tensorrt",
+    "onnxruntime-genai",
+    "openvino",
+    "nncf",
+    "openvino-genai",
+    "openvino-tokenizers",
+)
 
 
 def cpu_model() -> str:
@@ -37,8 +54,11 @@ def describe() -> dict:
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": {"model": cpu_model(), "cores": os.cpu_count(),
-                "features": sorted(f for f in CPU_FEATURES if f in cpu_flags())},
+        "cpu": {
+            "model": cpu_model(),
+            "cores": os.cpu_count(),
+            "features": sorted(f for f in CPU_FEATURES if f in cpu_flags()),
+        },
         "gpus": gpus(),
         "packages": package_versions(),
     }

@@ -4,6 +4,7 @@
 file the checker or ONNX Runtime cannot read, a model that needs remote code, a refused pickle, an
 output path that cannot be written) and turns it into that line; anything else stays a bug (exit 3).
 """
+
 from __future__ import annotations
 
 import errno
@@ -24,8 +25,18 @@ _ONNX_INPUT_ERRORS = {
     ("onnxruntime", "InvalidArgument"): "ONNX Runtime refuses the model",
 }
 # OSError numbers that mean "this path cannot be used", not "the program is wrong".
-_PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.ENOTDIR, errno.EISDIR,
-                errno.EDQUOT, errno.ENAMETOOLONG, errno.ELOOP, errno.EEXIST}
+_PATH_ERRNOS = {
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.ENOSPC,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EDQUOT,
+    errno.ENAMETOOLONG,
+    errno.ELOOP,
+    errno.EEXIST,
+}
 
 
 def _first_line(exc: BaseException) -> str:
@@ -52,11 +63,15 @@ def bad_input_message(exc: BaseException) -> str | None:
         return f"the recipe cannot be resolved: {_first_line(exc)}"
     text = str(exc)
     if isinstance(exc, ValueError) and "trust_remote_code" in text:
-        return ("the model needs custom code from its repository, which runs on this machine; "
-                "set model.trust_remote_code=true only if you trust it")
+        return (
+            "the model needs custom code from its repository, which runs on this machine; "
+            "set model.trust_remote_code=true only if you trust it"
+        )
     if any(name == "UnpicklingError" for _, name in _classes(exc)) or "weights_only" in text:
-        return ("the model's weights are a pickle, refused (loading one can run code); convert them to "
-                f"safetensors or set model.allow_pickle=true if you trust them ({_first_line(exc)})")
+        return (
+            "the model's weights are a pickle, refused (loading one can run code); convert them to "
+            f"safetensors or set model.allow_pickle=true if you trust them ({_first_line(exc)})"
+        )
     if isinstance(exc, OSError) and exc.errno in _PATH_ERRNOS:
         where = f"{exc.filename}: " if exc.filename else ""
         return f"cannot use {where}{exc.strerror or _first_line(exc)}"

@@ -5,6 +5,7 @@ whose metric was not measured fails: a verdict never passes on a number nobody m
 check fails too when other processes took more than BUSY_SHARE of the CPUs while it was timed:
 contention slows the baseline and the candidate unequally, so the ratio says nothing.
 """
+
 from __future__ import annotations
 
 import operator
@@ -37,32 +38,81 @@ def _batch(thresholds: dict, key: str) -> str:
 
 
 CHECKS = (
-    CheckSpec("min_cosine", "fidelity cosine (min)", lambda b, c, t: _dig(c, "fidelity", "cosine_min"),
-              operator.ge, ">="),
-    CheckSpec("min_mean_cosine", "fidelity cosine (mean)", lambda b, c, t: _dig(c, "fidelity", "cosine_mean"),
-              operator.ge, ">="),
-    CheckSpec("min_topk_agreement", "retrieval top-k agreement",
-              lambda b, c, t: _dig(c, "fidelity", "topk_agreement"), operator.ge, ">="),
-    CheckSpec("max_abs_error", "max abs error", lambda b, c, t: _dig(c, "fidelity", "max_abs_error"),
-              operator.le, "<="),
-    CheckSpec("min_speedup", "speedup at p50",
-              lambda b, c, t: _dig(c, "speedup", _batch(t, "speedup_batch_size")), operator.ge, ">=", True),
-    CheckSpec("max_p95_ms", "latency p95 (ms)",
-              lambda b, c, t: _dig(c, "latency", _batch(t, "latency_batch_size"), "p95_ms"), operator.le, "<=", True),
+    CheckSpec(
+        "min_cosine", "fidelity cosine (min)", lambda b, c, t: _dig(c, "fidelity", "cosine_min"), operator.ge, ">="
+    ),
+    CheckSpec(
+        "min_mean_cosine",
+        "fidelity cosine (mean)",
+        lambda b, c, t: _dig(c, "fidelity", "cosine_mean"),
+        operator.ge,
+        ">=",
+    ),
+    CheckSpec(
+        "min_topk_agreement",
+        "retrieval top-k agreement",
+        lambda b, c, t: _dig(c, "fidelity", "topk_agreement"),
+        operator.ge,
+        ">=",
+    ),
+    CheckSpec(
+        "max_abs_error", "max abs error", lambda b, c, t: _dig(c, "fidelity", "max_abs_error"), operator.le, "<="
+    ),
+    CheckSpec(
+        "min_speedup",
+        "speedup at p50",
+        lambda b, c, t: _dig(c, "speedup", _batch(t, "speedup_batch_size")),
+        operator.ge,
+        ">=",
+        True,
+    ),
+    CheckSpec(
+        "max_p95_ms",
+        "latency p95 (ms)",
+        lambda b, c, t: _dig(c, "latency", _batch(t, "latency_batch_size"), "p95_ms"),
+        operator.le,
+        "<=",
+        True,
+    ),
     CheckSpec("max_size_mb", "size on disk (MB)", lambda b, c, t: _dig(c, "size_mb"), operator.le, "<="),
-    CheckSpec("max_peak_memory_mb", "peak memory (MB)", lambda b, c, t: _dig(c, "peak_memory_mb"),
-              operator.le, "<="),
-    CheckSpec("max_accuracy_drop", "top-1 accuracy drop (points)", lambda b, c, t: _dig(c, "accuracy_drop_points"),
-              operator.le, "<="),
+    CheckSpec("max_peak_memory_mb", "peak memory (MB)", lambda b, c, t: _dig(c, "peak_memory_mb"), operator.le, "<="),
+    CheckSpec(
+        "max_accuracy_drop",
+        "top-1 accuracy drop (points)",
+        lambda b, c, t: _dig(c, "accuracy_drop_points"),
+        operator.le,
+        "<=",
+    ),
     CheckSpec("min_accuracy", "top-1 accuracy", lambda b, c, t: _dig(c, "top1_accuracy"), operator.ge, ">="),
-    CheckSpec("max_ppl_increase_pct", "held-out perplexity increase (%)",
-              lambda b, c, t: _dig(c, "perplexity_increase_pct"), operator.le, "<="),
-    CheckSpec("min_decode_speedup", "decode tok/s p50 vs PyTorch FP32 greedy",
-              lambda b, c, t: _dig(c, "decode_speedup"), operator.ge, ">=", True),
-    CheckSpec("max_lm_eval_drop", "lm-eval accuracy drop (points, worst task)",
-              lambda b, c, t: _dig(c, "lm_eval_drop_pts"), operator.le, "<="),
-    CheckSpec("min_distill_recovery", "share of the pruning perplexity loss recovered by distillation",
-              lambda b, c, t: _dig(c, "distill_recovery"), operator.ge, ">="),
+    CheckSpec(
+        "max_ppl_increase_pct",
+        "held-out perplexity increase (%)",
+        lambda b, c, t: _dig(c, "perplexity_increase_pct"),
+        operator.le,
+        "<=",
+    ),
+    CheckSpec(
+        "min_decode_speedup",
+        "decode tok/s p50 vs PyTorch FP32 greedy",
+        lambda b, c, t: _dig(c, "decode_speedup"),
+        operator.ge,
+        ">=",
+        True,
+    ),
+    CheckSpec(
+        "max_lm_eval_drop",
+        "lm-eval accuracy drop (points, worst task)",
+        lambda b, c, t: _dig(c, "lm_eval_drop_pts"),
+        operator.le,
+        "<=",
+    ),
+    CheckSpec(
+        "min_distill_recovery",
+        "share of the pruning perplexity loss recovered by distillation",
+        lambda b, c, t: _dig(c, "distill_recovery"),
+        operator.ge,
+        ">=",
+    ),
 )
 
 
@@ -102,11 +152,28 @@ def judge(baseline: dict, candidate: dict, thresholds: dict) -> Verdict:
         if value is None:
             checks.append(Check(spec.threshold_key, metric, None, spec.comparison, threshold, False, "not measured"))
         elif spec.timed and busy > BUSY_SHARE:
-            checks.append(Check(spec.threshold_key, metric, float(value), spec.comparison, threshold, False,
-                                f"untrusted: other processes used {busy:.0%} of the CPUs while timing"))
+            checks.append(
+                Check(
+                    spec.threshold_key,
+                    metric,
+                    float(value),
+                    spec.comparison,
+                    threshold,
+                    False,
+                    f"untrusted: other processes used {busy:.0%} of the CPUs while timing",
+                )
+            )
         else:
-            checks.append(Check(spec.threshold_key, metric, float(value), spec.comparison, threshold,
-                                bool(spec.passes(value, threshold))))
+            checks.append(
+                Check(
+                    spec.threshold_key,
+                    metric,
+                    float(value),
+                    spec.comparison,
+                    threshold,
+                    bool(spec.passes(value, threshold)),
+                )
+            )
     return Verdict(all(c.passed for c in checks), tuple(checks))
 
 

@@ -4,6 +4,7 @@ Sources: a Hugging Face hub id, a local folder, a .gguf file, an .onnx file, or 
 Pickled checkpoints are refused unless the recipe opts in (loading a pickle can run code), and
 trust_remote_code stays off unless the recipe turns it on.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,7 +25,7 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 def resolve_package_path(source: str) -> Path:
     """pkg://name/sub/path -> the folder of an installed package joined with sub/path (not imported)."""
-    rest = source[len("pkg://"):]
+    rest = source[len("pkg://") :]
     package, _, sub = rest.partition("/")
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
@@ -69,16 +70,20 @@ def _classify_local(path: Path, cfg) -> str:
             return "gguf"
         if path.suffix in PICKLE_SUFFIXES:
             if not cfg.allow_pickle:
-                raise RecipeError(f"model.source={path} is a pickled checkpoint, which can run code when loaded; "
-                                  "convert it to safetensors or set model.allow_pickle=true if you trust it")
+                raise RecipeError(
+                    f"model.source={path} is a pickled checkpoint, which can run code when loaded; "
+                    "convert it to safetensors or set model.allow_pickle=true if you trust it"
+                )
             return "pickle"
         raise RecipeError(f"model.source={path}: unsupported file type {path.suffix or '(none)'}")
     if not (path / "config.json").is_file():
         raise RecipeError(f"model.source={path} is not a Hugging Face model folder (no config.json)")
     if not any(path.glob("*.safetensors")) and not cfg.allow_pickle:
         if any(p.suffix in PICKLE_SUFFIXES for p in path.iterdir()):
-            raise RecipeError(f"model.source={path} has only pickled weights; convert them to safetensors "
-                              "or set model.allow_pickle=true if you trust them")
+            raise RecipeError(
+                f"model.source={path} has only pickled weights; convert them to safetensors "
+                "or set model.allow_pickle=true if you trust them"
+            )
         raise RecipeError(f"model.source={path} has no *.safetensors weights")
     return "folder"
 
@@ -106,8 +111,10 @@ def check_onnx_source(path: Path, source: str) -> None:
     domains = {o.domain for o in model.opset_import} | {n.domain for n in model.graph.node}
     custom = sorted(domains - KNOWN_ONNX_DOMAINS)
     if custom:
-        raise RecipeError(f"model.source={source} uses operators of the custom domain(s) {', '.join(custom)}, "
-                          "which ONNX Runtime cannot run without their library")
+        raise RecipeError(
+            f"model.source={source} uses operators of the custom domain(s) {', '.join(custom)}, "
+            "which ONNX Runtime cannot run without their library"
+        )
 
 
 def check_max_length(cfg, module) -> None:
@@ -115,8 +122,10 @@ def check_max_length(cfg, module) -> None:
     config = getattr(module, "config", None)
     limit = getattr(config, "max_position_embeddings", None)
     if isinstance(limit, int) and cfg.max_length > limit:
-        raise RecipeError(f"model.max_length={cfg.max_length} is more than the {limit} positions this model's "
-                          "position embeddings allow")
+        raise RecipeError(
+            f"model.max_length={cfg.max_length} is more than the {limit} positions this model's "
+            "position embeddings allow"
+        )
 
 
 def hub_reachable(timeout_s: float = 3.0) -> bool:
@@ -126,8 +135,9 @@ def hub_reachable(timeout_s: float = 3.0) -> bool:
 
     url = urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
     try:
-        with socket.create_connection((url.hostname or "huggingface.co",
-                                       url.port or (443 if url.scheme == "https" else 80)), timeout_s):
+        with socket.create_connection(
+            (url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)), timeout_s
+        ):
             return True
     except OSError:
         return False
@@ -155,8 +165,9 @@ def load(cfg) -> SourceModel:
     if own is not None:
         return own
     if cfg.task not in ("sentence_embedding", "causal_lm"):
-        raise RecipeError(f"model.task={cfg.task} needs an ONNX source; Hugging Face models support "
-                          "sentence_embedding and causal_lm")
+        raise RecipeError(
+            f"model.task={cfg.task} needs an ONNX source; Hugging Face models support sentence_embedding and causal_lm"
+        )
     return _load_hf(cfg, kind, path)
 
 
@@ -175,27 +186,44 @@ def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
         if importlib.util.find_spec("gguf") is None:
             raise RecipeError("loading a GGUF file needs the 'gguf' package: pip install gguf accelerate")
     if kind == "pickle":
-        raise RecipeError(f"model.source={path}: a bare checkpoint file has no architecture; "
-                          "give the Hugging Face folder that holds it")
+        raise RecipeError(
+            f"model.source={path}: a bare checkpoint file has no architecture; "
+            "give the Hugging Face folder that holds it"
+        )
     try:
-        module = load_hf_model(location, cfg.task, allow_pickle=cfg.allow_pickle,
-                               trust_remote_code=cfg.trust_remote_code, revision=cfg.revision, gguf_file=gguf_file)
+        module = load_hf_model(
+            location,
+            cfg.task,
+            allow_pickle=cfg.allow_pickle,
+            trust_remote_code=cfg.trust_remote_code,
+            revision=cfg.revision,
+            gguf_file=gguf_file,
+        )
     except OSError as exc:  # transformers reports unreachable hubs and missing files as OSError
         if offline:
-            raise RecipeError(f"model.source={cfg.source}: the hub is unreachable and the model is not in the "
-                              "local cache") from None
+            raise RecipeError(
+                f"model.source={cfg.source}: the hub is unreachable and the model is not in the local cache"
+            ) from None
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RecipeError(f"model.source={cfg.source}: cannot load ({first_line})") from None
     except ValueError as exc:
         if "trust_remote_code" in str(exc):
-            raise RecipeError(f"model.source={cfg.source} needs custom code from its repository, which would "
-                              "run on this machine; set model.trust_remote_code=true only if you trust it") from None
+            raise RecipeError(
+                f"model.source={cfg.source} needs custom code from its repository, which would "
+                "run on this machine; set model.trust_remote_code=true only if you trust it"
+            ) from None
         raise
     check_max_length(cfg, module)
     tokenizer_dir = path if (path is not None and path.is_dir()) else None
-    return SourceModel("hf", cfg.task, location, module=module, tokenizer_dir=tokenizer_dir, gguf_file=gguf_file,
-                       info={"class": type(module).__name__,
-                             "parameters": sum(p.numel() for p in module.parameters())})
+    return SourceModel(
+        "hf",
+        cfg.task,
+        location,
+        module=module,
+        tokenizer_dir=tokenizer_dir,
+        gguf_file=gguf_file,
+        info={"class": type(module).__name__, "parameters": sum(p.numel() for p in module.parameters())},
+    )
 
 
 def source_hash(source: SourceModel) -> dict:
@@ -214,6 +242,7 @@ def source_hash(source: SourceModel) -> dict:
 
 
 # ---------------------------------------------------------------- GGUF -> cached Hugging Face folder
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("OPTIMIZE_CACHE") or Path.home() / ".cache" / "optimize").expanduser()

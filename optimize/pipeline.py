@@ -1,4 +1,5 @@
 """The pipeline: recipe -> model -> [prune] -> [distill] -> [quantize] -> engine -> evaluate -> gate -> artifact."""
+
 from __future__ import annotations
 
 import contextlib
@@ -60,8 +61,10 @@ def plan(cfg, run_dir: Path) -> Plan:
     if not cfg.evaluate.batch_sizes or min(cfg.evaluate.batch_sizes) < 1:
         raise RecipeError("evaluate.batch_sizes must list batch sizes of at least 1")
     if cfg.evaluate.latency and max(cfg.evaluate.batch_sizes) > cfg.evaluate.data.count:
-        raise RecipeError(f"evaluate.batch_sizes has {max(cfg.evaluate.batch_sizes)}, more than the "
-                          f"{cfg.evaluate.data.count} evaluation samples (evaluate.data.count)")
+        raise RecipeError(
+            f"evaluate.batch_sizes has {max(cfg.evaluate.batch_sizes)}, more than the "
+            f"{cfg.evaluate.data.count} evaluation samples (evaluate.data.count)"
+        )
     if cfg.evaluate.overlap not in ("error", "drop"):
         raise RecipeError(f"evaluate.overlap={cfg.evaluate.overlap} (use error or drop)")
     resolve_source(cfg.model)
@@ -74,9 +77,11 @@ def _refuse_after_candidates(stages) -> None:
     engine = next((m for m, _ in stages if m.stage == "engine"), None)
     onnx_side = [m for m, _ in stages if m.input_format == "onnx" and m.stage != "engine"]
     if engine is not None and engine.builds_candidates and onnx_side:
-        raise RecipeError(f"engine.method={engine.name} builds its own quantized candidates, and "
-                          f"{onnx_side[0].stage}.method={onnx_side[0].name} works on the ONNX graph after the engine: "
-                          f"set {onnx_side[0].stage}=none")
+        raise RecipeError(
+            f"engine.method={engine.name} builds its own quantized candidates, and "
+            f"{onnx_side[0].stage}.method={onnx_side[0].name} works on the ONNX graph after the engine: "
+            f"set {onnx_side[0].stage}=none"
+        )
 
 
 def order(stages):
@@ -168,8 +173,13 @@ def _install_engine(model: Model, stage: Path, cfg) -> dict:
             dest = stage / path.relative_to(model.engine_dir)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(path, dest)  # a copy of the content only: never a link to the source
-    engine = dict(model.engine, precision=model.precision, task=model.task, max_length=cfg.model.max_length,
-                  tokenizer=TOKENIZER_DIR if (stage / TOKENIZER_DIR).exists() else None)
+    engine = dict(
+        model.engine,
+        precision=model.precision,
+        task=model.task,
+        max_length=cfg.model.max_length,
+        tokenizer=TOKENIZER_DIR if (stage / TOKENIZER_DIR).exists() else None,
+    )
     runner = load_engine(stage, engine)
     if hasattr(runner, "signature"):  # runtimes that take named arrays say what they take
         engine["inputs"] = runner.signature()
@@ -197,8 +207,14 @@ def _engine_bytes(root: Path, engine: dict) -> int:
 
 
 def _candidate(stage: Path, engine: dict, ctx: Context, layer_precision: dict) -> Subject:
-    return Subject("candidate", load_engine(stage, engine, threads=ctx.threads), engine, stage,
-                   _engine_bytes(stage, engine), layer_precision)
+    return Subject(
+        "candidate",
+        load_engine(stage, engine, threads=ctx.threads),
+        engine,
+        stage,
+        _engine_bytes(stage, engine),
+        layer_precision,
+    )
 
 
 def _baseline(ctx: Context, source: SourceModel, task: tasks.Task) -> Subject:
@@ -210,11 +226,15 @@ def _baseline(ctx: Context, source: SourceModel, task: tasks.Task) -> Subject:
         return Subject("baseline", load_engine(root, engine, ctx.threads), engine, root, _engine_bytes(root, engine))
     from engines.pytorch_runner import TorchRunner
 
-    engine = {"format": formats.PYTORCH, "model_dir": source.location, "task": source.task,
-              "pooling": ctx.pooling, "gguf_file": source.gguf_file,
-              "allow_pickle": ctx.cfg.model.allow_pickle}
-    runner = TorchRunner(task.module(source.module, ctx), list(task.input_names), list(task.output_names),
-                         ctx.threads)
+    engine = {
+        "format": formats.PYTORCH,
+        "model_dir": source.location,
+        "task": source.task,
+        "pooling": ctx.pooling,
+        "gguf_file": source.gguf_file,
+        "allow_pickle": ctx.cfg.model.allow_pickle,
+    }
+    runner = TorchRunner(task.module(source.module, ctx), list(task.input_names), list(task.output_names), ctx.threads)
     # Tied weights (an LM head sharing the embedding) appear twice in a state dict: count storage once.
     unique = {t.data_ptr(): t.numel() * t.element_size() for t in source.module.state_dict().values()}
     size = sum(unique.values())
@@ -242,8 +262,13 @@ def _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data
         "parent_id": None,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "recipe": {"name": recipe_name, "resolved": OmegaConf.to_container(cfg, resolve=True)},
-        "model": {"source": cfg.model.source, "resolved": source.location, "task": source.task,
-                  "sha256": source_hash(source), **source.info},
+        "model": {
+            "source": cfg.model.source,
+            "resolved": source.location,
+            "task": source.task,
+            "sha256": source_hash(source),
+            **source.info,
+        },
         "calibration": calib,
         "evaluation": eval_data,
         "engine": engine,

@@ -18,6 +18,7 @@ Example recipe (MiniLM, 6 -> 3 layers):
 Unstructured magnitude and 2:4 sparsity only zero weights: the tensors stay dense, so nothing is
 faster or smaller without sparse kernels (2:4 needs a GPU with sparse tensor cores).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,11 +36,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 TORCH_TASKS = ("sentence_embedding", "causal_lm")
 LAYER_SELECTIONS = ("block_importance", "output_fidelity", "evenly_spaced")
-NO_SPEEDUP_NOTE = ("weights are zeroed but stored dense: no time or size is saved without sparse kernels "
-                   "(2:4 needs a GPU with sparse tensor cores, e.g. NVIDIA Ampere or newer)")
+NO_SPEEDUP_NOTE = (
+    "weights are zeroed but stored dense: no time or size is saved without sparse kernels "
+    "(2:4 needs a GPU with sparse tensor cores, e.g. NVIDIA Ampere or newer)"
+)
 
 
 # ---------------------------------------------------------------- importance (activation-based)
+
 
 def collect_importance(model, batches: list[dict]) -> dict:
     """One pass over calibration batches with hooks: per-layer block importance, per-head and
@@ -56,12 +60,14 @@ def collect_importance(model, batches: list[dict]) -> dict:
             x = args[0].detach().float()  # [B, T, heads * head_dim]
             norms = x.reshape(*x.shape[:-1], -1, head_dim).norm(dim=-1)  # [B, T, heads]
             sums["heads"][i] = sums["heads"][i] + norms.reshape(-1, norms.shape[-1]).mean(0)
+
         return hook
 
     def on_ffn_input(i):
         def hook(_module, args):
             x = args[0].detach().float()
             sums["ffn"][i] = sums["ffn"][i] + x.abs().reshape(-1, x.shape[-1]).mean(0)
+
         return hook
 
     for i, layer in enumerate(layout.layers):
@@ -77,8 +83,11 @@ def collect_importance(model, batches: list[dict]) -> dict:
         for hook in hooks:
             hook.remove()
     n = len(batches)
-    return {"layers": (block / n).tolist(), "heads": [h / n for h in sums["heads"]],
-            "ffn": [f / n for f in sums["ffn"]]}
+    return {
+        "layers": (block / n).tolist(),
+        "heads": [h / n for h in sums["heads"]],
+        "ffn": [f / n for f in sums["ffn"]],
+    }
 
 
 def _block_importance(hidden_states, mask) -> "torch.Tensor":
@@ -95,6 +104,7 @@ def _block_importance(hidden_states, mask) -> "torch.Tensor":
 
 
 # ---------------------------------------------------------------- structured pruning
+
 
 @dataclass
 class StructuredPruneConfig:
@@ -128,8 +138,9 @@ class StructuredPruneConfig:
         if self.calibration_samples < 1 or self.batch_size < 1:
             raise RecipeError("prune.params.calibration_samples and batch_size must be at least 1")
         if self.layer_selection not in LAYER_SELECTIONS:
-            raise RecipeError(f"prune.params.layer_selection={self.layer_selection} "
-                              f"(use {', '.join(LAYER_SELECTIONS)})")
+            raise RecipeError(
+                f"prune.params.layer_selection={self.layer_selection} (use {', '.join(LAYER_SELECTIONS)})"
+            )
 
     def target(self, name: str, total: int) -> int:
         """Units kept out of `total`; a target above what exists is a recipe error."""
@@ -141,19 +152,23 @@ class StructuredPruneConfig:
         return kept
 
 
-@register("prune", "structured", StructuredPruneConfig, input_format="torch", needs_calibration=True,
-          tasks=TORCH_TASKS)
+@register("prune", "structured", StructuredPruneConfig, input_format="torch", needs_calibration=True, tasks=TORCH_TASKS)
 def structured(model, cfg: StructuredPruneConfig, ctx):
     """Remove layers, attention heads and FFN channels ranked by calibration activations (Minitron)."""
     if model.kind != "torch":
         raise RecipeError("prune.method=structured needs a PyTorch model (not an ONNX source)")
     student = student_copy(model.module).eval()
     layout = Layout(student)
-    targets = {"layers": cfg.target("layers", len(layout.layers)), "heads": cfg.target("heads", layout.heads()),
-               "ffn": cfg.target("ffn", student.config.intermediate_size)}
+    targets = {
+        "layers": cfg.target("layers", len(layout.layers)),
+        "heads": cfg.target("heads", layout.heads()),
+        "ffn": cfg.target("ffn", student.config.intermediate_size),
+    }
     if targets["heads"] < layout.heads() and layout.kind != "bert":
-        raise RecipeError("prune.params.heads: head pruning supports BERT-style encoders; for Llama-style "
-                          "decoders (grouped KV heads) prune layers or ffn")
+        raise RecipeError(
+            "prune.params.heads: head pruning supports BERT-style encoders; for Llama-style "
+            "decoders (grouped KV heads) prune layers or ffn"
+        )
     before = parameter_count(student)
     batches = calibration_batches(ctx, cfg)
     scores = collect_importance(student, batches)
@@ -162,17 +177,25 @@ def structured(model, cfg: StructuredPruneConfig, ctx):
     keep_layers(student, kept_layers)
     removed["heads"] = prune_heads(student, [scores["heads"][i] for i in kept_layers], targets["heads"])
     removed["ffn_channels"] = prune_ffn(student, [scores["ffn"][i] for i in kept_layers], targets["ffn"])
-    ctx.record("prune", {"method": "structured", "targets": targets, "layer_selection": cfg.layer_selection,
-                         "kept_layers": kept_layers,
-                         "removed": removed, "layer_importance": [round(s, 5) for s in scores["layers"]],
-                         "parameters": {"before": before, "after": parameter_count(student)}})
+    ctx.record(
+        "prune",
+        {
+            "method": "structured",
+            "targets": targets,
+            "layer_selection": cfg.layer_selection,
+            "kept_layers": kept_layers,
+            "removed": removed,
+            "layer_importance": [round(s, 5) for s in scores["layers"]],
+            "parameters": {"before": before, "after": parameter_count(student)},
+        },
+    )
     log.info("structured prune: %s -> %d parameters (was %d)", targets, parameter_count(student), before)
     return dataclasses.replace(model, module=student, kept_layers=kept_layers)
 
 
 def calibration_batches(ctx, cfg) -> list[dict]:
     texts = ctx.calibration().items[: cfg.calibration_samples]
-    return [ctx.encode(texts[i:i + cfg.batch_size]) for i in range(0, len(texts), cfg.batch_size)]
+    return [ctx.encode(texts[i : i + cfg.batch_size]) for i in range(0, len(texts), cfg.batch_size)]
 
 
 def choose_layers(model, selection: str, importance: list[float], batches: list[dict], keep: int) -> list[int]:
@@ -199,15 +222,17 @@ def _greedy_output_fidelity(model, batches: list[dict], keep: int) -> list[int]:
 
     def final_states():
         with torch.inference_mode():
-            return [model(**layout.inputs(b), output_hidden_states=True, **extra).hidden_states[-1].float()
-                    for b in batches]
+            return [
+                model(**layout.inputs(b), output_hidden_states=True, **extra).hidden_states[-1].float() for b in batches
+            ]
 
     def fidelity(states, reference) -> float:
         total, count = 0.0, 0.0
         for got, want, batch in zip(states, reference, batches):
             cos = torch.nn.functional.cosine_similarity(got, want, dim=-1)
-            mask = (torch.as_tensor(batch["attention_mask"]).float() if "attention_mask" in batch
-                    else torch.ones_like(cos))
+            mask = (
+                torch.as_tensor(batch["attention_mask"]).float() if "attention_mask" in batch else torch.ones_like(cos)
+            )
             total, count = total + float((cos * mask).sum()), count + float(mask.sum())
         return total / count
 
@@ -279,6 +304,7 @@ def _replace_module(model, module):
 
 # ---------------------------------------------------------------- unstructured and 2:4 sparsity
 
+
 @dataclass
 class MagnitudeConfig:
     sparsity: float = 0.5  # fraction of each Linear weight set to zero (smallest |w| first)
@@ -334,8 +360,16 @@ def _sparsify(model, ctx, method: str, make_mask) -> object:
             linear.weight.mul_(mask)
             zeros += int((~mask).sum())
             total += mask.numel()
-    ctx.record("prune", {"method": method, "zeroed_weights": zeros, "of": total,
-                         "sparsity": round(zeros / max(total, 1), 4), "note": NO_SPEEDUP_NOTE})
+    ctx.record(
+        "prune",
+        {
+            "method": method,
+            "zeroed_weights": zeros,
+            "of": total,
+            "sparsity": round(zeros / max(total, 1), 4),
+            "note": NO_SPEEDUP_NOTE,
+        },
+    )
     log.warning("prune %s: %s", method, NO_SPEEDUP_NOTE)
     return dataclasses.replace(model, module=student)
 

@@ -17,6 +17,7 @@ Where methods live: every module of the `optimize.quantize` and `optimize.compil
 the prune and distill modules. A new method is one new file in its package (found by
 `load_plugins`) plus one YAML in recipes/<stage>/.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -99,8 +100,9 @@ def store_schemas() -> None:
 
     store = ConfigStore.instance()
     for method in all_methods():
-        store.store(group=f"schema/{method.stage}", name=method.name,
-                    node={"method": method.name, "params": method.config_cls})
+        store.store(
+            group=f"schema/{method.stage}", name=method.name, node={"method": method.name, "params": method.config_cls}
+        )
 
 
 def get(stage: str, name: str) -> Method:

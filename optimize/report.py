@@ -1,4 +1,5 @@
 """The end-of-run report: baseline vs candidate, the gate's checks, the artifact path."""
+
 from __future__ import annotations
 
 
@@ -19,26 +20,48 @@ def _table(rows: list[list[str]]) -> str:
 
 def metrics_rows(metrics: dict) -> list[list[str]]:
     base, cand = metrics["baseline"], metrics["candidate"]
-    rows = [["metric", f"baseline ({base.get('engine')} {base.get('precision')})",
-             f"candidate ({cand.get('engine')} {cand.get('precision')})", "ratio"]]
+    rows = [
+        [
+            "metric",
+            f"baseline ({base.get('engine')} {base.get('precision')})",
+            f"candidate ({cand.get('engine')} {cand.get('precision')})",
+            "ratio",
+        ]
+    ]
     fid = cand.get("fidelity", {})
-    for key, label in (("cosine_min", "cosine vs baseline (min)"), ("cosine_mean", "cosine vs baseline (mean)"),
-                       ("topk_agreement", f"top-{fid.get('top_k', 'k')} neighbour agreement"),
-                       ("max_abs_error", "max abs error")):
+    for key, label in (
+        ("cosine_min", "cosine vs baseline (min)"),
+        ("cosine_mean", "cosine vs baseline (mean)"),
+        ("topk_agreement", f"top-{fid.get('top_k', 'k')} neighbour agreement"),
+        ("max_abs_error", "max abs error"),
+    ):
         if key in fid:
             rows.append([label, "1 (reference)", _fmt(fid[key], 4), ""])
     for batch, stats in cand.get("latency", {}).items():
         b = base["latency"][batch]
         for pct in ("p50_ms", "p95_ms"):
-            rows.append([f"latency {pct[:3]} ms, batch {batch}", _fmt(b[pct]), _fmt(stats[pct]),
-                         f"{b[pct] / stats[pct]:.2f}x" if pct == "p50_ms" else ""])
-        rows.append([f"throughput/s, batch {batch}", _fmt(b["throughput_per_s"], 1),
-                     _fmt(stats["throughput_per_s"], 1), ""])
+            rows.append(
+                [
+                    f"latency {pct[:3]} ms, batch {batch}",
+                    _fmt(b[pct]),
+                    _fmt(stats[pct]),
+                    f"{b[pct] / stats[pct]:.2f}x" if pct == "p50_ms" else "",
+                ]
+            )
+        rows.append(
+            [f"throughput/s, batch {batch}", _fmt(b["throughput_per_s"], 1), _fmt(stats["throughput_per_s"], 1), ""]
+        )
     rows += [[str(cell) for cell in row] for row in metrics.get("table", [])]  # rows a task adds
     if "timing" in cand:  # the conditions the latency figures were measured in
         rows.append(["CPU used by other processes while timing", "", f"{cand['timing']['other_cpu_share']:.0%}", ""])
-    rows.append(["size on disk MB", _fmt(base["size_mb"], 1), _fmt(cand["size_mb"], 1),
-                 f"{cand['size_mb'] / base['size_mb']:.2f}x"])
+    rows.append(
+        [
+            "size on disk MB",
+            _fmt(base["size_mb"], 1),
+            _fmt(cand["size_mb"], 1),
+            f"{cand['size_mb'] / base['size_mb']:.2f}x",
+        ]
+    )
     if "peak_memory_mb" in cand:
         rows.append(["peak memory MB", _fmt(base["peak_memory_mb"], 1), _fmt(cand["peak_memory_mb"], 1), ""])
     return rows
@@ -47,8 +70,15 @@ def metrics_rows(metrics: dict) -> list[list[str]]:
 def check_rows(gate: dict) -> list[list[str]]:
     rows = [["check", "metric", "value", "threshold", "result"]]
     for c in gate["checks"]:
-        rows.append([c["name"], c["metric"], _fmt(c["value"], 4), f"{c['comparison']} {c['threshold']}",
-                     ("PASS" if c["passed"] else "FAIL") + (f" ({c['note']})" if c["note"] else "")])
+        rows.append(
+            [
+                c["name"],
+                c["metric"],
+                _fmt(c["value"], 4),
+                f"{c['comparison']} {c['threshold']}",
+                ("PASS" if c["passed"] else "FAIL") + (f" ({c['note']})" if c["note"] else ""),
+            ]
+        )
     return rows
 
 
@@ -59,16 +89,26 @@ def race_rows(race: dict) -> list[list[str]]:
     for c in race["candidates"]:
         kernels, cells = c.get("kernels") or {}, c.get("columns") or {}
         nodes = f"{kernels['int8']}/{kernels['float']}" if kernels else "-"
-        rows.append([c["name"], str(c.get("precision") or "-"), nodes, *(cells.get(k, "-") for k in columns),
-                     _fmt(c.get("size_mb"), 1), c["outcome"]])
+        rows.append(
+            [
+                c["name"],
+                str(c.get("precision") or "-"),
+                nodes,
+                *(cells.get(k, "-") for k in columns),
+                _fmt(c.get("size_mb"), 1),
+                c["outcome"],
+            ]
+        )
     return rows
 
 
 def _environment_lines(manifest: dict) -> list[str]:
     """The CPU the figures came from, and what INT8 buys on it (measured in this run)."""
     cpu = (manifest.get("environment") or {}).get("cpu") or {}
-    lines = [f"CPU: {cpu.get('model', 'unknown')}, {cpu.get('cores')} cores, features: "
-             f"{', '.join(cpu.get('features') or []) or 'none of note'}"]
+    lines = [
+        f"CPU: {cpu.get('model', 'unknown')}, {cpu.get('cores')} cores, features: "
+        f"{', '.join(cpu.get('features') or []) or 'none of note'}"
+    ]
     stages = manifest.get("stages") or {}
     probe = (stages.get("engine") or {}).get("int8_gemm") or (stages.get("quantize") or {}).get("int8_gemm")
     if probe:
@@ -77,8 +117,10 @@ def _environment_lines(manifest: dict) -> list[str]:
         lines.append(describe_int8(probe))
     kernels = (stages.get("quantize") or {}).get("kernels")
     if kernels:
-        lines.append(f"weighted nodes running INT8 kernels: {kernels['int8']}, float: {kernels['float']} "
-                     f"({', '.join(f'{op} {n}' for op, n in sorted(kernels['by_op'].items()))})")
+        lines.append(
+            f"weighted nodes running INT8 kernels: {kernels['int8']}, float: {kernels['float']} "
+            f"({', '.join(f'{op} {n}' for op, n in sorted(kernels['by_op'].items()))})"
+        )
     return lines
 
 

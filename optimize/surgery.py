@@ -1,5 +1,6 @@
 """Model surgery shared by prune and distill: where a transformer keeps its layers and projections,
 and how to keep a subset of layers or slice a Linear without touching the source module."""
+
 from __future__ import annotations
 
 import copy

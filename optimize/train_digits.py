@@ -5,6 +5,7 @@
 Writes config.json and model.safetensors (no pickle). Seconds on one CPU core. The held-out
 (evaluation) split is never trained on: it is what the quantized model's accuracy is gated on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
-CONFIG = {"architecture": "digits_cnn", "channels": [16, 32], "hidden": 64, "num_classes": 10, "image_size": 8,
-          "pixel_max": 16.0}
+CONFIG = {
+    "architecture": "digits_cnn",
+    "channels": [16, 32],
+    "hidden": 64,
+    "num_classes": 10,
+    "image_size": 8,
+    "pixel_max": 16.0,
+}
 
 
 def train(out_dir: Path, epochs: int = 30, seed: int = 0, batch_size: int = 64, lr: float = 3e-3) -> dict:
@@ -43,8 +50,13 @@ def train(out_dir: Path, epochs: int = 30, seed: int = 0, batch_size: int = 64, 
     accuracy = top1_accuracy(logits, np.asarray(test_set.labels))
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out_dir / "model.safetensors"))
-    trained = {"data": "sklearn digits, calibration split", "items": len(x), "epochs": epochs, "seed": seed,
-               "heldout_top1_accuracy": round(accuracy, 4)}
+    trained = {
+        "data": "sklearn digits, calibration split",
+        "items": len(x),
+        "epochs": epochs,
+        "seed": seed,
+        "heldout_top1_accuracy": round(accuracy, 4),
+    }
     (out_dir / "config.json").write_text(json.dumps(dict(CONFIG, seed=seed, trained=trained), indent=2) + "\n")
     return trained
 

@@ -9,6 +9,7 @@ missing or unexpected, 2 when the artifact is refused: not an artifact, a malfor
 manifest, a path leaving the artifact, a symlink, hard link or special file, a bad or missing
 signature (one line `error: ...`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,11 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str]) -> int:
     parser = _Parser(prog="python -m optimize.verify")
     parser.add_argument("artifact")
-    parser.add_argument("--key", help=f"file holding the HMAC-SHA256 secret the manifest was signed with "
-                                      f"(default: the file {VERIFY_KEY_ENV} names)")
+    parser.add_argument(
+        "--key",
+        help=f"file holding the HMAC-SHA256 secret the manifest was signed with "
+        f"(default: the file {VERIFY_KEY_ENV} names)",
+    )
     parser.add_argument("--require-signature", action="store_true", help="refuse an unsigned manifest")
     args = parser.parse_args(argv)
     try:
@@ -48,8 +52,10 @@ def main(argv: list[str]) -> int:
     if problems:
         print(f"{args.artifact}: {len(problems)} problem(s); the artifact does not match its manifest")
         return 1
-    print(f"{args.artifact}: {len(manifest['files'])} files match the manifest; "
-          f"gate {manifest.get('verdict', 'unknown')}; manifest {signed}")
+    print(
+        f"{args.artifact}: {len(manifest['files'])} files match the manifest; "
+        f"gate {manifest.get('verdict', 'unknown')}; manifest {signed}"
+    )
     return 0
 
 

@@ -6,4 +6,5 @@ Speaks KServe v2 / Triton HTTP (/v2/...), the OpenAI API (/v1/...), Prometheus (
 describes itself at /openapi.json. Imports onnxruntime, tokenizers, numpy and the HTTP stack;
 never torch, never the pipeline (optimize/). See serve/README.md.
 """
+
 __version__ = "0.1.0"

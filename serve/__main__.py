@@ -4,6 +4,7 @@ Exit codes: 0 after a clean (drained) shutdown, 1 if the model failed to load, 2
 (missing or tampered artifact, failed gate without the override, bad flags), always with one line
 `error: ...` on stderr.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,7 @@ class OneLineParser(argparse.ArgumentParser):
 
 def number(kind, low, inclusive: bool):
     """An argparse type: a number of `kind` above `low` (or at least `low`)."""
+
     def parse(text):
         try:
             value = kind(text)
@@ -32,6 +34,7 @@ def number(kind, low, inclusive: bool):
         if value < low or (value == low and not inclusive):
             raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low}, got {text}")
         return value
+
     return parse
 
 
@@ -44,41 +47,74 @@ def non_negative(kind):
 
 
 def build_parser() -> OneLineParser:
-    p = OneLineParser(prog="python -m serve", description="Serve a gated artifact over HTTP "
-                      "(KServe v2 / Triton, OpenAI-compatible, Prometheus metrics).")
+    p = OneLineParser(
+        prog="python -m serve",
+        description="Serve a gated artifact over HTTP (KServe v2 / Triton, OpenAI-compatible, Prometheus metrics).",
+    )
     p.add_argument("artifact", help="artifact directory (holds manifest.json)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=non_negative(int), default=8000, help="0 picks a free port")
     p.add_argument("--model-name", help="name clients use (default: the recipe's name)")
     p.add_argument("--max-batch-size", type=positive(int), help="rows per model call (default 32 or the recipe's)")
-    p.add_argument("--max-queue-delay-ms", type=non_negative(float),
-                   help="longest a batch waits to fill (default 5 or the recipe's)")
+    p.add_argument(
+        "--max-queue-delay-ms",
+        type=non_negative(float),
+        help="longest a batch waits to fill (default 5 or the recipe's)",
+    )
     p.add_argument("--max-queue", type=positive(int), help="queued requests before 429 (default 256)")
     p.add_argument("--timeout-s", type=positive(float), help="per-request timeout, queueing included (default 30)")
     p.add_argument("--max-request-bytes", type=positive(int), help="body size limit, 413 past it (default 4 MiB)")
     p.add_argument("--max-inputs", type=positive(int), help="texts per embeddings request (default 2048)")
     p.add_argument("--max-prompt-tokens", type=positive(int), help="causal LMs: prompt limit (default: context - 1)")
     p.add_argument("--max-tokens", type=positive(int), help="causal LMs: cap on max_tokens (default 512)")
-    p.add_argument("--header-timeout-s", type=positive(float), default=10.0,
-                   help="close a connection whose request headers are not complete within this (default 10)")
-    p.add_argument("--body-timeout-s", type=positive(float), default=30.0,
-                   help="408 for a request body not received within this (default 30)")
-    p.add_argument("--max-connections", type=positive(int), default=1024,
-                   help="open connections and requests in progress before new ones get 503 (default 1024)")
-    p.add_argument("--threads", type=non_negative(int),
-                   help="ONNX Runtime threads (default: the CPUs this process may use)")
-    p.add_argument("--ort-spinning", action="store_true",
-                   help="let idle ONNX Runtime threads spin (faster on a dedicated machine, slower on a shared one)")
+    p.add_argument(
+        "--header-timeout-s",
+        type=positive(float),
+        default=10.0,
+        help="close a connection whose request headers are not complete within this (default 10)",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=positive(float),
+        default=30.0,
+        help="408 for a request body not received within this (default 30)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=positive(int),
+        default=1024,
+        help="open connections and requests in progress before new ones get 503 (default 1024)",
+    )
+    p.add_argument(
+        "--threads", type=non_negative(int), help="ONNX Runtime threads (default: the CPUs this process may use)"
+    )
+    p.add_argument(
+        "--ort-spinning",
+        action="store_true",
+        help="let idle ONNX Runtime threads spin (faster on a dedicated machine, slower on a shared one)",
+    )
     p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
-    p.add_argument("--open-health-metrics", action="store_true",
-                   help="with an API key, leave /v2/health/* and /metrics open (for probes and scrapers)")
-    p.add_argument("--allow-modified", action="store_true",
-                   help="serve even if files differ from the manifest's sha256 (not recommended)")
+    p.add_argument(
+        "--open-health-metrics",
+        action="store_true",
+        help="with an API key, leave /v2/health/* and /metrics open (for probes and scrapers)",
+    )
+    p.add_argument(
+        "--allow-modified",
+        action="store_true",
+        help="serve even if files differ from the manifest's sha256 (not recommended)",
+    )
     p.add_argument("--allow-failed-gate", action="store_true", help="serve an artifact whose gate failed")
-    p.add_argument("--key", help="file holding the HMAC-SHA256 secret the manifest must be signed with "
-                                 "(default: the file ARTIFACT_VERIFY_KEY names)")
-    p.add_argument("--require-signature", action="store_true",
-                   help="refuse an artifact whose manifest is not signed (with --key, by that key)")
+    p.add_argument(
+        "--key",
+        help="file holding the HMAC-SHA256 secret the manifest must be signed with "
+        "(default: the file ARTIFACT_VERIFY_KEY names)",
+    )
+    p.add_argument(
+        "--require-signature",
+        action="store_true",
+        help="refuse an artifact whose manifest is not signed (with --key, by that key)",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -88,8 +124,13 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
-def check_artifact(root: Path, allow_modified: bool, allow_failed_gate: bool, key_file: str | None = None,
-                   require_signature: bool = False) -> dict:
+def check_artifact(
+    root: Path,
+    allow_modified: bool,
+    allow_failed_gate: bool,
+    key_file: str | None = None,
+    require_signature: bool = False,
+) -> dict:
     """Verify the manifest (its digest, signature and paths) and every file before anything is loaded.
     A refused artifact (malformed or edited manifest, a path leaving it, a link or special file, a bad
     signature) is refused whatever the flags; --allow-modified lifts only changed, missing or extra files."""
@@ -114,10 +155,15 @@ def check_artifact(root: Path, allow_modified: bool, allow_failed_gate: bool, ke
         fail(f"{root} does not match its manifest: {problems[0]}{more}; refusing to serve (--allow-modified overrides)")
     gate = manifest.get("gate") or {}
     if gate.get("passed") is not True and not allow_failed_gate:
-        failed = [c.get("name") if isinstance(c, dict) else c for c in gate.get("checks", [])
-                  if not (isinstance(c, dict) and c.get("passed"))]
-        fail(f"{root}: the gate did not pass (failed checks: {', '.join(map(str, failed)) or 'none recorded'}); "
-             f"refusing to serve (--allow-failed-gate overrides)")
+        failed = [
+            c.get("name") if isinstance(c, dict) else c
+            for c in gate.get("checks", [])
+            if not (isinstance(c, dict) and c.get("passed"))
+        ]
+        fail(
+            f"{root}: the gate did not pass (failed checks: {', '.join(map(str, failed)) or 'none recorded'}); "
+            f"refusing to serve (--allow-failed-gate overrides)"
+        )
     log = logging.getLogger("serve")
     for problem in problems:
         log.warning("serving a modified artifact: %s", problem)
@@ -144,11 +190,21 @@ def run_server(app, host: str, port: int, config, log_level: str) -> int:
 
     state = app.state.serve
     exit_code = [0]
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                                           timeout_graceful_shutdown=int(config.timeout_s) + 5,
-                                           timeout_keep_alive=5, lifespan="on",
-                                           limit_concurrency=config.max_connections,
-                                           http=header_timeout_protocol(config.header_timeout_s)), state)
+    server = DrainingServer(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level=log_level,
+            access_log=False,
+            timeout_graceful_shutdown=int(config.timeout_s) + 5,
+            timeout_keep_alive=5,
+            lifespan="on",
+            limit_concurrency=config.max_connections,
+            http=header_timeout_protocol(config.header_timeout_s),
+        ),
+        state,
+    )
 
     def fatal(message: str) -> None:
         exit_code[0] = 1

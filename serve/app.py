@@ -8,6 +8,7 @@ FastAPI would add pydantic and generate a schema from types; the protocols here 
 KServe and OpenAI, so the parsers are written out (serve/protocol.py) and the OpenAPI document
 is written by hand (serve/openapi.py).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,8 +42,9 @@ def load_model_for(state: ServeState):
     if serves == "causal_lm":
         from serve.llm import GenerativeModel
 
-        return GenerativeModel(state.root, state.engine, threads, state.config.max_prompt_tokens,
-                               state.config.max_tokens)
+        return GenerativeModel(
+            state.root, state.engine, threads, state.config.max_prompt_tokens, state.config.max_tokens
+        )
     if serves == "encoder" and state.task == "sentence_embedding":
         from serve.encoder import EncoderModel
 
@@ -51,6 +53,7 @@ def load_model_for(state: ServeState):
 
 
 # --- loading and draining ------------------------------------------------------------------------
+
 
 async def load_in_background(state: ServeState) -> None:
     """Load while the port already answers: live at once, ready (200) only once this finishes."""
@@ -73,8 +76,9 @@ def start_serving(state: ServeState, model) -> None:
     else:
         from serve.batching import Batcher
 
-        state.batcher = Batcher(model.run_batch, cfg.max_batch_size, cfg.max_queue_delay_s, cfg.max_queue,
-                                state.metrics, name=state.name)
+        state.batcher = Batcher(
+            model.run_batch, cfg.max_batch_size, cfg.max_queue_delay_s, cfg.max_queue, state.metrics, name=state.name
+        )
         state.batcher.start()
     state.model = model
     state.metrics.ready.set(1)
@@ -88,19 +92,23 @@ async def drain(state: ServeState) -> None:
         await state.batcher.stop()
     if state.generator:
         await state.generator.stop()
-    log.info("serve: stopped; answered %d of %d accepted requests; %d closed by their client before the answer",
-             state.completed, state.accepted, state.disconnected)
+    log.info(
+        "serve: stopped; answered %d of %d accepted requests; %d closed by their client before the answer",
+        state.completed,
+        state.accepted,
+        state.disconnected,
+    )
 
 
 # --- errors as JSON ------------------------------------------------------------------------------
+
 
 def error_response(path: str, error: HTTPError) -> JSONResponse:
     """KServe clients read {"error": "..."}; OpenAI clients read {"error": {message, type, ...}}."""
     if path.startswith("/v2"):
         body: dict[str, Any] = {"error": error.message}
     else:
-        body = {"error": {"message": error.message, "type": error.kind, "param": error.param,
-                          "code": error.status}}
+        body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.status}}
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
@@ -120,6 +128,7 @@ async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 # --- the gatekeeper: metrics, accounting, auth, size limit -----------------------------------------
+
 
 class Gatekeeper:
     """Pure ASGI middleware (no extra task per request, and streaming responses pass through)."""
@@ -168,6 +177,7 @@ class Gatekeeper:
     def timed_receive(receive, deadline: float):
         """`receive` with a deadline on the whole body: a client trickling its body gets 408, and the
         request's own --timeout-s (which starts once the body is read) is not its only bound."""
+
         async def timed():
             remaining = deadline - time.perf_counter()
             try:
@@ -176,15 +186,21 @@ class Gatekeeper:
                 async with asyncio.timeout(remaining):
                     return await receive()
             except TimeoutError:
-                raise HTTPError(408, "the request body did not arrive in time", "timeout",
-                                {"Connection": "close"}) from None
+                raise HTTPError(
+                    408, "the request body did not arrive in time", "timeout", {"Connection": "close"}
+                ) from None
+
         return timed
 
     def refusal(self, scope) -> HTTPError | None:
         headers = dict(scope["headers"])
         if not self.authorized(scope["path"], headers):
-            return HTTPError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                             "authentication_error", {"WWW-Authenticate": "Bearer"})
+            return HTTPError(
+                401,
+                "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                "authentication_error",
+                {"WWW-Authenticate": "Bearer"},
+            )
         declared = headers.get(b"content-length")
         if declared and declared.isdigit() and int(declared) > self.state.config.max_request_bytes:
             return too_large(self.state.config.max_request_bytes)
@@ -222,16 +238,26 @@ async def openapi_route(request: Request) -> JSONResponse:
 
 # --- the app -------------------------------------------------------------------------------------
 
-def create_app(root: str | Path, config: ServeConfig | None = None, manifest: dict | None = None,
-               load_model: Callable = load_model_for) -> Starlette:
+
+def create_app(
+    root: str | Path,
+    config: ServeConfig | None = None,
+    manifest: dict | None = None,
+    load_model: Callable = load_model_for,
+) -> Starlette:
     from engines.artifact import read_manifest
     from serve import kserve_routes, openai_routes
 
     root = Path(root)
-    state = ServeState(root, manifest if manifest is not None else read_manifest(root), config or ServeConfig(),
-                       load_model)
-    routes = [*kserve_routes.routes(), *openai_routes.routes(),
-              Route("/metrics", metrics_route), Route("/openapi.json", openapi_route)]
+    state = ServeState(
+        root, manifest if manifest is not None else read_manifest(root), config or ServeConfig(), load_model
+    )
+    routes = [
+        *kserve_routes.routes(),
+        *openai_routes.routes(),
+        Route("/metrics", metrics_route),
+        Route("/openapi.json", openapi_route),
+    ]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -242,10 +268,16 @@ def create_app(root: str | Path, config: ServeConfig | None = None, manifest: di
 
     from starlette.middleware import Middleware
 
-    handlers: dict[Any, Callable[..., Any]] = {HTTPError: on_http_error, HTTPException: on_starlette_error,
-                                               Exception: on_unexpected_error}
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    middleware=[Middleware(Gatekeeper, state=state, routes=routes)],
-                    exception_handlers=handlers)
+    handlers: dict[Any, Callable[..., Any]] = {
+        HTTPError: on_http_error,
+        HTTPException: on_starlette_error,
+        Exception: on_unexpected_error,
+    }
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[Middleware(Gatekeeper, state=state, routes=routes)],
+        exception_handlers=handlers,
+    )
     app.state.serve = state
     return app

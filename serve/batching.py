@@ -18,6 +18,7 @@ minimum a request needs (this is the latency a lone client pays): the caller awa
 the runner thread delivers each result straight to the callers' futures with one thread-safe call
 back into the loop, which also wakes the worker for the next batch.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,15 @@ class Pending:
 
 
 class Batcher:
-    def __init__(self, run_batch: Callable[[list], list], max_batch_size: int, max_queue_delay_s: float,
-                 max_queue: int, metrics=None, name: str = "model"):
+    def __init__(
+        self,
+        run_batch: Callable[[list], list],
+        max_batch_size: int,
+        max_queue_delay_s: float,
+        max_queue: int,
+        metrics=None,
+        name: str = "model",
+    ):
         self.run_batch = run_batch  # list of payloads -> list of results, same order
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s

@@ -1,4 +1,5 @@
 """Reading request bodies within the size limit, compressed ones included."""
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """Server settings: command line first, then the artifact recipe's `serve` block, then defaults."""
+
 from __future__ import annotations
 
 import os
@@ -11,20 +12,20 @@ API_KEY_ENV = "SERVE_API_KEY"
 class ServeConfig:
     max_batch_size: int = 32
     max_queue_delay_ms: float = 5.0
-    max_queue: int = 256            # requests waiting for the model; more are refused with 429
-    timeout_s: float = 30.0         # per request, queueing included: 504 past it
+    max_queue: int = 256  # requests waiting for the model; more are refused with 429
+    timeout_s: float = 30.0  # per request, queueing included: 504 past it
     max_request_bytes: int = 4 << 20
-    max_inputs: int = 2048          # texts or token arrays in one embeddings request
-    max_prompt_tokens: int = 0      # causal LMs; 0: the context length less one
-    max_tokens: int = 512           # causal LMs: cap on max_tokens
-    threads: int = 0                # ONNX Runtime intra-op threads; 0: the CPUs this process may use
-    ort_spinning: bool = False      # let idle ONNX Runtime threads spin (steals the event loop's cores)
+    max_inputs: int = 2048  # texts or token arrays in one embeddings request
+    max_prompt_tokens: int = 0  # causal LMs; 0: the context length less one
+    max_tokens: int = 512  # causal LMs: cap on max_tokens
+    threads: int = 0  # ONNX Runtime intra-op threads; 0: the CPUs this process may use
+    ort_spinning: bool = False  # let idle ONNX Runtime threads spin (steals the event loop's cores)
     api_key: str | None = None
     open_health_metrics: bool = False  # with an API key: leave /v2/health/* and /metrics open
     model_name: str | None = None
     header_timeout_s: float = 10.0  # request headers must be complete within this, or the connection closes
-    body_timeout_s: float = 30.0    # the whole request body within this, or 408
-    max_connections: int = 1024     # uvicorn's limit_concurrency: past it, 503
+    body_timeout_s: float = 30.0  # the whole request body within this, or 408
+    max_connections: int = 1024  # uvicorn's limit_concurrency: past it, 503
 
     @property
     def max_queue_delay_s(self) -> float:

@@ -7,6 +7,7 @@ own tokenizer through engines.text.TextEncoder). A batch is padded to its longes
 the graph mean-pools over the attention mask, so padding does not change an embedding, and
 per-token outputs are cut back to each request's own length.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -78,9 +79,13 @@ class EncoderModel:
     def from_texts(self, texts: list[str]) -> EncoderBatchItem:
         if len(texts) == 1:  # the common request: `encode` skips encode_batch's thread-pool hand-off
             encoding = self.text.tokenizer.encode(texts[0])
-            return EncoderBatchItem({"input_ids": np.array([encoding.ids], dtype=np.int64),
-                                     "attention_mask": np.array([encoding.attention_mask], dtype=np.int64),
-                                     "token_type_ids": np.array([encoding.type_ids], dtype=np.int64)})
+            return EncoderBatchItem(
+                {
+                    "input_ids": np.array([encoding.ids], dtype=np.int64),
+                    "attention_mask": np.array([encoding.attention_mask], dtype=np.int64),
+                    "token_type_ids": np.array([encoding.type_ids], dtype=np.int64),
+                }
+            )
         return EncoderBatchItem(self.text(texts))
 
     def from_token_ids(self, token_ids: list[list[int]]) -> EncoderBatchItem:
@@ -91,8 +96,8 @@ class EncoderModel:
         ids = np.zeros((len(token_ids), length), dtype=np.int64)
         mask = np.zeros_like(ids)
         for row, tokens in enumerate(token_ids):
-            ids[row, :len(tokens)] = tokens
-            mask[row, :len(tokens)] = 1
+            ids[row, : len(tokens)] = tokens
+            mask[row, : len(tokens)] = 1
         item = EncoderBatchItem({"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)})
         self.check_ranges(item.inputs)
         return item
@@ -127,8 +132,9 @@ class EncoderModel:
 
     def run_batch(self, items: list[EncoderBatchItem]) -> list[dict[str, np.ndarray]]:
         length = max(item.length for item in items)
-        feed = {name: np.concatenate([pad_to(item.inputs[name], length) for item in items])
-                for name in self.input_names}
+        feed = {
+            name: np.concatenate([pad_to(item.inputs[name], length) for item in items]) for name in self.input_names
+        }
         outputs = self.runner(feed)
         results, start = [], 0
         for item in items:
@@ -153,7 +159,12 @@ def pad_to(array: np.ndarray, length: int) -> np.ndarray:
 
 
 ORT_TO_NUMPY = {
-    "tensor(float)": "float32", "tensor(float16)": "float16", "tensor(double)": "float64",
-    "tensor(int64)": "int64", "tensor(int32)": "int32", "tensor(int8)": "int8", "tensor(uint8)": "uint8",
+    "tensor(float)": "float32",
+    "tensor(float16)": "float16",
+    "tensor(double)": "float64",
+    "tensor(int64)": "int64",
+    "tensor(int32)": "int32",
+    "tensor(int8)": "int8",
+    "tensor(uint8)": "uint8",
     "tensor(bool)": "bool",
 }

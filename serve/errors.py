@@ -4,12 +4,19 @@ Every refusal the server makes is one of these: a status code, a message a perso
 an error type. The app turns it into the JSON body the caller's protocol expects (OpenAI-style
 `{"error": {...}}` under /v1, KServe-style `{"error": "..."}` under /v2).
 """
+
 from __future__ import annotations
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
-                 headers: dict[str, str] | None = None, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+        param: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -37,8 +44,12 @@ def too_large(limit: int) -> HTTPError:
 
 
 def busy(retry_after_s: int = 1) -> HTTPError:
-    return HTTPError(429, "the request queue is full; retry later", kind="rate_limit_error",
-                     headers={"Retry-After": str(retry_after_s)})
+    return HTTPError(
+        429,
+        "the request queue is full; retry later",
+        kind="rate_limit_error",
+        headers={"Retry-After": str(retry_after_s)},
+    )
 
 
 def unavailable(message: str, retry_after_s: int = 1) -> HTTPError:
@@ -51,5 +62,9 @@ def timed_out(timeout_s: float) -> HTTPError:
 
 def too_large_batch(rows: int, limit: int) -> HTTPError:
     """More rows (texts, token arrays, tensor rows) in one request than the server takes."""
-    return HTTPError(413, f"the request has {rows} rows; at most {limit} per request (--max-inputs)",
-                     kind="request_too_large", param="input")
+    return HTTPError(
+        413,
+        f"the request has {rows} rows; at most {limit} per request (--max-inputs)",
+        kind="request_too_large",
+        param="input",
+    )

@@ -7,6 +7,7 @@ shortest float32 repr (which reads back to the identical float32; the stdlib pat
 float64 widening of the same value, 17 digits). Without orjson the stdlib path is used, so the
 server still works where it is not installed.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,10 @@ except ImportError:  # pragma: no cover - exercised by test_serve_jsonbody with 
     orjson = None  # type: ignore[assignment]
 
 # Array dtypes orjson writes natively (OPT_SERIALIZE_NUMPY); others go through tolist().
-NATIVE = {np.dtype(t) for t in ("float32", "float64", "int8", "int16", "int32", "int64",
-                                "uint8", "uint16", "uint32", "uint64", "bool")}
+NATIVE = {
+    np.dtype(t)
+    for t in ("float32", "float64", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool")
+}
 
 
 def plain(value):
@@ -38,8 +41,7 @@ def dumps(content) -> bytes:
             return orjson.dumps(content, default=plain, option=orjson.OPT_SERIALIZE_NUMPY)
         except orjson.JSONEncodeError as exc:
             raise ValueError(str(exc)) from None
-    return json.dumps(content, default=plain, ensure_ascii=False, allow_nan=False,
-                      separators=(",", ":")).encode()
+    return json.dumps(content, default=plain, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
 def array(value: np.ndarray):

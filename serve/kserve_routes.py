@@ -4,6 +4,7 @@ Follows the Open Inference Protocol (kserve.github.io/website/docs/concepts/arch
 data-plane/v2-protocol) including Triton's binary tensor extension, which tritonclient uses by
 default: a JSON header of `Inference-Header-Content-Length` bytes followed by raw tensors.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,14 @@ def routes() -> list[Route]:
         Route("/v2", server_metadata),
         Route("/v2/health/live", live),
         Route("/v2/health/ready", ready),
-        Route(MODEL, model_metadata), Route(VERSIONED, model_metadata),
-        Route(MODEL + "/ready", model_ready), Route(VERSIONED + "/ready", model_ready),
-        Route(MODEL + "/config", model_config), Route(VERSIONED + "/config", model_config),
-        Route(MODEL + "/infer", infer, methods=["POST"]), Route(VERSIONED + "/infer", infer, methods=["POST"]),
+        Route(MODEL, model_metadata),
+        Route(VERSIONED, model_metadata),
+        Route(MODEL + "/ready", model_ready),
+        Route(VERSIONED + "/ready", model_ready),
+        Route(MODEL + "/config", model_config),
+        Route(VERSIONED + "/config", model_config),
+        Route(MODEL + "/infer", infer, methods=["POST"]),
+        Route(VERSIONED + "/infer", infer, methods=["POST"]),
     ]
 
 
@@ -48,6 +53,7 @@ def model_of(request: Request):
 
 
 # --- health and metadata -------------------------------------------------------------------------
+
 
 async def live(request: Request) -> Response:
     return Response(status_code=200)
@@ -71,27 +77,43 @@ async def model_metadata(request: Request) -> JSONResponse:
     state = model_of(request)
     inputs, outputs = tensor_metadata(state)
     manifest = state.manifest
-    return JSONResponse({
-        "name": state.name, "versions": [state.version], "platform": platform(state),
-        "inputs": inputs, "outputs": outputs,
-        # Not part of the protocol (clients ignore extra keys): what was gated, and its verdict.
-        "artifact": {"id": manifest.get("id"), "task": state.task, "precision": state.engine.get("precision"),
-                     "verdict": manifest.get("verdict"), "gate_passed": (manifest.get("gate") or {}).get("passed")},
-    })
+    return JSONResponse(
+        {
+            "name": state.name,
+            "versions": [state.version],
+            "platform": platform(state),
+            "inputs": inputs,
+            "outputs": outputs,
+            # Not part of the protocol (clients ignore extra keys): what was gated, and its verdict.
+            "artifact": {
+                "id": manifest.get("id"),
+                "task": state.task,
+                "precision": state.engine.get("precision"),
+                "verdict": manifest.get("verdict"),
+                "gate_passed": (manifest.get("gate") or {}).get("passed"),
+            },
+        }
+    )
 
 
 def platform(state) -> str:
     return {"onnxruntime": "onnxruntime_onnx", "onnxruntime-genai": "onnxruntime_genai"}.get(
-        state.engine.get("format"), str(state.engine.get("format")))
+        state.engine.get("format"), str(state.engine.get("format"))
+    )
 
 
 def tensor_metadata(state) -> tuple[list[dict], list[dict]]:
     """From the loaded graph; before loading, from the manifest's engine inputs."""
     if state.model is not None and hasattr(state.model, "tensor_metadata"):
         return state.model.tensor_metadata()
-    inputs = [{"name": i["name"], "datatype": "INT64" if i.get("type") == "tensor(int64)" else "FP32",
-               "shape": [d if isinstance(d, int) else -1 for d in i.get("shape", [])]}
-              for i in state.engine.get("inputs", [])]
+    inputs = [
+        {
+            "name": i["name"],
+            "datatype": "INT64" if i.get("type") == "tensor(int64)" else "FP32",
+            "shape": [d if isinstance(d, int) else -1 for d in i.get("shape", [])],
+        }
+        for i in state.engine.get("inputs", [])
+    ]
     return inputs, []
 
 
@@ -101,20 +123,28 @@ async def model_config(request: Request) -> JSONResponse:
     inputs, outputs = tensor_metadata(state)
     as_config = lambda t: {"name": t["name"], "data_type": "TYPE_" + t["datatype"], "dims": t["shape"][1:]}  # noqa: E731
     cfg = state.config
-    return JSONResponse({
-        "name": state.name, "platform": platform(state), "max_batch_size": cfg.max_batch_size,
-        "input": [as_config(t) for t in inputs], "output": [as_config(t) for t in outputs],
-        "dynamic_batching": {"max_queue_delay_microseconds": int(cfg.max_queue_delay_ms * 1000)},
-    })
+    return JSONResponse(
+        {
+            "name": state.name,
+            "platform": platform(state),
+            "max_batch_size": cfg.max_batch_size,
+            "input": [as_config(t) for t in inputs],
+            "output": [as_config(t) for t in outputs],
+            "dynamic_batching": {"max_queue_delay_microseconds": int(cfg.max_queue_delay_ms * 1000)},
+        }
+    )
 
 
 # --- inference -----------------------------------------------------------------------------------
 
+
 async def infer(request: Request) -> Response:
     state = model_of(request)
     if state.task != "sentence_embedding":
-        raise bad_request(f"model {state.name!r} is a {state.task} model: it is served on /v1/completions and "
-                          f"/v1/chat/completions, not as tensors")
+        raise bad_request(
+            f"model {state.name!r} is a {state.task} model: it is served on /v1/completions and "
+            f"/v1/chat/completions, not as tensors"
+        )
     state.require_ready()
     with arriving(state.batcher):
         body = await read_body(request, state.config.max_request_bytes)
@@ -147,7 +177,7 @@ async def run_encoder(state, item) -> dict[str, np.ndarray]:
         raise too_large_batch(item.rows, state.config.max_inputs)
     if item.rows <= size:
         return await state.batcher.submit(item, item.rows, timeout)
-    pieces = [EncoderBatchItem({k: v[i:i + size] for k, v in item.inputs.items()}) for i in range(0, item.rows, size)]
+    pieces = [EncoderBatchItem({k: v[i : i + size] for k, v in item.inputs.items()}) for i in range(0, item.rows, size)]
     # All pieces are queued or none is (429), and a refused, timed-out or abandoned request's pieces
     # leave the queue at once: none of them reaches the model.
     results = await state.batcher.submit_many([(p, p.rows) for p in pieces], timeout)
@@ -158,8 +188,11 @@ def infer_response(state, parsed, wanted: list[tuple[str, bool]], outputs: dict[
     tensors, blobs = [], []
     for name, binary in wanted:
         value = np.ascontiguousarray(outputs[name])
-        tensor: dict[str, Any] = {"name": name, "datatype": NUMPY_TO_KSERVE[value.dtype.newbyteorder("<")],
-                                  "shape": list(value.shape)}
+        tensor: dict[str, Any] = {
+            "name": name,
+            "datatype": NUMPY_TO_KSERVE[value.dtype.newbyteorder("<")],
+            "shape": list(value.shape),
+        }
         if binary:
             blob = value.astype(value.dtype.newbyteorder("<")).tobytes()
             tensor["parameters"] = {"binary_data_size": len(blob)}
@@ -173,5 +206,8 @@ def infer_response(state, parsed, wanted: list[tuple[str, bool]], outputs: dict[
     if not blobs:
         return FastJSONResponse(header)
     head = json.dumps(header, separators=(",", ":")).encode()
-    return Response(head + b"".join(blobs), media_type="application/octet-stream",
-                    headers={"Inference-Header-Content-Length": str(len(head))})
+    return Response(
+        head + b"".join(blobs),
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(len(head))},
+    )

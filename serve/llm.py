@@ -8,6 +8,7 @@ Batching several generations at once (continuous batching) is not done: on a 2-c
 decode already uses the cores, and it keeps this module small. The queue bound and the per-request
 limits still hold.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,7 @@ from serve.protocol import GenerationRequest
 class GenerativeModel:
     task = "causal_lm"
 
-    def __init__(self, root: Path, engine: dict, threads: int = 0, max_prompt_tokens: int = 0,
-                 max_tokens: int = 512):
+    def __init__(self, root: Path, engine: dict, threads: int = 0, max_prompt_tokens: int = 0, max_tokens: int = 512):
         from engines import load_engine
 
         self.runner: Any = cast(Any, load_engine(root, engine, threads=threads))  # a GenAIRunner
@@ -47,25 +47,31 @@ class GenerativeModel:
         if not ids:
             raise bad_request("the prompt is empty", param="prompt")
         if len(ids) > self.max_prompt_tokens:
-            raise bad_request(f"the prompt has {len(ids)} tokens; this server takes at most "
-                              f"{self.max_prompt_tokens}", param="prompt")
+            raise bad_request(
+                f"the prompt has {len(ids)} tokens; this server takes at most {self.max_prompt_tokens}", param="prompt"
+            )
         return ids
 
     def token_budget(self, prompt_length: int, requested: int | None) -> int:
         """New tokens allowed: the request's max_tokens within the server cap and the context."""
         room = self.context_length - prompt_length
         if requested is not None and requested > self.max_tokens:
-            raise bad_request(f"max_tokens {requested} exceeds this server's limit of {self.max_tokens}",
-                              param="max_tokens")
+            raise bad_request(
+                f"max_tokens {requested} exceeds this server's limit of {self.max_tokens}", param="max_tokens"
+            )
         if requested is not None and requested > room:
-            raise bad_request(f"prompt ({prompt_length} tokens) + max_tokens ({requested}) exceeds the "
-                              f"context length of {self.context_length}", param="max_tokens")
+            raise bad_request(
+                f"prompt ({prompt_length} tokens) + max_tokens ({requested}) exceeds the "
+                f"context length of {self.context_length}",
+                param="max_tokens",
+            )
         return min(requested or self.max_tokens, room)
 
 
 @dataclass
 class Generation:
     """One request's stream of events: ("token", text), then ("end", reason) or ("error", exc)."""
+
     events: asyncio.Queue
     cancel: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.perf_counter)
@@ -150,7 +156,7 @@ class StopMatcher:
             out, self.buffer = self.buffer[:cut], ""
             return out
         keep = self.partial_suffix()
-        out, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
+        out, self.buffer = self.buffer[: len(self.buffer) - keep], self.buffer[len(self.buffer) - keep :]
         return out
 
     def partial_suffix(self) -> int:

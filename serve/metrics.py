@@ -3,10 +3,11 @@
 Endpoint labels are route templates ("/v2/models/{name}/infer"), never raw paths: a client that
 probes random URLs must not be able to grow the label set without bound.
 """
+
 from __future__ import annotations
 
 # Latency buckets in seconds: sub-millisecond health checks up to generation runs of a minute.
-LATENCY_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60)
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
@@ -17,21 +18,42 @@ class Metrics:
 
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("serve_requests", "HTTP requests answered, by endpoint and status code",
-                                ["endpoint", "method", "status"], registry=r)
-        self.latency = Histogram("serve_request_duration_seconds", "Time from request to last byte of the response",
-                                 ["endpoint"], buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter(
+            "serve_requests",
+            "HTTP requests answered, by endpoint and status code",
+            ["endpoint", "method", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "serve_request_duration_seconds",
+            "Time from request to last byte of the response",
+            ["endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.in_flight = Gauge("serve_requests_in_flight", "Requests being handled now", registry=r)
         self.queue_depth = Gauge("serve_queue_depth", "Requests waiting for the model", registry=r)
-        self.queue_wait = Histogram("serve_queue_wait_seconds", "Time a request waited before its batch ran",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("serve_batch_size", "Rows per model call (dynamic batching)",
-                                    buckets=BATCH_BUCKETS, registry=r)
-        self.ttft = Histogram("serve_time_to_first_token_seconds", "Causal LMs: request accepted to first token",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.tokens_per_s = Histogram("serve_generation_tokens_per_second",
-                                      "Causal LMs: generated tokens per second of decoding, per request",
-                                      buckets=RATE_BUCKETS, registry=r)
+        self.queue_wait = Histogram(
+            "serve_queue_wait_seconds",
+            "Time a request waited before its batch ran",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.batch_size = Histogram(
+            "serve_batch_size", "Rows per model call (dynamic batching)", buckets=BATCH_BUCKETS, registry=r
+        )
+        self.ttft = Histogram(
+            "serve_time_to_first_token_seconds",
+            "Causal LMs: request accepted to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tokens_per_s = Histogram(
+            "serve_generation_tokens_per_second",
+            "Causal LMs: generated tokens per second of decoding, per request",
+            buckets=RATE_BUCKETS,
+            registry=r,
+        )
         self.generated_tokens = Counter("serve_generated_tokens", "Causal LMs: tokens generated", registry=r)
         self.prompt_tokens = Counter("serve_prompt_tokens", "Tokens read from prompts and inputs", registry=r)
         self.ready = Gauge("serve_model_ready", "1 once the model is loaded and serving", registry=r)

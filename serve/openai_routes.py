@@ -4,6 +4,7 @@ Request and response shapes follow the OpenAI API reference, so the official `op
 unchanged (it asks for base64 embeddings by default; both encodings are served). Streaming is
 server-sent events: one `data: {chunk}` per generated piece, then `data: [DONE]`.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,11 +52,17 @@ async def get_model(request: Request) -> JSONResponse:
 
 def check_model(state, name: str, task: str | None = None) -> None:
     if name != state.name:
-        raise HTTPError(404, f"the model {name!r} does not exist; this server serves {state.name!r}",
-                        "not_found_error", param="model")
+        raise HTTPError(
+            404,
+            f"the model {name!r} does not exist; this server serves {state.name!r}",
+            "not_found_error",
+            param="model",
+        )
     if task and state.task != task:
-        other = {"sentence_embedding": "an encoder (sentence embeddings): use /v1/embeddings",
-                 "causal_lm": "a causal LM: use /v1/completions or /v1/chat/completions"}
+        other = {
+            "sentence_embedding": "an encoder (sentence embeddings): use /v1/embeddings",
+            "causal_lm": "a causal LM: use /v1/completions or /v1/chat/completions",
+        }
         raise bad_request(f"model {name!r} is {other.get(state.task, state.task)}", param="model")
 
 
@@ -64,6 +71,7 @@ async def read_json(request: Request, state) -> dict:
 
 
 # --- embeddings ----------------------------------------------------------------------------------
+
 
 async def embeddings(request: Request) -> FastJSONResponse:
     from serve.kserve_routes import run_encoder
@@ -75,18 +83,25 @@ async def embeddings(request: Request) -> FastJSONResponse:
         state.require_ready()
         model = state.model
         if parsed.dimensions is not None and parsed.dimensions != model.embedding_dim:
-            raise bad_request(f"this model's embeddings have {model.embedding_dim} dimensions; "
-                              f"'dimensions' cannot change that", param="dimensions")
+            raise bad_request(
+                f"this model's embeddings have {model.embedding_dim} dimensions; 'dimensions' cannot change that",
+                param="dimensions",
+            )
         item = model.from_texts(parsed.texts) if parsed.texts is not None else model.from_token_ids(parsed.token_ids)
     tokens = int(item.inputs["attention_mask"].sum())
     state.metrics.prompt_tokens.inc(tokens)
     vectors = (await run_encoder(state, item))["sentence_embedding"]
-    return FastJSONResponse({
-        "object": "list", "model": state.name,
-        "data": [{"object": "embedding", "index": i, "embedding": encode_vector(v, parsed.encoding_format)}
-                 for i, v in enumerate(vectors)],
-        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-    })
+    return FastJSONResponse(
+        {
+            "object": "list",
+            "model": state.name,
+            "data": [
+                {"object": "embedding", "index": i, "embedding": encode_vector(v, parsed.encoding_format)}
+                for i, v in enumerate(vectors)
+            ],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )
 
 
 def encode_vector(vector: np.ndarray, encoding: str):
@@ -98,6 +113,7 @@ def encode_vector(vector: np.ndarray, encoding: str):
 
 
 # --- completions and chat ------------------------------------------------------------------------
+
 
 async def completions(request: Request):
     return await generate(request, parse_completion_request, chat=False)
@@ -167,14 +183,24 @@ class Reply:
             self.generation.cancel.set()
         choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
-        return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                             "created": self.created, "model": self.model, "choices": [choice],
-                             "usage": self.usage()})
+        return JSONResponse(
+            {
+                "id": self.id,
+                "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created,
+                "model": self.model,
+                "choices": [choice],
+                "usage": self.usage(),
+            }
+        )
 
     def usage(self) -> dict:
         done = self.generation.tokens
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
-                "total_tokens": self.prompt_tokens + done}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": done,
+            "total_tokens": self.prompt_tokens + done,
+        }
 
     async def stream(self, timeout_s: float, include_usage: bool) -> StreamingResponse:
         """Wait for the first piece within the timeout (so a 504 is still possible), then stream."""
@@ -184,8 +210,11 @@ class Reply:
         except asyncio.TimeoutError:
             self.generation.cancel.set()
             raise timed_out(timeout_s) from None
-        return StreamingResponse(self.events(first, pieces, include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            self.events(first, pieces, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
 
     async def events(self, first, pieces, include_usage: bool):
         try:

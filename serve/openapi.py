@@ -4,6 +4,7 @@ It describes what this server accepts and returns, status codes included, so tha
 schema-driven tester (schemathesis, tests/serve/test_serve_schema.py) can generate requests from it and
 check every response against it. Model names appear as examples; other names answer 404.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -19,10 +20,18 @@ def json_body(schema: dict) -> dict:
 
 def errors(kind: str, *codes: int) -> dict:
     """Error responses: KServe's {"error": "..."} under /v2, OpenAI's {"error": {...}} under /v1."""
-    reasons = {400: "malformed request", 401: "missing or wrong API key", 404: "unknown model or version",
-               405: "method not allowed", 413: "body too large", 415: "unsupported Content-Encoding",
-               422: "inputs the model cannot take", 429: "queue full (see Retry-After)",
-               503: "model loading or unavailable", 504: "timed out"}
+    reasons = {
+        400: "malformed request",
+        401: "missing or wrong API key",
+        404: "unknown model or version",
+        405: "method not allowed",
+        413: "body too large",
+        415: "unsupported Content-Encoding",
+        422: "inputs the model cannot take",
+        429: "queue full (see Retry-After)",
+        503: "model loading or unavailable",
+        504: "timed out",
+    }
     return {str(c): {"description": reasons[c], **json_body(ref(kind))} for c in codes}
 
 
@@ -32,15 +41,22 @@ NAME_PATTERN = "^[A-Za-z0-9_.-]+$"
 
 
 def path_param(name: str, example: str) -> dict:
-    return {"name": name, "in": "path", "required": True,
-            "schema": {"type": "string", "pattern": NAME_PATTERN, "example": example}}
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "schema": {"type": "string", "pattern": NAME_PATTERN, "example": example},
+    }
 
 
 def openapi_document(state) -> dict:
     doc: dict[str, Any] = {
         "openapi": "3.0.3",
-        "info": {"title": f"serve: {state.name}", "version": "1",
-                 "description": "KServe v2 / Triton HTTP and OpenAI-compatible endpoints for one gated artifact."},
+        "info": {
+            "title": f"serve: {state.name}",
+            "version": "1",
+            "description": "KServe v2 / Triton HTTP and OpenAI-compatible endpoints for one gated artifact.",
+        },
         "paths": {**kserve_paths(state), **openai_paths(state), **misc_paths()},
         "components": {"schemas": SCHEMAS},
     }
@@ -60,11 +76,21 @@ def error_kind_of(operation: dict) -> str:
 def kserve_paths(state) -> dict:
     name = [path_param("name", state.name)]
     versioned = name + [path_param("version", state.version)]
-    get = lambda summary, params, ok, *codes: {"get": {  # noqa: E731
-        "tags": ["kserve"], "summary": summary, "parameters": params,
-        "responses": {"200": ok, **errors("KServeError", *codes)}}}
-    health = lambda summary: {"get": {"tags": ["kserve"], "summary": summary,  # noqa: E731
-                                      "responses": {"200": {"description": "yes"}, "503": {"description": "not yet"}}}}
+    get = lambda summary, params, ok, *codes: {
+        "get": {
+            "tags": ["kserve"],
+            "summary": summary,
+            "parameters": params,
+            "responses": {"200": ok, **errors("KServeError", *codes)},
+        }
+    }
+    health = lambda summary: {
+        "get": {
+            "tags": ["kserve"],
+            "summary": summary,
+            "responses": {"200": {"description": "yes"}, "503": {"description": "not yet"}},
+        }
+    }
     metadata = {"description": "model metadata", **json_body(ref("ModelMetadata"))}
     ready = {"description": "ready"}
     config = {"description": "Triton model configuration", **json_body({"type": "object"})}
@@ -79,55 +105,111 @@ def kserve_paths(state) -> dict:
         paths[prefix]["get"]["responses"]["404"]["description"] = "unknown model or version"
         paths[prefix + "/ready"]["get"]["responses"]["503"] = {"description": "not ready"}
         paths[prefix + "/config"] = get("Triton model configuration", params, config, 404, 405)
-        paths[prefix + "/infer"] = {"post": {
-            "tags": ["kserve"], "summary": "inference on JSON tensors (binary tensor extension accepted too)",
-            "parameters": params, "requestBody": {"required": True, **json_body(ref("InferRequest"))},
-            "responses": {"200": {"description": "output tensors", **json_body(ref("InferResponse"))},
-                          **errors("KServeError", *INFER_ERRORS)}}}
+        paths[prefix + "/infer"] = {
+            "post": {
+                "tags": ["kserve"],
+                "summary": "inference on JSON tensors (binary tensor extension accepted too)",
+                "parameters": params,
+                "requestBody": {"required": True, **json_body(ref("InferRequest"))},
+                "responses": {
+                    "200": {"description": "output tensors", **json_body(ref("InferResponse"))},
+                    **errors("KServeError", *INFER_ERRORS),
+                },
+            }
+        }
     return paths
 
 
 def openai_paths(state) -> dict:
-    post = lambda summary, schema, ok: {"post": {  # noqa: E731
-        "tags": ["openai"], "summary": summary, "requestBody": {"required": True, **json_body(schema)},
-        "responses": {"200": ok, **errors("OpenAIError", *OPENAI_ERRORS)}}}
-    streamable = lambda schema: {"description": "the completion, or server-sent events with stream: true",  # noqa: E731
-                                 "content": {"application/json": {"schema": ref(schema)},
-                                             "text/event-stream": {"schema": {"type": "string"}}}}
-    with_model = lambda schema: {**SCHEMAS[schema], "properties": {  # noqa: E731
-        **SCHEMAS[schema]["properties"], "model": {"type": "string", "example": state.name}}}
+    post = lambda summary, schema, ok: {
+        "post": {
+            "tags": ["openai"],
+            "summary": summary,
+            "requestBody": {"required": True, **json_body(schema)},
+            "responses": {"200": ok, **errors("OpenAIError", *OPENAI_ERRORS)},
+        }
+    }
+    streamable = lambda schema: {
+        "description": "the completion, or server-sent events with stream: true",
+        "content": {"application/json": {"schema": ref(schema)}, "text/event-stream": {"schema": {"type": "string"}}},
+    }
+    with_model = lambda schema: {
+        **SCHEMAS[schema],
+        "properties": {
+            **SCHEMAS[schema]["properties"],
+            "model": {"type": "string", "example": state.name},
+        },
+    }
     return {
-        "/v1/models": {"get": {"tags": ["openai"], "summary": "the served model",
-                               "responses": {"200": {"description": "models", **json_body(ref("ModelList"))}}}},
-        "/v1/models/{model}": {"get": {"tags": ["openai"], "summary": "one model",
-                                       "parameters": [path_param("model", state.name)],
-                                       "responses": {"200": {"description": "model", **json_body(ref("Model"))},
-                                                     **errors("OpenAIError", 404, 405)}}},
-        "/v1/embeddings": post("embeddings (encoders)", with_model("EmbeddingsRequest"),
-                               {"description": "embeddings", **json_body(ref("EmbeddingsResponse"))}),
-        "/v1/completions": post("text completion (causal LMs)", with_model("CompletionRequest"),
-                                streamable("CompletionResponse")),
-        "/v1/chat/completions": post("chat completion (causal LMs)", with_model("ChatRequest"),
-                                     streamable("ChatResponse")),
+        "/v1/models": {
+            "get": {
+                "tags": ["openai"],
+                "summary": "the served model",
+                "responses": {"200": {"description": "models", **json_body(ref("ModelList"))}},
+            }
+        },
+        "/v1/models/{model}": {
+            "get": {
+                "tags": ["openai"],
+                "summary": "one model",
+                "parameters": [path_param("model", state.name)],
+                "responses": {
+                    "200": {"description": "model", **json_body(ref("Model"))},
+                    **errors("OpenAIError", 404, 405),
+                },
+            }
+        },
+        "/v1/embeddings": post(
+            "embeddings (encoders)",
+            with_model("EmbeddingsRequest"),
+            {"description": "embeddings", **json_body(ref("EmbeddingsResponse"))},
+        ),
+        "/v1/completions": post(
+            "text completion (causal LMs)", with_model("CompletionRequest"), streamable("CompletionResponse")
+        ),
+        "/v1/chat/completions": post(
+            "chat completion (causal LMs)", with_model("ChatRequest"), streamable("ChatResponse")
+        ),
     }
 
 
 def misc_paths() -> dict:
     return {
-        "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {
-            "200": {"description": "text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-        "/openapi.json": {"get": {"summary": "this document", "responses": {
-            "200": {"description": "OpenAPI 3.0", **json_body({"type": "object"})}}}},
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics",
+                "responses": {
+                    "200": {"description": "text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
+                },
+            }
+        },
+        "/openapi.json": {
+            "get": {
+                "summary": "this document",
+                "responses": {"200": {"description": "OpenAPI 3.0", **json_body({"type": "object"})}},
+            }
+        },
     }
 
 
-TENSOR_META: dict[str, Any] = {"type": "object", "required": ["name", "datatype", "shape"], "properties": {
-    "name": {"type": "string"}, "datatype": {"type": "string"},
-    "shape": {"type": "array", "items": {"type": "integer"}}}}
+TENSOR_META: dict[str, Any] = {
+    "type": "object",
+    "required": ["name", "datatype", "shape"],
+    "properties": {
+        "name": {"type": "string"},
+        "datatype": {"type": "string"},
+        "shape": {"type": "array", "items": {"type": "integer"}},
+    },
+}
 DATATYPES = ["BOOL", "UINT8", "INT8", "INT16", "INT32", "INT64", "FP16", "FP32", "FP64"]
 TOKENS = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
-STOP = {"oneOf": [{"type": "string", "minLength": 1},
-                  {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1}}], "nullable": True}
+STOP = {
+    "oneOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1}},
+    ],
+    "nullable": True,
+}
 SAMPLING = {
     "max_tokens": {"type": "integer", "minimum": 1, "nullable": True},
     "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
@@ -136,73 +218,228 @@ SAMPLING = {
     "stream": {"type": "boolean", "nullable": True},
     "stop": STOP,
     "seed": {"type": "integer", "nullable": True},
-    "stream_options": {"type": "object", "nullable": True,
-                       "properties": {"include_usage": {"type": "boolean", "nullable": True}}},
+    "stream_options": {
+        "type": "object",
+        "nullable": True,
+        "properties": {"include_usage": {"type": "boolean", "nullable": True}},
+    },
 }
-USAGE = {"type": "object", "required": ["prompt_tokens", "total_tokens"], "properties": {
-    "prompt_tokens": {"type": "integer"}, "completion_tokens": {"type": "integer"},
-    "total_tokens": {"type": "integer"}}}
-OPENAI_OBJECT = lambda kind, **props: {"type": "object", "required": ["object"], "properties": {  # noqa: E731
-    "object": {"type": "string", "enum": [kind]}, **props}}
+USAGE = {
+    "type": "object",
+    "required": ["prompt_tokens", "total_tokens"],
+    "properties": {
+        "prompt_tokens": {"type": "integer"},
+        "completion_tokens": {"type": "integer"},
+        "total_tokens": {"type": "integer"},
+    },
+}
+OPENAI_OBJECT = lambda kind, **props: {
+    "type": "object",
+    "required": ["object"],
+    "properties": {
+        "object": {"type": "string", "enum": [kind]},
+        **props,
+    },
+}
 
 SCHEMAS: dict[str, Any] = {
     "KServeError": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
-    "OpenAIError": {"type": "object", "required": ["error"], "properties": {"error": {
-        "type": "object", "required": ["message", "type"], "properties": {
-            "message": {"type": "string"}, "type": {"type": "string"},
-            "param": {"type": "string", "nullable": True}, "code": {"nullable": True}}}}},
-    "ServerMetadata": {"type": "object", "required": ["name", "version", "extensions"], "properties": {
-        "name": {"type": "string"}, "version": {"type": "string"},
-        "extensions": {"type": "array", "items": {"type": "string"}}}},
-    "ModelMetadata": {"type": "object", "required": ["name", "platform", "inputs", "outputs"], "properties": {
-        "name": {"type": "string"}, "versions": {"type": "array", "items": {"type": "string"}},
-        "platform": {"type": "string"}, "inputs": {"type": "array", "items": TENSOR_META},
-        "outputs": {"type": "array", "items": TENSOR_META}}},
-    "InferRequest": {"type": "object", "required": ["inputs"], "properties": {
-        "id": {"type": "string"},
-        "parameters": {"type": "object"},
-        "inputs": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["name", "datatype", "shape"], "properties": {
-                "name": {"type": "string"}, "datatype": {"type": "string", "enum": DATATYPES},
-                "shape": {"type": "array", "maxItems": 8, "items": {"type": "integer", "minimum": 0}},
-                "parameters": {"type": "object"},
-                "data": {"type": "array", "items": {"type": "number"}}}}},
-        "outputs": {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
-            "name": {"type": "string"}, "parameters": {"type": "object"}}}}}},
-    "InferResponse": {"type": "object", "required": ["model_name", "outputs"], "properties": {
-        "model_name": {"type": "string"}, "model_version": {"type": "string"}, "id": {"type": "string"},
-        "outputs": {"type": "array", "items": {**TENSOR_META, "properties": {
-            **TENSOR_META["properties"], "data": {"type": "array"}}}}}},
-    "EmbeddingsRequest": {"type": "object", "required": ["model", "input"], "properties": {
-        "model": {"type": "string"},
-        "input": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}},
-                            TOKENS, {"type": "array", "minItems": 1, "items": TOKENS}]},
-        "encoding_format": {"type": "string", "enum": ["float", "base64"]},
-        "dimensions": {"type": "integer", "minimum": 1}, "user": {"type": "string"}}},
-    "EmbeddingsResponse": OPENAI_OBJECT("list", model={"type": "string"}, usage=USAGE, data={
-        "type": "array", "items": OPENAI_OBJECT("embedding", index={"type": "integer"}, embedding={
-            "oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]})}),
-    "CompletionRequest": {"type": "object", "required": ["model", "prompt"], "properties": {
-        "model": {"type": "string"}, "prompt": {"oneOf": [
-            {"type": "string"}, TOKENS,  # or a batch of exactly one of either
-            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
-            {"type": "array", "minItems": 1, "maxItems": 1, "items": TOKENS}]}, **SAMPLING}},
-    "ChatRequest": {"type": "object", "required": ["model", "messages"], "properties": {
-        "model": {"type": "string"},
-        "messages": {"type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["role"], "properties": {
-                "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
-                "content": {"nullable": True, "oneOf": [{"type": "string"}, {"type": "array", "items": {
-                    "type": "object", "required": ["type", "text"], "properties": {
-                        "type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}]}}}},
-        "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True}, **SAMPLING}},
-    "CompletionResponse": OPENAI_OBJECT("text_completion", id={"type": "string"}, usage=USAGE, choices={
-        "type": "array", "items": {"type": "object", "required": ["text", "finish_reason"], "properties": {
-            "text": {"type": "string"}, "finish_reason": {"type": "string", "enum": ["stop", "length"]}}}}),
-    "ChatResponse": OPENAI_OBJECT("chat.completion", id={"type": "string"}, usage=USAGE, choices={
-        "type": "array", "items": {"type": "object", "required": ["message", "finish_reason"], "properties": {
-            "message": {"type": "object", "required": ["role", "content"]},
-            "finish_reason": {"type": "string", "enum": ["stop", "length"]}}}}),
+    "OpenAIError": {
+        "type": "object",
+        "required": ["error"],
+        "properties": {
+            "error": {
+                "type": "object",
+                "required": ["message", "type"],
+                "properties": {
+                    "message": {"type": "string"},
+                    "type": {"type": "string"},
+                    "param": {"type": "string", "nullable": True},
+                    "code": {"nullable": True},
+                },
+            }
+        },
+    },
+    "ServerMetadata": {
+        "type": "object",
+        "required": ["name", "version", "extensions"],
+        "properties": {
+            "name": {"type": "string"},
+            "version": {"type": "string"},
+            "extensions": {"type": "array", "items": {"type": "string"}},
+        },
+    },
+    "ModelMetadata": {
+        "type": "object",
+        "required": ["name", "platform", "inputs", "outputs"],
+        "properties": {
+            "name": {"type": "string"},
+            "versions": {"type": "array", "items": {"type": "string"}},
+            "platform": {"type": "string"},
+            "inputs": {"type": "array", "items": TENSOR_META},
+            "outputs": {"type": "array", "items": TENSOR_META},
+        },
+    },
+    "InferRequest": {
+        "type": "object",
+        "required": ["inputs"],
+        "properties": {
+            "id": {"type": "string"},
+            "parameters": {"type": "object"},
+            "inputs": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["name", "datatype", "shape"],
+                    "properties": {
+                        "name": {"type": "string"},
+                        "datatype": {"type": "string", "enum": DATATYPES},
+                        "shape": {"type": "array", "maxItems": 8, "items": {"type": "integer", "minimum": 0}},
+                        "parameters": {"type": "object"},
+                        "data": {"type": "array", "items": {"type": "number"}},
+                    },
+                },
+            },
+            "outputs": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string"}, "parameters": {"type": "object"}},
+                },
+            },
+        },
+    },
+    "InferResponse": {
+        "type": "object",
+        "required": ["model_name", "outputs"],
+        "properties": {
+            "model_name": {"type": "string"},
+            "model_version": {"type": "string"},
+            "id": {"type": "string"},
+            "outputs": {
+                "type": "array",
+                "items": {**TENSOR_META, "properties": {**TENSOR_META["properties"], "data": {"type": "array"}}},
+            },
+        },
+    },
+    "EmbeddingsRequest": {
+        "type": "object",
+        "required": ["model", "input"],
+        "properties": {
+            "model": {"type": "string"},
+            "input": {
+                "oneOf": [
+                    {"type": "string"},
+                    {"type": "array", "minItems": 1, "items": {"type": "string"}},
+                    TOKENS,
+                    {"type": "array", "minItems": 1, "items": TOKENS},
+                ]
+            },
+            "encoding_format": {"type": "string", "enum": ["float", "base64"]},
+            "dimensions": {"type": "integer", "minimum": 1},
+            "user": {"type": "string"},
+        },
+    },
+    "EmbeddingsResponse": OPENAI_OBJECT(
+        "list",
+        model={"type": "string"},
+        usage=USAGE,
+        data={
+            "type": "array",
+            "items": OPENAI_OBJECT(
+                "embedding",
+                index={"type": "integer"},
+                embedding={"oneOf": [{"type": "array", "items": {"type": "number"}}, {"type": "string"}]},
+            ),
+        },
+    ),
+    "CompletionRequest": {
+        "type": "object",
+        "required": ["model", "prompt"],
+        "properties": {
+            "model": {"type": "string"},
+            "prompt": {
+                "oneOf": [
+                    {"type": "string"},
+                    TOKENS,  # or a batch of exactly one of either
+                    {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string"}},
+                    {"type": "array", "minItems": 1, "maxItems": 1, "items": TOKENS},
+                ]
+            },
+            **SAMPLING,
+        },
+    },
+    "ChatRequest": {
+        "type": "object",
+        "required": ["model", "messages"],
+        "properties": {
+            "model": {"type": "string"},
+            "messages": {
+                "type": "array",
+                "minItems": 1,
+                "items": {
+                    "type": "object",
+                    "required": ["role"],
+                    "properties": {
+                        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+                        "content": {
+                            "nullable": True,
+                            "oneOf": [
+                                {"type": "string"},
+                                {
+                                    "type": "array",
+                                    "items": {
+                                        "type": "object",
+                                        "required": ["type", "text"],
+                                        "properties": {
+                                            "type": {"type": "string", "enum": ["text"]},
+                                            "text": {"type": "string"},
+                                        },
+                                    },
+                                },
+                            ],
+                        },
+                    },
+                },
+            },
+            "max_completion_tokens": {"type": "integer", "minimum": 1, "nullable": True},
+            **SAMPLING,
+        },
+    },
+    "CompletionResponse": OPENAI_OBJECT(
+        "text_completion",
+        id={"type": "string"},
+        usage=USAGE,
+        choices={
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["text", "finish_reason"],
+                "properties": {
+                    "text": {"type": "string"},
+                    "finish_reason": {"type": "string", "enum": ["stop", "length"]},
+                },
+            },
+        },
+    ),
+    "ChatResponse": OPENAI_OBJECT(
+        "chat.completion",
+        id={"type": "string"},
+        usage=USAGE,
+        choices={
+            "type": "array",
+            "items": {
+                "type": "object",
+                "required": ["message", "finish_reason"],
+                "properties": {
+                    "message": {"type": "object", "required": ["role", "content"]},
+                    "finish_reason": {"type": "string", "enum": ["stop", "length"]},
+                },
+            },
+        },
+    ),
     "Model": OPENAI_OBJECT("model", id={"type": "string"}, owned_by={"type": "string"}),
     "ModelList": OPENAI_OBJECT("list", data={"type": "array", "items": {"$ref": "#/components/schemas/Model"}}),
 }

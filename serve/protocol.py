@@ -7,6 +7,7 @@ tests/serve/test_serve_fuzz.py checks with hypothesis on arbitrary input.
 Checks that need the model (input names, dtypes, token ranges, prompt length) live with the model
 (serve/encoder.py, serve/llm.py); here only the protocol's own schema is enforced.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,14 @@ from serve.errors import bad_request, unprocessable
 # KServe v2 datatypes this server can read, as little-endian numpy dtypes (the binary extension
 # sends raw little-endian bytes). BYTES is left out: the served graphs take no string tensors.
 KSERVE_DTYPES = {
-    "BOOL": np.dtype("?"), "UINT8": np.dtype("u1"), "INT8": np.dtype("i1"), "INT16": np.dtype("<i2"),
-    "INT32": np.dtype("<i4"), "INT64": np.dtype("<i8"), "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"),
+    "BOOL": np.dtype("?"),
+    "UINT8": np.dtype("u1"),
+    "INT8": np.dtype("i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
     "FP64": np.dtype("<f8"),
 }
 NUMPY_TO_KSERVE = {dtype: name for name, dtype in KSERVE_DTYPES.items()}
@@ -73,6 +80,7 @@ def json_object(body: bytes) -> dict:
 
 
 # --- small typed getters: one clear message per wrong field --------------------------------------
+
 
 def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -135,6 +143,7 @@ def get_bool(data: dict, key: str, default: bool = False) -> bool:
 
 # --- KServe v2 inference requests ----------------------------------------------------------------
 
+
 @dataclass
 class RequestedOutput:
     name: str
@@ -180,8 +189,12 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
     request_id = data.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise bad_request("'id' must be a string", param="id")
-    return InferRequest(inputs=inputs, outputs=parse_requested_outputs(data.get("outputs")),
-                        binary_output=get_bool(parameters, "binary_data_output"), id=request_id)
+    return InferRequest(
+        inputs=inputs,
+        outputs=parse_requested_outputs(data.get("outputs")),
+        binary_output=get_bool(parameters, "binary_data_output"),
+        id=request_id,
+    )
 
 
 def parse_shape(raw, where: str) -> list[int]:
@@ -197,8 +210,9 @@ def parse_input_tensor(raw, index: int, binary: bytes, offset: int) -> tuple[str
     name = get_str(raw, "name", required=True)
     datatype = get_str(raw, "datatype", required=True)
     if datatype not in KSERVE_DTYPES:
-        raise unprocessable(f"{where} ({name}): datatype {datatype!r} is not supported "
-                            f"(one of {', '.join(KSERVE_DTYPES)})")
+        raise unprocessable(
+            f"{where} ({name}): datatype {datatype!r} is not supported (one of {', '.join(KSERVE_DTYPES)})"
+        )
     shape = parse_shape(raw.get("shape"), where)
     count = math.prod(shape)
     parameters = get_object(raw, "parameters", where)
@@ -212,8 +226,9 @@ def parse_input_tensor(raw, index: int, binary: bytes, offset: int) -> tuple[str
 
 def binary_tensor(binary: bytes, offset: int, size: int, dtype: np.dtype, count: int, where: str):
     if size != count * dtype.itemsize:
-        raise bad_request(f"{where}: binary_data_size {size} does not match the shape "
-                          f"({count} x {dtype.itemsize} bytes)")
+        raise bad_request(
+            f"{where}: binary_data_size {size} does not match the shape ({count} x {dtype.itemsize} bytes)"
+        )
     if offset + size > len(binary):
         raise bad_request(f"{where}: binary data ends early ({len(binary) - offset} of {size} bytes)")
     array = np.frombuffer(binary, dtype=dtype, count=count, offset=offset)
@@ -257,10 +272,11 @@ def parse_requested_outputs(raw) -> list[RequestedOutput] | None:
 
 # --- OpenAI: embeddings ---------------------------------------------------------------------------
 
+
 @dataclass
 class EmbeddingsRequest:
     model: str
-    texts: list[str] | None = None       # either texts ...
+    texts: list[str] | None = None  # either texts ...
     token_ids: list[list[int]] | None = None  # ... or token arrays
     encoding_format: str = "float"
     dimensions: int | None = None
@@ -273,8 +289,11 @@ class EmbeddingsRequest:
 def parse_embeddings_request(data: dict, max_inputs: int) -> EmbeddingsRequest:
     model = get_str(data, "model", required=True)
     raw = data.get("input")
-    request = EmbeddingsRequest(model=model, encoding_format=get_str(data, "encoding_format", "float"),
-                                dimensions=get_int(data, "dimensions", low=1))
+    request = EmbeddingsRequest(
+        model=model,
+        encoding_format=get_str(data, "encoding_format", "float"),
+        dimensions=get_int(data, "dimensions", low=1),
+    )
     get_str(data, "user")  # accepted and unused, but it must be what the API says it is
     if request.encoding_format not in ("float", "base64"):
         raise bad_request("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
@@ -299,13 +318,14 @@ def is_token_list(value) -> bool:
 
 # --- OpenAI: completions and chat completions -----------------------------------------------------
 
+
 @dataclass
 class GenerationRequest:
     model: str
-    prompt: str | None = None            # completions: text ...
+    prompt: str | None = None  # completions: text ...
     prompt_ids: list[int] | None = None  # ... or token ids
-    messages: list[dict] | None = None   # chat: [{role, content}] with content as plain text
-    max_tokens: int | None = None        # None: as many as the limits allow
+    messages: list[dict] | None = None  # chat: [{role, content}] with content as plain text
+    max_tokens: int | None = None  # None: as many as the limits allow
     temperature: float = 1.0
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
@@ -388,4 +408,3 @@ def message_text(content, index: int) -> str:
             texts.append(part["text"])
         return "".join(texts)
     raise bad_request(f"messages[{index}].content must be a string or a list of text parts", param="messages")
-

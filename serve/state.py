@@ -1,4 +1,5 @@
 """The state every route shares, and how a route finds it."""
+
 from __future__ import annotations
 
 import time
@@ -24,7 +25,7 @@ class ServeState:
         self.load_model = load_model
         self.metrics = Metrics()
         self.model: Any = None  # serve.encoder.EncoderModel or serve.llm.GenerativeModel, once loaded
-        self.batcher: Any = None    # encoders: serve.batching.Batcher
+        self.batcher: Any = None  # encoders: serve.batching.Batcher
         self.generator: Any = None  # causal LMs: serve.llm.GenerationService
         self.load_error: str | None = None
         self.on_fatal: Callable[[str], None] = lambda message: None

@@ -10,6 +10,7 @@ alike, with the reason each lost. Built candidates are cached by content hash (t
 the candidate's methods and parameters, the calibration set, the package versions and the CPU), so a
 rerun with another gate rebuilds nothing.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -42,38 +43,63 @@ class Candidate:
 CANDIDATES: dict[str, Candidate] = {
     "ort_fp32": Candidate("onnx"),
     "ort_int8_dynamic": Candidate("onnx", quantize="ort_int8_dynamic"),
-    "ort_int8_dynamic_all": Candidate("onnx", quantize="ort_int8_dynamic",
-                                      quantize_params={"fallback_min_cosine": None}),
+    "ort_int8_dynamic_all": Candidate(
+        "onnx", quantize="ort_int8_dynamic", quantize_params={"fallback_min_cosine": None}
+    ),
     "ort_int8_qattention": Candidate("onnx", quantize="ort_int8_dynamic", quantize_params={"quantize_attention": True}),
-    "ort_int8_static": Candidate("onnx", quantize="ort_int8_static_qdq", quantize_params={
-        "op_types": ["MatMul"], "calibrate_method": "percentile", "percentile": 99.999,
-        "exclude_consumers_of": ["BiasGelu", "Gelu", "FastGelu"], "fallback_min_cosine": 0.995,
-        "max_fp32_nodes": 6}),
+    "ort_int8_static": Candidate(
+        "onnx",
+        quantize="ort_int8_static_qdq",
+        quantize_params={
+            "op_types": ["MatMul"],
+            "calibrate_method": "percentile",
+            "percentile": 99.999,
+            "exclude_consumers_of": ["BiasGelu", "Gelu", "FastGelu"],
+            "fallback_min_cosine": 0.995,
+            "max_fp32_nodes": 6,
+        },
+    ),
     "openvino_f32": Candidate("openvino", {"precision": "f32"}),
     "openvino_bf16": Candidate("openvino", {"precision": "bf16"}),
     "openvino_int8": Candidate("openvino", {"precision": "int8"}),
 }
 # Causal LMs: decoders with KV cache from ONNX Runtime GenAI and OpenVINO GenAI, weight-only INT4
 # (with 8-bit LM head and sensitive layers where the builder offers it) and INT8.
-CANDIDATES.update({
-    "ort_genai_int4": Candidate("onnxruntime_genai", {"precision": "int4", "accuracy_level": 4}),
-    "ort_genai_int4_k_quant_mixed": Candidate("onnxruntime_genai", {"precision": "int4", "accuracy_level": 4,
-                                                                    "algo_config": "k_quant_mixed"}),
-    "openvino_genai_int4": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 64}),
-    "openvino_genai_int4_g32": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 32}),
-    # Data-aware INT4 (AWQ + scale estimation on the calibration text): SmolLM2 +15.5% perplexity at
-    # group 64 against +32% for plain rounding.
-    "openvino_genai_int4_awq": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 64,
-                                                            "awq": True, "scale_estimation": True}),
-    "openvino_genai_int4_g32_awq": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 32,
-                                                                "awq": True, "scale_estimation": True}),
-    "openvino_genai_int8": Candidate("openvino_genai", {"weight_format": "int8_asym"}),
-})
+CANDIDATES.update(
+    {
+        "ort_genai_int4": Candidate("onnxruntime_genai", {"precision": "int4", "accuracy_level": 4}),
+        "ort_genai_int4_k_quant_mixed": Candidate(
+            "onnxruntime_genai", {"precision": "int4", "accuracy_level": 4, "algo_config": "k_quant_mixed"}
+        ),
+        "openvino_genai_int4": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 64}),
+        "openvino_genai_int4_g32": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 32}),
+        # Data-aware INT4 (AWQ + scale estimation on the calibration text): SmolLM2 +15.5% perplexity at
+        # group 64 against +32% for plain rounding.
+        "openvino_genai_int4_awq": Candidate(
+            "openvino_genai", {"weight_format": "int4_asym", "group_size": 64, "awq": True, "scale_estimation": True}
+        ),
+        "openvino_genai_int4_g32_awq": Candidate(
+            "openvino_genai", {"weight_format": "int4_asym", "group_size": 32, "awq": True, "scale_estimation": True}
+        ),
+        "openvino_genai_int8": Candidate("openvino_genai", {"weight_format": "int8_asym"}),
+    }
+)
 DEFAULT_CANDIDATES = {
-    "causal_lm": ["ort_genai_int4_k_quant_mixed", "openvino_genai_int4_awq", "openvino_genai_int4_g32_awq",
-                  "openvino_genai_int8"],
-    "default": ["ort_fp32", "ort_int8_dynamic", "ort_int8_qattention", "ort_int8_dynamic_all", "openvino_f32",
-                "openvino_bf16", "openvino_int8"],
+    "causal_lm": [
+        "ort_genai_int4_k_quant_mixed",
+        "openvino_genai_int4_awq",
+        "openvino_genai_int4_g32_awq",
+        "openvino_genai_int8",
+    ],
+    "default": [
+        "ort_fp32",
+        "ort_int8_dynamic",
+        "ort_int8_qattention",
+        "ort_int8_dynamic_all",
+        "openvino_f32",
+        "openvino_bf16",
+        "openvino_int8",
+    ],
 }
 
 
@@ -85,10 +111,10 @@ def default_candidates(task: str) -> list[str]:
 class EngineRaceConfig:
     """Example recipe (add static INT8 to the default set, five minutes at most):
 
-        engine:
-          method: auto
-          params: {candidates: [ort_fp32, ort_int8_dynamic, ort_int8_static, openvino_bf16, openvino_int8],
-                   time_budget_s: 300}
+    engine:
+      method: auto
+      params: {candidates: [ort_fp32, ort_int8_dynamic, ort_int8_static, openvino_bf16, openvino_int8],
+               time_budget_s: 300}
     """
 
     candidates: List[str] = field(default_factory=list)  # empty: the model task's default set
@@ -102,8 +128,9 @@ class EngineRaceConfig:
     def validate(self):
         unknown = [c for c in self.candidates if c not in CANDIDATES]
         if unknown:
-            raise RecipeError(f"engine.params.candidates={self.candidates}: unknown {unknown} "
-                              f"(known: {', '.join(CANDIDATES)})")
+            raise RecipeError(
+                f"engine.params.candidates={self.candidates}: unknown {unknown} (known: {', '.join(CANDIDATES)})"
+            )
         stray = set(self.candidate_params) - set(self.candidates or CANDIDATES)
         if stray:
             raise RecipeError(f"engine.params.candidate_params names {sorted(stray)}, which are not candidates")
@@ -115,8 +142,12 @@ class EngineRaceConfig:
 
     def spec(self, name: str) -> Candidate:
         base, extra = CANDIDATES[name], self.candidate_params.get(name) or {}
-        return Candidate(base.engine, {**base.engine_params, **(extra.get("engine") or {})}, base.quantize,
-                         {**base.quantize_params, **(extra.get("quantize") or {})})
+        return Candidate(
+            base.engine,
+            {**base.engine_params, **(extra.get("engine") or {})},
+            base.quantize,
+            {**base.quantize_params, **(extra.get("quantize") or {})},
+        )
 
 
 @dataclass
@@ -142,13 +173,25 @@ class Entry:
         return (self.records.get("quantize") or {}).get("kernels") or (self.records.get("engine") or {}).get("kernels")
 
     def report(self) -> dict:
-        return {"name": self.name, "engine": self.spec.engine, "engine_params": self.spec.engine_params,
-                "quantize": self.spec.quantize, "quantize_params": self.spec.quantize_params,
-                "precision": self.model.precision if self.model else None, "cached": self.cached,
-                "build_s": round(self.build_s, 1), "size_mb": self.size_mb, "fidelity": self.fidelity,
-                "latency": self.latency, "accuracy_checks": self.accuracy_checks, "passed_accuracy": self.passed,
-                "metrics": self.metrics, "kernels": self.kernels(), "columns": self.columns(),
-                "outcome": self.outcome}
+        return {
+            "name": self.name,
+            "engine": self.spec.engine,
+            "engine_params": self.spec.engine_params,
+            "quantize": self.spec.quantize,
+            "quantize_params": self.spec.quantize_params,
+            "precision": self.model.precision if self.model else None,
+            "cached": self.cached,
+            "build_s": round(self.build_s, 1),
+            "size_mb": self.size_mb,
+            "fidelity": self.fidelity,
+            "latency": self.latency,
+            "accuracy_checks": self.accuracy_checks,
+            "passed_accuracy": self.passed,
+            "metrics": self.metrics,
+            "kernels": self.kernels(),
+            "columns": self.columns(),
+            "outcome": self.outcome,
+        }
 
     def columns(self) -> dict:
         """What the report shows of this candidate (the task's own figures)."""
@@ -156,8 +199,10 @@ class Entry:
             from optimize.compile import race_lm
 
             return race_lm.columns(self)
-        cells = {"cosine min": _fmt(self.fidelity.get("cosine_min")),
-                 "cosine mean": _fmt(self.fidelity.get("cosine_mean"))}
+        cells = {
+            "cosine min": _fmt(self.fidelity.get("cosine_min")),
+            "cosine mean": _fmt(self.fidelity.get("cosine_mean")),
+        }
         for batch, timing in self.latency.items():
             cells[f"p50 ms b{batch} (x base)"] = f"{timing['p50_ms']:.2f} ({timing['x_baseline']:.2f}x)"
         return cells
@@ -167,8 +212,15 @@ def _fmt(value, digits: int = 4) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-@register("engine", "auto", EngineRaceConfig, needs_calibration=True, input_format="torch", builds_candidates=True,
-          tasks=("sentence_embedding", "generic", "causal_lm"))
+@register(
+    "engine",
+    "auto",
+    EngineRaceConfig,
+    needs_calibration=True,
+    input_format="torch",
+    builds_candidates=True,
+    tasks=("sentence_embedding", "generic", "causal_lm"),
+)
 def engine_race(model, cfg: EngineRaceConfig, ctx):
     """Race ONNX Runtime and OpenVINO candidates on this machine; ship the fastest that passes accuracy."""
     started = time.monotonic()
@@ -186,8 +238,10 @@ def engine_race(model, cfg: EngineRaceConfig, ctx):
             bar.update(1)
     built = [e for e in entries if e.model is not None]
     if not built:
-        raise RecipeError("engine.method=auto: no candidate could be built here: "
-                          + "; ".join(f"{e.name}: {e.outcome}" for e in entries))
+        raise RecipeError(
+            "engine.method=auto: no candidate could be built here: "
+            + "; ".join(f"{e.name}: {e.outcome}" for e in entries)
+        )
     if lm:
         from optimize.compile import race_lm
 
@@ -199,14 +253,14 @@ def engine_race(model, cfg: EngineRaceConfig, ctx):
     export = ctx.stage_records.pop("export", None)
     ctx.stage_records.update(winner.records)  # the winner's own engine (and quantize) records
     winner_engine = ctx.stage_records.pop("engine", None)
-    ctx.record("engine", _race_record(ctx, entries, winner, baseline, export, winner_engine,
-                                      time.monotonic() - started))
+    ctx.record(
+        "engine", _race_record(ctx, entries, winner, baseline, export, winner_engine, time.monotonic() - started)
+    )
     return winner.model
 
 
-
-
 # ---------------------------------------------------------------- building
+
 
 def _export_once(model, ctx):
     """One checked ONNX export (fused for ONNX Runtime) that every candidate starts from."""
@@ -264,8 +318,7 @@ def _save(model, records: dict, folder: Path):
     else:
         shutil.copytree(model.engine_dir, tmp, dirs_exist_ok=True)
         saved = {"kind": "engine"}
-    saved.update(engine=model.engine, precision=model.precision, layer_precision=model.layer_precision,
-                 records=records)
+    saved.update(engine=model.engine, precision=model.precision, layer_precision=model.layer_precision, records=records)
     (tmp / "candidate.json").write_text(json.dumps(saved, default=str))
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
@@ -296,15 +349,21 @@ def _copy_onnx(path: Path, folder: Path) -> Path:
 
 # ---------------------------------------------------------------- the cache
 
+
 def _identity(model, ctx) -> str:
     """What every candidate is built from: the weights themselves (a pruned or distilled module's
     too), the calibration set, the package versions and the CPU features that change kernels."""
     from engines.hardware import CPU_FEATURES, cpu_flags
     from optimize.environment import package_versions
 
-    identity = {"weights": _weights_hash(model), "task": model.task, "calibration": ctx.calibration().describe(),
-                "max_length": ctx.cfg.model.max_length, "packages": package_versions(),
-                "cpu": sorted(f for f in CPU_FEATURES if f in cpu_flags())}
+    identity = {
+        "weights": _weights_hash(model),
+        "task": model.task,
+        "calibration": ctx.calibration().describe(),
+        "max_length": ctx.cfg.model.max_length,
+        "packages": package_versions(),
+        "cpu": sorted(f for f in CPU_FEATURES if f in cpu_flags()),
+    }
     return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -329,6 +388,7 @@ def _cache_dir(key_base: str, spec: Candidate) -> Path:
 
 # ---------------------------------------------------------------- scoring and choosing
 
+
 def _score(entries: list[Entry], ctx) -> dict:
     """Fidelity of every candidate against the baseline on the evaluation data, then one timing run
     per batch size with the baseline and every candidate taking turns. Returns the baseline's p50s."""
@@ -347,19 +407,28 @@ def _score(entries: list[Entry], ctx) -> dict:
     batches = harness.batches_of(inputs, harness.FIDELITY_BATCH)
     reference = harness.run_all(baseline, batches)
     for entry in entries:
-        entry.fidelity = harness.fidelity_of(reference, harness.run_all(runners[entry.name], batches),
-                                             task.fidelity_output, ctx.cfg.evaluate.top_k)
+        entry.fidelity = harness.fidelity_of(
+            reference, harness.run_all(runners[entry.name], batches), task.fidelity_output, ctx.cfg.evaluate.top_k
+        )
     race_cfg = ctx.cfg.engine.params
     baseline_p50 = {}
     for batch_size in ctx.cfg.evaluate.batch_sizes:
         timed = [b for b in harness.batches_of(inputs, batch_size) if len(next(iter(b.values()))) == batch_size]
-        stats = benchmark.measure({"baseline": baseline, **runners}, timed, batch_size, warmup=2,
-                                  repeats=race_cfg.timing_repeats, budget_s=8.0)
+        stats = benchmark.measure(
+            {"baseline": baseline, **runners},
+            timed,
+            batch_size,
+            warmup=2,
+            repeats=race_cfg.timing_repeats,
+            budget_s=8.0,
+        )
         baseline_p50[str(batch_size)] = stats["baseline"]["p50_ms"]
         for entry in entries:
-            entry.latency[str(batch_size)] = {"p50_ms": stats[entry.name]["p50_ms"],
-                                              "x_baseline": stats["baseline"]["p50_ms"] / stats[entry.name]["p50_ms"],
-                                              "other_cpu_share": stats["other_cpu_share"]}
+            entry.latency[str(batch_size)] = {
+                "p50_ms": stats[entry.name]["p50_ms"],
+                "x_baseline": stats["baseline"]["p50_ms"] / stats[entry.name]["p50_ms"],
+                "other_cpu_share": stats["other_cpu_share"],
+            }
     return baseline_p50
 
 
@@ -369,8 +438,9 @@ def _baseline_runner(ctx, task):
 
     source = ctx.source
     if source.kind == "onnx":
-        return load_engine(source.onnx_path.parent, {"format": "onnxruntime", "file": source.onnx_path.name},
-                           threads=ctx.threads)
+        return load_engine(
+            source.onnx_path.parent, {"format": "onnxruntime", "file": source.onnx_path.name}, threads=ctx.threads
+        )
     return TorchRunner(task.module(source.module, ctx), list(task.input_names), list(task.output_names), ctx.threads)
 
 
@@ -423,8 +493,16 @@ def _choose(entries: list[Entry], ctx) -> Entry:
 
 # ---------------------------------------------------------------- report
 
-def _race_record(ctx, entries: list[Entry], winner: Entry, baseline: dict, export: Optional[dict],
-                 winner_engine: Optional[dict], seconds: float) -> dict:
+
+def _race_record(
+    ctx,
+    entries: list[Entry],
+    winner: Entry,
+    baseline: dict,
+    export: Optional[dict],
+    winner_engine: Optional[dict],
+    seconds: float,
+) -> dict:
     from optimize.evaluate.kernels import int8_gemm_speedup
 
     lm = bool(winner.metrics)
@@ -433,13 +511,24 @@ def _race_record(ctx, entries: list[Entry], winner: Entry, baseline: dict, expor
         ctx.extra_files["race/front.png"] = plot
     for entry in entries:
         log.info("race: %-28s %s", entry.name, entry.outcome)
-    record = {"method": "auto", "winner": winner.name, "won_on": "generation time" if lm else
-              f"p50 at batch {race_batch_size(ctx)}", "candidates": [e.report() for e in entries],
-              "seconds": round(seconds, 1), "plot": "race/front.png" if plot else None, "winner_engine": winner_engine}
+    record = {
+        "method": "auto",
+        "winner": winner.name,
+        "won_on": "generation time" if lm else f"p50 at batch {race_batch_size(ctx)}",
+        "candidates": [e.report() for e in entries],
+        "seconds": round(seconds, 1),
+        "plot": "race/front.png" if plot else None,
+        "winner_engine": winner_engine,
+    }
     if lm:
         return {**record, "baseline": baseline}
-    return {**record, "batch_size": race_batch_size(ctx), "baseline_p50_ms": baseline, "export": export,
-            "int8_gemm": int8_gemm_speedup(ctx.threads)}
+    return {
+        **record,
+        "batch_size": race_batch_size(ctx),
+        "baseline_p50_ms": baseline,
+        "export": export,
+        "int8_gemm": int8_gemm_speedup(ctx.threads),
+    }
 
 
 def _plot(entries: list[Entry], batch: str, path: Path) -> Optional[Path]:
@@ -455,11 +544,19 @@ def _plot(entries: list[Entry], batch: str, path: Path) -> Optional[Path]:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     lm = "generation_ms" in scored[0].metrics
     for entry in scored:
-        x, y = ((entry.metrics["generation_ms"], entry.metrics["perplexity_increase_pct"]) if lm
-                else (entry.latency[batch]["p50_ms"], entry.fidelity["cosine_min"]))
+        x, y = (
+            (entry.metrics["generation_ms"], entry.metrics["perplexity_increase_pct"])
+            if lm
+            else (entry.latency[batch]["p50_ms"], entry.fidelity["cosine_min"])
+        )
         shipped = entry.outcome.startswith("won")
-        ax.scatter([x], [y], color="tab:green" if entry.passed else "tab:red", marker="*" if shipped else "o",
-                   s=160 if shipped else 50)
+        ax.scatter(
+            [x],
+            [y],
+            color="tab:green" if entry.passed else "tab:red",
+            marker="*" if shipped else "o",
+            s=160 if shipped else 50,
+        )
         ax.annotate(entry.name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
     ax.set_xlabel("generation time, p50 TTFT + decode (ms)" if lm else f"p50 latency at batch {batch} (ms)")
     ax.set_ylabel("perplexity increase (%)" if lm else "min cosine vs baseline")

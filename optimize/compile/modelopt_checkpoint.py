@@ -1,6 +1,7 @@
 """Engine: the modelopt-quantized module saved as a checkpoint (modelopt state + weights), so the
 artifact reloads to exactly what was measured; also modelopt's Hugging Face export, the checkpoint
 TensorRT-LLM / vLLM load, where this machine can pack the format."""
+
 from __future__ import annotations
 
 import copy
@@ -19,9 +20,9 @@ ENGINE_DIR = "modelopt"
 class CheckpointConfig:
     """Example recipe:
 
-        engine:
-          method: modelopt_checkpoint
-          params: {export_hf: true}
+    engine:
+      method: modelopt_checkpoint
+      params: {export_hf: true}
     """
 
     export_hf: bool = True  # also try modelopt's Hugging Face export (TensorRT-LLM / vLLM checkpoint)

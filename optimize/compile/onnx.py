@@ -1,4 +1,5 @@
 """Engine stage: turn the (optimized) PyTorch model into the engine the artifact ships."""
+
 from __future__ import annotations
 
 import logging

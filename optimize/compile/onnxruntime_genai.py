@@ -1,5 +1,6 @@
 """Engine stage for causal LMs: ONNX Runtime GenAI's model builder (decoder with KV cache, tokenizer,
 genai_config.json), weight-only INT4/INT8 MatMulNBits on CPU."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,10 +52,15 @@ class GenAIConfig:
             raise RecipeError(f"engine.params.accuracy_level={self.accuracy_level} (use 1, 2, 3 or 4)")
 
     def builder_options(self) -> list[str]:
-        options = {"block_size": self.block_size, "is_symmetric": self.is_symmetric,
-                   "algo_config": self.algo_config, "accuracy_level": self.accuracy_level,
-                   "matmul_mixed_precision": self.matmul_mixed_precision,
-                   "nodes_to_exclude": ",".join(self.nodes_to_exclude) or None, **self.extra_options}
+        options = {
+            "block_size": self.block_size,
+            "is_symmetric": self.is_symmetric,
+            "algo_config": self.algo_config,
+            "accuracy_level": self.accuracy_level,
+            "matmul_mixed_precision": self.matmul_mixed_precision,
+            "nodes_to_exclude": ",".join(self.nodes_to_exclude) or None,
+            **self.extra_options,
+        }
         return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items() if v is not None]
 
 
@@ -66,8 +72,9 @@ def onnxruntime_genai_engine(model, cfg: GenAIConfig, ctx):
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
-        raise RecipeError("engine.method=onnxruntime_genai needs onnxruntime-genai: "
-                          "pip install onnxruntime-genai") from None
+        raise RecipeError(
+            "engine.method=onnxruntime_genai needs onnxruntime-genai: pip install onnxruntime-genai"
+        ) from None
     source_dir = _source_folder(model, ctx)
     out = ctx.scratch / "genai_engine"
     shutil.rmtree(out, ignore_errors=True)
@@ -79,8 +86,15 @@ def onnxruntime_genai_engine(model, cfg: GenAIConfig, ctx):
     except BuildError as exc:
         raise RecipeError(str(exc)) from None
     layers = weight_precision(out / ENGINE_DIR / "model.onnx")
-    ctx.record("engine", {"method": "onnxruntime_genai", "builder_options": cfg.builder_options(),
-                          "precision": cfg.precision, "layer_precision": layers})
+    ctx.record(
+        "engine",
+        {
+            "method": "onnxruntime_genai",
+            "builder_options": cfg.builder_options(),
+            "precision": cfg.precision,
+            "layer_precision": layers,
+        },
+    )
     engine = {"format": formats.ONNXRUNTIME_GENAI, "dir": ENGINE_DIR, "providers": [_provider(cfg.execution_provider)]}
     return dataclasses.replace(model.with_engine(out, engine, precision=cfg.precision), layer_precision=layers)
 

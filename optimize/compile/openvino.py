@@ -5,6 +5,7 @@ onnx engine ships), then `openvino.convert_model` turns it into IR (model.xml + 
 kept FP32). bf16 is an inference precision, not a weight format: the IR stays FP32 and the engine
 block tells the runtime to compute in bf16, which the runtime refuses on a CPU without it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,9 +26,9 @@ ENGINE_DIR = "openvino"
 class OpenVINOConfig:
     """Example recipe (NNCF INT8, two MatMuls kept in FP32):
 
-        engine:
-          method: openvino
-          params: {precision: int8, ignored_names: [/encoder/layer.5/output/dense/MatMul]}
+    engine:
+      method: openvino
+      params: {precision: int8, ignored_names: [/encoder/layer.5/output/dense/MatMul]}
     """
 
     precision: str = "f32"  # f32 | bf16 (inference precision) | int8 (NNCF post-training quantization)
@@ -78,15 +79,19 @@ def openvino_missing(precision: str) -> str | None:
     return None
 
 
-@register("engine", "openvino", OpenVINOConfig, input_format="torch",
-          tasks=("sentence_embedding", "image_classification", "generic"))
+@register(
+    "engine",
+    "openvino",
+    OpenVINOConfig,
+    input_format="torch",
+    tasks=("sentence_embedding", "image_classification", "generic"),
+)
 def openvino_engine(model, cfg: OpenVINOConfig, ctx):
     """OpenVINO IR on the CPU: FP32, bf16 inference precision, or NNCF post-training INT8."""
     from engines.openvino_build import nncf_int8, onnx_to_ir, ov_version
     from optimize.compile.onnx import OnnxExportConfig, onnx_engine
 
-    exported = model if model.kind == "onnx" else onnx_engine(model, OnnxExportConfig(ort_fusions=cfg.ort_fusions),
-                                                             ctx)
+    exported = model if model.kind == "onnx" else onnx_engine(model, OnnxExportConfig(ort_fusions=cfg.ort_fusions), ctx)
     export_record = ctx.stage_records.get("engine", {})
     out = ctx.scratch / "openvino_engine"
     shutil.rmtree(out, ignore_errors=True)
@@ -94,21 +99,41 @@ def openvino_engine(model, cfg: OpenVINOConfig, ctx):
     if cfg.precision == "int8":
         batches = _calibration_batches(ctx, cfg)
         log.info("NNCF INT8: calibrating on %d batches", len(batches))
-        xml = nncf_int8(xml, batches, out / "int8", preset=cfg.preset, model_type=cfg.model_type,
-                        subset_size=len(batches), fast_bias_correction=cfg.fast_bias_correction,
-                        smooth_quant_alpha=cfg.smooth_quant_alpha, ignored_scope=cfg.ignored_scope())
+        xml = nncf_int8(
+            xml,
+            batches,
+            out / "int8",
+            preset=cfg.preset,
+            model_type=cfg.model_type,
+            subset_size=len(batches),
+            fast_bias_correction=cfg.fast_bias_correction,
+            smooth_quant_alpha=cfg.smooth_quant_alpha,
+            ignored_scope=cfg.ignored_scope(),
+        )
     final = out / ENGINE_DIR
     shutil.move(str(xml.parent), str(final))
     from engines.openvino_build import int8_node_counts
 
     ops, kernels = _op_counts(final / xml.name), int8_node_counts(final / xml.name)
-    ctx.record("engine", {"method": "openvino", "precision": cfg.precision, "openvino": ov_version(),
-                          "performance_hint": cfg.performance_hint, "onnx_export": export_record, "ops": ops,
-                          "kernels": kernels,
-                          **({"nncf": _nncf_record(cfg)} if cfg.precision == "int8" else {})})
-    engine = {"format": formats.OPENVINO, "file": f"{ENGINE_DIR}/{xml.name}",
-              "inference_precision": "bf16" if cfg.precision == "bf16" else "f32",
-              "performance_hint": cfg.performance_hint}
+    ctx.record(
+        "engine",
+        {
+            "method": "openvino",
+            "precision": cfg.precision,
+            "openvino": ov_version(),
+            "performance_hint": cfg.performance_hint,
+            "onnx_export": export_record,
+            "ops": ops,
+            "kernels": kernels,
+            **({"nncf": _nncf_record(cfg)} if cfg.precision == "int8" else {}),
+        },
+    )
+    engine = {
+        "format": formats.OPENVINO,
+        "file": f"{ENGINE_DIR}/{xml.name}",
+        "inference_precision": "bf16" if cfg.precision == "bf16" else "f32",
+        "performance_hint": cfg.performance_hint,
+    }
     shutil.rmtree(out / "fp32", ignore_errors=True)
     return model.with_engine(out, engine, precision=cfg.precision)
 
@@ -131,6 +156,12 @@ def _op_counts(xml) -> dict:
 def _nncf_record(cfg: OpenVINOConfig) -> dict:
     from importlib import metadata
 
-    return {"nncf": metadata.version("nncf"), "preset": cfg.preset, "model_type": cfg.model_type,
-            "calibration_count": cfg.calibration_count, "fast_bias_correction": cfg.fast_bias_correction,
-            "smooth_quant_alpha": cfg.smooth_quant_alpha, "ignored_scope": cfg.ignored_scope()}
+    return {
+        "nncf": metadata.version("nncf"),
+        "preset": cfg.preset,
+        "model_type": cfg.model_type,
+        "calibration_count": cfg.calibration_count,
+        "fast_bias_correction": cfg.fast_bias_correction,
+        "smooth_quant_alpha": cfg.smooth_quant_alpha,
+        "ignored_scope": cfg.ignored_scope(),
+    }

@@ -4,6 +4,7 @@ openvino_tokenizers, then NNCF compresses the weights (INT4 in groups with an IN
 INT8), optionally data-aware (AWQ, scale estimation, GPTQ) on the recipe's calibration text.
 `openvino_genai.LLMPipeline` runs the result (engines/openvino_genai_runner.py).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -87,8 +88,12 @@ def ov_genai_missing(inference_precision: str, compress: bool) -> str | None:
     """What this machine lacks for the engine, in words (None: nothing)."""
     import importlib.util
 
-    packages = {"openvino": "openvino", "openvino_genai": "openvino-genai",
-                "openvino_tokenizers": "openvino-tokenizers", **({"nncf": "nncf"} if compress else {})}
+    packages = {
+        "openvino": "openvino",
+        "openvino_genai": "openvino-genai",
+        "openvino_tokenizers": "openvino-tokenizers",
+        **({"nncf": "nncf"} if compress else {}),
+    }
     absent = [pip for module, pip in packages.items() if importlib.util.find_spec(module) is None]
     if absent:
         return f"needs {' and '.join(absent)}: pip install {' '.join(absent)}"
@@ -101,8 +106,7 @@ def ov_genai_missing(inference_precision: str, compress: bool) -> str | None:
     return None
 
 
-@register("engine", "openvino_genai", OVGenAIConfig, input_format="torch", tasks=("causal_lm",),
-          needs_calibration=True)
+@register("engine", "openvino_genai", OVGenAIConfig, input_format="torch", tasks=("causal_lm",), needs_calibration=True)
 def openvino_genai_engine(model, cfg: OVGenAIConfig, ctx):
     """OpenVINO GenAI: stateful IR with KV cache, NNCF weight-only INT4/INT8, LLMPipeline decoding."""
     if model.kind != "torch":
@@ -122,21 +126,38 @@ def openvino_genai_engine(model, cfg: OVGenAIConfig, ctx):
         xml = export_stateful_lm(source_dir, out / "fp32")
     except ExportError as exc:
         raise RecipeError(f"engine.method=openvino_genai: {exc}") from None
-    record: dict = {"method": "openvino_genai", "weight_format": cfg.weight_format,
-                    "openvino": metadata.version("openvino"), "openvino_genai": metadata.version("openvino-genai"),
-                    "inference_precision": cfg.inference_precision,
-                    "kv_cache_precision": cfg.kv_cache_precision or cfg.inference_precision}
+    record: dict = {
+        "method": "openvino_genai",
+        "weight_format": cfg.weight_format,
+        "openvino": metadata.version("openvino"),
+        "openvino_genai": metadata.version("openvino-genai"),
+        "inference_precision": cfg.inference_precision,
+        "kv_cache_precision": cfg.kv_cache_precision or cfg.inference_precision,
+    }
     if cfg.weight_format == "fp32":
         final = xml.parent
     else:
         batches = _calibration_batches(ctx, cfg) if cfg.data_aware else None
-        log.info("NNCF %s (group %d, ratio %.2f%s)", cfg.weight_format, cfg.group_size, cfg.ratio,
-                 f", data-aware on {len(batches)} texts" if batches else "")
+        log.info(
+            "NNCF %s (group %d, ratio %.2f%s)",
+            cfg.weight_format,
+            cfg.group_size,
+            cfg.ratio,
+            f", data-aware on {len(batches)} texts" if batches else "",
+        )
         try:
-            xml = compress_weights(xml, out / "compressed", mode=cfg.weight_format, group_size=cfg.group_size,
-                                   ratio=cfg.ratio, awq=cfg.awq, scale_estimation=cfg.scale_estimation, gptq=cfg.gptq,
-                                   calibration_batches=batches,
-                                   ignored_scope={"names": cfg.ignored_names} if cfg.ignored_names else None)
+            xml = compress_weights(
+                xml,
+                out / "compressed",
+                mode=cfg.weight_format,
+                group_size=cfg.group_size,
+                ratio=cfg.ratio,
+                awq=cfg.awq,
+                scale_estimation=cfg.scale_estimation,
+                gptq=cfg.gptq,
+                calibration_batches=batches,
+                ignored_scope={"names": cfg.ignored_names} if cfg.ignored_names else None,
+            )
         except CompressionError as exc:
             raise RecipeError(f"engine.method=openvino_genai: {exc}") from None
         shutil.rmtree(out / "fp32", ignore_errors=True)
@@ -153,11 +174,20 @@ def openvino_genai_engine(model, cfg: OVGenAIConfig, ctx):
 
 
 def _nncf_record(cfg: OVGenAIConfig, calibration_texts: int) -> dict:
-    info: dict[str, Any] = {"nncf": metadata.version("nncf"), "mode": cfg.weight_format,
-                            "ignored_names": cfg.ignored_names}
+    info: dict[str, Any] = {
+        "nncf": metadata.version("nncf"),
+        "mode": cfg.weight_format,
+        "ignored_names": cfg.ignored_names,
+    }
     if cfg.int4:
-        info.update(group_size=cfg.group_size, ratio=cfg.ratio, awq=cfg.awq, scale_estimation=cfg.scale_estimation,
-                    gptq=cfg.gptq, backup_mode="int8_asym")
+        info.update(
+            group_size=cfg.group_size,
+            ratio=cfg.ratio,
+            awq=cfg.awq,
+            scale_estimation=cfg.scale_estimation,
+            gptq=cfg.gptq,
+            backup_mode="int8_asym",
+        )
         if cfg.data_aware:
             info.update(calibration_texts=calibration_texts, max_tokens=cfg.max_tokens)
     return info

@@ -8,6 +8,7 @@ is the candidate that passes the gate's accuracy checks with the shortest genera
 evaluation's prompt and new tokens: TTFT + (new_tokens - 1) / decode, so first token and decode
 count together, as a user waiting for an answer sees them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,9 +41,12 @@ def score(entries: list, ctx) -> dict:
     base["generation"] = timed["baseline"]
     for entry in entries:
         result = timed[entry.name]
-        entry.metrics.update(generation=result, generation_ms=generation_ms(result, cfg.new_tokens),
-                             decode_speedup=result["decode_tok_s"]["p50"] / timed["baseline"]["decode_tok_s"]["p50"],
-                             other_cpu_share=others.share)
+        entry.metrics.update(
+            generation=result,
+            generation_ms=generation_ms(result, cfg.new_tokens),
+            decode_speedup=result["decode_tok_s"]["p50"] / timed["baseline"]["decode_tok_s"]["p50"],
+            other_cpu_share=others.share,
+        )
     return base
 
 
@@ -66,8 +70,9 @@ def choose(entries: list, ctx):
     from optimize import gate
     from optimize.config import recipe_dict
 
-    thresholds = {k: v for k, v in recipe_dict(ctx.cfg.gate).items()
-                  if k in gate.untimed_keys() and k != "max_peak_memory_mb"}
+    thresholds = {
+        k: v for k, v in recipe_dict(ctx.cfg.gate).items() if k in gate.untimed_keys() and k != "max_peak_memory_mb"
+    }
     for entry in entries:
         verdict = gate.judge({}, {**entry.metrics, "size_mb": entry.size_mb}, thresholds)
         entry.accuracy_checks = [asdict(c) for c in verdict.checks]
@@ -97,9 +102,12 @@ def columns(entry) -> dict:
     if not m:
         return {}
     generation = m.get("generation") or {}
-    return {"perplexity (+%)": f"{m['perplexity']:.3f} ({m['perplexity_increase_pct']:+.1f}%)",
-            "lm-eval drop pts": f"{m['lm_eval_drop_pts']:.1f}" if "lm_eval_drop_pts" in m else "-",
-            "TTFT p50 ms": f"{generation['ttft_ms']['p50']:.1f}" if generation else "-",
-            "decode tok/s p50 (x base)": (f"{generation['decode_tok_s']['p50']:.1f} ({m['decode_speedup']:.2f}x)"
-                                          if generation else "-"),
-            "generation ms": f"{m['generation_ms']:.0f}" if "generation_ms" in m else "-"}
+    return {
+        "perplexity (+%)": f"{m['perplexity']:.3f} ({m['perplexity_increase_pct']:+.1f}%)",
+        "lm-eval drop pts": f"{m['lm_eval_drop_pts']:.1f}" if "lm_eval_drop_pts" in m else "-",
+        "TTFT p50 ms": f"{generation['ttft_ms']['p50']:.1f}" if generation else "-",
+        "decode tok/s p50 (x base)": (
+            f"{generation['decode_tok_s']['p50']:.1f} ({m['decode_speedup']:.2f}x)" if generation else "-"
+        ),
+        "generation ms": f"{m['generation_ms']:.0f}" if "generation_ms" in m else "-",
+    }

@@ -3,6 +3,7 @@
 Alternating the runners block by block spreads slow phases of a shared machine over both, so
 their ratio is fairer than two back-to-back loops; medians resist outliers.
 """
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,13 @@ import numpy as np
 
 def percentiles(seconds: list[float]) -> dict[str, float]:
     ms = np.array(seconds) * 1e3
-    return {"p50_ms": float(np.percentile(ms, 50)), "p95_ms": float(np.percentile(ms, 95)),
-            "p99_ms": float(np.percentile(ms, 99)), "mean_ms": float(ms.mean()), "samples": int(len(ms))}
+    return {
+        "p50_ms": float(np.percentile(ms, 50)),
+        "p95_ms": float(np.percentile(ms, 95)),
+        "p99_ms": float(np.percentile(ms, 99)),
+        "mean_ms": float(ms.mean()),
+        "samples": int(len(ms)),
+    }
 
 
 # Above this share of the machine's CPU time taken by other processes (or stolen by the hypervisor)
@@ -37,8 +43,11 @@ class OtherCpuUse:
     def __exit__(self, *exc):
         import os
 
-        wall, busy, own = (time.monotonic() - self._start[0], _busy_cpu_seconds() - self._start[1],
-                           _own_cpu_seconds(self._process) - self._start[2])
+        wall, busy, own = (
+            time.monotonic() - self._start[0],
+            _busy_cpu_seconds() - self._start[1],
+            _own_cpu_seconds(self._process) - self._start[2],
+        )
         self.share = max(0.0, (busy - own) / max(wall * (os.cpu_count() or 1), 1e-9))
         return False
 
@@ -57,8 +66,16 @@ def _own_cpu_seconds(process) -> float:
     return t.user + t.system
 
 
-def measure(runners: dict[str, Callable], batches: list[dict], batch_size: int, warmup: int, repeats: int,
-            budget_s: float = 20.0, min_repeats: int = 5, block: int = 8) -> dict[str, dict]:
+def measure(
+    runners: dict[str, Callable],
+    batches: list[dict],
+    batch_size: int,
+    warmup: int,
+    repeats: int,
+    budget_s: float = 20.0,
+    min_repeats: int = 5,
+    block: int = 8,
+) -> dict[str, dict]:
     """Time every runner on the same batches. The repeat count shrinks to fit `budget_s` per runner
     (estimated from the warm-up), never below `min_repeats`.
 
@@ -86,8 +103,9 @@ def measure(runners: dict[str, Callable], batches: list[dict], batch_size: int, 
     return stats
 
 
-def _timed_blocks(runners: dict, order: list[str], batches: list[dict], rounds: int, block: int,
-                  times: dict[str, list[float]]) -> None:
+def _timed_blocks(
+    runners: dict, order: list[str], batches: list[dict], rounds: int, block: int, times: dict[str, list[float]]
+) -> None:
     for first in range(0, rounds, block):
         for name in order:
             run = runners[name]

@@ -1,5 +1,6 @@
 """How close a candidate's outputs are to the baseline's: cosine per sample, retrieval agreement,
 max abs error. Pure numpy on arrays both sides computed from the same inputs."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -20,13 +21,19 @@ def worst_cosine(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarr
 
 def embedding_fidelity(base: np.ndarray, cand: np.ndarray, top_k: int) -> dict:
     cosine = cosine_rows(base, cand)
-    return {"cosine_min": float(cosine.min()), "cosine_mean": float(cosine.mean()),
-            "topk_agreement": topk_agreement(base, cand, top_k), "top_k": top_k,
-            "max_abs_error": float(np.abs(base - cand).max()), "samples": int(len(base))}
+    return {
+        "cosine_min": float(cosine.min()),
+        "cosine_mean": float(cosine.mean()),
+        "topk_agreement": topk_agreement(base, cand, top_k),
+        "top_k": top_k,
+        "max_abs_error": float(np.abs(base - cand).max()),
+        "samples": int(len(base)),
+    }
 
 
 def topk_agreement(base: np.ndarray, cand: np.ndarray, k: int) -> float:
     """Mean overlap of each item's k nearest neighbours (cosine, itself excluded) under both models."""
+
     def neighbours(e):
         e = e / np.linalg.norm(e, axis=1, keepdims=True)
         sim = e @ e.T
@@ -42,8 +49,13 @@ def output_fidelity(base: dict[str, np.ndarray], cand: dict[str, np.ndarray]) ->
     """Every output compared: per-output min cosine and max abs error, plus the worst of each."""
     per_output = {}
     for name in base:
-        per_output[name] = {"cosine_min": float(cosine_rows(base[name], cand[name]).min()),
-                            "max_abs_error": float(np.abs(base[name] - cand[name]).max())}
-    return {"cosine_min": min(o["cosine_min"] for o in per_output.values()),
-            "max_abs_error": max(o["max_abs_error"] for o in per_output.values()),
-            "outputs": per_output, "samples": int(len(next(iter(base.values()))))}
+        per_output[name] = {
+            "cosine_min": float(cosine_rows(base[name], cand[name]).min()),
+            "max_abs_error": float(np.abs(base[name] - cand[name]).max()),
+        }
+    return {
+        "cosine_min": min(o["cosine_min"] for o in per_output.values()),
+        "max_abs_error": max(o["max_abs_error"] for o in per_output.values()),
+        "outputs": per_output,
+        "samples": int(len(next(iter(base.values())))),
+    }

@@ -1,4 +1,5 @@
 """The harness: baseline and candidate run on the same inputs for fidelity, latency, size and peak memory."""
+
 from __future__ import annotations
 
 import json
@@ -32,7 +33,7 @@ class Subject:
 
 def batches_of(inputs: dict[str, np.ndarray], batch_size: int) -> list[dict[str, np.ndarray]]:
     n = len(next(iter(inputs.values())))
-    return [{k: v[i:i + batch_size] for k, v in inputs.items()} for i in range(0, n, batch_size)]
+    return [{k: v[i : i + batch_size] for k, v in inputs.items()} for i in range(0, n, batch_size)]
 
 
 def run_all(runner, batches: list[dict]) -> dict[str, np.ndarray]:
@@ -47,14 +48,14 @@ def run_all(runner, batches: list[dict]) -> dict[str, np.ndarray]:
     return joined
 
 
-def compare_outputs(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], task_output: str | None,
-                    top_k: int) -> dict:
+def compare_outputs(
+    baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], task_output: str | None, top_k: int
+) -> dict:
     batches = batches_of(inputs, FIDELITY_BATCH)
     return fidelity_of(run_all(baseline.runner, batches), run_all(candidate.runner, batches), task_output, top_k)
 
 
-def fidelity_of(base: dict[str, np.ndarray], cand: dict[str, np.ndarray], task_output: str | None,
-                top_k: int) -> dict:
+def fidelity_of(base: dict[str, np.ndarray], cand: dict[str, np.ndarray], task_output: str | None, top_k: int) -> dict:
     """The task's deciding output compared (embeddings: cosine and retrieval), or every output."""
     if task_output:
         return embedding_fidelity(base[task_output], cand[task_output], top_k)
@@ -72,8 +73,13 @@ def latency(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray]
         stats: dict[str, Any] = benchmark.measure(runners, batches, batch_size, cfg.warmup, cfg.repeats)
         stats["speedup"] = stats["baseline"]["p50_ms"] / stats["candidate"]["p50_ms"]
         results[str(batch_size)] = stats
-        log.info("batch %d: baseline p50 %.2f ms, candidate p50 %.2f ms, speedup %.2fx", batch_size,
-                 stats["baseline"]["p50_ms"], stats["candidate"]["p50_ms"], stats["speedup"])
+        log.info(
+            "batch %d: baseline p50 %.2f ms, candidate p50 %.2f ms, speedup %.2fx",
+            batch_size,
+            stats["baseline"]["p50_ms"],
+            stats["candidate"]["p50_ms"],
+            stats["speedup"],
+        )
     return results
 
 
@@ -82,18 +88,23 @@ def peak_memory_mb(subject: Subject, batch: dict[str, np.ndarray], scratch: Path
     inputs_path = scratch / f"memprobe-{subject.label}.npz"
     np.savez(inputs_path, **batch)  # type: ignore[arg-type]  # numpy stubs type **kwds as bool
     engine = dict(subject.engine, threads=threads)
-    proc = subprocess.run([sys.executable, "-m", "engines.memprobe", str(subject.root), json.dumps(engine),
-                           str(inputs_path)], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "engines.memprobe", str(subject.root), json.dumps(engine), str(inputs_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"memory probe of the {subject.label} failed: {proc.stderr.strip()[-500:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])["peak_memory_mb"]
 
 
-def shared_metrics(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], cfg,
-                   scratch: Path) -> dict:
+def shared_metrics(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], cfg, scratch: Path) -> dict:
     """What every task reports: size on disk, latency per batch size (with speedup), peak memory."""
-    metrics: dict[str, dict[str, Any]] = {"baseline": {"size_mb": baseline.size_bytes / 2**20},
-               "candidate": {"size_mb": candidate.size_bytes / 2**20}}
+    metrics: dict[str, dict[str, Any]] = {
+        "baseline": {"size_mb": baseline.size_bytes / 2**20},
+        "candidate": {"size_mb": candidate.size_bytes / 2**20},
+    }
     if cfg.latency:
         per_batch = latency(baseline, candidate, inputs, cfg)
         for side in ("baseline", "candidate"):
@@ -133,8 +144,10 @@ def random_inputs(signature: list[dict], count: int, seed: int, dim: int = 16) -
     rng = np.random.default_rng(seed)
     inputs = {}
     for spec in signature:
-        shape = [count if i == 0 and not isinstance(d, int) else (d if isinstance(d, int) else dim)
-                 for i, d in enumerate(spec["shape"])]
+        shape = [
+            count if i == 0 and not isinstance(d, int) else (d if isinstance(d, int) else dim)
+            for i, d in enumerate(spec["shape"])
+        ]
         if "int" in spec["type"]:
             inputs[spec["name"]] = rng.integers(0, 100, size=shape).astype(np.int64)
         elif "bool" in spec["type"]:

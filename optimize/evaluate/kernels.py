@@ -4,6 +4,7 @@ On AVX2 without VNNI the u8*s8 products go through vpmaddubsw + vpmaddwd and run
 kernel's speed; VNNI (vpdpbusd) and AMX make INT8 several times faster. Whether INT8 can pay off
 on the machine at hand is this one ratio, so reports that involve INT8 carry it.
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,10 +24,12 @@ def _matmul_model(path: Path) -> Path:
 
     weight = np.random.default_rng(0).standard_normal((K, N)).astype(np.float32) * 0.05
     graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"], name="gemm")], "gemm",
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="gemm")],
+        "gemm",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [ROWS, K])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [ROWS, N])],
-        [numpy_helper.from_array(weight, "w")])
+        [numpy_helper.from_array(weight, "w")],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(path))
@@ -51,12 +54,20 @@ def int8_gemm_speedup(threads: int = 0) -> dict:
         batch = {"x": np.random.default_rng(1).standard_normal((ROWS, K)).astype(np.float32)}
         stats = measure(runners, [batch], ROWS, warmup=20, repeats=200, budget_s=1.5, min_repeats=50)
     fp32_ms, int8_ms = stats["fp32"]["p50_ms"], stats["int8"]["p50_ms"]
-    return {"shape": [ROWS, K, N], "fp32_ms": fp32_ms, "int8_ms": int8_ms, "speedup": fp32_ms / int8_ms,
-            "other_cpu_share": stats["other_cpu_share"]}
+    return {
+        "shape": [ROWS, K, N],
+        "fp32_ms": fp32_ms,
+        "int8_ms": int8_ms,
+        "speedup": fp32_ms / int8_ms,
+        "other_cpu_share": stats["other_cpu_share"],
+    }
 
 
 def describe_int8(result: dict) -> str:
     """One line for a report: what INT8 buys on this CPU."""
-    verdict = ("INT8 kernels here are no faster than FP32" if result["speedup"] < 1.15
-               else "INT8 kernels here are faster than FP32")
+    verdict = (
+        "INT8 kernels here are no faster than FP32"
+        if result["speedup"] < 1.15
+        else "INT8 kernels here are faster than FP32"
+    )
     return f"{verdict}: INT8 GEMM {result['speedup']:.2f}x FP32 ({result['int8_ms']:.3f} vs {result['fp32_ms']:.3f} ms)"

@@ -24,6 +24,7 @@ Bandwidth is measured at run time: numpy sums over a float64 buffer 4x the L3 ca
 run's threads (numpy releases the GIL in reductions), best of N repeats in about half a second.
 numpy's sum does not use BLAS, so OPENBLAS_NUM_THREADS and friends do not change it.
 """
+
 from __future__ import annotations
 
 import os
@@ -51,6 +52,7 @@ NOT_KNOWN = "not known"
 
 # ---------------------------------------------------------------- bandwidth
 
+
 def l3_bytes(default: int = 32 << 20) -> int:
     """The last-level cache size from sysfs (Linux), else `default`."""
     base = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -65,8 +67,7 @@ def l3_bytes(default: int = 32 << 20) -> int:
     return best or default
 
 
-def read_bandwidth(threads: int = 1, budget_s: float = 0.5, buffer_bytes: int | None = None,
-                   repeats: int = 20) -> dict:
+def read_bandwidth(threads: int = 1, budget_s: float = 0.5, buffer_bytes: int | None = None, repeats: int = 20) -> dict:
     """Memory read bandwidth in GB/s (1e9 bytes/s): sum of a float64 buffer 4x the L3 cache (at least
     64 MiB), split in `threads` parts summed concurrently; best of up to `repeats` passes within
     `budget_s` (one pass always)."""
@@ -84,29 +85,52 @@ def read_bandwidth(threads: int = 1, budget_s: float = 0.5, buffer_bytes: int | 
             list(pool.map(np.sum, parts))
             best = min(best, time.perf_counter() - t)
             passes += 1
-    return {"bandwidth_gb_s": data.nbytes / best / 1e9, "buffer_mb": data.nbytes / 2**20, "threads": threads,
-            "passes": passes, "method": "numpy float64 sum, best pass"}
+    return {
+        "bandwidth_gb_s": data.nbytes / best / 1e9,
+        "buffer_mb": data.nbytes / 2**20,
+        "threads": threads,
+        "passes": passes,
+        "method": "numpy float64 sum, best pass",
+    }
 
 
 # ---------------------------------------------------------------- the roofline
 
-def roofline(weight: Optional[WeightBytes], kv: Optional[KVShape], context_tokens: int,
-             bandwidth_gb_s: float, decode_tok_s: Optional[float]) -> dict:
+
+def roofline(
+    weight: Optional[WeightBytes],
+    kv: Optional[KVShape],
+    context_tokens: int,
+    bandwidth_gb_s: float,
+    decode_tok_s: Optional[float],
+) -> dict:
     """The figures a report carries; weight or kv None: 'not known' and no bound."""
     if weight is None or kv is None:
         missing = " and ".join(n for n, v in (("weight bytes", weight), ("KV shape", kv)) if v is None)
-        return {"bandwidth_gb_s": bandwidth_gb_s, "bound_tok_s": None, "share": None,
-                "weight_bytes_per_token": weight.per_token if weight else None,
-                "kv_bytes_per_token": kv.bytes_per_token(context_tokens) if kv else None,
-                "context_tokens": context_tokens, "note": f"{missing} {NOT_KNOWN} for this runner"}
+        return {
+            "bandwidth_gb_s": bandwidth_gb_s,
+            "bound_tok_s": None,
+            "share": None,
+            "weight_bytes_per_token": weight.per_token if weight else None,
+            "kv_bytes_per_token": kv.bytes_per_token(context_tokens) if kv else None,
+            "context_tokens": context_tokens,
+            "note": f"{missing} {NOT_KNOWN} for this runner",
+        }
     kv_bytes = kv.bytes_per_token(context_tokens)
     per_token = weight.per_token + kv_bytes
     bound = bandwidth_gb_s * 1e9 / per_token
-    return {"weight_bytes_per_token": weight.per_token, "weight_bytes_stored": weight.stored,
-            "kv_bytes_per_token": kv_bytes, "context_tokens": context_tokens, "kv_shape": asdict(kv),
-            "bandwidth_gb_s": bandwidth_gb_s, "bound_tok_s": bound,
-            "share": None if decode_tok_s is None else decode_tok_s / bound,
-            "counted": weight.counted, "gathered_tables": weight.gathered_tables}
+    return {
+        "weight_bytes_per_token": weight.per_token,
+        "weight_bytes_stored": weight.stored,
+        "kv_bytes_per_token": kv_bytes,
+        "context_tokens": context_tokens,
+        "kv_shape": asdict(kv),
+        "bandwidth_gb_s": bandwidth_gb_s,
+        "bound_tok_s": bound,
+        "share": None if decode_tok_s is None else decode_tok_s / bound,
+        "counted": weight.counted,
+        "gathered_tables": weight.gathered_tables,
+    }
 
 
 def runner_read_bytes(runner) -> tuple[Optional[WeightBytes], Optional[KVShape]]:

@@ -1,5 +1,6 @@
 """Helpers the ONNX Runtime quantize methods share: input checks, scratch folders, calibration batches,
 and the CPU-dependent weight range."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -61,8 +62,16 @@ def onnx_input_names(path: Path) -> list[str]:
 
 # Ops that run integer kernels in ONNX Runtime (dynamic, QOperator and fused-QDQ forms), and the
 # float ops that carry weights: counting both says plainly how much of a graph is really INT8.
-INT8_OPS = ("MatMulInteger", "DynamicQuantizeMatMul", "QLinearMatMul", "QAttention", "ConvInteger", "QLinearConv",
-            "MatMulIntegerToFloat", "QGemm")
+INT8_OPS = (
+    "MatMulInteger",
+    "DynamicQuantizeMatMul",
+    "QLinearMatMul",
+    "QAttention",
+    "ConvInteger",
+    "QLinearConv",
+    "MatMulIntegerToFloat",
+    "QGemm",
+)
 WEIGHTED_FLOAT_OPS = ("MatMul", "Gemm", "Conv", "Attention")
 
 
@@ -77,8 +86,9 @@ def int8_node_counts(onnx_path: Path) -> dict:
     by_op: dict[str, int] = {}
     int8 = floating = 0
     for node in graph.node:
-        if node.op_type in INT8_OPS or (node.op_type in ("MatMul", "Gemm", "Conv")
-                                        and any(i in dequantized for i in node.input[1:2])):
+        if node.op_type in INT8_OPS or (
+            node.op_type in ("MatMul", "Gemm", "Conv") and any(i in dequantized for i in node.input[1:2])
+        ):
             int8 += 1
             by_op[node.op_type] = by_op.get(node.op_type, 0) + 1
         elif node.op_type in WEIGHTED_FLOAT_OPS and any(i in weights for i in node.input[1:]):

@@ -7,6 +7,7 @@ saves the quantized model (modelopt state + weights) so the artifact reloads to 
 measured, and tries modelopt's Hugging Face export, the checkpoint TensorRT-LLM / vLLM load.
 NVFP4 and device=cuda need CUDA; without it the recipe is refused (exit 2) before weights load.
 """
+
 from __future__ import annotations
 
 import copy
@@ -45,9 +46,9 @@ def cuda_missing() -> str | None:
 class ModeloptConfig:
     """Example recipe:
 
-        quantize:
-          method: modelopt_fp8
-          params: {calibration_samples: 32, max_tokens: 256, device: cpu}
+    quantize:
+      method: modelopt_fp8
+      params: {calibration_samples: 32, max_tokens: 256, device: cpu}
     """
 
     calibration_samples: int = 32  # calibration texts run through the model to collect ranges
@@ -89,8 +90,9 @@ def _import_modelopt():
     try:
         import modelopt.torch.quantization as mtq
     except ImportError as exc:
-        raise RecipeError(f"modelopt methods need nvidia-modelopt ({exc}): "
-                          'pip install nvidia-modelopt "torch==2.13.0"') from None
+        raise RecipeError(
+            f'modelopt methods need nvidia-modelopt ({exc}): pip install nvidia-modelopt "torch==2.13.0"'
+        ) from None
     return mtq
 
 
@@ -111,12 +113,21 @@ def quantize(model, cfg: ModeloptConfig, ctx, name: str, cfg_name: str):
 
     log.info("%s: calibrating on %d texts", name, len(batches))
     module = mtq.quantize(module, copy.deepcopy(getattr(mtq, cfg_name)), forward_loop)
-    ctx.record("quantize", {"method": name, "modelopt_config": cfg_name, "device": cfg.device,
-                            "simulated": cfg.device == "cpu", "calibration_samples": len(batches),
-                            "layer_precision": quantized_linears(module)})
+    ctx.record(
+        "quantize",
+        {
+            "method": name,
+            "modelopt_config": cfg_name,
+            "device": cfg.device,
+            "simulated": cfg.device == "cpu",
+            "calibration_samples": len(batches),
+            "layer_precision": quantized_linears(module),
+        },
+    )
     precision = name.removeprefix("modelopt_")
-    return dataclasses.replace(model, module=module.to("cpu").eval(), precision=precision,
-                               layer_precision=quantized_linears(module))
+    return dataclasses.replace(
+        model, module=module.to("cpu").eval(), precision=precision, layer_precision=quantized_linears(module)
+    )
 
 
 def _calibration_batches(ctx, cfg: ModeloptConfig) -> list:
@@ -137,8 +148,10 @@ def quantized_linears(module) -> dict:
         quantizer = getattr(sub, "weight_quantizer", None)
         if quantizer is not None:
             (on if quantizer.is_enabled else off).append(name)
-    return {"quantized": {"count": len(on), "nodes": _kinds(on)},
-            "kept_fp32": {"count": len(off), "nodes": _kinds(off)}}
+    return {
+        "quantized": {"count": len(on), "nodes": _kinds(on)},
+        "kept_fp32": {"count": len(off), "nodes": _kinds(off)},
+    }
 
 
 def _kinds(names: list[str]) -> list[str]:

@@ -1,5 +1,6 @@
 """FP16 for GPU execution providers (CUDA, TensorRT): FP16 weights and activations, FP32 inputs and
 outputs."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,12 +31,15 @@ class OrtFp16Config:
 
     def validate(self):
         if self.execution_provider not in PROVIDERS:
-            raise RecipeError(f"quantize.params.execution_provider={self.execution_provider} "
-                              f"(use one of {', '.join(PROVIDERS)})")
+            raise RecipeError(
+                f"quantize.params.execution_provider={self.execution_provider} (use one of {', '.join(PROVIDERS)})"
+            )
         missing = missing_for(self.execution_provider)
         if missing:  # checked before any weights load: one line that says what is missing
-            raise RecipeError(f"quantize.method=ort_fp16 targets {self.execution_provider}, and this machine lacks "
-                              + "; ".join(missing))
+            raise RecipeError(
+                f"quantize.method=ort_fp16 targets {self.execution_provider}, and this machine lacks "
+                + "; ".join(missing)
+            )
 
 
 @register("quantize", "ort_fp16", OrtFp16Config, input_format="onnx")
@@ -46,15 +50,29 @@ def ort_fp16(model, cfg: OrtFp16Config, ctx):
     from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
     fp32 = onnx.load(str(model.onnx_path))
-    fp16 = convert_float_to_float16(fp32, keep_io_types=cfg.keep_io_types,
-                                    op_block_list=list(DEFAULT_OP_BLOCK_LIST) + cfg.op_block_list,
-                                    node_block_list=cfg.nodes_to_exclude)
+    fp16 = convert_float_to_float16(
+        fp32,
+        keep_io_types=cfg.keep_io_types,
+        op_block_list=list(DEFAULT_OP_BLOCK_LIST) + cfg.op_block_list,
+        node_block_list=cfg.nodes_to_exclude,
+    )
     path = workdir(ctx) / "model.onnx"
     onnx.save(fp16, str(path))
-    providers = [cfg.execution_provider] + [p for p in PROVIDERS if p != cfg.execution_provider
-                                            and PROVIDERS.index(p) > PROVIDERS.index(cfg.execution_provider)]
-    ctx.record("quantize", {"method": "ort_fp16", "weights": "fp16", "activations": "fp16",
-                            "keep_io_types": cfg.keep_io_types, "providers": providers})
+    providers = [cfg.execution_provider] + [
+        p
+        for p in PROVIDERS
+        if p != cfg.execution_provider and PROVIDERS.index(p) > PROVIDERS.index(cfg.execution_provider)
+    ]
+    ctx.record(
+        "quantize",
+        {
+            "method": "ort_fp16",
+            "weights": "fp16",
+            "activations": "fp16",
+            "keep_io_types": cfg.keep_io_types,
+            "providers": providers,
+        },
+    )
     result = model.with_onnx(path, precision="fp16")
     result.engine["providers"] = providers
     return result

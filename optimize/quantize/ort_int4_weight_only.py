@@ -10,6 +10,7 @@ Algorithms (`algorithm`):
 - gptq: calibrated; quantizes columns one at a time and updates the rest with the inverse Hessian
   of the layer's inputs (from the calibration data) so the layer's output error stays small.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -27,9 +28,9 @@ ALGORITHMS = ("rtn", "hqq", "gptq")
 class OrtInt4WeightOnlyConfig:
     """Example recipe:
 
-        quantize:
-          method: ort_int4_weight_only
-          params: {algorithm: rtn, block_size: 32, symmetric: false}
+    quantize:
+      method: ort_int4_weight_only
+      params: {algorithm: rtn, block_size: 32, symmetric: false}
     """
 
     algorithm: str = "rtn"  # rtn | hqq | gptq
@@ -64,19 +65,33 @@ def ort_int4_weight_only(model, cfg: OrtInt4WeightOnlyConfig, ctx):
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    quantizer = MatMulNBitsQuantizer(onnx.load(str(model.onnx_path)), block_size=cfg.block_size,
-                                     is_symmetric=cfg.symmetric, accuracy_level=cfg.accuracy_level,
-                                     nodes_to_exclude=cfg.nodes_to_exclude, algo_config=_algo_config(model, cfg, ctx))
+    quantizer = MatMulNBitsQuantizer(
+        onnx.load(str(model.onnx_path)),
+        block_size=cfg.block_size,
+        is_symmetric=cfg.symmetric,
+        accuracy_level=cfg.accuracy_level,
+        nodes_to_exclude=cfg.nodes_to_exclude,
+        algo_config=_algo_config(model, cfg, ctx),
+    )
     quantizer.process()
     path = workdir(ctx, "quantize_int4") / "model.onnx"
     quantizer.model.save_model_to_file(str(path), use_external_data_format=False)
     packed = _count_nbits(path)
     if packed == 0:
         raise RecipeError("ort_int4_weight_only found no MatMul with a constant 2-D weight to quantize")
-    ctx.record("quantize", {"method": "ort_int4_weight_only", "algorithm": cfg.algorithm, "weights": "int4",
-                            "activations": "fp32", "block_size": cfg.block_size,
-                            "symmetric": cfg.symmetric if cfg.algorithm != "hqq" else False,
-                            "accuracy_level": cfg.accuracy_level, "matmulnbits_nodes": packed})
+    ctx.record(
+        "quantize",
+        {
+            "method": "ort_int4_weight_only",
+            "algorithm": cfg.algorithm,
+            "weights": "int4",
+            "activations": "fp32",
+            "block_size": cfg.block_size,
+            "symmetric": cfg.symmetric if cfg.algorithm != "hqq" else False,
+            "accuracy_level": cfg.accuracy_level,
+            "matmulnbits_nodes": packed,
+        },
+    )
     return model.with_onnx(path, precision="int4")
 
 
@@ -91,13 +106,22 @@ def _algo_config(model, cfg: OrtInt4WeightOnlyConfig, ctx):
         return HQQWeightOnlyQuantConfig(block_size=cfg.block_size, bits=4, op_types_to_quantize=("MatMul",))
     if cfg.algorithm == "gptq":
         count = min(cfg.calibration_count, len(ctx.calibration().items))
-        reader = CalibrationReader(ctx.calibration_inputs(count), onnx_input_names(model.onnx_path),
-                                   cfg.calibration_batch)
-        return GPTQWeightOnlyQuantConfig(calibration_data_reader=reader, percdamp=cfg.percdamp,
-                                         block_size=cfg.block_size, actorder=cfg.actorder,
-                                         op_types_to_quantize=("MatMul",))
-    return DefaultWeightOnlyQuantConfig(block_size=cfg.block_size, is_symmetric=cfg.symmetric,
-                                        accuracy_level=cfg.accuracy_level, op_types_to_quantize=("MatMul",))
+        reader = CalibrationReader(
+            ctx.calibration_inputs(count), onnx_input_names(model.onnx_path), cfg.calibration_batch
+        )
+        return GPTQWeightOnlyQuantConfig(
+            calibration_data_reader=reader,
+            percdamp=cfg.percdamp,
+            block_size=cfg.block_size,
+            actorder=cfg.actorder,
+            op_types_to_quantize=("MatMul",),
+        )
+    return DefaultWeightOnlyQuantConfig(
+        block_size=cfg.block_size,
+        is_symmetric=cfg.symmetric,
+        accuracy_level=cfg.accuracy_level,
+        op_types_to_quantize=("MatMul",),
+    )
 
 
 def _count_nbits(path: Path) -> int:

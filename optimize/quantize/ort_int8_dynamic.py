@@ -1,4 +1,5 @@
 """ONNX Runtime dynamic INT8: weights quantized ahead of time, activations at run time."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -19,9 +20,9 @@ log = logging.getLogger(__name__)
 class OrtInt8DynamicConfig:
     """Example recipe:
 
-        quantize:
-          method: ort_int8_dynamic
-          params: {per_channel: true, fallback_min_cosine: 0.995, max_fp32_nodes: 8}
+    quantize:
+      method: ort_int8_dynamic
+      params: {per_channel: true, fallback_min_cosine: 0.995, max_fp32_nodes: 8}
     """
 
     per_channel: bool = True
@@ -65,9 +66,15 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
 
     def quantize(excluded: list[str]) -> Path:
         path = out / "model.onnx"
-        quantize_dynamic(source, path, op_types_to_quantize=cfg.op_types, per_channel=cfg.per_channel,
-                         reduce_range=reduce_range, weight_type=weight_type,
-                         nodes_to_exclude=cfg.nodes_to_exclude + excluded)
+        quantize_dynamic(
+            source,
+            path,
+            op_types_to_quantize=cfg.op_types,
+            per_channel=cfg.per_channel,
+            reduce_range=reduce_range,
+            weight_type=weight_type,
+            nodes_to_exclude=cfg.nodes_to_exclude + excluded,
+        )
         return path
 
     fp32_nodes: list[str] = []
@@ -77,9 +84,19 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
     path = quantize(fp32_nodes)
     from optimize.evaluate.kernels import int8_gemm_speedup
 
-    ctx.record("quantize", {"method": "ort_int8_dynamic", "int8_gemm": int8_gemm_speedup(ctx.threads),
-                            "weights": cfg.weight_type, "activations": "uint8 dynamic",
-                            "per_channel": cfg.per_channel, "reduce_range": reduce_range,
-                            "fp32_nodes": fp32_nodes, "calibration_min_cosine": score,
-                            "packed_attention": packed, "kernels": int8_node_counts(path)})
+    ctx.record(
+        "quantize",
+        {
+            "method": "ort_int8_dynamic",
+            "int8_gemm": int8_gemm_speedup(ctx.threads),
+            "weights": cfg.weight_type,
+            "activations": "uint8 dynamic",
+            "per_channel": cfg.per_channel,
+            "reduce_range": reduce_range,
+            "fp32_nodes": fp32_nodes,
+            "calibration_min_cosine": score,
+            "packed_attention": packed,
+            "kernels": int8_node_counts(path),
+        },
+    )
     return model.with_onnx(path, precision="int8")

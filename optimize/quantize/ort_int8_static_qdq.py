@@ -13,6 +13,7 @@ Choices that matter on CPUs:
 - ONNX Runtime's MatMulConstBOnly option is ignored by the QDQ format, so MatMuls of two activations
   (attention's Q@K^T and probabilities@V, when not fused) are excluded here by name.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,9 +44,9 @@ CALIBRATE_METHODS = ("minmax", "entropy", "percentile")
 class OrtInt8StaticConfig:
     """Example recipe (a CNN; for an encoder add optimize_graph: bert and op_types: [MatMul]):
 
-        quantize:
-          method: ort_int8_static_qdq
-          params: {calibrate_method: minmax, per_channel: true, activation_type: uint8, weight_type: int8}
+    quantize:
+      method: ort_int8_static_qdq
+      params: {calibrate_method: minmax, per_channel: true, activation_type: uint8, weight_type: int8}
     """
 
     calibrate_method: str = "minmax"  # minmax | entropy | percentile
@@ -71,8 +72,9 @@ class OrtInt8StaticConfig:
 
     def validate(self):
         if self.calibrate_method not in CALIBRATE_METHODS:
-            raise RecipeError(f"quantize.params.calibrate_method={self.calibrate_method} "
-                              f"(use {', '.join(CALIBRATE_METHODS)})")
+            raise RecipeError(
+                f"quantize.params.calibrate_method={self.calibrate_method} (use {', '.join(CALIBRATE_METHODS)})"
+            )
         for key in ("activation_type", "weight_type"):
             if getattr(self, key) not in ("int8", "uint8"):
                 raise RecipeError(f"quantize.params.{key}={getattr(self, key)} (use int8 or uint8)")
@@ -81,8 +83,9 @@ class OrtInt8StaticConfig:
         if not 50 < self.percentile <= 100:
             raise RecipeError(f"quantize.params.percentile={self.percentile} (use a value in (50, 100])")
         if min(self.calibration_count, self.calibration_batch, self.sensitivity_samples) < 1:
-            raise RecipeError("quantize.params.calibration_count, calibration_batch and sensitivity_samples "
-                              "must be at least 1")
+            raise RecipeError(
+                "quantize.params.calibration_count, calibration_batch and sensitivity_samples must be at least 1"
+            )
 
 
 @register("quantize", "ort_int8_static_qdq", OrtInt8StaticConfig, needs_calibration=True, input_format="onnx")
@@ -111,35 +114,65 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
     fp32_nodes: list[str] = []
     score = None
     if cfg.fallback_min_cosine is not None:
-        fp32_nodes, score = sensitivity_fallback(model.with_onnx(source), _RankingView(cfg, excluded, cache), ctx,
-                                                 quantize, reduce_range)
+        fp32_nodes, score = sensitivity_fallback(
+            model.with_onnx(source), _RankingView(cfg, excluded, cache), ctx, quantize, reduce_range
+        )
     path = quantize(fp32_nodes)
     from optimize.evaluate.kernels import int8_gemm_speedup
 
-    ctx.record("quantize", {"method": "ort_int8_static_qdq", "int8_gemm": int8_gemm_speedup(ctx.threads),
-                            "format": "QDQ", "weights": cfg.weight_type,
-                            "activations": f"{cfg.activation_type} static", "calibrate_method": cfg.calibrate_method,
-                            "percentile": cfg.percentile if cfg.calibrate_method == "percentile" else None,
-                            "per_channel": cfg.per_channel, "reduce_range": reduce_range,
-                            "optimize_graph": cfg.optimize_graph, "calibration_items": count,
-                            "excluded_nodes": excluded, "fp32_nodes": fp32_nodes, "calibration_min_cosine": score,
-                            "kernels": int8_node_counts(path)})
+    ctx.record(
+        "quantize",
+        {
+            "method": "ort_int8_static_qdq",
+            "int8_gemm": int8_gemm_speedup(ctx.threads),
+            "format": "QDQ",
+            "weights": cfg.weight_type,
+            "activations": f"{cfg.activation_type} static",
+            "calibrate_method": cfg.calibrate_method,
+            "percentile": cfg.percentile if cfg.calibrate_method == "percentile" else None,
+            "per_channel": cfg.per_channel,
+            "reduce_range": reduce_range,
+            "optimize_graph": cfg.optimize_graph,
+            "calibration_items": count,
+            "excluded_nodes": excluded,
+            "fp32_nodes": fp32_nodes,
+            "calibration_min_cosine": score,
+            "kernels": int8_node_counts(path),
+        },
+    )
     return model.with_onnx(path, precision="int8")
 
 
-def _quantize_static(source: Path, path: Path, reader, cfg: OrtInt8StaticConfig, reduce_range: bool,
-                     excluded: list[str], cache: Path) -> None:
+def _quantize_static(
+    source: Path, path: Path, reader, cfg: OrtInt8StaticConfig, reduce_range: bool, excluded: list[str], cache: Path
+) -> None:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
 
-    method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
-              "percentile": CalibrationMethod.Percentile}[cfg.calibrate_method]
-    extra = {"WeightSymmetric": True, "ActivationSymmetric": cfg.symmetric_activations,
-             "CalibPercentile": cfg.percentile}
-    quantize_static(str(source), str(path), reader, quant_format=QuantFormat.QDQ, op_types_to_quantize=cfg.op_types,
-                    per_channel=cfg.per_channel, reduce_range=reduce_range,
-                    activation_type=quant_type(cfg.activation_type), weight_type=quant_type(cfg.weight_type),
-                    nodes_to_exclude=excluded, calibrate_method=method, extra_options=extra,
-                    calibration_cache_path=str(cache))
+    method = {
+        "minmax": CalibrationMethod.MinMax,
+        "entropy": CalibrationMethod.Entropy,
+        "percentile": CalibrationMethod.Percentile,
+    }[cfg.calibrate_method]
+    extra = {
+        "WeightSymmetric": True,
+        "ActivationSymmetric": cfg.symmetric_activations,
+        "CalibPercentile": cfg.percentile,
+    }
+    quantize_static(
+        str(source),
+        str(path),
+        reader,
+        quant_format=QuantFormat.QDQ,
+        op_types_to_quantize=cfg.op_types,
+        per_channel=cfg.per_channel,
+        reduce_range=reduce_range,
+        activation_type=quant_type(cfg.activation_type),
+        weight_type=quant_type(cfg.weight_type),
+        nodes_to_exclude=excluded,
+        calibrate_method=method,
+        extra_options=extra,
+        calibration_cache_path=str(cache),
+    )
 
 
 def consumers_of(path: Path, op_types: list[str]) -> list[str]:
@@ -203,5 +236,8 @@ def read_calibration_ranges(path: Path) -> dict[str, tuple[float, float]]:
         return float(np.asarray(data, dtype=np.float64).reshape(-1)[0])
 
     data = json.loads(path.read_text())["data"]
-    return {name: (number(r["lowest"]), number(r["highest"])) for name, r in data.items()
-            if r.get("lowest") is not None and r.get("highest") is not None}
+    return {
+        name: (number(r["lowest"]), number(r["highest"]))
+        for name, r in data.items()
+        if r.get("lowest") is not None and r.get("highest") is not None
+    }

@@ -1,5 +1,6 @@
 """Sensitivity fallback: which quantized nodes to keep in FP32, ranked by the error quantizing each
 adds to its own output, until the real quantized model reaches a calibration fidelity target."""
+
 from __future__ import annotations
 
 import logging
@@ -27,8 +28,9 @@ def _weighted_matmuls(graph, op_types: list[str], excluded: list[str]) -> list[t
     return found
 
 
-def _simulated_error(x: np.ndarray, w: np.ndarray, per_channel: bool, reduce_range: bool,
-                     x_range: Optional[tuple[float, float]] = None) -> float:
+def _simulated_error(
+    x: np.ndarray, w: np.ndarray, per_channel: bool, reduce_range: bool, x_range: Optional[tuple[float, float]] = None
+) -> float:
     """Relative error of x @ w when x is quantized to uint8, per tensor, asymmetric, and w to symmetric
     int8 (per output column when per_channel). x's range is its own min/max, as ONNX Runtime's
     DynamicQuantizeLinear computes it, unless `x_range` gives the calibrated range of a static model."""
@@ -71,8 +73,9 @@ def _rank_by_simulated_error(onnx_path: Path, inputs: dict, cfg, reduce_range: b
     errors = {}
     for name, activation, weight, trans_b in nodes:
         w = weights[weight].T if trans_b else weights[weight]
-        errors[name] = _simulated_error(activations[activation], w, cfg.per_channel, reduce_range,
-                                        ranges.get(activation))
+        errors[name] = _simulated_error(
+            activations[activation], w, cfg.per_channel, reduce_range, ranges.get(activation)
+        )
     return sorted(errors, key=lambda name: errors[name], reverse=True)
 
 

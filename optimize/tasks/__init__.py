@@ -4,6 +4,7 @@ A task is one module in this package that calls `register_task` (`model.task=NAM
 pipeline ask the task for what differs between, say, a sentence encoder and a causal LM;
 everything else is shared.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -1,4 +1,5 @@
 """The base task: any ONNX model, judged output by output."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -10,6 +10,7 @@ the artifact's tokenizer):
 
 Options live in `evaluate.task_params` (see LLMEvalConfig).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -34,8 +35,8 @@ log = logging.getLogger(__name__)
 class LLMEvalConfig:
     """evaluate.task_params for model.task=causal_lm. Example:
 
-        evaluate:
-          task_params: {perplexity_tokens: 2048, new_tokens: 64, lm_eval_tasks: [cpython_next_sentence]}
+    evaluate:
+      task_params: {perplexity_tokens: 2048, new_tokens: 64, lm_eval_tasks: [cpython_next_sentence]}
     """
 
     perplexity_tokens: int = 2048  # held-out tokens scored (FIELD-NOTES figures use 2,048)
@@ -65,6 +66,7 @@ def eval_config(ctx) -> LLMEvalConfig:
 
 
 # ---------------------------------------------------------------- the task
+
 
 @dataclass
 class CausalLM(Task):
@@ -103,6 +105,7 @@ register_task(CausalLM())
 
 # ---------------------------------------------------------------- evaluation
 
+
 class Tokens:
     """The artifact's own tokenizer (tokenizers library), without truncation or padding."""
 
@@ -124,8 +127,11 @@ class Tokens:
 
 def perplexity(runner, ids: list[int], window: int) -> float:
     """exp(mean negative log-likelihood) over consecutive windows of the token stream."""
-    logprobs = [runner.log_likelihood(ids[i:i + window]) for i in range(0, len(ids) - 1, window)
-                if len(ids[i:i + window]) > 1]
+    logprobs = [
+        runner.log_likelihood(ids[i : i + window])
+        for i in range(0, len(ids) - 1, window)
+        if len(ids[i : i + window]) > 1
+    ]
     return float(np.exp(-np.concatenate(logprobs).mean()))
 
 
@@ -146,11 +152,16 @@ def speed(runners: dict, prompts: list[list[int]], new_tokens: int, warmup: int,
             if i >= warmup:
                 samples[name]["ttft_ms"].append((stamps[0] - start) * 1000)
                 samples[name]["tok_s"].append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-    return {name: {"ttft_ms": percentiles(s["ttft_ms"]),
-                   "decode_tok_s": {"p50": float(np.percentile(s["tok_s"], 50)),
-                                    "p95": float(np.percentile(s["tok_s"], 5))},
-                   "runs": runs, "new_tokens": new_tokens, "prompt_tokens": len(prompts[0])}
-            for name, s in samples.items()}
+    return {
+        name: {
+            "ttft_ms": percentiles(s["ttft_ms"]),
+            "decode_tok_s": {"p50": float(np.percentile(s["tok_s"], 50)), "p95": float(np.percentile(s["tok_s"], 5))},
+            "runs": runs,
+            "new_tokens": new_tokens,
+            "prompt_tokens": len(prompts[0]),
+        }
+        for name, s in samples.items()
+    }
 
 
 def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
@@ -161,8 +172,10 @@ def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
 
     base = TorchLM(ctx.source.module, ctx.threads)
     cand = candidate.runner
-    metrics: dict[str, Any] = {"baseline": {"size_mb": baseline.size_bytes / 2**20},
-                               "candidate": {"size_mb": candidate.size_bytes / 2**20}}
+    metrics: dict[str, Any] = {
+        "baseline": {"size_mb": baseline.size_bytes / 2**20},
+        "candidate": {"size_mb": candidate.size_bytes / 2**20},
+    }
     described = dict(data.describe())
     _perplexity_metrics(metrics, base, cand, tokens, data.items, cfg, described)
     _sample_metrics(metrics, base, cand, tokens, cfg)
@@ -208,22 +221,29 @@ def _ranges(layers: list) -> str:
 def _perplexity_metrics(metrics, base, cand, tokens, items, cfg, described) -> None:
     ids = tokens("\n\n".join(items))[: cfg.perplexity_tokens]
     if len(ids) < cfg.perplexity_tokens:
-        raise RecipeError(f"the evaluation text has {len(ids)} tokens, evaluate.task_params.perplexity_tokens "
-                          f"asks for {cfg.perplexity_tokens}: raise evaluate.data.count")
+        raise RecipeError(
+            f"the evaluation text has {len(ids)} tokens, evaluate.task_params.perplexity_tokens "
+            f"asks for {cfg.perplexity_tokens}: raise evaluate.data.count"
+        )
     log.info("perplexity over %d held-out tokens (window %d)", len(ids), cfg.perplexity_window)
     b, c = perplexity(base, ids, cfg.perplexity_window), perplexity(cand, ids, cfg.perplexity_window)
     metrics["baseline"]["perplexity"], metrics["candidate"]["perplexity"] = b, c
     metrics["candidate"]["perplexity_increase_pct"] = (c / b - 1) * 100
-    described["perplexity"] = {"tokens": len(ids), "window": cfg.perplexity_window,
-                               "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest()}
+    described["perplexity"] = {
+        "tokens": len(ids),
+        "window": cfg.perplexity_window,
+        "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
+    }
 
 
 def _sample_metrics(metrics, base, cand, tokens, cfg) -> None:
     """One greedy continuation per side: a human-readable sanity check kept in the manifest."""
     prompt = tokens(cfg.sample_prompt)
     for side, runner in (("baseline", base), ("candidate", cand)):
-        metrics[side]["sample"] = {"prompt": cfg.sample_prompt,
-                                   "continuation": tokens.decode(greedy_ids(runner, prompt, 16))}
+        metrics[side]["sample"] = {
+            "prompt": cfg.sample_prompt,
+            "continuation": tokens.decode(greedy_ids(runner, prompt, 16)),
+        }
 
 
 def _speed_metrics(metrics, base, cand, tokens, items, cfg, evaluate_cfg) -> None:
@@ -234,8 +254,9 @@ def _speed_metrics(metrics, base, cand, tokens, items, cfg, evaluate_cfg) -> Non
     from optimize.evaluate.benchmark import OtherCpuUse
 
     with OtherCpuUse() as others:
-        result = speed({"baseline": base, "candidate": cand}, prompts, cfg.new_tokens, evaluate_cfg.warmup,
-                       evaluate_cfg.repeats)
+        result = speed(
+            {"baseline": base, "candidate": cand}, prompts, cfg.new_tokens, evaluate_cfg.warmup, evaluate_cfg.repeats
+        )
     metrics["candidate"]["timing"] = {"other_cpu_share": others.share}
     metrics["baseline"]["generation"], metrics["candidate"]["generation"] = result["baseline"], result["candidate"]
     b, c = result["baseline"], result["candidate"]
@@ -259,11 +280,17 @@ def _roofline_metrics(metrics, base, cand, cfg, threads: int) -> None:
     for side, runner in (("baseline", base), ("candidate", cand)):
         weight, kv = rl.runner_read_bytes(runner)
         tok_s = metrics[side].get("generation", {}).get("decode_tok_s", {}).get("p50")
-        metrics[side]["roofline"] = {**rl.roofline(weight, kv, context, bandwidth["bandwidth_gb_s"], tok_s),
-                                     "bandwidth": bandwidth}
-    log.info("roofline: %.1f GB/s read (%d threads); bound %s / %s tok/s", bandwidth["bandwidth_gb_s"], threads,
-             _fmt(metrics["baseline"]["roofline"]["bound_tok_s"], 1),
-             _fmt(metrics["candidate"]["roofline"]["bound_tok_s"], 1))
+        metrics[side]["roofline"] = {
+            **rl.roofline(weight, kv, context, bandwidth["bandwidth_gb_s"], tok_s),
+            "bandwidth": bandwidth,
+        }
+    log.info(
+        "roofline: %.1f GB/s read (%d threads); bound %s / %s tok/s",
+        bandwidth["bandwidth_gb_s"],
+        threads,
+        _fmt(metrics["baseline"]["roofline"]["bound_tok_s"], 1),
+        _fmt(metrics["candidate"]["roofline"]["bound_tok_s"], 1),
+    )
 
 
 def _roofline_rows(b: dict, c: dict) -> list[list[str]]:
@@ -277,14 +304,32 @@ def _roofline_rows(b: dict, c: dict) -> list[list[str]]:
     def ratio(key, fmt):
         return fmt(rc[key] / rb[key]) if rb.get(key) and rc.get(key) is not None else ""
 
-    rows = [["weights read per token MB", mb(rb, "weight_bytes_per_token"), mb(rc, "weight_bytes_per_token"),
-             ratio("weight_bytes_per_token", lambda x: f"{x:.2f}x")],
-            [f"KV cache read per token MB ({rc['context_tokens']} tokens)", mb(rb, "kv_bytes_per_token"),
-             mb(rc, "kv_bytes_per_token"), ""],
-            ["memory read bandwidth GB/s (measured)", _fmt(rb["bandwidth_gb_s"], 1), _fmt(rc["bandwidth_gb_s"], 1),
-             f"{rc['bandwidth']['threads']} threads, others {rc['bandwidth']['other_cpu_share']:.0%} CPU"],
-            ["roofline bound decode tok/s", _fmt_known(rb["bound_tok_s"], 1), _fmt_known(rc["bound_tok_s"], 1),
-             ratio("bound_tok_s", lambda x: f"{x:.2f}x")]]
+    rows = [
+        [
+            "weights read per token MB",
+            mb(rb, "weight_bytes_per_token"),
+            mb(rc, "weight_bytes_per_token"),
+            ratio("weight_bytes_per_token", lambda x: f"{x:.2f}x"),
+        ],
+        [
+            f"KV cache read per token MB ({rc['context_tokens']} tokens)",
+            mb(rb, "kv_bytes_per_token"),
+            mb(rc, "kv_bytes_per_token"),
+            "",
+        ],
+        [
+            "memory read bandwidth GB/s (measured)",
+            _fmt(rb["bandwidth_gb_s"], 1),
+            _fmt(rc["bandwidth_gb_s"], 1),
+            f"{rc['bandwidth']['threads']} threads, others {rc['bandwidth']['other_cpu_share']:.0%} CPU",
+        ],
+        [
+            "roofline bound decode tok/s",
+            _fmt_known(rb["bound_tok_s"], 1),
+            _fmt_known(rc["bound_tok_s"], 1),
+            ratio("bound_tok_s", lambda x: f"{x:.2f}x"),
+        ],
+    ]
     if rb.get("share") is not None or rc.get("share") is not None:
         rows.append(["decode p50 share of bound", _pct(rb), _pct(rc), ""])
     return rows
@@ -307,19 +352,43 @@ def _fmt(value, digits=2) -> str:
 def table_rows(metrics: dict) -> list[list[str]]:
     """Rows for the end-of-run table: [metric, baseline, candidate, ratio]."""
     b, c = metrics["baseline"], metrics["candidate"]
-    rows = [["perplexity (held-out)", _fmt(b["perplexity"], 3), _fmt(c["perplexity"], 3),
-             f"{c['perplexity_increase_pct']:+.1f}%"]]
+    rows = [
+        [
+            "perplexity (held-out)",
+            _fmt(b["perplexity"], 3),
+            _fmt(c["perplexity"], 3),
+            f"{c['perplexity_increase_pct']:+.1f}%",
+        ]
+    ]
     for task, acc in c.get("lm_eval", {}).items():
-        rows.append([f"lm-eval {task} acc", _fmt(b["lm_eval"][task], 4), _fmt(acc, 4),
-                     f"{(acc - b['lm_eval'][task]) * 100:+.1f} pts"])
+        rows.append(
+            [
+                f"lm-eval {task} acc",
+                _fmt(b["lm_eval"][task], 4),
+                _fmt(acc, 4),
+                f"{(acc - b['lm_eval'][task]) * 100:+.1f} pts",
+            ]
+        )
     if "generation" in c:
         bg, cg = b["generation"], c["generation"]
         for pct in ("p50", "p95"):
-            rows.append([f"time to first token {pct} ms", _fmt(bg["ttft_ms"][pct]), _fmt(cg["ttft_ms"][pct]),
-                         f"{bg['ttft_ms'][pct] / cg['ttft_ms'][pct]:.2f}x" if pct == "p50" else ""])
+            rows.append(
+                [
+                    f"time to first token {pct} ms",
+                    _fmt(bg["ttft_ms"][pct]),
+                    _fmt(cg["ttft_ms"][pct]),
+                    f"{bg['ttft_ms'][pct] / cg['ttft_ms'][pct]:.2f}x" if pct == "p50" else "",
+                ]
+            )
         for pct in ("p50", "p95"):
-            rows.append([f"decode tok/s {pct}", _fmt(bg["decode_tok_s"][pct], 1), _fmt(cg["decode_tok_s"][pct], 1),
-                         f"{cg['decode_tok_s'][pct] / bg['decode_tok_s'][pct]:.2f}x" if pct == "p50" else ""])
+            rows.append(
+                [
+                    f"decode tok/s {pct}",
+                    _fmt(bg["decode_tok_s"][pct], 1),
+                    _fmt(cg["decode_tok_s"][pct], 1),
+                    f"{cg['decode_tok_s'][pct] / bg['decode_tok_s'][pct]:.2f}x" if pct == "p50" else "",
+                ]
+            )
     else:
         rows.append(["decode speed", "-", "-", c.get("speed_note", "not measured")])
     rows += _roofline_rows(b, c)

@@ -7,6 +7,7 @@
 Inputs are `pixel_values` [N, 1, H, W] float32 with raw pixel values (the module scales them), so
 the ONNX engine and the PyTorch baseline take the same arrays the data source gives.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,10 +35,15 @@ def build_cnn(config: dict):
     class DigitsCNN(nn.Module):
         def __init__(self):
             super().__init__()
-            self.features = nn.Sequential(nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(),
-                                          nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2))
-            self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(c2 * side * side, config["hidden"]), nn.ReLU(),
-                                            nn.Linear(config["hidden"], config["num_classes"]))
+            self.features = nn.Sequential(
+                nn.Conv2d(1, c1, 3, padding=1), nn.ReLU(), nn.Conv2d(c1, c2, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2)
+            )
+            self.classifier = nn.Sequential(
+                nn.Flatten(),
+                nn.Linear(c2 * side * side, config["hidden"]),
+                nn.ReLU(),
+                nn.Linear(config["hidden"], config["num_classes"]),
+            )
 
         def forward(self, pixel_values):
             # Scaling inside the graph: callers feed raw pixels, as the data source and serve/ give them.
@@ -53,8 +59,10 @@ def load_cnn(folder: Path):
 
     config = json.loads((folder / "config.json").read_text())
     if config.get("architecture") != ARCHITECTURE:
-        raise RecipeError(f"model.source={folder}: config.json architecture is {config.get('architecture')!r}, "
-                          f"this loader knows {ARCHITECTURE!r}")
+        raise RecipeError(
+            f"model.source={folder}: config.json architecture is {config.get('architecture')!r}, "
+            f"this loader knows {ARCHITECTURE!r}"
+        )
     module = build_cnn(config)
     module.load_state_dict(load_file(str(folder / "model.safetensors")))
     return module.eval(), config
@@ -62,20 +70,31 @@ def load_cnn(folder: Path):
 
 def load_source(cfg, path: Path | None):
     if path is None or not path.is_dir():
-        raise RecipeError(f"model.source={cfg.source}: image_classification needs a local folder "
-                          "(config.json + model.safetensors); train one with python -m optimize.train_digits DIR")
+        raise RecipeError(
+            f"model.source={cfg.source}: image_classification needs a local folder "
+            "(config.json + model.safetensors); train one with python -m optimize.train_digits DIR"
+        )
     module, config = load_cnn(path)
     # kind "torch": a PyTorch module without a tokenizer (the pipeline exports it like any module).
-    return SourceModel("torch", cfg.task, str(path), module=module,
-                       info={"class": ARCHITECTURE, "parameters": sum(p.numel() for p in module.parameters()),
-                             "trained": config.get("trained", {})})
+    return SourceModel(
+        "torch",
+        cfg.task,
+        str(path),
+        module=module,
+        info={
+            "class": ARCHITECTURE,
+            "parameters": sum(p.numel() for p in module.parameters()),
+            "trained": config.get("trained", {}),
+        },
+    )
 
 
 def encode_images(items: list) -> dict[str, np.ndarray]:
     """Images [H, W] (or [C, H, W]) -> pixel_values [N, C, H, W] float32."""
     if any(isinstance(i, str) for i in items):
-        raise RecipeError("image_classification takes images, and this data source gives text "
-                          "(use an image source such as digits)")
+        raise RecipeError(
+            "image_classification takes images, and this data source gives text (use an image source such as digits)"
+        )
     batch = np.stack([np.asarray(i, dtype=np.float32) for i in items])
     return {"pixel_values": batch[:, None] if batch.ndim == 3 else batch}
 
@@ -110,8 +129,10 @@ class ImageClassification(Task):
             raise RecipeError("image_classification is judged on labelled data: set evaluate.inputs=data")
         data = ctx.evaluation_data()
         if data.labels is None:
-            raise RecipeError(f"evaluate.data.source={data.source} has no labels; image_classification needs "
-                              "a labelled source (for example digits)")
+            raise RecipeError(
+                f"evaluate.data.source={data.source} has no labels; image_classification needs "
+                "a labelled source (for example digits)"
+            )
         inputs, labels = ctx.encode(data.items), np.asarray(data.labels)
         metrics = harness.shared_metrics(baseline, candidate, inputs, ctx.cfg.evaluate, ctx.scratch)
         batches = harness.batches_of(inputs, harness.FIDELITY_BATCH)
@@ -119,10 +140,13 @@ class ImageClassification(Task):
         cand = harness.run_all(candidate.runner, batches)["logits"]
         metrics["baseline"]["top1_accuracy"] = top1_accuracy(base, labels)
         metrics["candidate"]["top1_accuracy"] = top1_accuracy(cand, labels)
-        metrics["candidate"]["accuracy_drop_points"] = 100 * (metrics["baseline"]["top1_accuracy"]
-                                                              - metrics["candidate"]["top1_accuracy"])
-        metrics["candidate"]["fidelity"] = dict(fidelity.output_fidelity({"logits": base}, {"logits": cand}),
-                                                prediction_agreement=float((base.argmax(1) == cand.argmax(1)).mean()))
+        metrics["candidate"]["accuracy_drop_points"] = 100 * (
+            metrics["baseline"]["top1_accuracy"] - metrics["candidate"]["top1_accuracy"]
+        )
+        metrics["candidate"]["fidelity"] = dict(
+            fidelity.output_fidelity({"logits": base}, {"logits": cand}),
+            prediction_agreement=float((base.argmax(1) == cand.argmax(1)).mean()),
+        )
         return metrics, data.describe()
 
 

@@ -1,6 +1,7 @@
 """lm-eval on any causal-LM runner: a local multiple-choice task made from held-out prose (runs
 offline), standard task names where the dataset hub is reachable, scored through the runner's
 log_likelihood, the same scoring perplexity uses."""
+
 from __future__ import annotations
 
 import hashlib
@@ -46,10 +47,11 @@ def write_local_task(items: list[dict], folder: Path) -> Path:
         f"dataset_kwargs:\n  data_files:\n    test: {data}\n"
         "test_split: test\n"
         "output_type: multiple_choice\n"
-        "doc_to_text: \"{{context}}\"\n"
-        "doc_to_choice: \"{{choices}}\"\n"
-        "doc_to_target: \"{{label}}\"\n"
-        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+        'doc_to_text: "{{context}}"\n'
+        'doc_to_choice: "{{choices}}"\n'
+        'doc_to_target: "{{label}}"\n'
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+    )
     return data
 
 
@@ -113,8 +115,10 @@ def lm_eval_accuracy(runner, tokens, paragraphs, cfg, scratch: Path, label: str 
         import lm_eval
         from lm_eval.tasks import TaskManager
     except ImportError:
-        raise RecipeError("evaluate.task_params.lm_eval_tasks needs lm-eval: pip install lm-eval "
-                          "(or set evaluate.task_params.lm_eval_tasks=[])") from None
+        raise RecipeError(
+            "evaluate.task_params.lm_eval_tasks needs lm-eval: pip install lm-eval "
+            "(or set evaluate.task_params.lm_eval_tasks=[])"
+        ) from None
     if os.environ.get("HF_HUB_OFFLINE") == "1":  # the local task must not wait on an unreachable hub
         os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     items = next_sentence_items(paragraphs, cfg.lm_eval_limit or len(paragraphs))
@@ -122,12 +126,23 @@ def lm_eval_accuracy(runner, tokens, paragraphs, cfg, scratch: Path, label: str 
     manager = TaskManager(include_path=str(data.parent))
     log.info("lm-eval %s: %s", label, ", ".join(cfg.lm_eval_tasks))
     try:
-        out = lm_eval.simple_evaluate(model=lm_adapter(runner, tokens), tasks=list(cfg.lm_eval_tasks),
-                                      task_manager=manager, limit=cfg.lm_eval_limit, num_fewshot=0,
-                                      bootstrap_iters=0, log_samples=False, verbosity="ERROR")
+        out = lm_eval.simple_evaluate(
+            model=lm_adapter(runner, tokens),
+            tasks=list(cfg.lm_eval_tasks),
+            task_manager=manager,
+            limit=cfg.lm_eval_limit,
+            num_fewshot=0,
+            bootstrap_iters=0,
+            log_samples=False,
+            verbosity="ERROR",
+        )
     except Exception as exc:  # a standard task whose dataset cannot be fetched offline, a typo, ...
         raise RecipeError(f"lm-eval could not run {cfg.lm_eval_tasks}: {str(exc).splitlines()[0][:200]}") from None
     scores = {task: float(result["acc,none"]) for task, result in out["results"].items() if "acc,none" in result}
-    described = {"tasks": list(cfg.lm_eval_tasks), "limit": cfg.lm_eval_limit, "local_items": len(items),
-                 "local_sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
+    described = {
+        "tasks": list(cfg.lm_eval_tasks),
+        "limit": cfg.lm_eval_limit,
+        "local_items": len(items),
+        "local_sha256": hashlib.sha256(data.read_bytes()).hexdigest(),
+    }
     return scores, described

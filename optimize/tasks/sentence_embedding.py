@@ -1,5 +1,6 @@
 """Sentence embeddings: an encoder's last hidden state and its pooled sentence embedding, judged by
 the embedding's cosine to the baseline and by retrieval agreement (top-k neighbours)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,8 +14,11 @@ class SentenceEmbedding(Task):
     name: str = "sentence_embedding"
     input_names: tuple[str, ...] = ("input_ids", "attention_mask", "token_type_ids")
     output_names: tuple[str, ...] = ("last_hidden_state", "sentence_embedding")
-    dynamic_axes: dict = field(default_factory=lambda: {
-        n: {0: "batch", 1: "sequence"} for n in ("input_ids", "attention_mask", "token_type_ids")})
+    dynamic_axes: dict = field(
+        default_factory=lambda: {
+            n: {0: "batch", 1: "sequence"} for n in ("input_ids", "attention_mask", "token_type_ids")
+        }
+    )
     fidelity_output: str | None = "sentence_embedding"
 
     def module(self, model, ctx):

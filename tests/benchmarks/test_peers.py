@@ -1,6 +1,7 @@
 """benchmarks/peers.py's building blocks on tiny inputs: the ratio arithmetic, the ISA choice, and a
 real race (PyTorch, an ONNX Runtime artifact, Optimum's recipe reproduced, OpenVINO FP32) on 4 texts
 at batch 1. The NNCF and Optimum-venv builds are left to the script itself (minutes, a second venv)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -24,14 +25,24 @@ peers = load_peers()
 
 
 def entry(name, role, p50, cosine_min):
-    return peers.Entry(name, role, runner=None, recipe="", fidelity={"cosine_min": cosine_min, "cosine_mean": 1.0},
-                       p50_ms={"1": p50, "32": p50 * 20})
+    return peers.Entry(
+        name,
+        role,
+        runner=None,
+        recipe="",
+        fidelity={"cosine_min": cosine_min, "cosine_mean": 1.0},
+        p50_ms={"1": p50, "32": p50 * 20},
+    )
 
 
 def test_ratios_pick_the_fastest_peer_that_keeps_fidelity():
-    entries = [entry("torch", "baseline", 20.0, 1.0), entry("ours", "artifact", 5.0, 0.995),
-               entry("fast but wrong", "peer", 2.0, 0.97), entry("slow", "peer", 10.0, 1.0),
-               entry("good", "peer", 8.0, 0.992)]
+    entries = [
+        entry("torch", "baseline", 20.0, 1.0),
+        entry("ours", "artifact", 5.0, 0.995),
+        entry("fast but wrong", "peer", 2.0, 0.97),
+        entry("slow", "peer", 10.0, 1.0),
+        entry("good", "peer", 8.0, 0.992),
+    ]
     table = peers.ratios(entries, ["1", "32"])
     assert table["1"]["best_peer"] == table["32"]["best_peer"] == "good"  # the 0.97 peer is not eligible
     assert table["1"]["over_pytorch"]["ours"] == pytest.approx(4.0)
@@ -41,8 +52,11 @@ def test_ratios_pick_the_fastest_peer_that_keeps_fidelity():
 
 
 def test_no_eligible_peer_gives_no_ratio():
-    entries = [entry("torch", "baseline", 20.0, 1.0), entry("ours", "artifact", 5.0, 0.995),
-               entry("wrong", "peer", 2.0, 0.9)]
+    entries = [
+        entry("torch", "baseline", 20.0, 1.0),
+        entry("ours", "artifact", 5.0, 0.995),
+        entry("wrong", "peer", 2.0, 0.9),
+    ]
     table = peers.ratios(entries, ["1"])
     assert table["1"]["best_peer"] is None and table["1"]["over_best_peer"]["ours"] is None
 
@@ -61,8 +75,14 @@ def tiny_artifact(onnx_path: Path, model_dir: str, root: Path) -> Path:
     root.mkdir()
     shutil.copyfile(onnx_path, root / "model.onnx")
     shutil.copytree(model_dir, root / "tokenizer", ignore=shutil.ignore_patterns("*.safetensors", "1_Pooling"))
-    engine = {"format": "onnxruntime", "file": "model.onnx", "precision": "fp32", "task": "sentence_embedding",
-              "max_length": 128, "tokenizer": "tokenizer"}
+    engine = {
+        "format": "onnxruntime",
+        "file": "model.onnx",
+        "precision": "fp32",
+        "task": "sentence_embedding",
+        "max_length": 128,
+        "tokenizer": "tokenizer",
+    }
     from optimize.artifact import write_manifest
 
     write_manifest(root, {"engine": engine, "recipe": {"name": "tiny"}})
@@ -84,11 +104,12 @@ def test_a_tiny_race_runs_and_its_ratios_match_the_timings(tmp_path):
     artifact = tiny_artifact(export, model_dir, tmp_path / "artifact")
     encode = peers.artifact_encoder(artifact)
     optimum_like = peers.reproduce_optimum_recipe(export, tmp_path / "optimum.onnx", "avx512_vnni")
-    entries = [peers.Entry(peers.BASELINE, "baseline", torch_runner, ""),
-               peers.Entry(peers.ARTIFACT, "artifact", engines.load(artifact), ""),
-               peers.Entry("ORT INT8", "peer",
-                           peers.MeanPooled(OrtRunner(optimum_like), read_pooling(Path(model_dir))), ""),
-               peers.Entry("OpenVINO FP32", "peer", peers.OvRunner(peers.openvino_fp32(export, tmp_path)), "")]
+    entries = [
+        peers.Entry(peers.BASELINE, "baseline", torch_runner, ""),
+        peers.Entry(peers.ARTIFACT, "artifact", engines.load(artifact), ""),
+        peers.Entry("ORT INT8", "peer", peers.MeanPooled(OrtRunner(optimum_like), read_pooling(Path(model_dir))), ""),
+        peers.Entry("OpenVINO FP32", "peer", peers.OvRunner(peers.openvino_fp32(export, tmp_path)), ""),
+    ]
     inputs = encode(peers.texts("evaluation", 4, seed=1))
     peers.measure_fidelity(entries, inputs)
     latency = peers.measure_latency(entries, inputs, 1, warmup=1, repeats=5, retries=0, busy_share=1.0)
@@ -99,11 +120,13 @@ def test_a_tiny_race_runs_and_its_ratios_match_the_timings(tmp_path):
     assert entries[2].fidelity["cosine_min"] > 0.9  # INT8 of every MatMul and Gather: close, not exact
     stats = latency["stats"]
     assert table["1"]["over_pytorch"]["OpenVINO FP32"] == pytest.approx(
-        stats[peers.BASELINE]["p50_ms"] / stats["OpenVINO FP32"]["p50_ms"])
+        stats[peers.BASELINE]["p50_ms"] / stats["OpenVINO FP32"]["p50_ms"]
+    )
     best = table["1"]["best_peer"]
     assert best in ("OpenVINO FP32", "ORT INT8")
     assert table["1"]["over_best_peer"][peers.ARTIFACT] == pytest.approx(
-        stats[best]["p50_ms"] / stats[peers.ARTIFACT]["p50_ms"])
+        stats[best]["p50_ms"] / stats[peers.ARTIFACT]["p50_ms"]
+    )
     env = peers.environment({"skipped": {}})
     report = peers.markdown(entries, ["1"], table, {"1": latency}, env, {"skipped": {}})
     assert report.count("\n| ") == len(entries) + 1 and env["cpu"] in report

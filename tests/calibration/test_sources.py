@@ -1,4 +1,5 @@
 """Calibration data: every source, seeded and hashed; bad sources are one clear DataError; overlap check."""
+
 from __future__ import annotations
 
 import json
@@ -79,8 +80,10 @@ def test_random_only_by_name_and_recorded():
     assert data.items[0].shape == (8, 8) and data.describe()["random"] is True
     texts = calibration.load("random", "evaluation", 4, 0)
     assert isinstance(texts.items[0], str) and "random" in texts.describe()["note"]
-    assert calibration.load("random", "calibration", 4, 0, shape=[2]).sha256 != \
-        calibration.load("random", "evaluation", 4, 0, shape=[2]).sha256
+    assert (
+        calibration.load("random", "calibration", 4, 0, shape=[2]).sha256
+        != calibration.load("random", "evaluation", 4, 0, shape=[2]).sha256
+    )
 
 
 @pytest.mark.parametrize("name", [None, "none", ""])
@@ -101,8 +104,16 @@ def test_unknown_source_and_too_few_items():
         calibration.load("digits", "calibration", 100000, 0)
 
 
-@pytest.mark.parametrize("source,content", [("text_file", b""), ("jsonl", b"\n\n"), ("parquet", b"not parquet"),
-                                            ("text_file", b"\xff\xfe bad utf-8 " * 40), ("jsonl", b"{broken\n")])
+@pytest.mark.parametrize(
+    "source,content",
+    [
+        ("text_file", b""),
+        ("jsonl", b"\n\n"),
+        ("parquet", b"not parquet"),
+        ("text_file", b"\xff\xfe bad utf-8 " * 40),
+        ("jsonl", b"{broken\n"),
+    ],
+)
 def test_empty_or_unreadable_files(tmp_path, source, content):
     path = tmp_path / "data.bin"
     path.write_bytes(content)

@@ -5,6 +5,7 @@ files) and 12 (malformed manifests). Every hostile file is made here; an attacke
 is assumed to recompute its unkeyed digest (`reseal`), so what stops them is the path and entry checks,
 or a signature.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,17 @@ def tiny_onnx(path: Path, negate: bool = False, external: str | None = None) -> 
     """y = x + w (w = 0), or -(x + w): a graph whose outputs tell which file was run. With `external`,
     w is stored as external data at that location (relative to the graph's folder)."""
     weight = helper.make_tensor("w", TensorProto.FLOAT, [4], [0.0] * 4)
-    nodes = [helper.make_node("Add", ["x", "w"], ["s"]),
-             helper.make_node("Neg" if negate else "Identity", ["s"], ["sentence_embedding"])]
-    graph = helper.make_graph(nodes, "tiny", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
-                              [helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, ["batch", 4])],
-                              [weight])
+    nodes = [
+        helper.make_node("Add", ["x", "w"], ["s"]),
+        helper.make_node("Neg" if negate else "Identity", ["s"], ["sentence_embedding"]),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "tiny",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
+        [helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, ["batch", 4])],
+        [weight],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     if external is not None:
         weight = model.graph.initializer[0]
@@ -55,11 +62,15 @@ def build(tmp_path: Path, passed: bool = True, key_file: Path | None = None, nam
         with artifact.staging(final) as stage:
             tiny_onnx(stage / "model.onnx")
             (stage / "notes.txt").write_text("hello")
-            artifact.write_manifest(stage, {
-                "engine": {"format": "onnxruntime", "file": "model.onnx", "task": "sentence_embedding"},
-                "metrics": {"candidate": {"cosine": 0.5}},
-                "gate": {"passed": passed, "checks": [{"name": "min_cosine", "passed": passed}]},
-                "verdict": "passed" if passed else "failed"})
+            artifact.write_manifest(
+                stage,
+                {
+                    "engine": {"format": "onnxruntime", "file": "model.onnx", "task": "sentence_embedding"},
+                    "metrics": {"candidate": {"cosine": 0.5}},
+                    "gate": {"passed": passed, "checks": [{"name": "min_cosine", "passed": passed}]},
+                    "verdict": "passed" if passed else "failed",
+                },
+            )
             artifact.publish(stage, final)
     finally:
         if key_file:
@@ -82,8 +93,14 @@ def edit(root: Path, change, keep_signature: bool = False) -> None:
 
 
 def cli(*args: str, env: dict | None = None, timeout: int = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def verify_cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -98,6 +115,7 @@ X = {"x": np.ones((2, 4), dtype=np.float32)}
 
 
 # --- finding 1: every path stays inside the artifact ----------------------------------------------
+
 
 @pytest.mark.parametrize("where", ["../outside.onnx", "ABSOLUTE", "./../outside.onnx", "sub/../../outside.onnx"])
 def test_engine_file_outside_the_artifact_is_refused(tmp_path, where):
@@ -156,14 +174,19 @@ def test_external_data_in_a_subgraph_is_found(tmp_path):
     inner = tiny_onnx(tmp_path / "inner.onnx", external="../x.bin")
     body = onnx.load(str(inner), load_external_data=False).graph
     node = helper.make_node("If", ["c"], ["sentence_embedding"], then_branch=body, else_branch=body)
-    graph = helper.make_graph([node], "outer", [helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
-                              [helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, None)])
+    graph = helper.make_graph(
+        [node],
+        "outer",
+        [helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+        [helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, None)],
+    )
     (tmp_path / "outer.onnx").write_bytes(helper.make_model(graph).SerializeToString())
     with pytest.raises(ArtifactError, match="outside the artifact"):
         check_onnx_external_data(tmp_path / "outer.onnx")
 
 
 # --- finding 2: the manifest cannot be edited ------------------------------------------------------
+
 
 def test_flipping_the_gate_is_refused(tmp_path):
     root = build(tmp_path, passed=False)
@@ -222,6 +245,7 @@ def test_short_or_pem_keys_are_refused(tmp_path):
 
 
 # --- finding 11: links and special files ------------------------------------------------------------
+
 
 def test_fifo_in_the_artifact_is_refused_without_blocking(tmp_path):
     root = build(tmp_path)

@@ -1,5 +1,6 @@
 """OpenVINO engine on a tiny encoder-like ONNX graph built in-process (embedding -> Linear -> ReLU ->
 LayerNorm -> Linear -> mean): real OpenVINO and NNCF, seconds on 2 cores."""
+
 from __future__ import annotations
 
 import json
@@ -30,24 +31,36 @@ def _tiny_encoder(path: Path, seed: int = 0) -> Path:
     def init(name, *shape, scale=1.0):
         return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
 
-    inits = [init("embedding", VOCAB, WIDTH), init("w1", WIDTH, WIDTH, scale=0.15), init("b1", WIDTH, scale=0.1),
-             init("ln_scale", WIDTH, scale=0.1), init("ln_bias", WIDTH, scale=0.1),
-             init("w2", WIDTH, WIDTH, scale=0.15),
-             numpy_helper.from_array(np.array([1], np.int64), "sequence_axis")]
-    nodes = [helper.make_node("Gather", ["embedding", "input_ids"], ["embedded"], name="embed"),
-             helper.make_node("MatMul", ["embedded", "w1"], ["h0"], name="fc1"),
-             helper.make_node("Add", ["h0", "b1"], ["h1"], name="bias1"),
-             helper.make_node("Relu", ["h1"], ["h2"], name="relu1"),
-             helper.make_node("LayerNormalization", ["h2", "ln_scale", "ln_bias"], ["h3"], name="norm", axis=-1),
-             helper.make_node("MatMul", ["h3", "w2"], ["last_hidden_state"], name="fc2"),
-             helper.make_node("ReduceMean", ["last_hidden_state", "sequence_axis"], ["sentence_embedding"],
-                              name="pool", keepdims=0)]
+    inits = [
+        init("embedding", VOCAB, WIDTH),
+        init("w1", WIDTH, WIDTH, scale=0.15),
+        init("b1", WIDTH, scale=0.1),
+        init("ln_scale", WIDTH, scale=0.1),
+        init("ln_bias", WIDTH, scale=0.1),
+        init("w2", WIDTH, WIDTH, scale=0.15),
+        numpy_helper.from_array(np.array([1], np.int64), "sequence_axis"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["embedding", "input_ids"], ["embedded"], name="embed"),
+        helper.make_node("MatMul", ["embedded", "w1"], ["h0"], name="fc1"),
+        helper.make_node("Add", ["h0", "b1"], ["h1"], name="bias1"),
+        helper.make_node("Relu", ["h1"], ["h2"], name="relu1"),
+        helper.make_node("LayerNormalization", ["h2", "ln_scale", "ln_bias"], ["h3"], name="norm", axis=-1),
+        helper.make_node("MatMul", ["h3", "w2"], ["last_hidden_state"], name="fc2"),
+        helper.make_node(
+            "ReduceMean", ["last_hidden_state", "sequence_axis"], ["sentence_embedding"], name="pool", keepdims=0
+        ),
+    ]
     graph = helper.make_graph(
-        nodes, "tiny_encoder",
+        nodes,
+        "tiny_encoder",
         [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
-        [helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "sequence", WIDTH]),
-         helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, ["batch", WIDTH])],
-        inits)
+        [
+            helper.make_tensor_value_info("last_hidden_state", TensorProto.FLOAT, ["batch", "sequence", WIDTH]),
+            helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, ["batch", WIDTH]),
+        ],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
     model.ir_version = 8
     onnx.save(model, str(path))
@@ -95,8 +108,9 @@ def _quantized_inputs(op) -> bool:
 
 
 def _matmuls(xml: Path) -> dict:
-    return {op.get_friendly_name(): op for op in ov.Core().read_model(str(xml)).get_ops()
-            if op.get_type_name() == "MatMul"}
+    return {
+        op.get_friendly_name(): op for op in ov.Core().read_model(str(xml)).get_ops() if op.get_type_name() == "MatMul"
+    }
 
 
 @pytest.mark.parametrize("batch,sequence", [(1, 5), (5, 17)])
@@ -141,8 +155,11 @@ def test_outputs_are_not_overwritten_by_the_next_call(tiny):
 def test_ir_keeps_fp32_weights(tiny):
     bin_bytes = tiny["xml"].with_suffix(".bin").stat().st_size
     assert bin_bytes >= 4 * WEIGHT_PARAMS  # FP16 compression would halve it
-    constant_types = {op.get_element_type().get_type_name()
-                      for op in ov.Core().read_model(str(tiny["xml"])).get_ops() if op.get_type_name() == "Constant"}
+    constant_types = {
+        op.get_element_type().get_type_name()
+        for op in ov.Core().read_model(str(tiny["xml"])).get_ops()
+        if op.get_type_name() == "Constant"
+    }
     assert "f16" not in constant_types
 
 
@@ -189,8 +206,9 @@ def test_accuracy_control_keeps_the_metric_within_max_drop(tiny, tmp_path):
         return float(np.mean(scores))
 
     validation = _token_batches(4, seed=3)
-    xml = nncf_int8_with_accuracy_control(tiny["xml"], _token_batches(8), validation, mean_cosine, 0.01, tmp_path,
-                                          subset_size=8)
+    xml = nncf_int8_with_accuracy_control(
+        tiny["xml"], _token_batches(8), validation, mean_cosine, 0.01, tmp_path, subset_size=8
+    )
     compiled = ov.Core().compile_model(str(xml), "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
     assert mean_cosine(compiled, validation) >= 1.0 - 0.01 - 1e-6
 
@@ -211,11 +229,16 @@ def test_load_from_a_manifest_engine_block(tiny, tmp_path):
     root = _write_artifact(tmp_path / "artifact", tiny["xml"], engine)
     runner = load(root, threads=1, spinning=False)
     assert isinstance(runner, OpenVINORunner)
-    assert runner.properties == {"INFERENCE_PRECISION_HINT": "f32", "PERFORMANCE_HINT": "LATENCY",
-                                 "INFERENCE_NUM_THREADS": 1, "ENABLE_CPU_PINNING": False}
+    assert runner.properties == {
+        "INFERENCE_PRECISION_HINT": "f32",
+        "PERFORMANCE_HINT": "LATENCY",
+        "INFERENCE_NUM_THREADS": 1,
+        "ENABLE_CPU_PINNING": False,
+    }
     inputs = _token_batches(1, 2, 4)[0]
-    np.testing.assert_allclose(runner(inputs)["sentence_embedding"],
-                               OrtRunner(tiny["onnx"])(inputs)["sentence_embedding"], atol=1e-4)
+    np.testing.assert_allclose(
+        runner(inputs)["sentence_embedding"], OrtRunner(tiny["onnx"])(inputs)["sentence_embedding"], atol=1e-4
+    )
 
 
 def test_bf16_artifact_refused_on_a_cpu_without_bf16(tiny, tmp_path, monkeypatch):

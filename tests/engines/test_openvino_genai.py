@@ -2,6 +2,7 @@
 trained on CPython docs): the stateful export against the Hugging Face model (one pass, and step by
 step through the KV cache), LLMPipeline generation, NNCF INT4, the engine method through the real
 command line, and the artifact served over the OpenAI protocol."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,19 +17,33 @@ from tests.support.models import tiny_llama_folder
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("openvino", "openvino_genai", "openvino_tokenizers", "nncf")),
-    reason="needs openvino, openvino-genai, openvino-tokenizers and nncf")
+    reason="needs openvino, openvino-genai, openvino-tokenizers and nncf",
+)
 
 # The smollm2_int4_cpu recipe's settings composed without the recipe (its engine.params name
 # onnxruntime_genai options), at tiny-model sizes; the speed gate is lenient (a shared 2-core
 # machine may still fail it as untrusted, exit 1, which these tests accept).
 TINY_OV_OVERRIDES = [
-    "~recipe", "model=smollm2", "quantize=none", "engine=openvino_genai_int4", "gate=llm_int4_cpu",
-    "evaluate.batch_sizes=[1]", "evaluate.memory=false", "model.max_length=128",
-    "gate.max_ppl_increase_pct=1000", "gate.min_decode_speedup=0.01",
-    "evaluate.data.count=8", "evaluate.warmup=1", "evaluate.repeats=3", "calibration.count=4",
-    "+evaluate.task_params.perplexity_tokens=256", "+evaluate.task_params.perplexity_window=128",
-    "+evaluate.task_params.prompt_tokens=16", "+evaluate.task_params.new_tokens=8",
-    "+evaluate.task_params.lm_eval_tasks=[cpython_next_sentence]", "+evaluate.task_params.lm_eval_limit=4",
+    "~recipe",
+    "model=smollm2",
+    "quantize=none",
+    "engine=openvino_genai_int4",
+    "gate=llm_int4_cpu",
+    "evaluate.batch_sizes=[1]",
+    "evaluate.memory=false",
+    "model.max_length=128",
+    "gate.max_ppl_increase_pct=1000",
+    "gate.min_decode_speedup=0.01",
+    "evaluate.data.count=8",
+    "evaluate.warmup=1",
+    "evaluate.repeats=3",
+    "calibration.count=4",
+    "+evaluate.task_params.perplexity_tokens=256",
+    "+evaluate.task_params.perplexity_window=128",
+    "+evaluate.task_params.prompt_tokens=16",
+    "+evaluate.task_params.new_tokens=8",
+    "+evaluate.task_params.lm_eval_tasks=[cpython_next_sentence]",
+    "+evaluate.task_params.lm_eval_limit=4",
 ]
 
 
@@ -86,9 +101,10 @@ def hf_greedy(model, ids, new_tokens: int) -> list[int]:
     import torch
 
     with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
+    return out[0, len(ids) :].tolist()
 
 
 TEXT = "The return statement leaves the current function call with the expression list."
@@ -99,8 +115,14 @@ def test_export_is_stateful_and_llm_pipeline_runs_it(ov_fp32):
     import openvino_genai
 
     folder = ov_fp32.parent
-    for name in ("openvino_model.bin", "openvino_tokenizer.xml", "openvino_detokenizer.xml", "config.json",
-                 "generation_config.json", "tokenizer.json"):
+    for name in (
+        "openvino_model.bin",
+        "openvino_tokenizer.xml",
+        "openvino_detokenizer.xml",
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+    ):
         assert (folder / name).is_file(), name
     model = ov.Core().read_model(str(ov_fp32))
     assert {p.get_any_name() for p in model.inputs} == {"input_ids", "attention_mask", "position_ids", "beam_idx"}
@@ -108,8 +130,11 @@ def test_export_is_stateful_and_llm_pipeline_runs_it(ov_fp32):
     ops = [op.get_type_name() for op in model.get_ops()]
     assert ops.count("ReadValue") == ops.count("Assign") == 2 * 2  # key and value of both layers
     # weights kept FP32 (save_model would have halved them to FP16)
-    weights = {op.get_output_element_type(0).get_type_name() for op in model.get_ops()
-               if op.get_type_name() == "Constant" and len(op.get_output_partial_shape(0)) == 2}
+    weights = {
+        op.get_output_element_type(0).get_type_name()
+        for op in model.get_ops()
+        if op.get_type_name() == "Constant" and len(op.get_output_partial_shape(0)) == 2
+    }
     assert "f32" in weights and not weights & {"f16", "bf16"}
     pipe = openvino_genai.LLMPipeline(str(folder), "CPU", INFERENCE_PRECISION_HINT="f32", INFERENCE_NUM_THREADS=1)
     assert isinstance(pipe.generate("def main():", max_new_tokens=4), str)
@@ -142,16 +167,21 @@ def test_kv_cache_step_by_step_matches_one_pass(ov_fp32, tiny_hf, runner):
     ids = runner.encode(TEXT)[:16]
     reference = hf_logits(tiny_hf, ids)
     core = ov.Core()
-    request = core.compile_model(core.read_model(str(ov_fp32)), "CPU", {"INFERENCE_PRECISION_HINT": "f32",
-                                                                       "KV_CACHE_PRECISION": "f32"}
-                                 ).create_infer_request()
+    request = core.compile_model(
+        core.read_model(str(ov_fp32)), "CPU", {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"}
+    ).create_infer_request()
     request.reset_state()
     prefill = 6
     for start, stop in [(0, prefill)] + [(i, i + 1) for i in range(prefill, len(ids))]:
         chunk = np.array([ids[start:stop]], dtype=np.int64)
-        request.infer({"input_ids": chunk, "attention_mask": np.ones((1, stop), dtype=np.int64),
-                       "position_ids": np.arange(start, stop, dtype=np.int64)[None],
-                       "beam_idx": np.zeros(1, dtype=np.int32)})
+        request.infer(
+            {
+                "input_ids": chunk,
+                "attention_mask": np.ones((1, stop), dtype=np.int64),
+                "position_ids": np.arange(start, stop, dtype=np.int64)[None],
+                "beam_idx": np.zeros(1, dtype=np.int32),
+            }
+        )
         got = request.get_tensor("logits").data[0]
         assert np.abs(got - reference[start:stop]).max() < 1e-4, (start, stop)
 
@@ -165,7 +195,7 @@ def test_greedy_generation_matches_hugging_face(runner, tiny_hf):
         got = [t for t, _ in runner.generate(prompt, Sampling(max_new_tokens=10))]
         assert len(set(expected)) > 2, "the varied model should not repeat one token"
         stop = next((i for i, t in enumerate(expected) if t in runner.eos_token_ids), len(expected))
-        assert got[:6] == expected[:min(6, stop)], text
+        assert got[:6] == expected[: min(6, stop)], text
 
 
 def test_generate_streams_text_and_honours_limits(runner):
@@ -175,8 +205,9 @@ def test_generate_streams_text_and_honours_limits(runner):
     tokens = list(runner.generate(prompt, Sampling(max_new_tokens=12)))
     assert 0 < len(tokens) <= 12
     assert "".join(piece for _, piece in tokens) == runner.decode([t for t, _ in tokens])
-    seeded = [[t for t, _ in runner.generate(prompt, Sampling(max_new_tokens=8, temperature=0.9, seed=7))]
-              for _ in range(2)]
+    seeded = [
+        [t for t, _ in runner.generate(prompt, Sampling(max_new_tokens=8, temperature=0.9, seed=7))] for _ in range(2)
+    ]
     assert seeded[0] == seeded[1]
     calls = []
 
@@ -214,8 +245,16 @@ def test_data_aware_int4_and_mixed_ratio(ov_fp32, runner, tmp_path):
     from engines.openvino_genai_build import calibration_inputs, compress_weights, weight_precision
 
     batches = calibration_inputs([runner.encode(TEXT), runner.encode("A class definition creates a class object.")])
-    xml = compress_weights(ov_fp32, tmp_path / "awq", mode="int4_asym", group_size=32, ratio=0.5, awq=True,
-                           scale_estimation=True, calibration_batches=batches)
+    xml = compress_weights(
+        ov_fp32,
+        tmp_path / "awq",
+        mode="int4_asym",
+        group_size=32,
+        ratio=0.5,
+        awq=True,
+        scale_estimation=True,
+        calibration_batches=batches,
+    )
     layers = weight_precision(xml)
     assert 0 < layers["int4"]["count"] < 2 * 7 and layers["int8"]["count"] > 2
 
@@ -224,8 +263,13 @@ def test_data_aware_int4_and_mixed_ratio(ov_fp32, runner, tmp_path):
 def cli_artifact(tiny_llm, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ov_genai_cli")
     out = workdir / "artifact"
-    proc = run_optimize(f"model.source={tiny_llm}", *TINY_OV_OVERRIDES, "engine.params.group_size=32",
-                        f"output_dir={out}", f"hydra.run.dir={workdir / 'run'}")
+    proc = run_optimize(
+        f"model.source={tiny_llm}",
+        *TINY_OV_OVERRIDES,
+        "engine.params.group_size=32",
+        f"output_dir={out}",
+        f"hydra.run.dir={workdir / 'run'}",
+    )
     return proc, out
 
 
@@ -246,8 +290,13 @@ def test_engine_method_through_the_command_line(cli_artifact):
 
 
 def test_group_size_the_model_cannot_take_is_one_error_line(tiny_llm, tmp_path):
-    proc = run_optimize(f"model.source={tiny_llm}", *TINY_OV_OVERRIDES, "engine.params.group_size=48",
-                        f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(
+        f"model.source={tiny_llm}",
+        *TINY_OV_OVERRIDES,
+        "engine.params.group_size=48",
+        f"output_dir={tmp_path / 'a'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     one_error_line(proc, "openvino_genai", "group size", log_lines=True)
 
 
@@ -263,11 +312,20 @@ def test_served_over_the_openai_protocol(cli_artifact):
         name = client.models.list().data[0].id
         whole = client.completions.create(model=name, prompt="def main():", max_tokens=8, temperature=0)
         assert whole.choices[0].finish_reason in ("stop", "length") and whole.usage.completion_tokens <= 8
-        pieces = [c.choices[0].text for c in client.completions.create(
-            model=name, prompt="def main():", max_tokens=8, temperature=0, stream=True) if c.choices]
+        pieces = [
+            c.choices[0].text
+            for c in client.completions.create(
+                model=name, prompt="def main():", max_tokens=8, temperature=0, stream=True
+            )
+            if c.choices
+        ]
         assert "".join(pieces) == whole.choices[0].text
         messages = [{"role": "user", "content": "What is Python?"}]
         reply = client.chat.completions.create(model=name, messages=messages, max_tokens=8, temperature=0)
-        deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=name, messages=messages, max_tokens=8, temperature=0, stream=True)]
+        deltas = [
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model=name, messages=messages, max_tokens=8, temperature=0, stream=True
+            )
+        ]
         assert "".join(deltas) == reply.choices[0].message.content

@@ -1,4 +1,5 @@
 """Fusion into ONNX Runtime's kernels, and packing the fused Attention's QKV so it can be quantized."""
+
 import numpy as np
 import pytest
 
@@ -43,9 +44,12 @@ def test_a_graph_without_fused_attention_is_left_alone(tmp_path):
     import onnx
     from onnx import TensorProto, helper
 
-    graph = helper.make_graph([helper.make_node("Identity", ["attention_mask"], ["y"])], "g",
-                              [helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.INT64, [1, 4])])
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["attention_mask"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("attention_mask", TensorProto.INT64, [1, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, [1, 4])],
+    )
     source = tmp_path / "plain.onnx"
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(source))
     assert pack_attention_qkv(source, tmp_path / "out.onnx") == (source, 0)

@@ -36,8 +36,11 @@ def test_verify_reports_changed_missing_and_unexpected_files(tmp_path):
     (final / "a.bin").write_bytes(b"tampered")
     (final / "b.bin").unlink()
     (final / "c.bin").write_bytes(b"c")
-    assert verify(final) == ["changed file a.bin (sha256 differs from the manifest)", "missing file b.bin",
-                             "unexpected file c.bin (not in the manifest)"]
+    assert verify(final) == [
+        "changed file a.bin (sha256 differs from the manifest)",
+        "missing file b.bin",
+        "unexpected file c.bin (not in the manifest)",
+    ]
 
 
 def test_an_error_inside_staging_leaves_nothing_behind(tmp_path):

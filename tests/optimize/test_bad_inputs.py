@@ -1,5 +1,6 @@
 """Bad inputs are exit 2 with one line naming them, never a traceback (findings 5, 6, 7, 10, 13, 14, 15),
 and a fuzz run over random overrides shows only refusals or plans, never a bug."""
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,13 @@ from onnx import TensorProto, helper  # noqa: E402
 def onnx_model(domain: str = "", external: str | None = None):
     weight = helper.make_tensor("w", TensorProto.FLOAT, [4], [1.0] * 4)
     node = helper.make_node("Add" if not domain else "Frobnicate", ["x", "w"], ["y"], domain=domain)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])], [weight])
+    graph = helper.make_graph(
+        [node],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])],
+        [weight],
+    )
     opsets = [helper.make_opsetid("", 17)] + ([helper.make_opsetid(domain, 1)] if domain else [])
     model = helper.make_model(graph, opset_imports=opsets)
     if external is not None:
@@ -39,8 +45,7 @@ def onnx_model(domain: str = "", external: str | None = None):
 
 
 def refuse(tmp_path: Path, *overrides: str, fragments=(), log_lines: bool = False) -> str:
-    proc = run_optimize(*overrides, f"hydra.run.dir={tmp_path / 'run'}", f"output_dir={tmp_path / 'out'}",
-                        timeout=300)
+    proc = run_optimize(*overrides, f"hydra.run.dir={tmp_path / 'run'}", f"output_dir={tmp_path / 'out'}", timeout=300)
     line = one_error_line(proc, *fragments, log_lines=log_lines)
     assert "this is a bug" not in proc.stderr
     assert not (tmp_path / "out").exists()
@@ -53,8 +58,21 @@ GENERIC = ("model.task=generic", "evaluate.inputs=random", "gate=none", "gate.mi
 
 # --- finding 5: every bad ONNX source --------------------------------------------------------------
 
-@pytest.mark.parametrize("case", ["corrupt", "truncated", "empty", "custom_domain", "external_outside",
-                                  "external_missing", "directory", "fifo", "symlink"])
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "corrupt",
+        "truncated",
+        "empty",
+        "custom_domain",
+        "external_outside",
+        "external_missing",
+        "directory",
+        "fifo",
+        "symlink",
+    ],
+)
 def test_bad_onnx_sources_exit_2(tmp_path, case):
     source = tmp_path / "model.onnx"
     good = onnx_model().SerializeToString()
@@ -92,9 +110,18 @@ def test_onnx_with_external_data_beside_it_runs_and_hashes_its_data(tmp_path):
     (source.parent / "weights.bin").write_bytes(np.ones(4, np.float32).tobytes())
     source.write_bytes(onnx_model(external="weights.bin").SerializeToString())
     out = tmp_path / "out"
-    proc = run_optimize(f"model.source={source}", *GENERIC, "quantize=none", "evaluate.data.count=8",
-                        "evaluate.batch_sizes=[2]", "evaluate.repeats=3", "evaluate.memory=false",
-                        f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}", timeout=300)
+    proc = run_optimize(
+        f"model.source={source}",
+        *GENERIC,
+        "quantize=none",
+        "evaluate.data.count=8",
+        "evaluate.batch_sizes=[2]",
+        "evaluate.repeats=3",
+        "evaluate.memory=false",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     manifest = read_manifest(out)
     assert set(manifest["model"]["sha256"]) == {"model.onnx", "weights.bin"}
@@ -107,16 +134,26 @@ def test_onnx_with_external_data_beside_it_runs_and_hashes_its_data(tmp_path):
 def test_custom_code_model_exits_2(tmp_path):
     folder = tmp_path / "model"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "totally_custom", "architectures": ["CustomModel"],
-        "auto_map": {"AutoConfig": "configuration_custom.CustomConfig", "AutoModel": "modeling_custom.CustomModel"}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "totally_custom",
+                "architectures": ["CustomModel"],
+                "auto_map": {
+                    "AutoConfig": "configuration_custom.CustomConfig",
+                    "AutoModel": "modeling_custom.CustomModel",
+                },
+            }
+        )
+    )
     (folder / "configuration_custom.py").write_text("raise SystemExit('remote code ran')\n")
     (folder / "model.safetensors").write_bytes(b"")
     refuse(tmp_path, f"model.source={folder}", *FAST_OVERRIDES, fragments=["trust_remote_code"], log_lines=True)
 
 
-@pytest.mark.parametrize("value, fragment", [("0", "model.max_length=0"), ("-3", "model.max_length=-3"),
-                                             ("100000", "512 positions")])
+@pytest.mark.parametrize(
+    "value, fragment", [("0", "model.max_length=0"), ("-3", "model.max_length=-3"), ("100000", "512 positions")]
+)
 def test_max_length_outside_the_position_embeddings_exits_2(tmp_path, value, fragment):
     refuse(tmp_path, f"model.max_length={value}", *FAST_OVERRIDES, fragments=[fragment], log_lines=True)
 
@@ -125,8 +162,9 @@ def test_unwritable_output_dir_exits_2(tmp_path):
     (tmp_path / "afile").write_text("x")
     proc = run_optimize(f"output_dir={tmp_path / 'afile' / 'sub'}", f"hydra.run.dir={tmp_path / 'run'}")
     one_error_line(proc, "not a directory")
-    proc = run_optimize("output_dir=/proc/optimize-cannot-write-here", f"hydra.run.dir={tmp_path / 'run'}",
-                        *FAST_OVERRIDES, timeout=300)
+    proc = run_optimize(
+        "output_dir=/proc/optimize-cannot-write-here", f"hydra.run.dir={tmp_path / 'run'}", *FAST_OVERRIDES, timeout=300
+    )
     one_error_line(proc, "/proc/optimize-cannot-write-here", log_lines=True)
 
 
@@ -150,8 +188,17 @@ def test_library_errors_map_to_one_line():
 
 # --- finding 7: `+key` cannot get around the schema --------------------------------------------------
 
-@pytest.mark.parametrize("override", ["+gate.min_cosin=0.999", "++gate.min_cosin=0.999",
-                                      "+quantize.params.bogus=1", "+model.sorce=x", "+evaluate.data.bogus=1"])
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "+gate.min_cosin=0.999",
+        "++gate.min_cosin=0.999",
+        "+quantize.params.bogus=1",
+        "+model.sorce=x",
+        "+evaluate.data.bogus=1",
+    ],
+)
 def test_plus_key_outside_the_schema_exits_2(tmp_path, override):
     key = override.lstrip("+").split("=")[0]
     refuse(tmp_path, override, fragments=[key, "no such key"])
@@ -163,6 +210,7 @@ def test_plus_key_inside_a_free_form_section_is_accepted(tmp_path):
 
 
 # --- finding 10: overwrite never replaces a plain file ---------------------------------------------
+
 
 def test_overwrite_refuses_a_plain_file_or_link(tmp_path):
     target = tmp_path / "out"
@@ -178,6 +226,7 @@ def test_overwrite_refuses_a_plain_file_or_link(tmp_path):
 
 # --- finding 13: data files are capped ---------------------------------------------------------------
 
+
 def test_data_files_are_capped_and_checked(tmp_path, monkeypatch):
     import calibration
 
@@ -187,8 +236,11 @@ def test_data_files_are_capped_and_checked(tmp_path, monkeypatch):
     monkeypatch.setenv(calibration.MAX_DATA_BYTES_ENV, str(1 << 20))
     with pytest.raises(calibration.DataError, match="over the limit of 1048576"):
         calibration.load("text_file", "calibration", 1, 0, path=str(big))
-    for path, fragment in ((tmp_path, "is a directory"), ("/dev/zero", "is a device"),
-                           (tmp_path / "nope.txt", "does not exist")):
+    for path, fragment in (
+        (tmp_path, "is a directory"),
+        ("/dev/zero", "is a device"),
+        (tmp_path / "nope.txt", "does not exist"),
+    ):
         with pytest.raises(calibration.DataError, match=fragment):
             calibration.load("text_file", "calibration", 1, 0, path=str(path))
     os.mkfifo(tmp_path / "fifo.txt")
@@ -201,8 +253,12 @@ def test_a_huge_data_file_is_refused_from_the_cli_without_reading_it(tmp_path):
     with open(big, "wb") as f:
         f.truncate(1 << 30)  # 1 GiB, sparse
     started = time.monotonic()
-    refuse(tmp_path, "calibration.source=text_file", f"calibration.path={big}",
-           fragments=["over the limit", "OPTIMIZE_MAX_DATA_BYTES"])
+    refuse(
+        tmp_path,
+        "calibration.source=text_file",
+        f"calibration.path={big}",
+        fragments=["over the limit", "OPTIMIZE_MAX_DATA_BYTES"],
+    )
     assert time.monotonic() - started < 60
 
 
@@ -213,6 +269,7 @@ def test_data_path_kind_is_named(tmp_path, path, fragment):
 
 
 # --- finding 14: crash hygiene ---------------------------------------------------------------------
+
 
 def test_a_dead_runs_partial_directory_is_removed_by_the_next_run(tmp_path):
     final = tmp_path / "artifact"
@@ -234,9 +291,20 @@ def test_a_dead_runs_partial_directory_is_removed_by_the_next_run(tmp_path):
 
 def test_sigkill_leaves_one_partial_directory_that_the_next_run_removes(tmp_path):
     out = tmp_path / "artifact"
-    proc = subprocess.Popen([sys.executable, "-m", "optimize", *FAST_OVERRIDES, "evaluate.memory=true",
-                             f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "optimize",
+            *FAST_OVERRIDES,
+            "evaluate.memory=true",
+            f"output_dir={out}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 180
     while time.time() < deadline and not list(tmp_path.glob(".artifact.partial-*/artifact/tokenizer")):
         time.sleep(0.2)
@@ -246,8 +314,13 @@ def test_sigkill_leaves_one_partial_directory_that_the_next_run_removes(tmp_path
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     assert [p.name for p in tmp_path.glob(".artifact*")] == [partials[0].name]
-    proc = run_optimize(f"output_dir={out}", "calibration.source=text_file", f"calibration.path={tmp_path / 'no'}",
-                        f"hydra.run.dir={tmp_path / 'run2'}", *FAST_OVERRIDES[:1])
+    proc = run_optimize(
+        f"output_dir={out}",
+        "calibration.source=text_file",
+        f"calibration.path={tmp_path / 'no'}",
+        f"hydra.run.dir={tmp_path / 'run2'}",
+        *FAST_OVERRIDES[:1],
+    )
     assert proc.returncode == 2  # refused at plan: staging never ran
     with artifact.staging(out):
         pass
@@ -256,11 +329,13 @@ def test_sigkill_leaves_one_partial_directory_that_the_next_run_removes(tmp_path
 
 def test_memory_probe_dies_with_its_parent(tmp_path):
     """The probe child asks the kernel for SIGKILL when its parent dies."""
-    script = ("import subprocess, sys, time\n"
-              "p = subprocess.Popen([sys.executable, '-c', 'from engines.memprobe import die_with_parent; "
-              "die_with_parent(); import time; time.sleep(60)'])\n"
-              "print(p.pid, flush=True)\n"
-              "time.sleep(60)\n")
+    script = (
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'from engines.memprobe import die_with_parent; "
+        "die_with_parent(); import time; time.sleep(60)'])\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
     parent = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     child = int(parent.stdout.readline())
     time.sleep(1.0)
@@ -282,12 +357,16 @@ def test_memory_probe_dies_with_its_parent(tmp_path):
 
 # --- finding 15: network, exit codes ---------------------------------------------------------------
 
+
 def test_hub_id_without_network_is_quick_and_one_line(tmp_path):
     started = time.monotonic()
-    proc = run_optimize("model.source=nobody-here/no-such-model", *FAST_OVERRIDES,
-                        f"hydra.run.dir={tmp_path / 'run'}", f"output_dir={tmp_path / 'out'}",
-                        env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9",
-                             "HF_HOME": str(tmp_path / "hf")})
+    proc = run_optimize(
+        "model.source=nobody-here/no-such-model",
+        *FAST_OVERRIDES,
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"output_dir={tmp_path / 'out'}",
+        env={"HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")},
+    )
     one_error_line(proc, "nobody-here/no-such-model", log_lines=True)
     assert len(proc.stderr.strip().splitlines()) <= 3, proc.stderr
     assert time.monotonic() - started < 25
@@ -298,9 +377,13 @@ def test_sigterm_exits_143_as_documented(tmp_path):
 
     assert "143 stopped by SIGTERM" in cli.__doc__ and "130 interrupted by SIGINT" in cli.__doc__
     out = tmp_path / "artifact"
-    proc = subprocess.Popen([sys.executable, "-m", "optimize", *FAST_OVERRIDES, f"output_dir={out}",
-                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "optimize", *FAST_OVERRIDES, f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not list(tmp_path.glob(".artifact.partial-*")):
         time.sleep(0.2)

@@ -1,4 +1,5 @@
 """The latency harness: same batches for every runner, blocks that start with an untimed call."""
+
 from optimize.evaluate.benchmark import measure
 
 
@@ -15,8 +16,7 @@ class Recorder:
 def test_runners_take_turns_in_blocks_on_the_same_batches():
     log = []
     batches = [{"i": i} for i in range(4)]
-    stats = measure({"a": Recorder("a", log), "b": Recorder("b", log)}, batches, 1, warmup=1, repeats=6,
-                    block=3)
+    stats = measure({"a": Recorder("a", log), "b": Recorder("b", log)}, batches, 1, warmup=1, repeats=6, block=3)
     timed = log[2:]  # after one warm-up call each
     # Block 1: a settles then runs 0,1,2; b the same; block 2 in reversed order, batches 3,0,1.
     assert timed[:8] == [("a", 0), ("a", 0), ("a", 1), ("a", 2), ("b", 0), ("b", 0), ("b", 1), ("b", 2)]
@@ -26,6 +26,5 @@ def test_runners_take_turns_in_blocks_on_the_same_batches():
 
 def test_repeats_shrink_to_the_time_budget_but_not_below_the_minimum():
     log = []
-    stats = measure({"a": Recorder("a", log)}, [{"i": 0}], 1, warmup=1, repeats=1000, budget_s=0.0,
-                    min_repeats=5)
+    stats = measure({"a": Recorder("a", log)}, [{"i": 0}], 1, warmup=1, repeats=1000, budget_s=0.0, min_repeats=5)
     assert stats["a"]["samples"] == 5

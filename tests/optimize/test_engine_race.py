@@ -1,4 +1,5 @@
 """The engine race: its choice (accuracy first, then speed), its cache, and its refusals."""
+
 from types import SimpleNamespace
 
 import pytest
@@ -20,8 +21,16 @@ def _entry(name: str, cosine_min: float, p50: float) -> auto.Entry:
 
 
 def _ctx(**gate):
-    thresholds = {"min_cosine": None, "min_mean_cosine": None, "max_size_mb": None, "min_speedup": None,
-                  "speedup_batch_size": 1, "max_p95_ms": None, "latency_batch_size": 1, **gate}
+    thresholds = {
+        "min_cosine": None,
+        "min_mean_cosine": None,
+        "max_size_mb": None,
+        "min_speedup": None,
+        "speedup_batch_size": 1,
+        "max_p95_ms": None,
+        "latency_batch_size": 1,
+        **gate,
+    }
     return SimpleNamespace(cfg=OmegaConf.create({"gate": thresholds, "evaluate": {"batch_sizes": [1, 32]}}))
 
 
@@ -53,19 +62,34 @@ def test_race_config_refuses_unknown_candidates_and_stray_params():
         build_config(method, {"candidates": ["ort_fp32", "tensorrt_fp4"]})
     with pytest.raises(RecipeError, match="not candidates"):
         build_config(method, {"candidates": ["ort_fp32"], "candidate_params": {"openvino_int8": {"engine": {}}}})
-    cfg = build_config(method, {"candidates": ["openvino_int8"],
-                                "candidate_params": {"openvino_int8": {"engine": {"smooth_quant_alpha": 0.5}}}})
+    cfg = build_config(
+        method,
+        {
+            "candidates": ["openvino_int8"],
+            "candidate_params": {"openvino_int8": {"engine": {"smooth_quant_alpha": 0.5}}},
+        },
+    )
     assert cfg.spec("openvino_int8").engine_params == {"precision": "int8", "smooth_quant_alpha": 0.5}
 
 
 def _race(tmp_path, name: str, *overrides: str):
     out = tmp_path / name
-    proc = run_optimize("engine.params.candidates=[ort_fp32,ort_int8_dynamic_all,openvino_f32,openvino_int8]",
-                        "evaluate.data.count=16", "calibration.count=16", "evaluate.batch_sizes=[1]",
-                        "evaluate.repeats=4", "evaluate.warmup=1", "evaluate.memory=false",
-                        "engine.params.timing_repeats=4", "gate.min_speedup=null", "gate.min_topk_agreement=null",
-                        f"output_dir={out}", f"hydra.run.dir={tmp_path / (name + '-run')}", *overrides,
-                        env={"OPTIMIZE_CACHE": str(tmp_path / "cache")})
+    proc = run_optimize(
+        "engine.params.candidates=[ort_fp32,ort_int8_dynamic_all,openvino_f32,openvino_int8]",
+        "evaluate.data.count=16",
+        "calibration.count=16",
+        "evaluate.batch_sizes=[1]",
+        "evaluate.repeats=4",
+        "evaluate.warmup=1",
+        "evaluate.memory=false",
+        "engine.params.timing_repeats=4",
+        "gate.min_speedup=null",
+        "gate.min_topk_agreement=null",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / (name + '-run')}",
+        *overrides,
+        env={"OPTIMIZE_CACHE": str(tmp_path / "cache")},
+    )
     return proc, out
 
 
@@ -99,13 +123,26 @@ def test_causal_lm_race_on_a_tiny_llama_ships_the_fastest_generation_within_the_
     source = tiny_llama_folder(tmp_path / "src")
     out = tmp_path / "artifact"
     proc = run_optimize(
-        f"model.source={source}", "recipe=smollm2_int4_cpu", "engine=auto", "model.max_length=128",
+        f"model.source={source}",
+        "recipe=smollm2_int4_cpu",
+        "engine=auto",
+        "model.max_length=128",
         "engine.params.candidates=[ort_genai_int4,openvino_genai_int4_g32,openvino_genai_int8]",
-        "gate.max_ppl_increase_pct=1000", "gate.min_decode_speedup=null", "evaluate.data.count=8",
-        "evaluate.warmup=1", "evaluate.repeats=2", "calibration.count=4", "evaluate.task_params.perplexity_tokens=256",
-        "evaluate.task_params.perplexity_window=128", "evaluate.task_params.prompt_tokens=16",
-        "evaluate.task_params.new_tokens=8", "evaluate.task_params.lm_eval_tasks=[]", f"output_dir={out}",
-        f"hydra.run.dir={tmp_path / 'run'}", env={"OPTIMIZE_CACHE": str(tmp_path / "cache")})
+        "gate.max_ppl_increase_pct=1000",
+        "gate.min_decode_speedup=null",
+        "evaluate.data.count=8",
+        "evaluate.warmup=1",
+        "evaluate.repeats=2",
+        "calibration.count=4",
+        "evaluate.task_params.perplexity_tokens=256",
+        "evaluate.task_params.perplexity_window=128",
+        "evaluate.task_params.prompt_tokens=16",
+        "evaluate.task_params.new_tokens=8",
+        "evaluate.task_params.lm_eval_tasks=[]",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        env={"OPTIMIZE_CACHE": str(tmp_path / "cache")},
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     manifest = read_manifest(out)
     race = manifest["stages"]["engine"]
@@ -117,8 +154,9 @@ def test_causal_lm_race_on_a_tiny_llama_ships_the_fastest_generation_within_the_
         assert metrics["generation_ms"] == pytest.approx(auto_generation_ms(metrics))
     winner = by_name[race["winner"]]
     assert winner["outcome"].startswith("won")
-    assert winner["metrics"]["generation_ms"] == min(c["metrics"]["generation_ms"] for c in by_name.values()
-                                                     if c["passed_accuracy"])
+    assert winner["metrics"]["generation_ms"] == min(
+        c["metrics"]["generation_ms"] for c in by_name.values() if c["passed_accuracy"]
+    )
     assert manifest["engine"]["format"] == {"ort_genai_int4": "onnxruntime-genai"}.get(race["winner"], "openvino-genai")
     assert "engine race" in proc.stdout and "generation ms" in proc.stdout
 

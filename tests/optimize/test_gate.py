@@ -1,9 +1,12 @@
 from optimize.gate import gate_keys, judge
 
 BASE = {"size_mb": 90.0, "latency": {"1": {"p50_ms": 20.0, "p95_ms": 25.0}}}
-CAND = {"size_mb": 30.0, "fidelity": {"cosine_min": 0.991, "cosine_mean": 0.998, "topk_agreement": 0.9},
-        "latency": {"1": {"p50_ms": 10.0, "p95_ms": 12.0}, "32": {"p50_ms": 100.0, "p95_ms": 150.0}},
-        "speedup": {"1": 2.0, "32": 1.1}}
+CAND = {
+    "size_mb": 30.0,
+    "fidelity": {"cosine_min": 0.991, "cosine_mean": 0.998, "topk_agreement": 0.9},
+    "latency": {"1": {"p50_ms": 10.0, "p95_ms": 12.0}, "32": {"p50_ms": 100.0, "p95_ms": 150.0}},
+    "speedup": {"1": 2.0, "32": 1.1},
+}
 
 
 def by_name(verdict):
@@ -37,8 +40,9 @@ def test_a_threshold_on_an_unmeasured_metric_fails():
 
 
 def test_batch_size_selects_the_latency_and_speedup_checked():
-    verdict = judge(BASE, CAND, {"min_speedup": 1.5, "speedup_batch_size": 32, "max_p95_ms": 140,
-                                 "latency_batch_size": 32})
+    verdict = judge(
+        BASE, CAND, {"min_speedup": 1.5, "speedup_batch_size": 32, "max_p95_ms": 140, "latency_batch_size": 32}
+    )
     checks = by_name(verdict)
     assert checks["min_speedup"].value == 1.1 and not checks["min_speedup"].passed
     assert checks["max_p95_ms"].value == 150.0 and not checks["max_p95_ms"].passed
@@ -53,8 +57,15 @@ def test_boundaries_are_inclusive():
 def test_verdict_serializes_every_check():
     data = judge(BASE, CAND, {"min_cosine": 0.99}).to_dict()
     assert data["passed"] is True
-    assert data["checks"][0] == {"name": "min_cosine", "metric": "fidelity cosine (min)", "value": 0.991,
-                                 "comparison": ">=", "threshold": 0.99, "passed": True, "note": ""}
+    assert data["checks"][0] == {
+        "name": "min_cosine",
+        "metric": "fidelity cosine (min)",
+        "value": 0.991,
+        "comparison": ">=",
+        "threshold": 0.99,
+        "passed": True,
+        "note": "",
+    }
 
 
 def test_every_gate_threshold_in_the_schema_has_a_check():

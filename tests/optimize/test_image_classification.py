@@ -1,5 +1,6 @@
 """The digits CNN end to end: training script, image_classification task, static INT8 recipe gated on
 held-out accuracy, and the calibration errors a user can hit from the command line (exit 2, one line)."""
+
 from __future__ import annotations
 
 import json
@@ -10,8 +11,12 @@ import pytest
 from tests.support.cli import one_error_line, run_optimize
 
 pytest.importorskip("sklearn")
-FAST = ["evaluate.latency=false", "calibration.count=64", "quantize.params.calibration_count=64",
-        "evaluate.data.count=200"]
+FAST = [
+    "evaluate.latency=false",
+    "calibration.count=64",
+    "quantize.params.calibration_count=64",
+    "evaluate.data.count=200",
+]
 
 
 def test_training_script_writes_a_loadable_safetensors_checkpoint(tmp_path):
@@ -44,8 +49,9 @@ def test_checked_in_checkpoint_is_accurate():
 
 def test_digits_static_int8_recipe_passes_on_accuracy(tmp_path):
     out = tmp_path / "artifact"
-    proc = run_optimize("recipe=digits_cnn_int8_static", *FAST, f"output_dir={out}",
-                        f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(
+        "recipe=digits_cnn_int8_static", *FAST, f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}"
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     base, cand = manifest["metrics"]["baseline"], manifest["metrics"]["candidate"]
@@ -58,14 +64,18 @@ def test_digits_static_int8_recipe_passes_on_accuracy(tmp_path):
     assert "top-1 accuracy drop" in proc.stdout
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("calibration.count=0", "count=0"),
-    ("calibration.source=none", "no data source"),
-    ("calibration.source=text_file", "needs a path"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("calibration.count=0", "count=0"),
+        ("calibration.source=none", "no data source"),
+        ("calibration.source=text_file", "needs a path"),
+    ],
+)
 def test_missing_calibration_data_exits_2(tmp_path, override, expected):
-    proc = run_optimize("recipe=digits_cnn_int8_static", override, f"output_dir={tmp_path / 'a'}",
-                        f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(
+        "recipe=digits_cnn_int8_static", override, f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'run'}"
+    )
     assert expected in one_error_line(proc, log_lines=True)
     assert not (tmp_path / "a").exists()
 
@@ -73,23 +83,41 @@ def test_missing_calibration_data_exits_2(tmp_path, override, expected):
 def test_empty_calibration_file_exits_2(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    proc = run_optimize("recipe=digits_cnn_int8_static", "calibration.source=text_file", f"calibration.path={empty}",
-                        f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(
+        "recipe=digits_cnn_int8_static",
+        "calibration.source=text_file",
+        f"calibration.path={empty}",
+        f"output_dir={tmp_path / 'a'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert "is empty" in one_error_line(proc, log_lines=True)
 
 
 def test_overlapping_evaluation_data_is_refused(tmp_path):
-    proc = run_optimize("recipe=digits_cnn_int8_static", "evaluate.data.split=calibration", "evaluate.data.count=300",
-                        "calibration.count=300", f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(
+        "recipe=digits_cnn_int8_static",
+        "evaluate.data.split=calibration",
+        "evaluate.data.count=300",
+        "calibration.count=300",
+        f"output_dir={tmp_path / 'a'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert "also appear in the calibration data" in one_error_line(proc, log_lines=True)
 
 
 @pytest.mark.slow
 def test_overlap_drop_is_recorded(tmp_path):
     out = tmp_path / "a"
-    proc = run_optimize("recipe=digits_cnn_int8_static", *FAST, "evaluate.data.split=calibration",
-                        "evaluate.data.count=300", "calibration.count=300", "evaluate.overlap=drop",
-                        f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(
+        "recipe=digits_cnn_int8_static",
+        *FAST,
+        "evaluate.data.split=calibration",
+        "evaluate.data.count=300",
+        "calibration.count=300",
+        "evaluate.overlap=drop",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     evaluation = json.loads((out / "manifest.json").read_text())["evaluation"]
     assert evaluation["dropped_overlap"] > 0 and evaluation["count"] == 300 - evaluation["dropped_overlap"]
@@ -106,6 +134,12 @@ def test_gpu_recipe_without_gpu_exits_2_naming_what_is_missing(tmp_path):
 
 
 def test_text_data_for_an_image_model_is_refused(tmp_path):
-    proc = run_optimize("recipe=digits_cnn_int8_static", "evaluate.data.source=cpython_docs", "evaluate.data.count=16",
-                        "evaluate.latency=false", f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(
+        "recipe=digits_cnn_int8_static",
+        "evaluate.data.source=cpython_docs",
+        "evaluate.data.count=16",
+        "evaluate.latency=false",
+        f"output_dir={tmp_path / 'a'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert "has no labels" in one_error_line(proc, log_lines=True)

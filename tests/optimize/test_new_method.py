@@ -1,6 +1,7 @@
 """Adding a quantize method is one new file plus one YAML: a method module written to a temporary
 directory (appended to the `optimize.quantize` package's path, as if dropped into optimize/quantize/)
 and a group YAML written into a copy of recipes/ are found, typed on the command line, and planned."""
+
 from __future__ import annotations
 
 import shutil

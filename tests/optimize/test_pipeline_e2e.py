@@ -1,4 +1,5 @@
 """End to end through `python -m optimize`, on the real MiniLM model and real held-out text."""
+
 import signal
 import subprocess
 import sys
@@ -17,20 +18,36 @@ def test_default_recipe_end_to_end_on_a_small_evaluation_set(tmp_path, monkeypat
     monkeypatch.setenv("OPTIMIZE_CACHE", str(tmp_path / "cache"))  # the race builds every candidate afresh
     # The default recipe as shipped (the engine race), with small counts; the speed threshold is left to
     # the recipe's own report (tests never assert the machine's speed), the fidelity checks stay on.
-    proc = run_optimize("evaluate.data.count=16", "calibration.count=16", "evaluate.batch_sizes=[1,4]",
-                        "evaluate.repeats=5", "evaluate.warmup=1", "gate.min_speedup=null", f"output_dir={out}",
-                        f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(
+        "evaluate.data.count=16",
+        "calibration.count=16",
+        "evaluate.batch_sizes=[1,4]",
+        "evaluate.repeats=5",
+        "evaluate.warmup=1",
+        "gate.min_speedup=null",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "gate: PASSED" in proc.stdout and f"artifact: {out}" in proc.stdout
-    for row in ("latency p50 ms, batch 1", "latency p95 ms, batch 4", "size on disk MB", "peak memory MB",
-                "cosine vs baseline (min)", "top-5 neighbour agreement"):
+    for row in (
+        "latency p50 ms, batch 1",
+        "latency p95 ms, batch 4",
+        "size on disk MB",
+        "peak memory MB",
+        "cosine vs baseline (min)",
+        "top-5 neighbour agreement",
+    ):
         assert row in proc.stdout
 
     manifest = read_manifest(out)
     assert verify(out) == []
     assert manifest["recipe"]["name"] == "minilm_int8_cpu" and manifest["verdict"] == "passed"
     assert manifest["gate"]["passed"] and {c["name"] for c in manifest["gate"]["checks"]} == {
-        "min_cosine", "min_mean_cosine", "min_topk_agreement"}
+        "min_cosine",
+        "min_mean_cosine",
+        "min_topk_agreement",
+    }
     base, cand = manifest["metrics"]["baseline"], manifest["metrics"]["candidate"]
     assert base["engine"] == "pytorch" and cand["engine"] in ("onnxruntime", "openvino")
     for side in (base, cand):
@@ -48,8 +65,14 @@ def test_default_recipe_end_to_end_on_a_small_evaluation_set(tmp_path, monkeypat
     assert export["ort_fusions"]["attention"] == 6 and export["ort_fusions"]["skip_layer_normalization"] == 12
     assert export["export_check"]["sentence_embedding"]["min_cosine"] > 0.9999
     names = [c["name"] for c in race["candidates"]]
-    assert names == ["ort_fp32", "ort_int8_dynamic", "ort_int8_dynamic_all", "openvino_f32", "openvino_bf16",
-                     "openvino_int8"]
+    assert names == [
+        "ort_fp32",
+        "ort_int8_dynamic",
+        "ort_int8_dynamic_all",
+        "openvino_f32",
+        "openvino_bf16",
+        "openvino_int8",
+    ]
     winner = next(c for c in race["candidates"] if c["name"] == race["winner"])
     assert winner["passed_accuracy"] and winner["outcome"].startswith("won")
     passing = [c for c in race["candidates"] if c["passed_accuracy"]]
@@ -69,8 +92,7 @@ def test_default_recipe_end_to_end_on_a_small_evaluation_set(tmp_path, monkeypat
 def test_failed_gate_exits_1_and_keeps_the_artifact_marked_failed(tmp_path):
     out = tmp_path / "artifact"
     overrides = [o for o in FAST_OVERRIDES if not o.startswith("gate.min_cosine")]
-    proc = run_optimize(*overrides, "gate.min_cosine=0.99999", f"output_dir={out}",
-                        f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(*overrides, "gate.min_cosine=0.99999", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
     assert proc.returncode == 1, proc.stderr[-2000:]
     assert "gate: FAILED" in proc.stdout and "FAIL" in proc.stdout
     manifest = read_manifest(out)
@@ -84,14 +106,31 @@ def test_onnx_file_source_with_random_inputs(tmp_path):
 
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
     source = tmp_path / "mlp.onnx"
-    torch.onnx.export(model, (torch.randn(2, 32),), str(source), input_names=["x"], output_names=["y"],
-                      dynamic_axes={"x": {0: "batch"}}, dynamo=False)
+    torch.onnx.export(
+        model,
+        (torch.randn(2, 32),),
+        str(source),
+        input_names=["x"],
+        output_names=["y"],
+        dynamic_axes={"x": {0: "batch"}},
+        dynamo=False,
+    )
     out = tmp_path / "artifact"
-    proc = run_optimize(f"model.source={source}", "model.task=generic", "evaluate.inputs=random",
-                        "evaluate.data.count=8", "evaluate.batch_sizes=[1,4]", "evaluate.repeats=5",
-                        "evaluate.memory=false", "quantize.params.fallback_min_cosine=null", "gate=none",
-                        "gate.min_cosine=0.9", "gate.max_abs_error=1.0", f"output_dir={out}",
-                        f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(
+        f"model.source={source}",
+        "model.task=generic",
+        "evaluate.inputs=random",
+        "evaluate.data.count=8",
+        "evaluate.batch_sizes=[1,4]",
+        "evaluate.repeats=5",
+        "evaluate.memory=false",
+        "quantize.params.fallback_min_cosine=null",
+        "gate=none",
+        "gate.min_cosine=0.9",
+        "gate.max_abs_error=1.0",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     manifest = read_manifest(out)
     assert manifest["evaluation"] == {"source": "random", "count": 8, "seed": 1}
@@ -101,19 +140,34 @@ def test_onnx_file_source_with_random_inputs(tmp_path):
 
 
 def test_onnx_file_source_without_inputs_asks_for_them(tmp_path, minilm_artifact):
-    proc = run_optimize(f"model.source={minilm_artifact / 'model.onnx'}", "model.task=generic", "gate=none",
-                        "gate.min_cosine=0.9", f"output_dir={tmp_path / 'out'}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(
+        f"model.source={minilm_artifact / 'model.onnx'}",
+        "model.task=generic",
+        "gate=none",
+        "gate.min_cosine=0.9",
+        f"output_dir={tmp_path / 'out'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     one_error_line(proc, "evaluate.inputs=random")
     assert not (tmp_path / "out").exists()
 
 
 def test_onnx_file_source_evaluated_on_text_through_its_tokenizer(tmp_path, minilm_artifact):
     out = tmp_path / "artifact"
-    proc = run_optimize(f"model.source={minilm_artifact / 'model.onnx'}", "model.task=generic",
-                        f"model.tokenizer={minilm_artifact / 'tokenizer'}", "quantize=none", "gate=none",
-                        "gate.min_cosine=0.999", "evaluate.data.count=8", "evaluate.batch_sizes=[2]",
-                        "evaluate.memory=false", "evaluate.repeats=5", f"output_dir={out}",
-                        f"hydra.run.dir={tmp_path / 'run'}")
+    proc = run_optimize(
+        f"model.source={minilm_artifact / 'model.onnx'}",
+        "model.task=generic",
+        f"model.tokenizer={minilm_artifact / 'tokenizer'}",
+        "quantize=none",
+        "gate=none",
+        "gate.min_cosine=0.999",
+        "evaluate.data.count=8",
+        "evaluate.batch_sizes=[2]",
+        "evaluate.memory=false",
+        "evaluate.repeats=5",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     fidelity = read_manifest(out)["metrics"]["candidate"]["fidelity"]
     # The same graph re-shipped: every output matches the original exactly.
@@ -123,9 +177,13 @@ def test_onnx_file_source_evaluated_on_text_through_its_tokenizer(tmp_path, mini
 
 def test_sigterm_midway_leaves_no_artifact(tmp_path):
     out = tmp_path / "artifact"
-    proc = subprocess.Popen([sys.executable, "-m", "optimize", *FAST_OVERRIDES, f"output_dir={out}",
-                             f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "optimize", *FAST_OVERRIDES, f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.time() + 120
     while time.time() < deadline and not list(tmp_path.glob(".artifact.partial-*/artifact/tokenizer")):
         time.sleep(0.2)

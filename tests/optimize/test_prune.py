@@ -1,5 +1,6 @@
 """Prune methods on tiny random BERT and Llama models: shapes shrink, outputs stay finite, the
 result still exports, the teacher is untouched, and impossible targets are recipe errors."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,8 +46,14 @@ def test_structured_bert_shrinks_depth_heads_and_ffn_and_exports(tmp_path):
     assert all(len(heads) == 2 for heads in record["removed"]["heads"].values())
     wrapped = sentence_embedding_module(student, {"mode": "mean", "normalize": True})
     inputs = encode(["one two", "three four five"])
-    path = export(wrapped, inputs, ["last_hidden_state", "sentence_embedding"], tmp_path / "m.onnx",
-                  {n: {0: "batch", 1: "sequence"} for n in inputs}, 18)
+    path = export(
+        wrapped,
+        inputs,
+        ["last_hidden_state", "sentence_embedding"],
+        tmp_path / "m.onnx",
+        {n: {0: "batch", 1: "sequence"} for n in inputs},
+        18,
+    )
     onnx_out = OrtRunner(path)(inputs)["sentence_embedding"]
     assert onnx_out.shape == (2, 32) and np.isfinite(onnx_out).all()
 
@@ -84,8 +91,15 @@ def test_head_pruning_of_a_decoder_is_refused(tmp_path):
         structured(tiny_llama(), tmp_path, task="causal_lm", heads=2)
 
 
-@pytest.mark.parametrize("params, message", [({}, "needs a target"), ({"layers": 2, "layers_ratio": 0.5}, "not both"),
-                                             ({"ffn_ratio": 1.5}, "in \\(0, 1\\]"), ({"heads": 0}, "at least 1")])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({}, "needs a target"),
+        ({"layers": 2, "layers_ratio": 0.5}, "not both"),
+        ({"ffn_ratio": 1.5}, "in \\(0, 1\\]"),
+        ({"heads": 0}, "at least 1"),
+    ],
+)
 def test_bad_targets_fail_before_weights_load(params, message):
     with pytest.raises(RecipeError, match=message):
         build_config(get("prune", "structured"), params)

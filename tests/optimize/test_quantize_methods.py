@@ -1,4 +1,5 @@
 """Each quantize method on a tiny ONNX model (built in-process, no export): setup, execute, assert."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,15 +20,24 @@ def _tiny_mlp(path: Path, width: int = 64, seed: int = 0) -> Path:
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
-    inits = [numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32) / 8, "w1"),
-             numpy_helper.from_array(rng.standard_normal(width).astype(np.float32) / 8, "b1"),
-             numpy_helper.from_array(rng.standard_normal((width, 16)).astype(np.float32) / 8, "w2")]
-    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h0"], name="fc1"),
-             helper.make_node("Add", ["h0", "b1"], ["h1"], name="bias1"),
-             helper.make_node("Relu", ["h1"], ["h2"], name="relu1"),
-             helper.make_node("MatMul", ["h2", "w2"], ["y"], name="fc2")]
-    graph = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])], inits)
+    inits = [
+        numpy_helper.from_array(rng.standard_normal((width, width)).astype(np.float32) / 8, "w1"),
+        numpy_helper.from_array(rng.standard_normal(width).astype(np.float32) / 8, "b1"),
+        numpy_helper.from_array(rng.standard_normal((width, 16)).astype(np.float32) / 8, "w2"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h0"], name="fc1"),
+        helper.make_node("Add", ["h0", "b1"], ["h1"], name="bias1"),
+        helper.make_node("Relu", ["h1"], ["h2"], name="relu1"),
+        helper.make_node("MatMul", ["h2", "w2"], ["y"], name="fc2"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 16])],
+        inits,
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(path))
@@ -77,8 +87,7 @@ def test_static_qdq_calibrates_and_stays_close(mlp, tmp_path, calibrate_method):
 
 def test_static_qdq_s8s8_and_excluded_node(mlp, tmp_path):
     ctx = FakeContext.for_onnx(tmp_path)
-    out = _run("ort_int8_static_qdq", mlp, ctx, activation_type="int8", nodes_to_exclude=["fc2"],
-               reduce_range=False)
+    out = _run("ort_int8_static_qdq", mlp, ctx, activation_type="int8", nodes_to_exclude=["fc2"], reduce_range=False)
     graph = onnx.load(str(out.onnx_path)).graph
     fc2 = next(n for n in graph.node if n.name == "fc2")
     assert "w2" in fc2.input  # excluded: still multiplies the FP32 weight
@@ -93,8 +102,13 @@ def test_static_qdq_sensitivity_fallback_keeps_nodes_fp32(mlp, tmp_path):
 
 def test_static_qdq_rejects_bad_params():
     method = registry.get("quantize", "ort_int8_static_qdq")
-    for params in ({"calibrate_method": "mse"}, {"activation_type": "int4"}, {"optimize_graph": "gpt2"},
-                   {"percentile": 10.0}, {"calibration_count": 0}):
+    for params in (
+        {"calibrate_method": "mse"},
+        {"activation_type": "int4"},
+        {"optimize_graph": "gpt2"},
+        {"percentile": 10.0},
+        {"calibration_count": 0},
+    ):
         with pytest.raises(RecipeError):
             registry.build_config(method, params)
 
@@ -124,8 +138,15 @@ def test_fp16_for_a_missing_gpu_provider_is_one_clear_error():
         registry.build_config(registry.get("quantize", "ort_fp16"), {"execution_provider": "TensorrtExecutionProvider"})
 
 
-@pytest.mark.parametrize("params", [{"algorithm": "rtn", "symmetric": True}, {"algorithm": "rtn", "symmetric": False},
-                                    {"algorithm": "hqq"}, {"algorithm": "gptq", "calibration_count": 8}])
+@pytest.mark.parametrize(
+    "params",
+    [
+        {"algorithm": "rtn", "symmetric": True},
+        {"algorithm": "rtn", "symmetric": False},
+        {"algorithm": "hqq"},
+        {"algorithm": "gptq", "calibration_count": 8},
+    ],
+)
 def test_int4_weight_only_packs_matmuls(mlp, tmp_path, params):
     ctx = FakeContext.for_onnx(tmp_path)
     out = _run("ort_int4_weight_only", mlp, ctx, block_size=32, **params)
@@ -142,8 +163,12 @@ def test_int4_excluded_node_stays_matmul(mlp, tmp_path):
 
 def test_int4_rejects_bad_params():
     method = registry.get("quantize", "ort_int4_weight_only")
-    for params in ({"block_size": 24}, {"block_size": 8}, {"algorithm": "awq"},
-                   {"algorithm": "hqq", "symmetric": True}):
+    for params in (
+        {"block_size": 24},
+        {"block_size": 8},
+        {"algorithm": "awq"},
+        {"algorithm": "hqq", "symmetric": True},
+    ):
         with pytest.raises(RecipeError):
             registry.build_config(method, params)
 
@@ -169,11 +194,18 @@ def _gram_model(path: Path, width: int = 64) -> Path:
     from onnx import TensorProto, helper, numpy_helper
 
     w1 = numpy_helper.from_array(np.random.default_rng(0).standard_normal((width, width)).astype(np.float32) / 8, "w1")
-    nodes = [helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
-             helper.make_node("Transpose", ["h"], ["ht"], name="t", perm=[1, 0]),
-             helper.make_node("MatMul", ["h", "ht"], ["y"], name="gram")]
-    graph = helper.make_graph(nodes, "gram", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "batch"])], [w1])
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+        helper.make_node("Transpose", ["h"], ["ht"], name="t", perm=[1, 0]),
+        helper.make_node("MatMul", ["h", "ht"], ["y"], name="gram"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "gram",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "batch"])],
+        [w1],
+    )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     onnx.save(model, str(path))

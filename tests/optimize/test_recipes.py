@@ -2,6 +2,7 @@
 a broken preset fails here, not in a user's hands. The GPU presets (`*_gpu`, `*_trt`) plan on a
 machine that has what they need, and elsewhere refuse with the one line that names what is missing:
 any other error, a typo included, fails."""
+
 import importlib.util
 from pathlib import Path
 
@@ -30,8 +31,9 @@ def expected_refusal(name: str) -> str | None:
         missing = missing_for("TensorrtExecutionProvider")
         if not missing:
             return None
-        message = ("quantize.method=ort_fp16 targets TensorrtExecutionProvider, and this machine lacks "
-                   + "; ".join(missing))
+        message = "quantize.method=ort_fp16 targets TensorrtExecutionProvider, and this machine lacks " + "; ".join(
+            missing
+        )
         if importlib.util.find_spec("tensorrt") is None:
             assert "TensorRT (the tensorrt Python package)" in message
         if "TensorrtExecutionProvider" not in ort.get_available_providers():
@@ -95,8 +97,13 @@ def test_default_recipe_resolves_the_expected_stages(tmp_path):
 
 
 def test_overrides_reach_every_setting(tmp_path):
-    cfg = compose_recipe("minilm_int8_cpu", "gate.min_speedup=2.0", "evaluate.batch_sizes=[1,8]",
-                         "engine.params.time_budget_s=60", "engine.params.candidates=[ort_fp32,openvino_f32]")
+    cfg = compose_recipe(
+        "minilm_int8_cpu",
+        "gate.min_speedup=2.0",
+        "evaluate.batch_sizes=[1,8]",
+        "engine.params.time_budget_s=60",
+        "engine.params.candidates=[ort_fp32,openvino_f32]",
+    )
     assert cfg.gate.min_speedup == 2.0
     assert list(cfg.evaluate.batch_sizes) == [1, 8]
     plan = pipeline.plan(cfg, tmp_path)
@@ -104,18 +111,28 @@ def test_overrides_reach_every_setting(tmp_path):
     assert race_cfg.time_budget_s == 60 and race_cfg.candidates == ["ort_fp32", "openvino_f32"]
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["gate.min_cosine=null", "gate.min_mean_cosine=null", "gate.min_topk_agreement=null",
-      "gate.min_speedup=null"], "the gate checks nothing"),
-    (["quantize.method=int3"], "quantize.method='int3' is not a registered method"),
-    (["engine.params.candidates=[ort_fp32,bogus]"], r"unknown \['bogus'\]"),
-    (["quantize=ort_int8_dynamic"], "engine.method=auto builds its own quantized candidates"),
-    (["engine.method=none"], "engine.method is required"),
-    (["evaluate.batch_sizes=[]"], "evaluate.batch_sizes"),
-    (["model.task=speech"], "model.task=speech is not supported"),
-    (["evaluate.overlap=ignore"], "evaluate.overlap=ignore"),
-    (["evaluate.data.count=8"], "more than the 8 evaluation samples"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            [
+                "gate.min_cosine=null",
+                "gate.min_mean_cosine=null",
+                "gate.min_topk_agreement=null",
+                "gate.min_speedup=null",
+            ],
+            "the gate checks nothing",
+        ),
+        (["quantize.method=int3"], "quantize.method='int3' is not a registered method"),
+        (["engine.params.candidates=[ort_fp32,bogus]"], r"unknown \['bogus'\]"),
+        (["quantize=ort_int8_dynamic"], "engine.method=auto builds its own quantized candidates"),
+        (["engine.method=none"], "engine.method is required"),
+        (["evaluate.batch_sizes=[]"], "evaluate.batch_sizes"),
+        (["model.task=speech"], "model.task=speech is not supported"),
+        (["evaluate.overlap=ignore"], "evaluate.overlap=ignore"),
+        (["evaluate.data.count=8"], "more than the 8 evaluation samples"),
+    ],
+)
 def test_plan_refuses_bad_recipes(overrides, message, tmp_path):
     cfg = compose_recipe("minilm_int8_cpu", *overrides)
     with pytest.raises(RecipeError, match=message):

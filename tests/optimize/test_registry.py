@@ -56,13 +56,16 @@ def test_build_config_accepts_valid_params_and_int_for_float():
     assert config == DemoConfig(bits=4, scale=2, layers=["a"])
 
 
-@pytest.mark.parametrize("params, message", [
-    ({"bitz": 4}, r"quantize.params.bitz is not a parameter of demo \(known: bits, scale, name, layers\)"),
-    ({"bits": "four"}, r"quantize.params.bits='four' has the wrong type"),
-    ({"bits": True}, r"quantize.params.bits=True has the wrong type"),
-    ({"layers": "a"}, r"quantize.params.layers='a' has the wrong type"),
-    ({"bits": 3}, r"bits=3"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"bitz": 4}, r"quantize.params.bitz is not a parameter of demo \(known: bits, scale, name, layers\)"),
+        ({"bits": "four"}, r"quantize.params.bits='four' has the wrong type"),
+        ({"bits": True}, r"quantize.params.bits=True has the wrong type"),
+        ({"layers": "a"}, r"quantize.params.layers='a' has the wrong type"),
+        ({"bits": 3}, r"bits=3"),
+    ],
+)
 def test_build_config_names_the_bad_key(params, message):
     with pytest.raises(RecipeError, match=message):
         registry.build_config(_method(), params)

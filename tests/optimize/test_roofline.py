@@ -1,5 +1,6 @@
 """Roofline arithmetic (optimize/evaluate/roofline.py) on tiny hand-made graphs, modules and configs,
 and its rows in the causal-LM report."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -16,31 +17,52 @@ def _onnx_model(tmp_path, tied: bool = False, external: bool = False):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
-    inits = [numpy_helper.from_array(np.zeros((10, 4), np.float32), "embed"),
-             numpy_helper.from_array(np.zeros((4, 8), np.float32), "w1"),
-             numpy_helper.from_array(np.zeros((6, 1, 8), np.uint8), "w2_q"),
-             numpy_helper.from_array(np.zeros((6,), np.float32), "w2_scales"),
-             numpy_helper.from_array(np.zeros((32, 2), np.float32), "cos_cache"),
-             numpy_helper.from_array(np.zeros((32, 2), np.float32), "sin_cache")]
-    nodes = [helper.make_node("Gather", ["embed", "input_ids"], ["h0"]),
-             helper.make_node("MatMul", ["h0", "w1"], ["h1"]),
-             helper.make_node("MatMulNBits", ["h1", "w2_q", "w2_scales"], ["h2"], domain="com.microsoft",
-                              K=8, N=6, bits=4, block_size=16),
-             helper.make_node("GroupQueryAttention", ["h2", "", "", "past_key_values.0.key", "", "seqlens", "total",
-                                                      "cos_cache", "sin_cache"], ["h3"], domain="com.microsoft")]
+    inits = [
+        numpy_helper.from_array(np.zeros((10, 4), np.float32), "embed"),
+        numpy_helper.from_array(np.zeros((4, 8), np.float32), "w1"),
+        numpy_helper.from_array(np.zeros((6, 1, 8), np.uint8), "w2_q"),
+        numpy_helper.from_array(np.zeros((6,), np.float32), "w2_scales"),
+        numpy_helper.from_array(np.zeros((32, 2), np.float32), "cos_cache"),
+        numpy_helper.from_array(np.zeros((32, 2), np.float32), "sin_cache"),
+    ]
+    nodes = [
+        helper.make_node("Gather", ["embed", "input_ids"], ["h0"]),
+        helper.make_node("MatMul", ["h0", "w1"], ["h1"]),
+        helper.make_node(
+            "MatMulNBits", ["h1", "w2_q", "w2_scales"], ["h2"], domain="com.microsoft", K=8, N=6, bits=4, block_size=16
+        ),
+        helper.make_node(
+            "GroupQueryAttention",
+            ["h2", "", "", "past_key_values.0.key", "", "seqlens", "total", "cos_cache", "sin_cache"],
+            ["h3"],
+            domain="com.microsoft",
+        ),
+    ]
     if tied:
         nodes.append(helper.make_node("MatMul", ["h3", "embed_t"], ["logits"]))
         nodes.insert(0, helper.make_node("Transpose", ["embed"], ["embed_t"]))
     graph = helper.make_graph(
-        nodes, "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "s"]),
-                     helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT16, [1, 2, "p", 4])],
-        [helper.make_tensor_value_info("h3", TensorProto.FLOAT, None)], initializer=inits)
+        nodes,
+        "g",
+        [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, [1, "s"]),
+            helper.make_tensor_value_info("past_key_values.0.key", TensorProto.FLOAT16, [1, 2, "p", 4]),
+        ],
+        [helper.make_tensor_value_info("h3", TensorProto.FLOAT, None)],
+        initializer=inits,
+    )
     opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     model = helper.make_model(graph, opset_imports=opsets)
     path = tmp_path / "model.onnx"
     if external:
-        onnx.save(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                  location="model.onnx.data", size_threshold=0)
+        onnx.save(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location="model.onnx.data",
+            size_threshold=0,
+        )
     else:
         onnx.save(model, str(path))
     return path
@@ -86,14 +108,17 @@ def test_torch_weights_untied_and_tied():
 
 def test_kv_bytes_from_configs():
     genai = rl.kv_shape_from_genai_config(
-        {"model": {"decoder": {"num_hidden_layers": 2, "num_key_value_heads": 3, "head_size": 8}}}, 4)
+        {"model": {"decoder": {"num_hidden_layers": 2, "num_key_value_heads": 3, "head_size": 8}}}, 4
+    )
     assert genai.bytes_per_token(10) == 2 * 2 * 3 * 8 * 4 * 10 == 3840
-    hf = rl.kv_shape_from_hf_config({"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
-                                     "hidden_size": 576}, 4)
+    hf = rl.kv_shape_from_hf_config(
+        {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576}, 4
+    )
     assert (hf.head_dim, hf.kv_heads) == (64, 3)
     assert hf.bytes_per_token(96) == 30 * 2 * 3 * 64 * 4 * 96 == 4_423_680  # SmolLM2-135M, FP32, 96 tokens
-    mha = rl.kv_shape_from_hf_config({"num_hidden_layers": 1, "num_attention_heads": 4, "hidden_size": 64,
-                                      "head_dim": 32}, 2)
+    mha = rl.kv_shape_from_hf_config(
+        {"num_hidden_layers": 1, "num_attention_heads": 4, "hidden_size": 64, "head_dim": 32}, 2
+    )
     assert (mha.kv_heads, mha.head_dim) == (4, 32)
 
 
@@ -178,13 +203,16 @@ def test_openvino_ir_gathered_through_decompression(tmp_path):
 def test_openvino_tied_constants_share_one_span_read_whole(tmp_path):
     """Two Const layers over the same bytes of the .bin (an embedding tied to the LM head): read once,
     and whole, since the MatMul reads all of it."""
-    tied = OV_XML.replace('name="w" type="Const"><data element_type="f32" shape="8,8" offset="1008" size="256"',
-                          'name="head" type="Const"><data element_type="u8" shape="100,8" offset="0" size="800"')
+    tied = OV_XML.replace(
+        'name="w" type="Const"><data element_type="f32" shape="8,8" offset="1008" size="256"',
+        'name="head" type="Const"><data element_type="u8" shape="100,8" offset="0" size="800"',
+    )
     folder = tmp_path / "ov"
     folder.mkdir()
     (folder / "openvino_model.xml").write_text(tied)
-    (folder / "config.json").write_text('{"num_hidden_layers": 2, "num_attention_heads": 4, '
-                                        '"num_key_value_heads": 2, "hidden_size": 32}')
+    (folder / "config.json").write_text(
+        '{"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 32}'
+    )
     weight = rl.openvino_weight_bytes(folder / "openvino_model.xml")
     assert weight.stored == 800 + 200 + 8
     assert weight.per_token == 800 + 2 + 8  # the table whole (the head reads it), one row of its scales
@@ -201,12 +229,21 @@ def test_openvino_tied_constants_share_one_span_read_whole(tmp_path):
 def _metrics(with_base_roofline: bool):
     bw = {"bandwidth_gb_s": 20.0, "threads": 2, "other_cpu_share": 0.1}
     cand = rl.roofline(rl.WeightBytes(90_000_000, 100_000_000), rl.KVShape(30, 3, 64, 4), 96, 20.0, 80.0)
-    base = (rl.roofline(rl.WeightBytes(540_000_000, 540_000_000), rl.KVShape(30, 3, 64, 4), 96, 20.0, 10.0)
-            if with_base_roofline else rl.roofline(None, None, 96, 20.0, 10.0))
+    base = (
+        rl.roofline(rl.WeightBytes(540_000_000, 540_000_000), rl.KVShape(30, 3, 64, 4), 96, 20.0, 10.0)
+        if with_base_roofline
+        else rl.roofline(None, None, 96, 20.0, 10.0)
+    )
     sample = {"sample": {"continuation": "Rome"}}
-    return {"baseline": {"perplexity": 18.0, **sample, "roofline": {**base, "bandwidth": bw}},
-            "candidate": {"perplexity": 20.0, "perplexity_increase_pct": 11.1, **sample,
-                          "roofline": {**cand, "bandwidth": bw}}}
+    return {
+        "baseline": {"perplexity": 18.0, **sample, "roofline": {**base, "bandwidth": bw}},
+        "candidate": {
+            "perplexity": 20.0,
+            "perplexity_increase_pct": 11.1,
+            **sample,
+            "roofline": {**cand, "bandwidth": bw},
+        },
+    }
 
 
 def test_report_rows():

@@ -1,5 +1,6 @@
 """Fixtures for the serve tests. The MiniLM artifact comes from tests/conftest.py (the real
 pipeline); the tiny causal LM is built by tests/support/tiny_llm.py with onnxruntime-genai's builder (about 20 s)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,8 +20,14 @@ def tiny_llm_artifact(tmp_path_factory) -> Path:
         pytest.skip("onnxruntime-genai is not installed")
     out = tmp_path_factory.mktemp("tiny_llm") / "artifact"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, "-m", "tests.support.tiny_llm", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.support.tiny_llm", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
 

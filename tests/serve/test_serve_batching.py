@@ -1,4 +1,5 @@
 """The dynamic batcher on its own: a fake model that records the batches it is given."""
+
 from __future__ import annotations
 
 import asyncio

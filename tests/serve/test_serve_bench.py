@@ -1,5 +1,6 @@
 """benchmarks/serve_bench.py's own machinery on a real server, in seconds: the asyncio load
 generator counts answers and reports failures, and the latency round measures every variant."""
+
 from __future__ import annotations
 
 import asyncio

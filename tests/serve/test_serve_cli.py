@@ -1,6 +1,7 @@
 """`python -m serve` refuses bad input before loading anything: one line `error: ...`, exit 2.
 Tampered copies are real copies (an artifact with a hard link is refused: engines/artifact.py), so
 the session's artifact is never modified."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,9 @@ from tests.support.serve import ROOT, running_server
 
 
 def serve(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "serve", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "serve", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def clone(artifact: Path, dest: Path) -> Path:
@@ -27,14 +29,17 @@ def clone(artifact: Path, dest: Path) -> Path:
     return dest
 
 
-@pytest.mark.parametrize("args, words", [
-    (["/no/such/dir"], ["not a directory"]),
-    ([str(ROOT / "calibration")], ["not an artifact"]),
-    ([], ["artifact"]),
-    (["ARTIFACT", "--max-batch-size", "0"], ["--max-batch-size"]),
-    (["ARTIFACT", "--port", "http"], ["--port"]),
-    (["ARTIFACT", "--no-such-flag"], ["--no-such-flag"]),
-])
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["/no/such/dir"], ["not a directory"]),
+        ([str(ROOT / "calibration")], ["not an artifact"]),
+        ([], ["artifact"]),
+        (["ARTIFACT", "--max-batch-size", "0"], ["--max-batch-size"]),
+        (["ARTIFACT", "--port", "http"], ["--port"]),
+        (["ARTIFACT", "--no-such-flag"], ["--no-such-flag"]),
+    ],
+)
 def test_bad_command_lines(encoder_artifact, args, words):
     args = [str(encoder_artifact) if a == "ARTIFACT" else a for a in args]
     one_error_line(serve(*args), *words)

@@ -1,6 +1,7 @@
 """Every encoder endpoint in process (Starlette's TestClient runs the same ASGI app, lifespan
 included): health, metadata, KServe inference in JSON and binary, OpenAI embeddings, and the
 error codes for bad input, each with a JSON body."""
+
 from __future__ import annotations
 
 import base64
@@ -62,8 +63,9 @@ def test_infer_matches_embeddings_endpoint(encoder, encoder_name, encoder_artifa
 
     text = "Serving what was measured."
     ids = TextEncoder(encoder_artifact / "tokenizer")([text])["input_ids"]
-    body = encoder.post(infer_url(encoder_name), json={
-        "inputs": kserve_tensors(ids), "outputs": [{"name": "sentence_embedding"}]}).json()
+    body = encoder.post(
+        infer_url(encoder_name), json={"inputs": kserve_tensors(ids), "outputs": [{"name": "sentence_embedding"}]}
+    ).json()
     assert [o["name"] for o in body["outputs"]] == ["sentence_embedding"]
     via_kserve = np.array(body["outputs"][0]["data"], dtype=np.float32)
     np.testing.assert_allclose(via_kserve, embedding_of(encoder, encoder_name, text), atol=1e-5)
@@ -73,12 +75,20 @@ def test_infer_binary_extension_both_ways(encoder, encoder_name):
     ids = np.array(IDS, dtype=np.int64)
     arrays = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
     blobs = [a.tobytes() for a in arrays.values()]
-    header = json.dumps({
-        "inputs": [{"name": n, "datatype": "INT64", "shape": list(a.shape),
-                    "parameters": {"binary_data_size": len(b)}} for (n, a), b in zip(arrays.items(), blobs)],
-        "outputs": [{"name": "sentence_embedding", "parameters": {"binary_data": True}}]}).encode()
-    response = encoder.post(infer_url(encoder_name), content=header + b"".join(blobs),
-                            headers={"Inference-Header-Content-Length": str(len(header))})
+    header = json.dumps(
+        {
+            "inputs": [
+                {"name": n, "datatype": "INT64", "shape": list(a.shape), "parameters": {"binary_data_size": len(b)}}
+                for (n, a), b in zip(arrays.items(), blobs)
+            ],
+            "outputs": [{"name": "sentence_embedding", "parameters": {"binary_data": True}}],
+        }
+    ).encode()
+    response = encoder.post(
+        infer_url(encoder_name),
+        content=header + b"".join(blobs),
+        headers={"Inference-Header-Content-Length": str(len(header))},
+    )
     assert response.status_code == 200, response.text
     length = int(response.headers["Inference-Header-Content-Length"])
     meta = json.loads(response.content[:length])
@@ -120,8 +130,9 @@ def test_embeddings_float_base64_and_tokens(encoder, encoder_name):
     floats = encoder.post("/v1/embeddings", json={"model": encoder_name, "input": ["a", "b", "c"]}).json()
     assert floats["object"] == "list" and [d["index"] for d in floats["data"]] == [0, 1, 2]
     assert floats["usage"]["prompt_tokens"] == floats["usage"]["total_tokens"] > 0
-    packed = encoder.post("/v1/embeddings", json={"model": encoder_name, "input": ["a", "b", "c"],
-                                                  "encoding_format": "base64"}).json()
+    packed = encoder.post(
+        "/v1/embeddings", json={"model": encoder_name, "input": ["a", "b", "c"], "encoding_format": "base64"}
+    ).json()
     decoded = np.frombuffer(base64.b64decode(packed["data"][1]["embedding"]), dtype="<f4")
     np.testing.assert_allclose(decoded, floats["data"][1]["embedding"], atol=1e-6)
     tokens = encoder.post("/v1/embeddings", json={"model": encoder_name, "input": [[101, 1037, 102]]})
@@ -156,12 +167,15 @@ def openai_error(response, status):
     return error
 
 
-@pytest.mark.parametrize("body, status", [
-    (b"{not json", 400),
-    (b"[]", 400),
-    (b'{"inputs": []}', 400),
-    (b'{"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 2], "data": [1]}]}', 422),
-])
+@pytest.mark.parametrize(
+    "body, status",
+    [
+        (b"{not json", 400),
+        (b"[]", 400),
+        (b'{"inputs": []}', 400),
+        (b'{"inputs": [{"name": "input_ids", "datatype": "INT64", "shape": [1, 2], "data": [1]}]}', 422),
+    ],
+)
 def test_infer_malformed_bodies(encoder, encoder_name, body, status):
     kserve_error(encoder.post(infer_url(encoder_name), content=body), status)
 
@@ -206,9 +220,10 @@ def test_embeddings_bad_requests(encoder, encoder_name):
 
 
 def test_llm_endpoints_on_an_encoder_explain_why(encoder, encoder_name):
-    for path, body in (("/v1/completions", {"model": encoder_name, "prompt": "hi"}),
-                       ("/v1/chat/completions",
-                        {"model": encoder_name, "messages": [{"role": "user", "content": "hi"}]})):
+    for path, body in (
+        ("/v1/completions", {"model": encoder_name, "prompt": "hi"}),
+        ("/v1/chat/completions", {"model": encoder_name, "messages": [{"role": "user", "content": "hi"}]}),
+    ):
         error = openai_error(encoder.post(path, json=body), 400)
         assert "encoder" in error["message"] and "/v1/embeddings" in error["message"]
 

@@ -1,6 +1,7 @@
 """The request path's shortcuts keep the answers the slow path gave: numpy arrays written straight
 to JSON (orjson, or the stdlib without it), single texts tokenized with `encode`, results handed
 from the runner thread straight to the callers, route labels taken from Starlette's routing."""
+
 from __future__ import annotations
 
 import asyncio
@@ -38,9 +39,13 @@ def test_float32_arrays_read_back_to_the_identical_values(writer):
 
 
 def test_other_dtypes_and_shapes_are_written_as_lists(writer):
-    for value in (np.arange(6, dtype=np.int64).reshape(2, 3), np.array([True, False]),
-                  np.array([1.5, 2.25], dtype=np.float16), np.arange(4, dtype=">i4"),
-                  np.arange(12, dtype=np.float32).reshape(3, 4)[:, 1]):  # not contiguous
+    for value in (
+        np.arange(6, dtype=np.int64).reshape(2, 3),
+        np.array([True, False]),
+        np.array([1.5, 2.25], dtype=np.float16),
+        np.arange(4, dtype=">i4"),
+        np.arange(12, dtype=np.float32).reshape(3, 4)[:, 1],
+    ):  # not contiguous
         assert json.loads(jsonbody.dumps(jsonbody.array(value))) == value.tolist()
 
 
@@ -54,8 +59,9 @@ def test_values_json_cannot_hold_are_refused(writer):
 def test_float_embeddings_equal_base64_embeddings_bit_for_bit(encoder, encoder_name):
     texts = ["first text", "a second, longer text than the first"]
     floats = encoder.post("/v1/embeddings", json={"model": encoder_name, "input": texts}).json()
-    packed = encoder.post("/v1/embeddings", json={"model": encoder_name, "input": texts,
-                                                  "encoding_format": "base64"}).json()
+    packed = encoder.post(
+        "/v1/embeddings", json={"model": encoder_name, "input": texts, "encoding_format": "base64"}
+    ).json()
     for f, p in zip(floats["data"], packed["data"]):
         decoded = np.frombuffer(base64.b64decode(p["embedding"]), dtype="<f4")
         assert np.array_equal(np.array(f["embedding"], dtype=np.float32), decoded)
@@ -66,14 +72,16 @@ def test_kserve_json_outputs_are_float32_exact(encoder, encoder_name):
 
     ids = [[101, 7592, 2088, 102]]
     as_json = encoder.post(f"/v2/models/{encoder_name}/infer", json={"inputs": kserve_tensors(ids)}).json()
-    as_binary = encoder.post(f"/v2/models/{encoder_name}/infer", json={
-        "inputs": kserve_tensors(ids), "parameters": {"binary_data_output": True}})
+    as_binary = encoder.post(
+        f"/v2/models/{encoder_name}/infer",
+        json={"inputs": kserve_tensors(ids), "parameters": {"binary_data_output": True}},
+    )
     head_length = int(as_binary.headers["inference-header-content-length"])
     header = json.loads(as_binary.content[:head_length])
     offset = head_length
     for output in header["outputs"]:
         size = output["parameters"]["binary_data_size"]
-        blob = np.frombuffer(as_binary.content[offset:offset + size], dtype="<f4")
+        blob = np.frombuffer(as_binary.content[offset : offset + size], dtype="<f4")
         offset += size
         written = next(o for o in as_json["outputs"] if o["name"] == output["name"])
         assert np.array_equal(np.array(written["data"], dtype=np.float32), blob)
@@ -125,10 +133,12 @@ def test_a_caller_that_goes_away_while_queued_is_never_run():
 
 def test_results_reach_callers_while_the_next_batch_is_collected():
     """The runner thread hands each result to its caller directly; a later batch never holds it."""
+
     async def scenario():
         loop = asyncio.get_running_loop()
-        batcher = Batcher(lambda payloads: [p * 2 for p in payloads], max_batch_size=4, max_queue_delay_s=0.001,
-                          max_queue=64)
+        batcher = Batcher(
+            lambda payloads: [p * 2 for p in payloads], max_batch_size=4, max_queue_delay_s=0.001, max_queue=64
+        )
         batcher.start()
         results = [await batcher.submit(i, 1, 5) for i in range(20)]
         results += await asyncio.gather(*(batcher.submit(i, 1, 5) for i in range(20)))

@@ -1,5 +1,6 @@
 """Property-based fuzzing of the request parsers: whatever arrives, the answer is a request the
 server can act on or an HTTPError with a 4xx status, never another exception (a 500)."""
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,8 @@ FUZZ_WIDE = settings(max_examples=80, deadline=None, suppress_health_check=[Heal
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
     lambda children: st.lists(children, max_size=5) | st.dictionaries(st.text(max_size=10), children, max_size=5),
-    max_leaves=8)
+    max_leaves=8,
+)
 
 
 def refused_cleanly(call) -> None:
@@ -44,22 +46,41 @@ def test_infer_parser_on_arbitrary_bytes(body, header_length):
 
 def tensor_like():
     shape = st.lists(st.integers(-2, 4), max_size=3) | json_values
-    data = st.lists(st.integers(-2**70, 2**70) | st.floats(allow_nan=False) | st.booleans() | st.text(max_size=3),
-                    max_size=12) | json_values
-    return st.fixed_dictionaries({}, optional={
-        "name": st.sampled_from(["input_ids", "attention_mask"]) | json_values,
-        "datatype": st.sampled_from(list(KSERVE_DTYPES) + ["BYTES", "int64"]) | json_values,
-        "shape": shape, "data": data,
-        "parameters": st.fixed_dictionaries({}, optional={"binary_data_size": st.integers(-1, 64) | json_values}),
-    })
+    data = (
+        st.lists(
+            st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.booleans() | st.text(max_size=3), max_size=12
+        )
+        | json_values
+    )
+    return st.fixed_dictionaries(
+        {},
+        optional={
+            "name": st.sampled_from(["input_ids", "attention_mask"]) | json_values,
+            "datatype": st.sampled_from(list(KSERVE_DTYPES) + ["BYTES", "int64"]) | json_values,
+            "shape": shape,
+            "data": data,
+            "parameters": st.fixed_dictionaries({}, optional={"binary_data_size": st.integers(-1, 64) | json_values}),
+        },
+    )
 
 
 @FUZZ_WIDE
-@given(st.fixed_dictionaries({}, optional={
-    "inputs": st.lists(tensor_like(), max_size=3) | json_values,
-    "outputs": st.lists(st.fixed_dictionaries({}, optional={"name": json_values, "parameters": json_values}),
-                        max_size=2) | json_values,
-    "parameters": json_values, "id": json_values}), st.binary(max_size=64), st.booleans())
+@given(
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "inputs": st.lists(tensor_like(), max_size=3) | json_values,
+            "outputs": st.lists(
+                st.fixed_dictionaries({}, optional={"name": json_values, "parameters": json_values}), max_size=2
+            )
+            | json_values,
+            "parameters": json_values,
+            "id": json_values,
+        },
+    ),
+    st.binary(max_size=64),
+    st.booleans(),
+)
 def test_infer_parser_on_structured_requests(request, binary, use_binary):
     header = json.dumps(request).encode()
     body = header + binary if use_binary else header
@@ -68,19 +89,31 @@ def test_infer_parser_on_structured_requests(request, binary, use_binary):
 
 
 @FUZZ
-@given(st.sampled_from(["INT64", "INT32", "FP32", "FP16", "BOOL", "UINT8"]),
-       st.lists(st.integers(1, 4), min_size=1, max_size=3), st.booleans(), st.data())
+@given(
+    st.sampled_from(["INT64", "INT32", "FP32", "FP16", "BOOL", "UINT8"]),
+    st.lists(st.integers(1, 4), min_size=1, max_size=3),
+    st.booleans(),
+    st.data(),
+)
 def test_valid_tensors_round_trip_exactly(datatype, shape, binary, data):
     dtype = KSERVE_DTYPES[datatype]
     if dtype.kind == "b":
         values = data.draw(st.lists(st.booleans(), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
     elif dtype.kind in "iu":
         info = np.iinfo(dtype)
-        values = data.draw(st.lists(st.integers(int(info.min), int(info.max)),
-                                    min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
+        values = data.draw(
+            st.lists(
+                st.integers(int(info.min), int(info.max)), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))
+            )
+        )
     else:
-        values = data.draw(st.lists(st.floats(-1e4, 1e4, width=16 if datatype == "FP16" else 32),
-                                    min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
+        values = data.draw(
+            st.lists(
+                st.floats(-1e4, 1e4, width=16 if datatype == "FP16" else 32),
+                min_size=int(np.prod(shape)),
+                max_size=int(np.prod(shape)),
+            )
+        )
     array = np.array(values, dtype=dtype).reshape(shape)
     tensor = {"name": "x", "datatype": datatype, "shape": shape}
     if binary:
@@ -96,19 +129,39 @@ def test_valid_tensors_round_trip_exactly(datatype, shape, binary, data):
     np.testing.assert_array_equal(got, array)
 
 
-openai_fields = st.fixed_dictionaries({}, optional={
-    "model": st.just("m") | json_values,
-    "input": json_values | st.lists(st.integers(-5, 40000), max_size=4) | st.text(max_size=10),
-    "prompt": json_values | st.text(max_size=10),
-    "messages": st.lists(st.fixed_dictionaries({}, optional={
-        "role": st.sampled_from(["user", "system", "robot"]) | json_values,
-        "content": json_values | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": json_values}),
-                                          max_size=2)}), max_size=3) | json_values,
-    "max_tokens": json_values, "max_completion_tokens": json_values, "temperature": json_values,
-    "top_p": json_values, "n": json_values, "stream": json_values, "stop": json_values, "seed": json_values,
-    "stream_options": json_values, "encoding_format": json_values, "dimensions": json_values,
-    "logprobs": json_values, "echo": json_values,
-})
+openai_fields = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.just("m") | json_values,
+        "input": json_values | st.lists(st.integers(-5, 40000), max_size=4) | st.text(max_size=10),
+        "prompt": json_values | st.text(max_size=10),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {},
+                optional={
+                    "role": st.sampled_from(["user", "system", "robot"]) | json_values,
+                    "content": json_values
+                    | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": json_values}), max_size=2),
+                },
+            ),
+            max_size=3,
+        )
+        | json_values,
+        "max_tokens": json_values,
+        "max_completion_tokens": json_values,
+        "temperature": json_values,
+        "top_p": json_values,
+        "n": json_values,
+        "stream": json_values,
+        "stop": json_values,
+        "seed": json_values,
+        "stream_options": json_values,
+        "encoding_format": json_values,
+        "dimensions": json_values,
+        "logprobs": json_values,
+        "echo": json_values,
+    },
+)
 
 
 @FUZZ_WIDE
@@ -131,4 +184,4 @@ def test_stop_matcher_emits_exactly_the_text_before_the_first_stop(pieces, stops
     emitted += matcher.flush()
     full = "".join(pieces)
     cuts = [full.find(s) for s in stops if s in full]
-    assert emitted == (full[:min(cuts)] if cuts else full)
+    assert emitted == (full[: min(cuts)] if cuts else full)

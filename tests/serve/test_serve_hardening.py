@@ -3,6 +3,7 @@
 After each hostile client (a 10,000-row request, a lone surrogate, slow headers and bodies, clients that
 disconnect mid-request) a normal request is answered at its usual latency.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,6 +22,7 @@ from serve.errors import HTTPError
 from tests.support.serve import metric_value, running_server
 
 # --- finding 3: refused and timed-out work leaves the queue -----------------------------------------
+
 
 def test_a_refused_request_queues_nothing_and_a_timed_out_one_is_dropped():
     seen: list = []
@@ -78,10 +80,10 @@ def test_an_abandoned_requests_pieces_are_dropped():
 
 # --- the real server --------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def server(encoder_artifact):
-    with running_server(encoder_artifact, "--header-timeout-s", "1", "--body-timeout-s", "2",
-                        "--max-queue", "64") as s:
+    with running_server(encoder_artifact, "--header-timeout-s", "1", "--body-timeout-s", "2", "--max-queue", "64") as s:
         yield s
 
 
@@ -112,16 +114,29 @@ def assert_usual(server, name, baseline):
 
 
 def kserve_body(rows: int) -> bytes:
-    tensors = [{"name": n, "datatype": "INT64", "shape": [rows, 4], "data": ([101, 7592, 2088, 102] if n ==
-               "input_ids" else [1, 1, 1, 1] if n == "attention_mask" else [0, 0, 0, 0]) * rows}
-               for n in ("input_ids", "attention_mask", "token_type_ids")]
+    tensors = [
+        {
+            "name": n,
+            "datatype": "INT64",
+            "shape": [rows, 4],
+            "data": (
+                [101, 7592, 2088, 102] if n == "input_ids" else [1, 1, 1, 1] if n == "attention_mask" else [0, 0, 0, 0]
+            )
+            * rows,
+        }
+        for n in ("input_ids", "attention_mask", "token_type_ids")
+    ]
     return json.dumps({"inputs": tensors}).encode()
 
 
 def test_a_10000_row_request_is_refused_before_queueing(server, name, baseline):
     started = time.perf_counter()
-    r = httpx.post(f"{server.url}/v2/models/{name}/infer", content=kserve_body(10_000),
-                   headers={"Content-Type": "application/json"}, timeout=60)
+    r = httpx.post(
+        f"{server.url}/v2/models/{name}/infer",
+        content=kserve_body(10_000),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == 413 and "10000 rows" in r.json()["error"], r.text
     assert time.perf_counter() - started < 5
     assert_usual(server, name, baseline)
@@ -133,23 +148,35 @@ def test_a_10000_row_request_is_refused_before_queueing(server, name, baseline):
 def test_rows_over_the_queue_are_refused_whole(server, name, baseline):
     """2,048 rows of 32 are 64 pieces: a request that does not fit the queue (64) beside others is refused
     whole, and none of its pieces is computed afterwards."""
-    r = httpx.post(f"{server.url}/v2/models/{name}/infer", content=kserve_body(2048),
-                   headers={"Content-Type": "application/json"}, timeout=60)
+    r = httpx.post(
+        f"{server.url}/v2/models/{name}/infer",
+        content=kserve_body(2048),
+        headers={"Content-Type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code in (200, 429), r.text
     assert_usual(server, name, baseline)
 
 
 # --- finding 4: not valid UTF-8 is 400 -----------------------------------------------------------------
 
-@pytest.mark.parametrize("body", [
-    b'{"model": "NAME", "input": "\\ud800"}',
-    b'{"model": "NAME", "input": ["ok", "x\\udfff"]}',
-    b'{"model": "NAME", "input": "ok", "user": "\\udbff"}',
-    b'{"model": "NAME", "input": "\\ud800\\ud800"}',
-])
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": "NAME", "input": "\\ud800"}',
+        b'{"model": "NAME", "input": ["ok", "x\\udfff"]}',
+        b'{"model": "NAME", "input": "ok", "user": "\\udbff"}',
+        b'{"model": "NAME", "input": "\\ud800\\ud800"}',
+    ],
+)
 def test_lone_surrogates_are_400(server, name, baseline, body):
-    r = httpx.post(server.url + "/v1/embeddings", content=body.replace(b"NAME", name.encode()),
-                   headers={"Content-Type": "application/json"}, timeout=30)
+    r = httpx.post(
+        server.url + "/v1/embeddings",
+        content=body.replace(b"NAME", name.encode()),
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 400 and "UTF-8" in r.json()["error"]["message"], r.text
     assert_usual(server, name, baseline)
 
@@ -161,6 +188,7 @@ def test_a_valid_surrogate_pair_is_a_character(server, name):
 
 
 # --- finding 8: slow clients -------------------------------------------------------------------------
+
 
 def test_slow_headers_are_cut_off(server, name, baseline):
     socks = []
@@ -187,8 +215,10 @@ def test_slow_headers_are_cut_off(server, name, baseline):
 
 def test_a_slow_body_gets_408(server, name, baseline):
     s = socket.create_connection(("127.0.0.1", server.port))
-    s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-              b"Content-Length: 100\r\n\r\n{\"model\"")
+    s.sendall(
+        b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 100\r\n\r\n{"model"'
+    )
     s.settimeout(10)
     started = time.monotonic()
     reply = b""
@@ -205,22 +235,26 @@ def test_a_slow_body_gets_408(server, name, baseline):
 
 # --- finding 9: disconnects are not 500s -----------------------------------------------------------------
 
+
 def test_client_disconnects_are_counted_as_such(server, name, baseline):
     before = httpx.get(server.url + "/metrics").text
     errors_before = metric_value(before, "serve_requests_total", status="500")
     for _ in range(20):
         s = socket.create_connection(("127.0.0.1", server.port))
-        s.sendall(b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000\r\n\r\n{\"model\": \"")
+        s.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"model": "'
+        )
         time.sleep(0.01)
         s.close()
+
     # Clients that leave while their request is queued or computed.
     def leave_early():
         try:
-            httpx.post(server.url + "/v1/embeddings", json={"model": name, "input": ["x " * 100] * 64},
-                       timeout=0.01)
+            httpx.post(server.url + "/v1/embeddings", json={"model": name, "input": ["x " * 100] * 64}, timeout=0.01)
         except httpx.HTTPError:
             pass
+
     threads = [threading.Thread(target=leave_early) for _ in range(10)]
     for t in threads:
         t.start()
@@ -259,5 +293,3 @@ def test_connection_cap_is_passed_to_uvicorn():
 
     config = resolve(vars(args), {})
     assert config.max_connections == 7 and config.header_timeout_s == 2.0 and config.body_timeout_s == 30.0
-
-

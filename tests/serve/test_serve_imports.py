@@ -1,5 +1,6 @@
 """serve/ is the minimal runtime: importing it, building the app and loading the model must not
 pull in torch or the pipeline (optimize/)."""
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,8 @@ print(json.dumps(heavy))
 
 
 def test_serve_imports_neither_torch_nor_optimize(encoder_artifact):
-    proc = subprocess.run([sys.executable, "-c", PROBE, str(encoder_artifact)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", PROBE, str(encoder_artifact)], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []

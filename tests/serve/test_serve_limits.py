@@ -1,5 +1,6 @@
 """Behaviour under load and bad input, in process: bounded queue (429 + Retry-After), per-request
 timeout (504), body limit (413), bearer-token auth (401), not ready yet (503)."""
+
 from __future__ import annotations
 
 import threading
@@ -12,6 +13,7 @@ from tests.support.serve import in_process, wait_until
 
 def slowed(delay_s: float):
     """The real model, each batch held for delay_s: makes queues and timeouts reproducible."""
+
     def load(state):
         model = load_model_for(state)
         run_batch = model.run_batch
@@ -22,6 +24,7 @@ def slowed(delay_s: float):
 
         model.run_batch = slow
         return model
+
     return load
 
 
@@ -43,10 +46,21 @@ def test_request_timeout_is_504(encoder_artifact, encoder_name):
     with in_process(encoder_artifact, load_model=slowed(0.8), timeout_s=0.2) as client:
         response = embed(client, encoder_name)
         assert response.status_code == 504 and response.json()["error"]["type"] == "timeout"
-        kserve = client.post(f"/v2/models/{encoder_name}/infer", json={"inputs": [
-            {"name": n, "datatype": "INT64", "shape": [1, 2], "data": [101, 102] if n == "input_ids" else [1, 1]}
-            for n in ("input_ids", "attention_mask")] + [
-            {"name": "token_type_ids", "datatype": "INT64", "shape": [1, 2], "data": [0, 0]}]})
+        kserve = client.post(
+            f"/v2/models/{encoder_name}/infer",
+            json={
+                "inputs": [
+                    {
+                        "name": n,
+                        "datatype": "INT64",
+                        "shape": [1, 2],
+                        "data": [101, 102] if n == "input_ids" else [1, 1],
+                    }
+                    for n in ("input_ids", "attention_mask")
+                ]
+                + [{"name": "token_type_ids", "datatype": "INT64", "shape": [1, 2], "data": [0, 0]}]
+            },
+        )
         assert kserve.status_code == 504 and isinstance(kserve.json()["error"], str)
 
 

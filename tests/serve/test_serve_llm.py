@@ -1,6 +1,7 @@
 """Causal-LM endpoints on a genuinely tiny Llama built with onnxruntime-genai's builder:
 completions and chat, whole and streamed (server-sent events), limits, and the encoder-only
 endpoints refusing it. Random weights: the text is gibberish, the protocol is not."""
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ def test_greedy_is_deterministic_and_streaming_gives_the_same_text(llm):
     whole = complete(llm, prompt="def main():", max_tokens=12).json()
     again = complete(llm, prompt="def main():", max_tokens=12).json()
     assert whole["choices"][0]["text"] == again["choices"][0]["text"]
-    events = sse_events(complete(llm, prompt="def main():", max_tokens=12, stream=True,
-                                 stream_options={"include_usage": True}))
+    events = sse_events(
+        complete(llm, prompt="def main():", max_tokens=12, stream=True, stream_options={"include_usage": True})
+    )
     text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
     assert text == whole["choices"][0]["text"]
     finals = [e["choices"][0]["finish_reason"] for e in events if e["choices"] and e["choices"][0]["finish_reason"]]
@@ -79,7 +81,7 @@ def test_stop_string_cuts_the_output(llm):
         pytest.skip("the random model ended too early to pick a stop string")
     stop = free[2:4]
     cut = complete(llm, prompt="Once upon a time", max_tokens=20, stop=[stop]).json()["choices"][0]
-    assert cut["text"] == free[:free.find(stop)] and cut["finish_reason"] == "stop"
+    assert cut["text"] == free[: free.find(stop)] and cut["finish_reason"] == "stop"
 
 
 def test_token_id_prompts(llm):
@@ -92,8 +94,15 @@ def test_limits_answer_400_with_a_reason(llm):
     assert over_cap.status_code == 400 and "max_tokens" in over_cap.json()["error"]["message"]
     too_long = complete(llm, prompt="word " * 400, max_tokens=2)  # context 256 tokens
     assert too_long.status_code == 400 and "prompt" in too_long.json()["error"]["message"]
-    for bad in ({"n": 2}, {"temperature": 3}, {"top_p": -1}, {"stop": ["a"] * 5}, {"max_tokens": 0},
-                {"logprobs": 2}, {"stream": "yes"}):
+    for bad in (
+        {"n": 2},
+        {"temperature": 3},
+        {"top_p": -1},
+        {"stop": ["a"] * 5},
+        {"max_tokens": 0},
+        {"logprobs": 2},
+        {"stream": "yes"},
+    ):
         assert complete(llm, prompt="hi", **bad).status_code == 400, bad
     assert chat(llm, messages=[]).status_code == 400
     assert chat(llm, messages=[{"role": "wizard", "content": "x"}]).status_code == 400
@@ -135,13 +144,21 @@ def test_official_openai_client_streams(tiny_llm_artifact):
     with running_server(tiny_llm_artifact, "--max-tokens", "32") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         whole = client.completions.create(model=NAME, prompt="Hello", max_tokens=6, temperature=0)
-        pieces = [c.choices[0].text for c in client.completions.create(
-            model=NAME, prompt="Hello", max_tokens=6, temperature=0, stream=True) if c.choices]
+        pieces = [
+            c.choices[0].text
+            for c in client.completions.create(model=NAME, prompt="Hello", max_tokens=6, temperature=0, stream=True)
+            if c.choices
+        ]
         assert "".join(pieces) == whole.choices[0].text
-        reply = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}],
-                                               max_tokens=6, temperature=0)
-        deltas = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True)]
+        reply = client.chat.completions.create(
+            model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0
+        )
+        deltas = [
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model=NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=6, temperature=0, stream=True
+            )
+        ]
         assert "".join(deltas) == reply.choices[0].message.content
         assert [m.id for m in client.models.list()] == [NAME]
         with pytest.raises(openai.BadRequestError):

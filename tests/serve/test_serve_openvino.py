@@ -1,6 +1,7 @@
 """An OpenVINO artifact is served exactly as an ONNX Runtime one: a real `python -m serve` on
 loopback, answered through tritonclient (KServe v2) and the openai client, with the same numbers the
 artifact's own Runner gives."""
+
 from __future__ import annotations
 
 import numpy as np

@@ -4,6 +4,7 @@ no server errors, documented status codes and content types, and bodies that mat
 
 (schemathesis's pytest plugin does not run under pytest 9, so each operation's strategy is
 driven with hypothesis directly: the same generation and the same checks.)"""
+
 from __future__ import annotations
 
 import pytest

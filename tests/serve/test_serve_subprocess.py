@@ -1,5 +1,6 @@
 """A real `python -m serve` on loopback: the standard clients (tritonclient, openai), a bounded
 load test that must lose nothing, and SIGTERM under load that must drop no accepted request."""
+
 from __future__ import annotations
 
 import re
@@ -58,8 +59,7 @@ def test_openai_client_embeddings(server, encoder_name):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
     result = client.embeddings.create(model=encoder_name, input=["first text", "second text"])  # base64 by default
     assert [d.index for d in result.data] == [0, 1] and len(result.data[0].embedding) == 384
-    floats = client.embeddings.create(model=encoder_name, input=["first text", "second text"],
-                                      encoding_format="float")
+    floats = client.embeddings.create(model=encoder_name, input=["first text", "second text"], encoding_format="float")
     assert np.allclose(floats.data[1].embedding, result.data[1].embedding, atol=1e-5)
     assert [m.id for m in client.models.list()] == [encoder_name]
     with pytest.raises(openai.NotFoundError):
@@ -107,9 +107,11 @@ def test_load_32_clients_lose_nothing(server, encoder_name):
     time.sleep(0.3)  # let the last requests' accounting finish before reading the counters
     after = httpx.get(server.url + "/metrics").text
     assert set(tally) == {"ok"}, tally
-    answered = sum(metric_value(after, "serve_requests_total", endpoint=e, status="200")
-                   - metric_value(before, "serve_requests_total", endpoint=e, status="200")
-                   for e in ("/v1/embeddings", "/v2/models/{name}/infer"))
+    answered = sum(
+        metric_value(after, "serve_requests_total", endpoint=e, status="200")
+        - metric_value(before, "serve_requests_total", endpoint=e, status="200")
+        for e in ("/v1/embeddings", "/v2/models/{name}/infer")
+    )
     assert answered == tally["ok"]  # every request the clients sent was answered, and only those
     batches = metric_value(after, "serve_batch_size_count") - metric_value(before, "serve_batch_size_count")
     rows = metric_value(after, "serve_batch_size_sum") - metric_value(before, "serve_batch_size_sum")

@@ -1,4 +1,5 @@
 """The pipeline's command line as a user runs it, and the one check for its refusals (exit 2, one line)."""
+
 from __future__ import annotations
 
 import os
@@ -14,20 +15,33 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # latency or memory runs. The gate still checks fidelity, so the artifact is a real passing one.
 # ONNX Runtime dynamic INT8 without the race (the race has tests of its own): seconds, not minutes.
 FAST_OVERRIDES = [
-    "engine=onnx", "quantize=ort_int8_dynamic",
-    "evaluate.data.count=16", "evaluate.latency=false", "evaluate.memory=false",
-    "quantize.params.fallback_min_cosine=null", "gate.min_speedup=null",
-    "gate.min_cosine=0.95", "gate.min_mean_cosine=0.98", "gate.min_topk_agreement=0.5",
+    "engine=onnx",
+    "quantize=ort_int8_dynamic",
+    "evaluate.data.count=16",
+    "evaluate.latency=false",
+    "evaluate.memory=false",
+    "quantize.params.fallback_min_cosine=null",
+    "gate.min_speedup=null",
+    "gate.min_cosine=0.95",
+    "gate.min_mean_cosine=0.98",
+    "gate.min_topk_agreement=0.5",
     "calibration.count=16",
 ]
 
 
-def run_optimize(*overrides: str, cwd: Path | None = None, timeout: int = 900,
-                 env: dict | None = None) -> subprocess.CompletedProcess:
+def run_optimize(
+    *overrides: str, cwd: Path | None = None, timeout: int = 900, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`python -m optimize ...` as a user runs it, in a subprocess (`env`: variables to add)."""
     env = dict(os.environ, HYDRA_FULL_ERROR="0", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "optimize", *overrides], cwd=cwd or ROOT, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "optimize", *overrides],
+        cwd=cwd or ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def one_error_line(proc: subprocess.CompletedProcess, *fragments: str, log_lines: bool = False) -> str:

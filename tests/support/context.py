@@ -5,6 +5,7 @@ a dataset download or a tokenizer folder. Each test builds it with what its meth
     FakeContext.for_onnx(tmp_path, count=32, width=64)        # quantize methods on a tiny ONNX MLP
     FakeContext.for_tokenizer(folder, tmp_path)               # modelopt methods on a tiny Llama folder
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -22,9 +23,17 @@ class FakeContext:
     extra_files, metric_hooks, calibration(), evaluation_data(), encode(), calibration_inputs(),
     record(), pooling."""
 
-    def __init__(self, scratch: Path, *, cfg: dict | None = None, source: Any = None,
-                 encoder: Callable | None = encode, items: list | None = None, threads: int = 1,
-                 pooling: dict | None = None):
+    def __init__(
+        self,
+        scratch: Path,
+        *,
+        cfg: dict | None = None,
+        source: Any = None,
+        encoder: Callable | None = encode,
+        items: list | None = None,
+        threads: int = 1,
+        pooling: dict | None = None,
+    ):
         self.cfg = OmegaConf.create(cfg or {})
         self.scratch = Path(scratch)
         self.source = source
@@ -39,10 +48,10 @@ class FakeContext:
     @classmethod
     def for_torch(cls, teacher, scratch: Path, prune_params: dict | None = None) -> "FakeContext":
         """A source PyTorch module (the teacher), the stand-in tokenizer, and a structured-prune recipe."""
-        source = SimpleNamespace(module=teacher, location=str(Path(scratch) / "teacher"), tokenizer_dir=None,
-                                 kind="hf", gguf_file=None)
-        return cls(scratch, source=source,
-                   cfg={"prune": {"method": "structured", "params": prune_params or {}}})
+        source = SimpleNamespace(
+            module=teacher, location=str(Path(scratch) / "teacher"), tokenizer_dir=None, kind="hf", gguf_file=None
+        )
+        return cls(scratch, source=source, cfg={"prune": {"method": "structured", "params": prune_params or {}}})
 
     @classmethod
     def for_onnx(cls, scratch: Path, count: int = 32, width: int = 64) -> "FakeContext":
@@ -56,8 +65,11 @@ class FakeContext:
         import calibration
         from engines.text import TextEncoder
 
-        return cls(scratch, encoder=TextEncoder(folder, max_length),
-                   items=calibration.load("cpython_docs", "calibration", count, 0).items)
+        return cls(
+            scratch,
+            encoder=TextEncoder(folder, max_length),
+            items=calibration.load("cpython_docs", "calibration", count, 0).items,
+        )
 
     def calibration(self):
         return SimpleNamespace(items=self.items, describe=lambda: {"sha256": "fake", "count": len(self.items)})

@@ -1,5 +1,6 @@
 """Tiny random models, built in a second on CPU: a BERT encoder and a Llama decoder (in memory, or
 saved as a folder with a small BPE tokenizer), and a stand-in tokenizer for the encoder."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,28 +12,45 @@ import torch
 torch.set_num_threads(1)
 
 TEXTS = [f"paragraph {i} " + "word " * (5 + i % 7) for i in range(48)]
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
 
 
 def tiny_bert(layers: int = 4, heads: int = 4, ffn: int = 64):
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=layers, num_attention_heads=heads,
-                        intermediate_size=ffn, max_position_embeddings=64)
+    config = BertConfig(
+        vocab_size=100,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        intermediate_size=ffn,
+        max_position_embeddings=64,
+    )
     return BertModel(config).eval()
 
 
-def tiny_llama(layers: int = 4, ffn: int = 64, hidden: int = 32, vocab_size: int = 100, max_positions: int = 64,
-               **config):
+def tiny_llama(
+    layers: int = 4, ffn: int = 64, hidden: int = 32, vocab_size: int = 100, max_positions: int = 64, **config
+):
     """A random Llama (4 query heads, 2 key/value heads, tied embeddings), seeded."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=ffn, max_position_embeddings=max_positions,
-                         tie_word_embeddings=True, **config)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=ffn,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        **config,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -41,8 +59,16 @@ def tiny_llama_folder(out: Path, max_positions: int = 512) -> Path:
     CPython's docs (with a chat template), token 0 for bos, eos and padding. Offline, a few seconds."""
     out = Path(out)
     vocab_size = train_tokenizer(out)
-    model = tiny_llama(layers=2, ffn=128, hidden=64, vocab_size=vocab_size, max_positions=max_positions,
-                       bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model = tiny_llama(
+        layers=2,
+        ffn=128,
+        hidden=64,
+        vocab_size=vocab_size,
+        max_positions=max_positions,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
     model.save_pretrained(out, safe_serialization=True)
     return out
 
@@ -57,12 +83,14 @@ def train_tokenizer(out: Path) -> int:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(list(topics.values())[:20], trainer)
     special = "<|endoftext|>"
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=special, eos_token=special,
-                                   unk_token=special, pad_token=special)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=special, eos_token=special, unk_token=special, pad_token=special
+    )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
     return tok.get_vocab_size()
@@ -73,8 +101,11 @@ def encode(texts: list[str], length: int = 16) -> dict[str, np.ndarray]:
     rows = [[(sum(map(ord, t)) * (k + 3)) % 97 + 2 for k in range(length)] for t in texts]
     mask = np.ones((len(texts), length), dtype=np.int64)
     mask[:, -3:] = 0
-    return {"input_ids": np.array(rows, dtype=np.int64), "attention_mask": mask,
-            "token_type_ids": np.zeros((len(texts), length), dtype=np.int64)}
+    return {
+        "input_ids": np.array(rows, dtype=np.int64),
+        "attention_mask": mask,
+        "token_type_ids": np.zeros((len(texts), length), dtype=np.int64),
+    }
 
 
 def torch_model(module, task: str = "sentence_embedding"):

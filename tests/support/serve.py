@@ -1,4 +1,5 @@
 """Helpers for the serve tests: a real `python -m serve` subprocess on loopback, and in-process apps."""
+
 from __future__ import annotations
 
 import contextlib
@@ -24,8 +25,12 @@ class ServerProcess:
         self.port = None
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0", *args],
-            cwd=ROOT, env={**os.environ, **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True)
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         threading.Thread(target=self.read_output, daemon=True).start()
 
     def read_output(self) -> None:
@@ -123,5 +128,7 @@ def kserve_tensors(ids) -> list[dict]:
 
     ids = np.asarray(ids, dtype=np.int64)
     tensors = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids)}
-    return [{"name": n, "datatype": "INT64", "shape": list(a.shape), "data": a.reshape(-1).tolist()}
-            for n, a in tensors.items()]
+    return [
+        {"name": n, "datatype": "INT64", "shape": list(a.shape), "data": a.reshape(-1).tolist()}
+        for n, a in tensors.items()
+    ]

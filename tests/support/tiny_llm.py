@@ -4,6 +4,7 @@ by onnxruntime-genai's builder, wrapped in a manifest that passes verification. 
 
     python -m tests.support.tiny_llm OUT_DIR     (from the repository root)
 """
+
 from __future__ import annotations
 
 import json
@@ -17,12 +18,21 @@ def write_manifest(artifact: Path) -> None:
     from engines.artifact import MANIFEST, SCHEMA_VERSION, file_table, seal
 
     manifest = {
-        "schema_version": SCHEMA_VERSION, "id": "tiny-llm-test", "parent_id": None,
+        "schema_version": SCHEMA_VERSION,
+        "id": "tiny-llm-test",
+        "parent_id": None,
         "recipe": {"name": "tiny_llm", "resolved": {"serve": {"max_queue": 8}}},
         "model": {"source": "random LlamaConfig (tests)", "task": "causal_lm"},
-        "engine": {"format": "onnxruntime-genai", "dir": "genai", "precision": "fp32", "task": "causal_lm",
-                   "tokenizer": "genai", "providers": ["CPUExecutionProvider"]},
-        "gate": {"passed": True, "checks": []}, "verdict": "passed",
+        "engine": {
+            "format": "onnxruntime-genai",
+            "dir": "genai",
+            "precision": "fp32",
+            "task": "causal_lm",
+            "tokenizer": "genai",
+            "providers": ["CPUExecutionProvider"],
+        },
+        "gate": {"passed": True, "checks": []},
+        "verdict": "passed",
         "files": file_table(artifact),
     }
     (artifact / MANIFEST).write_text(json.dumps(seal(manifest), indent=2))
@@ -34,9 +44,26 @@ def build(out: Path) -> Path:
     artifact = Path(out)
     with tempfile.TemporaryDirectory() as tmp:
         source = tiny_llama_folder(Path(tmp) / "src", max_positions=256)
-        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source), "-m",
-                        str(source), "-o", str(artifact / "genai"), "-p", "fp32", "-e", "cpu"],
-                       check=True, capture_output=True, text=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "onnxruntime_genai.models.builder",
+                "-i",
+                str(source),
+                "-m",
+                str(source),
+                "-o",
+                str(artifact / "genai"),
+                "-p",
+                "fp32",
+                "-e",
+                "cpu",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
     write_manifest(artifact)
     return artifact
 
