@@ -10,6 +10,7 @@ import numpy as np
 import engines
 from engines.artifact import read_manifest, verify
 from engines.text import TextEncoder
+from optimize.compile.auto import default_candidates
 from tests.support.cli import FAST_OVERRIDES, ROOT, one_error_line, run_optimize
 
 
@@ -65,14 +66,7 @@ def test_default_recipe_end_to_end_on_a_small_evaluation_set(tmp_path, monkeypat
     assert export["ort_fusions"]["attention"] == 6 and export["ort_fusions"]["skip_layer_normalization"] == 12
     assert export["export_check"]["sentence_embedding"]["min_cosine"] > 0.9999
     names = [c["name"] for c in race["candidates"]]
-    assert names == [
-        "ort_fp32",
-        "ort_int8_dynamic",
-        "ort_int8_dynamic_all",
-        "openvino_f32",
-        "openvino_bf16",
-        "openvino_int8",
-    ]
+    assert names == default_candidates("sentence_embedding")
     winner = next(c for c in race["candidates"] if c["name"] == race["winner"])
     assert winner["passed_accuracy"] and winner["outcome"].startswith("won")
     passing = [c for c in race["candidates"] if c["passed_accuracy"]]
