@@ -28,6 +28,8 @@ def score(entries: list, ctx) -> dict:
     ids = tokens("\n\n".join(data.items))[: cfg.perplexity_tokens]
     baseline = TorchLM(ctx.source.module, ctx.threads)
     runners = {e.name: load_engine(e.model.engine_dir, e.model.engine, threads=ctx.threads) for e in entries}
+    for entry in entries:
+        entry.size_mb = sum(p.stat().st_size for p in entry.model.engine_dir.rglob("*") if p.is_file()) / 2**20
     base = {"perplexity": perplexity(baseline, ids, cfg.perplexity_window)}
     for entry in entries:
         ppl = perplexity(runners[entry.name], ids, cfg.perplexity_window)
