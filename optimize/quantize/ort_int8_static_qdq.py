@@ -3,7 +3,7 @@ ranges calibrated on the recipe's calibration data (never on random data unless 
 
 Choices that matter on CPUs:
 - activation_type uint8 + weight_type int8 (U8S8) is the pair ONNX Runtime's x86 kernels are fastest
-  at, with or without VNNI; S8S8 was measured slower than FP32 on MiniLM here (FIELD-NOTES).
+  at, with or without VNNI; S8S8 was measured slower than FP32 on MiniLM here.
 - reduce_range (7-bit weights) on CPUs without VNNI: AVX2's vpmaddubsw adds pairs of u8*s8 products
   into int16 and saturates with full-range weights. null picks it from the CPU.
 - Transformers have activation outliers: percentile or entropy calibration clips them, graph fusion
