@@ -165,3 +165,18 @@ def auto_generation_ms(metrics: dict) -> float:
     from optimize.compile.race_lm import generation_ms
 
     return generation_ms(metrics["generation"], metrics["generation"]["new_tokens"])
+
+
+def test_an_openvino_engine_this_machine_cannot_run_is_refused_before_any_weights_load(monkeypatch):
+    import importlib.util
+
+    from engines import openvino_runner
+
+    method = get("engine", "openvino")
+    monkeypatch.setattr(openvino_runner, "missing_cpu_features", lambda precision: ["avx512_bf16 or amx_bf16"])
+    with pytest.raises(RecipeError, match=r"precision=bf16: this CPU has no native bf16 \(it lacks avx512_bf16"):
+        build_config(method, {"precision": "bf16"})
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "nncf" else real_find_spec(name))
+    with pytest.raises(RecipeError, match="precision=int8: needs nncf: pip install nncf"):
+        build_config(method, {"precision": "int8"})
