@@ -118,6 +118,8 @@ def test_onnx_file_source_with_random_inputs(tmp_path):
         "evaluate.batch_sizes=[1,4]",
         "evaluate.repeats=5",
         "evaluate.memory=false",
+        "engine=onnx",
+        "quantize=ort_int8_dynamic",
         "quantize.params.fallback_min_cosine=null",
         "gate=none",
         "gate.min_cosine=0.9",
