@@ -331,8 +331,21 @@ def _roofline_rows(b: dict, c: dict) -> list[list[str]]:
         ],
     ]
     if rb.get("share") is not None or rc.get("share") is not None:
-        rows.append(["decode p50 share of bound", _pct(rb), _pct(rc), ""])
+        rows.append(["decode p50 share of bound", _pct(rb), _pct(rc), _limit(rc)])
     return rows
+
+
+# At or above this share of the bandwidth bound, decode is taken to be limited by memory reads.
+MEMORY_BOUND_SHARE = 0.5
+
+
+def _limit(r: dict) -> str:
+    """What the measured share says limits the candidate's decode."""
+    if r.get("share") is None:
+        return ""
+    if r["share"] >= MEMORY_BOUND_SHARE:
+        return "memory-bound: reading the weights and KV cache limits decode"
+    return "not memory-bound: compute and per-token overhead limit decode"
 
 
 def _fmt_known(value, digits=2) -> str:

@@ -256,7 +256,11 @@ def test_report_rows():
     assert "others 10% CPU" in rows["memory read bandwidth GB/s (measured)"][2]
     # 20e9 / (90e6 + 4,423,680) = 211.8 tok/s; 80 / 211.8 = 38%
     assert rows["roofline bound decode tok/s"][1] == "211.8"
-    assert rows["decode p50 share of bound"] == ["27%", "38%", ""]
+    assert rows["decode p50 share of bound"] == [
+        "27%",
+        "38%",
+        "not memory-bound: compute and per-token overhead limit decode",
+    ]
     unknown = {r[0]: r[1:] for r in table_rows(_metrics(False))}
     assert unknown["weights read per token MB"][0] == "not known"
     assert unknown["roofline bound decode tok/s"][0] == "not known"
