@@ -461,34 +461,18 @@ def race_batch_size(ctx) -> str:
 
 def _choose(entries: list[Entry], ctx) -> Entry:
     """The fastest at the race's batch size among the candidates that pass every accuracy (and size)
-    check of the gate. A candidate that fails accuracy is never shipped, however fast."""
-    from optimize import gate
-    from optimize.config import recipe_dict
+    check of the gate."""
+    from optimize.compile.race import pick
 
-    thresholds = recipe_dict(ctx.cfg.gate)
-    accuracy = {k: v for k, v in thresholds.items() if k in gate.untimed_keys() and k != "max_peak_memory_mb"}
     batch = race_batch_size(ctx)
-    for entry in entries:
-        verdict = gate.judge({}, {"fidelity": entry.fidelity, "size_mb": entry.size_mb}, accuracy)
-        entry.accuracy_checks = [asdict(c) for c in verdict.checks]
-        entry.passed = verdict.passed
-    passing = sorted((e for e in entries if e.passed), key=lambda e: e.latency[batch]["p50_ms"])
-    if not passing:  # nothing passes: ship the most accurate, so the gate fails on a real artifact
-        best = max(entries, key=lambda e: e.fidelity.get("cosine_min", 0.0))
-        for entry in entries:
-            entry.outcome = "failed accuracy" + ("; shipped as the most accurate" if entry is best else "")
-        return best
-    winner = passing[0]
-    for entry in entries:
-        if entry is winner:
-            entry.outcome = f"won: fastest at batch {batch} of the {len(passing)} that pass accuracy"
-        elif not entry.passed:
-            failed = [c["name"] for c in entry.accuracy_checks if not c["passed"]]
-            entry.outcome = f"lost: failed accuracy ({', '.join(failed)})"
-        else:
-            ratio = entry.latency[batch]["p50_ms"] / winner.latency[batch]["p50_ms"]
-            entry.outcome = f"lost: {ratio:.2f}x the winner's p50 at batch {batch}"
-    return winner
+    return pick(
+        entries,
+        ctx,
+        measured=lambda e: {"fidelity": e.fidelity},
+        cost=lambda e: e.latency[batch]["p50_ms"],
+        error=lambda e: -e.fidelity.get("cosine_min", 0.0),
+        cost_words=(f"fastest at batch {batch}", f"p50 at batch {batch}"),
+    )
 
 
 # ---------------------------------------------------------------- report

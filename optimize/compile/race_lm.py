@@ -12,7 +12,6 @@ count together, as a user waiting for an answer sees them.
 from __future__ import annotations
 
 import logging
-from dataclasses import asdict
 
 log = logging.getLogger(__name__)
 
@@ -69,33 +68,16 @@ def _lm_eval(entries, runners, baseline, base, tokens, paragraphs, cfg, ctx) -> 
 def choose(entries: list, ctx):
     """The candidate with the shortest generation among those that pass every accuracy and size check
     of the gate (perplexity increase, lm-eval drop, size); none passing: the lowest perplexity ships."""
-    from optimize import gate
-    from optimize.config import recipe_dict
+    from optimize.compile.race import pick
 
-    thresholds = {
-        k: v for k, v in recipe_dict(ctx.cfg.gate).items() if k in gate.untimed_keys() and k != "max_peak_memory_mb"
-    }
-    for entry in entries:
-        verdict = gate.judge({}, {**entry.metrics, "size_mb": entry.size_mb}, thresholds)
-        entry.accuracy_checks = [asdict(c) for c in verdict.checks]
-        entry.passed = verdict.passed
-    passing = sorted((e for e in entries if e.passed), key=lambda e: e.metrics["generation_ms"])
-    if not passing:
-        best = min(entries, key=lambda e: e.metrics["perplexity"])
-        for entry in entries:
-            entry.outcome = "failed accuracy" + ("; shipped as the most accurate" if entry is best else "")
-        return best
-    winner = passing[0]
-    for entry in entries:
-        if entry is winner:
-            entry.outcome = f"won: shortest generation of the {len(passing)} that pass accuracy"
-        elif not entry.passed:
-            failed = [c["name"] for c in entry.accuracy_checks if not c["passed"]]
-            entry.outcome = f"lost: failed accuracy ({', '.join(failed)})"
-        else:
-            ratio = entry.metrics["generation_ms"] / winner.metrics["generation_ms"]
-            entry.outcome = f"lost: {ratio:.2f}x the winner's generation time"
-    return winner
+    return pick(
+        entries,
+        ctx,
+        measured=lambda e: e.metrics,
+        cost=lambda e: e.metrics["generation_ms"],
+        error=lambda e: e.metrics["perplexity"],
+        cost_words=("shortest generation", "generation time"),
+    )
 
 
 def columns(entry) -> dict:
