@@ -6,7 +6,7 @@ Variants, all on the same tokenized evaluation texts, timed in one measure() cal
 - PyTorch FP32 (reference for cosine and speed ratios), ORT FP32 unfused and fused.
 - fused + INT8 of every weight MatMul (the project's ort_int8_dynamic call, fallback off): the
   fused Attention node keeps its QKV projection in FP32, as op_types=[MatMul, Gemm] leaves it.
-- fused + INT8 including the Attention node (QAttention): needs the graph edit in pack_qkv.
+- fused + INT8 including the Attention node (QAttention): needs the graph edit in engines.ort_fusion.pack_attention_qkv.
 - the artifact's model.onnx (the default recipe: fused, INT8, sensitivity fallback on).
 - unfused + INT8 per-channel, reduce_range false and true.
 - with --optimum-python: Optimum's own export + ORTQuantizer INT8 (the peer of benchmarks/peers.py).
@@ -89,48 +89,10 @@ def quantize(source: Path, out: Path, op_types: list[str], reduce_range: bool) -
     return out
 
 
-def pack_qkv(source: Path, out: Path) -> Path:
-    """The fused graph with each Attention's QKV weight as one initializer and no qkv_hidden_sizes.
-
-    onnxscript's fusion feeds Attention a Concat of the three projection weights and sets
-    qkv_hidden_sizes; ONNX Runtime's quantizer then leaves the node in FP32 (it quantizes only an
-    initializer weight, and skips any Attention with qkv_hidden_sizes). Equal Q/K/V sizes are the
-    attribute's default, so dropping it changes nothing. QAttention has no attention_bias input, so
-    the padding mask moves from the additive bias (input 5) to mask_index (input 3: the raw
-    [batch, sequence] attention_mask as int32, a form both kernels accept)."""
-    import numpy as np
-    import onnx
-    from onnx import numpy_helper
-
-    model = onnx.load(str(source))
-    graph = model.graph
-    weights = {i.name: i for i in graph.initializer}
-    producer = {o: n for n in graph.node for o in n.output}
-    mask = "attention_mask_int32"
-    graph.node.insert(0, onnx.helper.make_node("Cast", ["attention_mask"], [mask], to=onnx.TensorProto.INT32))
-    for node in graph.node:
-        concat = producer.get(node.input[1]) if node.op_type == "Attention" else None
-        if concat is None or concat.op_type != "Concat" or not all(i in weights for i in concat.input):
-            continue
-        axis = next(a.i for a in concat.attribute if a.name == "axis")
-        packed = np.concatenate([numpy_helper.to_array(weights[i]) for i in concat.input], axis=axis)
-        graph.initializer.append(numpy_helper.from_array(packed, f"{node.name or node.output[0]}_qkv_weight"))
-        node.input[1] = graph.initializer[-1].name
-        sizes = [a for a in node.attribute if a.name == "qkv_hidden_sizes"]
-        if sizes and len(set(sizes[0].ints)) == 1:
-            node.attribute.remove(sizes[0])
-        inputs = list(node.input)[:5] + [""] * (5 - len(node.input))
-        inputs[3] = mask
-        del node.input[:]
-        node.input.extend(inputs[:4])
-    onnx.save(model, str(out))  # the now unused Concats are dropped by ORT at load
-    return out
-
-
 def build_graphs(module, example: dict, artifact: Path, work: Path) -> dict[str, Path]:
     import shutil
 
-    from engines.ort_fusion import fuse_for_onnxruntime
+    from engines.ort_fusion import fuse_for_onnxruntime, pack_attention_qkv
     from optimize.quantize.common import auto_reduce_range
 
     unfused = unfused_export(module, example, work / "unfused.onnx")
@@ -142,7 +104,7 @@ def build_graphs(module, example: dict, artifact: Path, work: Path) -> dict[str,
         "ORT FP32 fused": fused,
         "fused INT8 (all MatMuls)": quantize(fused, work / "fused-int8.onnx", ["MatMul", "Gemm"], default_rr),
         "fused INT8 + QAttention": quantize(
-            pack_qkv(fused, work / "fused-packed.onnx"),
+            pack_attention_qkv(fused, work / "fused-packed.onnx")[0],
             work / "fused-int8-qattn.onnx",
             ["MatMul", "Gemm", "Attention"],
             default_rr,

@@ -58,6 +58,20 @@ def missing_cpu_features(precision: str) -> list[str]:
     return []
 
 
+def openvino_missing(packages: dict[str, str], bf16: bool = False) -> str | None:
+    """What this machine lacks to build and run an OpenVINO engine, in words (None: nothing).
+    `packages` maps the modules needed to their pip names; `bf16` asks for native bf16 compute."""
+    import importlib.util
+
+    absent = [pip for module, pip in packages.items() if importlib.util.find_spec(module) is None]
+    if absent:
+        return f"needs {' and '.join(absent)}: pip install {' '.join(absent)}"
+    lacks = missing_cpu_features("bf16") if bf16 else []
+    if lacks:
+        return f"this CPU has no native bf16 (it lacks {'; '.join(lacks)})"
+    return None
+
+
 def bf16_supported() -> bool:
     return not missing_cpu_features("bf16")
 

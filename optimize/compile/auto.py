@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from engines.onnx_export import copy_onnx
 from optimize.errors import RecipeError
 from optimize.registry import register
 
@@ -272,7 +273,7 @@ def _export_once(model, ctx):
     ctx.stage_records["export"] = ctx.stage_records.pop("engine", {})
     folder = ctx.scratch / "race" / "export"
     folder.mkdir(parents=True, exist_ok=True)
-    return exported.with_onnx(_copy_onnx(exported.onnx_path, folder))
+    return exported.with_onnx(copy_onnx(exported.onnx_path, folder))
 
 
 def _build(entry: Entry, exported, ctx, key_base: Optional[str]) -> None:
@@ -313,7 +314,7 @@ def _save(model, records: dict, folder: Path):
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     if model.kind == "onnx":
-        _copy_onnx(model.onnx_path, tmp)
+        copy_onnx(model.onnx_path, tmp)
         saved: dict[str, Any] = {"kind": "onnx", "file": "model.onnx"}
     else:
         shutil.copytree(model.engine_dir, tmp, dirs_exist_ok=True)
@@ -339,12 +340,6 @@ def _model_from(folder: Path, saved: dict, template):
     else:
         model = template.with_engine(folder, saved["engine"], precision=saved["precision"])
     return dataclasses.replace(model, layer_precision=saved.get("layer_precision") or {})
-
-
-def _copy_onnx(path: Path, folder: Path) -> Path:
-    from engines.onnx_export import copy_onnx
-
-    return copy_onnx(path, folder)
 
 
 # ---------------------------------------------------------------- the cache

@@ -54,29 +54,15 @@ class OpenVINOConfig:
             raise RecipeError(f"engine.params.preset={self.preset} (use mixed or performance)")
         if min(self.calibration_count, self.calibration_batch) < 1:
             raise RecipeError("engine.params.calibration_count and calibration_batch must be at least 1")
-        missing = openvino_missing(self.precision)
+        from engines.openvino_runner import openvino_missing
+
+        packages = {"openvino": "openvino", **({"nncf": "nncf"} if self.precision == "int8" else {})}
+        missing = openvino_missing(packages, bf16=self.precision == "bf16")
         if missing:  # checked before any weights load
             raise RecipeError(f"engine.method=openvino precision={self.precision}: {missing}")
 
     def ignored_scope(self) -> dict:
         return {"names": self.ignored_names, "types": self.ignored_types, "patterns": self.ignored_patterns}
-
-
-def openvino_missing(precision: str) -> str | None:
-    """What this machine lacks for an OpenVINO engine at `precision`, in words (None: nothing)."""
-    import importlib.util
-
-    packages = ["openvino"] + (["nncf"] if precision == "int8" else [])
-    absent = [p for p in packages if importlib.util.find_spec(p) is None]
-    if absent:
-        return f"needs {' and '.join(absent)}: pip install {' '.join(absent)}"
-    if precision == "bf16":
-        from engines.openvino_runner import missing_cpu_features
-
-        lacks = missing_cpu_features("bf16")
-        if lacks:
-            return f"this CPU has no native bf16 (it lacks {'; '.join(lacks)})"
-    return None
 
 
 @register(

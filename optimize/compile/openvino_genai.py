@@ -72,9 +72,17 @@ class OVGenAIConfig:
             raise RecipeError(f"engine.params.inference_precision={self.inference_precision} (use f32 or bf16)")
         if self.kv_cache_precision not in (None, "f32", "bf16", "u8"):
             raise RecipeError(f"engine.params.kv_cache_precision={self.kv_cache_precision} (use f32, bf16 or u8)")
-        missing = ov_genai_missing(self.inference_precision, self.weight_format != "fp32")
+        from engines.openvino_runner import openvino_missing
+
+        packages = {
+            "openvino": "openvino",
+            "openvino_genai": "openvino-genai",
+            "openvino_tokenizers": "openvino-tokenizers",
+            **({"nncf": "nncf"} if self.weight_format != "fp32" else {}),
+        }
+        missing = openvino_missing(packages, bf16=self.inference_precision == "bf16")
         if missing:  # checked before any weights load
-            raise RecipeError(f"engine.method=openvino_genai: {missing}")
+            raise RecipeError(f"engine.method=openvino_genai inference_precision={self.inference_precision}: {missing}")
 
     @property
     def precision(self) -> str:
@@ -82,28 +90,6 @@ class OVGenAIConfig:
         if self.weight_format == "fp32":
             return "bf16" if self.inference_precision == "bf16" else "fp32"
         return self.weight_format.split("_")[0]
-
-
-def ov_genai_missing(inference_precision: str, compress: bool) -> str | None:
-    """What this machine lacks for the engine, in words (None: nothing)."""
-    import importlib.util
-
-    packages = {
-        "openvino": "openvino",
-        "openvino_genai": "openvino-genai",
-        "openvino_tokenizers": "openvino-tokenizers",
-        **({"nncf": "nncf"} if compress else {}),
-    }
-    absent = [pip for module, pip in packages.items() if importlib.util.find_spec(module) is None]
-    if absent:
-        return f"needs {' and '.join(absent)}: pip install {' '.join(absent)}"
-    if inference_precision == "bf16":
-        from engines.openvino_runner import missing_cpu_features
-
-        lacks = missing_cpu_features("bf16")
-        if lacks:
-            return f"inference_precision=bf16, but this CPU has no native bf16 (it lacks {'; '.join(lacks)})"
-    return None
 
 
 @register("engine", "openvino_genai", OVGenAIConfig, input_format="torch", tasks=("causal_lm",), needs_calibration=True)
