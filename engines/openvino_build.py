@@ -12,6 +12,17 @@ import numpy as np
 IR_FILE = "model.xml"
 
 
+def no_telemetry() -> None:
+    """OpenVINO's converter and NNCF send usage telemetry over the network unless they are told they
+    run in CI; this tool builds models on offline and CI machines, so it says so with the libraries'
+    own switches (NNCF reads its variable when imported: call this before the first import of nncf).
+    On a machine without network the send failed in a child process and printed a traceback."""
+    import os
+
+    os.environ.setdefault("NNCF_CI", "1")
+    os.environ.setdefault("CI", "true")
+
+
 def ov_version() -> str:
     import openvino as ov
 
@@ -34,6 +45,7 @@ def save_ir(model, out_dir: str | Path) -> Path:
 def onnx_to_ir(onnx_path: str | Path, out_dir: str | Path) -> Path:
     """Convert an ONNX file to an FP32 IR in out_dir; returns model.xml (model.bin beside it).
     The ONNX input and output names become the IR's tensor names."""
+    no_telemetry()
     import openvino as ov
 
     return save_ir(ov.convert_model(str(onnx_path)), out_dir)
@@ -110,6 +122,7 @@ def nncf_int8(
     (named arrays, as a Runner takes them). `subset_size` counts batches, not samples: NNCF draws
     that many items from the dataset. preset 'mixed' quantizes activations asymmetrically (they are
     not centred after GELU/softmax), 'performance' symmetrically. Returns out_dir/model.xml."""
+    no_telemetry()
     import nncf
 
     settings = _quantization_settings(
@@ -148,6 +161,7 @@ def nncf_int8_with_accuracy_control(
     When max_drop cannot be reached NNCF only logs it and returns what it has (possibly every layer
     reverted), so the caller must measure the result, as the gate does.
     """
+    no_telemetry()
     import nncf
     from nncf.quantization.advanced_parameters import AdvancedAccuracyRestorerParameters
 

@@ -220,6 +220,9 @@ def export_stateful_lm(hf_folder: str | Path, out_dir: str | Path) -> Path:
     """A Hugging Face causal-LM folder (Llama-style, loaded in FP32 with SDPA attention) -> out_dir
     holding the stateful FP32 IR, the OpenVINO tokenizer/detokenizer and the config files that
     `openvino_genai.LLMPipeline(out_dir, "CPU")` reads. Returns the IR's path."""
+    from engines.openvino_build import no_telemetry
+
+    no_telemetry()
     hf_folder, out_dir = Path(hf_folder), Path(out_dir)
     model = _load_fp32(hf_folder)
     ov_model, past, present = convert_decoder(model)
@@ -275,6 +278,9 @@ def compress_weights(
     precision) to INT8 per channel; int8_asym quantizes every weight to INT8 per channel. awq,
     scale_estimation and gptq are data-aware and need `calibration_batches` (see calibration_inputs).
     The other files in xml's folder (tokenizer, configs) are copied when out_dir differs."""
+    from engines.openvino_build import no_telemetry
+
+    no_telemetry()
     import nncf
     import openvino as ov
 
