@@ -3,7 +3,8 @@ in auto.py).
 
 Every candidate decoder is scored against the PyTorch FP32 baseline on the held-out tokens the
 evaluation uses (perplexity, and lm-eval where the gate checks it), then every candidate and the
-baseline generate the same prompts in turn (time to first token and decode tokens/s). The winner
+baseline generate the same prompts in turn (time to first token and decode tokens/s), each candidate
+in a process of its own with only its runtime loaded, as a server runs it. The winner
 is the candidate that passes the gate's accuracy checks with the shortest generation of the
 evaluation's prompt and new tokens: TTFT + (new_tokens - 1) / decode, so first token and decode
 count together, as a user waiting for an answer sees them.
@@ -11,6 +12,7 @@ count together, as a user waiting for an answer sees them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 log = logging.getLogger(__name__)
@@ -20,6 +22,7 @@ def score(entries: list, ctx) -> dict:
     """Fill each entry's `metrics` (perplexity, lm-eval, TTFT, decode); returns the baseline's."""
     from engines import load_engine
     from engines.pytorch_runner import TorchLM
+    from engines.runner_process import RunnerProcess
     from optimize.evaluate.benchmark import OtherCpuUse
     from optimize.tasks.causal_lm import Tokens, eval_config, perplexity, speed
 
@@ -37,8 +40,13 @@ def score(entries: list, ctx) -> dict:
         _lm_eval(entries, runners, baseline, base, tokens, data.items, cfg, ctx)
     prompts = [p[: cfg.prompt_tokens] for p in map(tokens, data.items) if len(p) >= cfg.prompt_tokens]
     runs = max(2, min(ctx.cfg.evaluate.repeats, ctx.cfg.engine.params.timing_repeats, 5))
-    with OtherCpuUse() as others:
-        timed = speed({"baseline": baseline, **runners}, prompts, cfg.new_tokens, warmup=1, runs=runs)
+    runners.clear()  # scored; each candidate is timed in a process of its own (engines/runner_process.py)
+    with contextlib.ExitStack() as stack:
+        timed_runners = {
+            e.name: stack.enter_context(RunnerProcess(e.model.engine_dir, e.model.engine, ctx.threads)) for e in entries
+        }
+        with OtherCpuUse() as others:
+            timed = speed({"baseline": baseline, **timed_runners}, prompts, cfg.new_tokens, warmup=1, runs=runs)
     base["generation"] = timed["baseline"]
     for entry in entries:
         result = timed[entry.name]

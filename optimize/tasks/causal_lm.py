@@ -139,16 +139,26 @@ def percentiles(values) -> dict:
     return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95))}
 
 
+# Untimed tokens each runner generates right before each timed run. Runtimes keep their worker
+# threads spinning for a while after a call (ONNX Runtime's pool, OpenMP's, TBB's); timed right after
+# another runtime, a runner shares the 2 cores with those threads. A short untimed generation first
+# lets them go idle and wakes the runner's own.
+SETTLE_TOKENS = 8
+
+
 def speed(runners: dict, prompts: list[list[int]], new_tokens: int, warmup: int, runs: int) -> dict:
     """TTFT and decode tokens/s per runner over `runs` timed generations (after `warmup`), interleaved
-    and in alternating order. Decode speed of a run = (n - 1) / (time of token n - time of token 1).
-    The p95 of tokens/s is the slow tail: the 5th percentile of per-run tokens/s."""
+    and in alternating order, each after an untimed settling generation (SETTLE_TOKENS). Decode speed
+    of a run = (n - 1) / (time of token n - time of token 1). The p95 of tokens/s is the slow tail:
+    the 5th percentile of per-run tokens/s."""
     samples: dict[str, dict[str, list[float]]] = {name: {"ttft_ms": [], "tok_s": []} for name in runners}
     names = list(runners)
     for i in range(warmup + runs):
+        prompt = prompts[i % len(prompts)]
         for name in names if i % 2 == 0 else names[::-1]:
+            runners[name].timed_stream(prompts[(i + 1) % len(prompts)], SETTLE_TOKENS)
             start = time.perf_counter()
-            stamps = runners[name].timed_stream(prompts[i % len(prompts)], new_tokens)
+            stamps = runners[name].timed_stream(prompt, new_tokens)
             if i >= warmup:
                 samples[name]["ttft_ms"].append((stamps[0] - start) * 1000)
                 samples[name]["tok_s"].append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
@@ -180,7 +190,11 @@ def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
     _perplexity_metrics(metrics, base, cand, tokens, data.items, cfg, described)
     _sample_metrics(metrics, base, cand, tokens, cfg)
     if ctx.cfg.evaluate.latency:
-        _speed_metrics(metrics, base, cand, tokens, data.items, cfg, ctx.cfg.evaluate)
+        from engines.runner_process import RunnerProcess
+
+        # Timed in a process of its own, with only its runtime loaded (engines/runner_process.py).
+        with RunnerProcess(candidate.root, candidate.engine, ctx.threads) as timed:
+            _speed_metrics(metrics, base, timed, tokens, data.items, cfg, ctx.cfg.evaluate)
     else:
         metrics["candidate"]["speed_note"] = "latency not measured (evaluate.latency=false)"
     _roofline_metrics(metrics, base, cand, cfg, ctx.threads)
