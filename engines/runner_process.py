@@ -72,6 +72,13 @@ class RunnerProcess:
     def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
         return self._call({"op": "stream", "ids": [int(i) for i in prompt_ids], "n": int(new_tokens)})["stamps"]
 
+    def cpu_seconds(self) -> float:
+        """CPU time the worker has used (a benchmark counts it as its own, not as other processes')."""
+        import psutil
+
+        t = psutil.Process(self.proc.pid).cpu_times()
+        return t.user + t.system
+
     def close(self) -> None:
         if self.proc.poll() is None:
             try:

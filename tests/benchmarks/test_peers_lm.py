@@ -122,9 +122,21 @@ def test_a_tiny_race_runs_and_its_ratios_match_the_timings(tmp_path):
     genai_dir = peers_lm.ort_genai_default_int4(model_dir, work)
     entries = [
         peers_lm.Entry(peers_lm.BASELINE, "baseline", peers_lm.pytorch_baseline(model_dir, 0), ""),
-        peers_lm.Entry(peers_lm.ARTIFACT, "artifact", engines.load(artifact), peers_lm.artifact_recipe(manifest)),
+        peers_lm.Entry(
+            peers_lm.ARTIFACT,
+            "artifact",
+            engines.load(artifact),
+            peers_lm.artifact_recipe(manifest),
+            timing_engine=(artifact, manifest["engine"]),
+        ),
         peers_lm.Entry("OV INT4", "peer", peers_lm.openvino_runner_for(ov_dir, manifest["engine"], 0), ""),
-        peers_lm.Entry("ORT GenAI INT4", "peer", GenAIRunner(genai_dir), ""),
+        peers_lm.Entry(
+            "ORT GenAI INT4",
+            "peer",
+            GenAIRunner(genai_dir),
+            "",
+            timing_engine=(genai_dir, {"format": "onnxruntime-genai", "dir": "."}),
+        ),
     ]
     tokens = peers_lm.artifact_tokens(artifact)
     texts = peers_lm.evaluation_texts(8)
@@ -138,6 +150,9 @@ def test_a_tiny_race_runs_and_its_ratios_match_the_timings(tmp_path):
     assert entries[1].perplexity == pytest.approx(torch_ppl, rel=1e-3)  # the FP32 IR is the model
     assert all(e.perplexity > 1 for e in entries)
     assert 0.0 <= timing["other_cpu_share"] <= 1.0
+    # Timed in workers of their own: the in-process runners were dropped before timing.
+    assert entries[1].runner is None and entries[3].runner is None and entries[2].runner is not None
+    assert all(e.generation["runs"] == 2 for e in entries)
     speeds = {e.name: e.generation["decode_tok_s"]["p50"] for e in entries}
     assert table["decode_over_pytorch"]["OV INT4"] == pytest.approx(speeds["OV INT4"] / speeds[peers_lm.BASELINE])
     if table["best_peer"] is not None:
