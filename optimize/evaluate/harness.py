@@ -130,28 +130,23 @@ def compare_runners(baseline: Subject, candidate: Subject, ctx, task_output: str
 
 def evaluation_inputs(ctx, runner) -> tuple[dict[str, np.ndarray], dict]:
     """(inputs, what they are): evaluation items encoded by the artifact's own tokenizer or the task's
-    encoder, or, when the recipe asks, random tensors shaped from the runner's signature."""
+    encoder, or, when the recipe asks, random tensors shaped by the recipe's `model.inputs` and the
+    rules in optimize/inputs.py (never a guessed size)."""
     cfg = ctx.cfg.evaluate
     if cfg.inputs == "random":
-        inputs = random_inputs(runner.signature(), cfg.data.count, cfg.data.seed)
+        inputs = random_inputs(ctx, runner, cfg.data.count, cfg.data.seed)
         return inputs, {"source": "random", "count": cfg.data.count, "seed": cfg.data.seed}
     data = ctx.evaluation_data()
+    ctx.refuse_text_for_tensors(data, "evaluate.data.source")
     return ctx.encode(data.items), data.describe()
 
 
-def random_inputs(signature: list[dict], count: int, seed: int, dim: int = 16) -> dict[str, np.ndarray]:
-    """Random tensors shaped from an ONNX signature: the first symbolic dim -> count, others -> dim."""
-    rng = np.random.default_rng(seed)
-    inputs = {}
-    for spec in signature:
-        shape = [
-            count if i == 0 and not isinstance(d, int) else (d if isinstance(d, int) else dim)
-            for i, d in enumerate(spec["shape"])
-        ]
-        if "int" in spec["type"]:
-            inputs[spec["name"]] = rng.integers(0, 100, size=shape).astype(np.int64)
-        elif "bool" in spec["type"]:
-            inputs[spec["name"]] = rng.integers(0, 2, size=shape).astype(bool)
-        else:
-            inputs[spec["name"]] = rng.standard_normal(shape).astype(np.float32)
-    return inputs
+def random_inputs(ctx, runner, count: int, seed: int) -> dict[str, np.ndarray]:
+    """Random tensors from the context's tensor encoder, or planned from the runner's signature."""
+    from optimize.config import recipe_dict
+    from optimize.inputs import TensorEncoder, plan_inputs
+
+    encoder = ctx.encoder if isinstance(ctx.encoder, TensorEncoder) else None
+    if encoder is None:
+        encoder = TensorEncoder(plan_inputs(runner.signature(), recipe_dict(ctx.cfg.model.inputs), {}))
+    return encoder.random(count, seed)

@@ -95,3 +95,47 @@ def int8_node_counts(onnx_path: Path) -> dict:
             floating += 1
             by_op[f"{node.op_type} (float)"] = by_op.get(f"{node.op_type} (float)", 0) + 1
     return {"int8": int8, "float": floating, "by_op": by_op}
+
+
+def constants_to_initializers(path: Path, out: Path) -> Path:
+    """The graph with its Constant-node tensors as initializers (exporters such as paddle2onnx write
+    weights as Constant nodes, and ONNX Runtime's quantizers only quantize initializers). Returns
+    `path` itself when there is nothing to move."""
+    import onnx
+
+    model = onnx.load(str(path))
+    constants = [
+        n
+        for n in model.graph.node
+        if n.op_type == "Constant" and len(n.attribute) == 1 and n.attribute[0].name == "value"
+    ]
+    if not constants:
+        return path
+    for node in constants:
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(node.attribute[0].t)
+        tensor.name = node.output[0]
+        model.graph.initializer.append(tensor)
+    moved = {id(n) for n in constants}
+    kept = [n for n in model.graph.node if id(n) not in moved]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    target = out / "initializers.onnx"
+    onnx.save(model, str(target))
+    return target
+
+
+def refuse_if_nothing_quantized(path: Path, source: Path, method: str, op_types: list[str] | None) -> dict:
+    """The quantized graph's kernel counts; a graph where the method found nothing to quantize is
+    refused with one line saying what the method looks for and what the graph has."""
+    counts = int8_node_counts(path)
+    if counts["int8"]:
+        return counts
+    weighted = int8_node_counts(source)["by_op"]
+    has = ", ".join(f"{n} {op.replace(' (float)', '')}" for op, n in sorted(weighted.items())) or "none"
+    looks_for = ", ".join(op_types) if op_types else "every op type ONNX Runtime quantizes"
+    raise RecipeError(
+        f"quantize.method={method} cannot apply to this model: it quantizes {looks_for} with constant weights, "
+        f"and the graph's weighted nodes are: {has}"
+        + (" (set quantize.params.op_types to include them)" if weighted else "")
+    )
