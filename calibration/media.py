@@ -40,8 +40,9 @@ def resolve_path(path: str | None) -> str | None:
     return str(Path(list(spec.submodule_search_locations)[0]) / sub)
 
 
-def folder_files(path: str | None, suffixes: tuple[str, ...], kind: str) -> list[Path]:
-    """The regular files with these suffixes in a folder (not recursive, sorted; links refused)."""
+def folder_files(path: str | None, suffixes: tuple[str, ...], kind: str, pattern: str = "*") -> list[Path]:
+    """The regular files with these suffixes that match `pattern` in a folder (not recursive, sorted;
+    links refused)."""
     if not path:
         raise DataError(f"this data source needs a path (a folder of {kind} files)")
     folder = Path(resolve_path(path) or "").expanduser()
@@ -51,9 +52,11 @@ def folder_files(path: str | None, suffixes: tuple[str, ...], kind: str) -> list
         raise DataError(f"data folder {path} does not exist") from None
     if not stat.S_ISDIR(info.st_mode):
         raise DataError(f"data folder {path} is not a directory; give a folder of {kind} files")
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in suffixes and not p.is_symlink() and p.is_file())
+    files = sorted(
+        p for p in folder.glob(pattern) if p.suffix.lower() in suffixes and not p.is_symlink() and p.is_file()
+    )
     if not files:
-        raise DataError(f"data folder {path} has no {kind} files ({', '.join(suffixes)})")
+        raise DataError(f"data folder {path} has no {kind} files matching {pattern} ({', '.join(suffixes)})")
     if len(files) > MAX_FOLDER_FILES:
         raise DataError(f"data folder {path} has {len(files)} {kind} files, over the limit of {MAX_FOLDER_FILES}")
     return files
@@ -71,7 +74,7 @@ def image_folder(split: str, path: str | None = None, image: dict | None = None,
     """Every picture of a folder as a normalized float32 array (see ImageOptions in the recipe schema)."""
     options = _image_options(image or {})
     items = []
-    for file in folder_files(path, IMAGE_SUFFIXES, "image"):
+    for file in folder_files(path, IMAGE_SUFFIXES, "image", options["files"]):
         data = _read(str(file))
         picture = _decode_image(data, file, options["channels"])
         if options["tile"]:
@@ -92,6 +95,7 @@ def _image_options(given: dict) -> dict:
         "mean": [0.0, 0.0, 0.0],
         "std": [1.0, 1.0, 1.0],
         "pad": 0.0,
+        "files": "*",
         **{k: v for k, v in given.items() if v is not None},
     }
     if options["size"] is not None:

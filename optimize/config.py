@@ -54,6 +54,7 @@ class ImageOptions:
     mean: List[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     std: List[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
     pad: float = 0.0  # letterbox padding, as a pixel value in 0..1
+    files: str = "*"  # a glob the folder's image files must match (e.g. "*.png")
 
 
 @dataclass

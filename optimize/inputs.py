@@ -106,16 +106,16 @@ def _plan_one(spec: dict, given: dict, batch_symbol, metadata: dict[str, str], f
     name, model_dims = spec["name"], list(spec["shape"])
     dtype = _dtype(given.get("dtype"), spec["type"], name)
     if given.get("shape") is not None:
-        dims = [BATCH if isinstance(d, str) else int(d) for d in given["shape"]]
-        if len(dims) != len(model_dims):
+        fixed: list = [BATCH if isinstance(d, str) else int(d) for d in given["shape"]]
+        if len(fixed) != len(model_dims):
             raise RecipeError(
-                f"model.inputs.{name}.shape has {len(dims)} dims, "
+                f"model.inputs.{name}.shape has {len(fixed)} dims, "
                 f"the model's input has {len(model_dims)} ({model_dims})"
             )
-        for i, (mine, theirs) in enumerate(zip(dims, model_dims)):
+        for i, (mine, theirs) in enumerate(zip(fixed, model_dims)):
             if isinstance(theirs, int) and isinstance(mine, int) and mine != theirs:
                 raise RecipeError(f"model.inputs.{name}.shape dim {i} is {mine}, the model fixes it at {theirs}")
-        return InputPlan(name, dims, dtype, given.get("value"), dict(given))
+        return InputPlan(name, fixed, dtype, given.get("value"), dict(given))
     dims: list = []
     symbols = {}
     for i, d in enumerate(model_dims):
