@@ -215,7 +215,13 @@ class TensorEncoder:
                     f"{plan.describe()} needs {want} at dim {i}"
                 )
 
-    def _checked(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _checked(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from optimize.evaluate.harness import Batch
+
+        # The data input first: what counts samples reads the first input batched on axis 0.
+        order = sorted(self.plans, key=lambda p: p is not self.data_input)
+        axes = {p.name: (p.dims.index(BATCH) if BATCH in p.dims else None) for p in order}
+        batch = Batch({p.name: arrays[p.name] for p in order}, axes)
         if self._probe is not None:
             probe, self._probe = self._probe, None
             run_or_refuse(probe, {p.name: _first_sample(batch[p.name], p.dims) for p in self.plans})

@@ -10,7 +10,11 @@ def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Cosine similarity of matching rows (each sample flattened)."""
     a = a.astype(np.float64).reshape(len(a), -1)
     b = b.astype(np.float64).reshape(len(b), -1)
-    return (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    cosine = (a * b).sum(1) / np.maximum(norms, 1e-30)
+    # Two all-zero rows are the same output (a detector's map of an image without text): cosine 1.
+    both_zero = ~a.any(axis=1) & ~b.any(axis=1)
+    return np.where(both_zero, 1.0, cosine)
 
 
 def worst_cosine(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray], output: str | None) -> float:
@@ -58,4 +62,20 @@ def output_fidelity(base: dict[str, np.ndarray], cand: dict[str, np.ndarray]) ->
         "max_abs_error": max(o["max_abs_error"] for o in per_output.values()),
         "outputs": per_output,
         "samples": int(len(next(iter(base.values())))),
+    }
+
+
+def mask_agreement(base: np.ndarray, cand: np.ndarray, threshold: float) -> dict:
+    """Segmentation/detection maps binarized at `threshold` on both sides: the mean per-sample IoU of
+    the two masks (a sample where both are empty agrees fully) and the share of pixels that agree."""
+    a = base.reshape(len(base), -1) > threshold
+    b = cand.reshape(len(cand), -1) > threshold
+    union = (a | b).sum(1)
+    iou = np.where(union > 0, (a & b).sum(1) / np.maximum(union, 1), 1.0)
+    return {
+        "threshold": threshold,
+        "iou_mean": float(iou.mean()),
+        "iou_min": float(iou.min()),
+        "pixel_agreement": float((a == b).mean()),
+        "positive_share": float(a.mean()),  # how much of the baseline's map is above the threshold
     }

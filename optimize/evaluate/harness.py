@@ -31,9 +31,36 @@ class Subject:
     layer_precision: dict = field(default_factory=dict)  # {precision: {count, nodes}} where a stage said
 
 
+class Batch(dict):
+    """Named inputs whose batch is not on axis 0 of every array: `batch_axes` maps an input to the
+    axis its samples are on (a recurrent state [layers, N, hidden] has them on 1), or to None for an
+    input every sample shares (a sample rate). Inputs it does not name are batched on axis 0."""
+
+    def __init__(self, arrays: dict, batch_axes: dict[str, int | None]):
+        super().__init__(arrays)
+        self.batch_axes = batch_axes
+
+
+def sample_count(inputs: dict[str, np.ndarray]) -> int:
+    axes = getattr(inputs, "batch_axes", {})
+    name, array = next((k, v) for k, v in inputs.items() if axes.get(k, 0) is not None)
+    return array.shape[axes.get(name, 0)]
+
+
 def batches_of(inputs: dict[str, np.ndarray], batch_size: int) -> list[dict[str, np.ndarray]]:
-    n = len(next(iter(inputs.values())))
-    return [{k: v[i : i + batch_size] for k, v in inputs.items()} for i in range(0, n, batch_size)]
+    axes = getattr(inputs, "batch_axes", None)
+    if axes is None:
+        n = len(next(iter(inputs.values())))
+        return [{k: v[i : i + batch_size] for k, v in inputs.items()} for i in range(0, n, batch_size)]
+
+    def cut(name: str, array: np.ndarray, start: int) -> np.ndarray:
+        axis = axes.get(name, 0)
+        if axis is None:
+            return array
+        return array[(slice(None),) * axis + (slice(start, start + batch_size),)]
+
+    n = sample_count(inputs)
+    return [Batch({k: cut(k, v, i) for k, v in inputs.items()}, axes) for i in range(0, n, batch_size)]
 
 
 def run_all(runner, batches: list[dict]) -> dict[str, np.ndarray]:
@@ -66,7 +93,7 @@ def latency(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray]
     """Per batch size: both runners' percentiles and the candidate's speedup at p50."""
     results = {}
     for batch_size in cfg.batch_sizes:
-        batches = [b for b in batches_of(inputs, batch_size) if len(next(iter(b.values()))) == batch_size]
+        batches = [b for b in batches_of(inputs, batch_size) if sample_count(b) == batch_size]
         if not batches:
             raise ValueError(f"evaluation set too small for batch size {batch_size}")
         runners: dict[str, Any] = {"baseline": baseline.runner, "candidate": candidate.runner}
@@ -124,8 +151,43 @@ def compare_runners(baseline: Subject, candidate: Subject, ctx, task_output: str
     cfg = ctx.cfg.evaluate
     inputs, described = evaluation_inputs(ctx, candidate.runner)
     metrics = shared_metrics(baseline, candidate, inputs, cfg, ctx.scratch)
-    metrics["candidate"]["fidelity"] = compare_outputs(baseline, candidate, inputs, task_output, cfg.top_k)
+    batches = batches_of(inputs, FIDELITY_BATCH)
+    base, cand = run_all(baseline.runner, batches), run_all(candidate.runner, batches)
+    judged = chosen_outputs(base, (cfg.task_params or {}).get("outputs"))
+    metrics["candidate"]["fidelity"] = fidelity_of(
+        {k: base[k] for k in judged}, {k: cand[k] for k in judged}, task_output, cfg.top_k
+    )
+    mask = mask_metrics(base, cand, cfg.task_params)
+    if mask is not None:
+        metrics["candidate"]["fidelity"]["mask"] = mask
     return metrics, described
+
+
+def chosen_outputs(outputs: dict, named) -> list[str]:
+    """The outputs fidelity judges: every one, or those evaluate.task_params.outputs names (a
+    recurrent model's next state is an input to the next call, not a result)."""
+    from optimize.errors import RecipeError
+
+    if not named:
+        return list(outputs)
+    missing = [n for n in named if n not in outputs]
+    if missing:
+        raise RecipeError(f"evaluate.task_params.outputs names {missing}; the model's outputs are {sorted(outputs)}")
+    return list(named)
+
+
+def mask_metrics(base: dict, cand: dict, task_params) -> dict | None:
+    """Mask IoU and pixel agreement of a map output when the recipe names one
+    (evaluate.task_params: {mask_output: NAME, mask_threshold: 0.5})."""
+    from optimize.errors import RecipeError
+    from optimize.evaluate.fidelity import mask_agreement
+
+    name = (task_params or {}).get("mask_output")
+    if name is None:
+        return None
+    if name not in base:
+        raise RecipeError(f"evaluate.task_params.mask_output={name}: the model's outputs are {sorted(base)}")
+    return dict(mask_agreement(base[name], cand[name], float(task_params.get("mask_threshold", 0.5))), output=name)
 
 
 def evaluation_inputs(ctx, runner) -> tuple[dict[str, np.ndarray], dict]:

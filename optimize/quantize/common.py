@@ -41,7 +41,7 @@ class CalibrationReader:
     def __init__(self, inputs: dict[str, np.ndarray], input_names: list[str], batch_size: int = 8):
         from optimize.evaluate.harness import batches_of
 
-        self.batches = [{k: b[k] for k in input_names} for b in batches_of(inputs, batch_size)]
+        self.batches = [{k: np.asarray(b[k]) for k in input_names} for b in batches_of(inputs, batch_size)]
         self.rewind()
 
     def get_next(self):
@@ -139,3 +139,18 @@ def refuse_if_nothing_quantized(path: Path, source: Path, method: str, op_types:
         f"and the graph's weighted nodes are: {has}"
         + (" (set quantize.params.op_types to include them)" if weighted else "")
     )
+
+
+def with_opset_at_least(path: Path, out: Path, opset: int = 13) -> Path:
+    """The graph converted to at least this ONNX opset: per-channel QDQ puts an axis on
+    DequantizeLinear, which opset 13 introduced (exporters such as paddle2onnx write opset 11)."""
+    import onnx
+    from onnx import version_converter
+
+    model = onnx.load(str(path))
+    current = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), opset)
+    if current >= opset:
+        return path
+    target = out / f"opset{opset}.onnx"
+    onnx.save(version_converter.convert_version(model, opset), str(target))
+    return target

@@ -32,6 +32,7 @@ from optimize.quantize.common import (
     quant_type,
     refuse_if_nothing_quantized,
     require_onnx,
+    with_opset_at_least,
     workdir,
 )
 from optimize.quantize.sensitivity import sensitivity_fallback
@@ -95,7 +96,7 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
     require_onnx(model, "ort_int8_static_qdq")
     out = workdir(ctx, "quantize_static")
     source = optimize_for_cpu(model.onnx_path, out) if cfg.optimize_graph == "bert" else model.onnx_path
-    source = constants_to_initializers(source, out)
+    source = with_opset_at_least(constants_to_initializers(source, out), out)
     count = min(cfg.calibration_count, len(ctx.calibration().items))
     reader = CalibrationReader(ctx.calibration_inputs(count), onnx_input_names(source), cfg.calibration_batch)
     reduce_range = auto_reduce_range(cfg.reduce_range)
