@@ -115,7 +115,7 @@ def _plan_one(spec: dict, given: dict, batch_symbol, metadata: dict[str, str], f
         for i, (mine, theirs) in enumerate(zip(fixed, model_dims)):
             if isinstance(theirs, int) and isinstance(mine, int) and mine != theirs:
                 raise RecipeError(f"model.inputs.{name}.shape dim {i} is {mine}, the model fixes it at {theirs}")
-        return InputPlan(name, fixed, dtype, given.get("value"), dict(given))
+        return InputPlan(name, fixed, dtype, given.get("value"), dict(given, _model_dims=model_dims))
     dims: list = []
     symbols = {}
     for i, d in enumerate(model_dims):
@@ -128,7 +128,7 @@ def _plan_one(spec: dict, given: dict, batch_symbol, metadata: dict[str, str], f
         else:
             dims.append(None)  # the data decides it (data input) or the recipe must (others)
             symbols[i] = d
-    return InputPlan(name, dims, dtype, given.get("value"), dict(given, _symbols=symbols))
+    return InputPlan(name, dims, dtype, given.get("value"), dict(given, _symbols=symbols, _model_dims=model_dims))
 
 
 def _dtype(named: str | None, onnx_type: str, name: str):
@@ -174,7 +174,7 @@ class TensorEncoder:
 
         from engines.onnxruntime_runner import OrtRunner
 
-        runner = OrtRunner(path, threads=threads)
+        runner = OrtRunner(path, threads=threads, quiet=True)
         metadata = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
         return cls(plan_inputs(runner.signature(), given, metadata), probe=runner)
 
@@ -208,8 +208,10 @@ class TensorEncoder:
                 f"the data source gives items of shape {list(data.shape[1:])}, and model input "
                 f"{plan.describe()} takes {len(plan.dims) - 1} dims per sample"
             )
-        for i, (have, want) in enumerate(zip(data.shape, plan.dims)):
-            if isinstance(want, int) and have != want:
+        # Only the graph's own fixed dims bind data: the recipe's values for symbolic ones shape
+        # random data, while images or audio bring their own size.
+        for i, (have, want) in enumerate(zip(data.shape, plan.spec.get("_model_dims", plan.dims))):
+            if i and isinstance(want, int) and have != want:
                 raise RecipeError(
                     f"the data source gives items of shape {list(data.shape[1:])}, and model input "
                     f"{plan.describe()} needs {want} at dim {i}"
