@@ -158,6 +158,16 @@ def random_tensor(plan: InputPlan, batch: int, rng: np.random.Generator) -> np.n
     return rng.normal(plan.spec.get("mean", 0.0), plan.spec.get("std", 1.0), size=shape).astype(plan.dtype)
 
 
+class Batch(dict):
+    """Named inputs whose batch is not on axis 0 of every array: `batch_axes` maps an input to the
+    axis its samples are on (a recurrent state [layers, N, hidden] has them on 1), or to None for an
+    input every sample shares (a sample rate). Inputs it does not name are batched on axis 0."""
+
+    def __init__(self, arrays: dict, batch_axes: dict[str, int | None]):
+        super().__init__(arrays)
+        self.batch_axes = batch_axes
+
+
 class TensorEncoder:
     """Items (arrays, one per sample) -> the model's named inputs; random batches from the specs.
     The first batch it makes is run through the source model once, so a model that cannot run on the
@@ -218,8 +228,6 @@ class TensorEncoder:
                 )
 
     def _checked(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from optimize.evaluate.harness import Batch
-
         # The data input first: what counts samples reads the first input batched on axis 0.
         order = sorted(self.plans, key=lambda p: p is not self.data_input)
         axes = {p.name: (p.dims.index(BATCH) if BATCH in p.dims else None) for p in order}

@@ -31,17 +31,9 @@ class Subject:
     layer_precision: dict = field(default_factory=dict)  # {precision: {count, nodes}} where a stage said
 
 
-class Batch(dict):
-    """Named inputs whose batch is not on axis 0 of every array: `batch_axes` maps an input to the
-    axis its samples are on (a recurrent state [layers, N, hidden] has them on 1), or to None for an
-    input every sample shares (a sample rate). Inputs it does not name are batched on axis 0."""
-
-    def __init__(self, arrays: dict, batch_axes: dict[str, int | None]):
-        super().__init__(arrays)
-        self.batch_axes = batch_axes
-
-
 def sample_count(inputs: dict[str, np.ndarray]) -> int:
+    """Samples in a batch: axis 0 of the first input, or the axis its `batch_axes` names
+    (optimize.inputs.Batch: a recurrent state has its samples on axis 1, a sample rate on none)."""
     axes = getattr(inputs, "batch_axes", {})
     name, array = next((k, v) for k, v in inputs.items() if axes.get(k, 0) is not None)
     return array.shape[axes.get(name, 0)]
@@ -60,7 +52,8 @@ def batches_of(inputs: dict[str, np.ndarray], batch_size: int) -> list[dict[str,
         return array[(slice(None),) * axis + (slice(start, start + batch_size),)]
 
     n = sample_count(inputs)
-    return [Batch({k: cut(k, v, i) for k, v in inputs.items()}, axes) for i in range(0, n, batch_size)]
+    kind: Any = type(inputs)  # optimize.inputs.Batch, kept so every piece still says its batch axes
+    return [kind({k: cut(k, v, i) for k, v in inputs.items()}, axes) for i in range(0, n, batch_size)]
 
 
 def run_all(runner, batches: list[dict]) -> dict[str, np.ndarray]:

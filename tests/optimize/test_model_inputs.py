@@ -10,8 +10,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from optimize.errors import RecipeError
-from optimize.evaluate.harness import Batch, batches_of, sample_count
-from optimize.inputs import BATCH, TensorEncoder, plan_inputs
+from optimize.evaluate.harness import batches_of, sample_count
+from optimize.inputs import BATCH, Batch, TensorEncoder, plan_inputs
 
 IMAGE = [{"name": "x", "type": "tensor(float)", "shape": ["n", 3, "h", "w"]}]
 VAD = [
