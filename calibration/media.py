@@ -82,6 +82,9 @@ def image_folder(split: str, path: str | None = None, image: dict | None = None,
         elif _in_split(_content_key(data), split):
             items.append(_resize(picture, options))
     arrays = [_normalize(i, options) for i in items]
+    sizes = sorted({a.shape for a in arrays})
+    if len(sizes) > 1:
+        raise DataError(f"images in {path} have different sizes {sizes[:3]}: set image.size=[height, width]")
     return Labeled(arrays, extra={"image": options, "item_shape": list(arrays[0].shape) if arrays else None})
 
 

@@ -35,7 +35,7 @@ def load(split, count, folder, seed=0, **image):
 
 
 def test_image_folder_resizes_normalizes_and_lays_out(photos):
-    both = load("calibration", 1, photos).available + load("evaluation", 1, photos).available
+    both = sum(load(split, 1, photos, size=[8, 8]).available for split in ("calibration", "evaluation"))
     assert both == 4  # every picture in exactly one split; notes.txt is not an image
     data = load("calibration", 1, photos, size=[32, 48], mean=[0.5] * 3, std=[0.25] * 3)
     item = data.items[0]
@@ -70,11 +70,11 @@ def test_tiles_are_split_by_their_pixels_and_never_overlap(photos):
 
 
 def test_sampling_is_seeded_and_overlap_is_refused(photos):
-    a, b, c = (load("calibration", 2, photos, seed=s) for s in (1, 1, 2))
+    a, b, c = (load("calibration", 2, photos, seed=s, size=[16, 16]) for s in (1, 1, 2))
     assert a.sha256 == b.sha256 and a.describe()["count"] == 2
     assert (a.describe()["seed"], c.describe()["seed"]) == (1, 2)
     with pytest.raises(DataError, match="also appear in the calibration"):
-        calibration.remove_overlap(a, load("calibration", 2, photos, seed=1), "error")
+        calibration.remove_overlap(a, load("calibration", 2, photos, seed=1, size=[16, 16]), "error")
 
 
 def test_bad_image_folders_are_one_error(tmp_path, photos):
@@ -86,6 +86,9 @@ def test_bad_image_folders_are_one_error(tmp_path, photos):
     with pytest.raises(DataError, match="cannot be decoded"):
         for split in ("calibration", "evaluation"):
             load(split, 1, tmp_path)
+    with pytest.raises(DataError, match="different sizes"):
+        for split in ("calibration", "evaluation"):
+            load(split, 1, photos)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(DataError, match="no image files"):
@@ -101,7 +104,9 @@ def test_bad_image_folders_are_one_error(tmp_path, photos):
 
 
 def test_package_paths_resolve_without_import():
-    data = calibration.load("image_folder", "calibration", 2, 0, path="pkg://skimage/data", image={"files": "*.png"})
+    data = calibration.load(
+        "image_folder", "calibration", 2, 0, path="pkg://skimage/data", image={"files": "*.png", "size": [8, 8]}
+    )
     assert len(data.items) == 2 and data.describe()["path"] == "pkg://skimage/data"
     with pytest.raises(DataError, match="not installed"):
         calibration.load("image_folder", "calibration", 1, 0, path="pkg://no_such_package_here/x")
