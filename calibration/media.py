@@ -132,7 +132,11 @@ def _decode_image(data: bytes, file: Path, channels: str) -> np.ndarray:
     try:
         with Image.open(io.BytesIO(data)) as img:
             rgb = np.asarray(img.convert("L" if channels == "L" else "RGB"))
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    except UnidentifiedImageError:
+        raise DataError(
+            f"image {file} cannot be decoded: not a format Pillow reads (image.files selects files)"
+        ) from None
+    except (OSError, ValueError) as exc:
         raise DataError(f"image {file} cannot be decoded: {exc}") from None
     if channels == "L":
         return rgb[:, :, None]

@@ -191,6 +191,20 @@ class TensorEncoder:
     def describe(self) -> str:
         return ", ".join(p.describe() for p in self.plans)
 
+    def record(self) -> dict:
+        """For the manifest: which input the data feeds and every input as resolved."""
+        return {
+            "data_input": self.data_input.name if self.data_input else None,
+            "resolved": {
+                p.name: {
+                    "dims": [BATCH if d == BATCH else d for d in p.dims],
+                    "dtype": np.dtype(p.dtype).name,
+                    "value": p.value,
+                }
+                for p in self.plans
+            },
+        }
+
     def __call__(self, items: list) -> dict[str, np.ndarray]:
         if any(isinstance(i, str) for i in items):
             raise RecipeError(

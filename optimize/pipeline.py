@@ -115,6 +115,7 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
             from optimize.inputs import TensorEncoder
 
             ctx.encoder = TensorEncoder.for_onnx(source.onnx_path, recipe_dict(cfg.model.inputs), ctx.threads)
+            ctx.record("inputs", ctx.encoder.record())
         model = _initial_model(source)
         for method, method_cfg in order(the_plan.stages):
             log.info("%s: %s", method.stage, method.name)

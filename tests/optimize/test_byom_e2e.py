@@ -122,6 +122,14 @@ def test_vad_int8_on_resampled_audio_passes_its_gate(vad_artifacts):
         fidelity = manifest["metrics"]["candidate"]["fidelity"]
         assert set(fidelity["outputs"]) == {"output"} and fidelity["max_abs_error"] <= 0.1
     assert static["stages"]["quantize"]["kernels"]["int8"] == 6
+    assert static["stages"]["inputs"] == {
+        "data_input": "input",
+        "resolved": {
+            "input": {"dims": ["N", 512], "dtype": "float32", "value": None},
+            "state": {"dims": [2, "N", 128], "dtype": "float32", "value": 0.0},
+            "sr": {"dims": [], "dtype": "int64", "value": 16000},
+        },
+    }
 
 
 def test_vad_served_over_kserve_v2_with_its_state_and_rate(vad_artifacts):
