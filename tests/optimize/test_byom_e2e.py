@@ -122,6 +122,9 @@ def test_vad_int8_on_resampled_audio_passes_its_gate(vad_artifacts):
         fidelity = manifest["metrics"]["candidate"]["fidelity"]
         assert set(fidelity["outputs"]) == {"output"} and fidelity["max_abs_error"] <= 0.1
     assert static["stages"]["quantize"]["kernels"]["int8"] == 6
+    # The sensitivity fallback ran on the audio windows (not on text) and kept what it ranked worst.
+    fallback = dynamic["stages"]["quantize"]
+    assert isinstance(fallback["calibration_min_cosine"], float) and fallback["kernels"]["int8"] >= 1
     assert static["stages"]["inputs"] == {
         "data_input": "input",
         "resolved": {
@@ -159,3 +162,31 @@ def test_vad_served_over_kserve_v2_with_its_state_and_rate(vad_artifacts):
             client.infer(name, inputs[:2] + [bad])
         with pytest.raises(InferenceServerException, match="missing"):
             client.infer(name, inputs[:2])
+
+
+def test_the_issues_command_runs_once_the_shapes_are_given(tmp_path):
+    """The issue's first command (random evaluation, the sensitivity fallback on) with the one
+    override its refusal asks for, and Conv among the op types: a gated artifact on random tensors."""
+    manifest = optimize(
+        tmp_path,
+        "random",
+        "model.source=pkg://rapidocr_onnxruntime/models/ch_PP-OCRv4_det_infer.onnx",
+        "model.task=generic",
+        "engine=onnx",
+        "evaluate.inputs=random",
+        "calibration=random",
+        "calibration.count=2",
+        "evaluate.data.count=2",
+        "quantize=ort_int8_dynamic",
+        "quantize.params.op_types=[Conv]",
+        "quantize.params.sensitivity_samples=2",
+        "quantize.params.max_fp32_nodes=1",
+        "+model.inputs.x.shape=[N,3,32,64]",
+        "+model.inputs.x.low=-1",
+        "+model.inputs.x.high=1",
+        "gate=none",
+        "gate.max_size_mb=4",  # 4.5 MB in FP32: passes only if the convolutions really are INT8
+    )
+    assert manifest["calibration"]["random"] is True and manifest["evaluation"]["source"] == "random"
+    assert manifest["stages"]["inputs"]["resolved"]["x"]["dims"] == ["N", 3, 32, 64]
+    assert len(manifest["stages"]["quantize"]["fp32_nodes"]) <= 1
