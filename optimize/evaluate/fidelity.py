@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-
 EMPTY_ROW = 1e-4  # a row this small relative to the largest row of the batch holds nothing
 
 
