@@ -4,7 +4,8 @@ Every source yields the items of a split (texts or arrays, optionally with label
 fixed count with a seed and records exactly what was drawn (count, seed and a sha256 over the items
 in order), so a manifest can say what calibrated or evaluated a model, and a rerun draws the same
 items. Sources: cpython_docs, text_file, jsonl (here); parquet, hf_dataset (files.py); digits
-(images.py); random (synthetic.py, only when a recipe names it, and the manifest says so).
+(images.py); image_folder, npy, audio_folder (media.py: ready tensors for models that take them);
+random (synthetic.py, only when a recipe names it, and the manifest says so).
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ def item_hash(item: Any) -> str:
 
 @dataclass
 class Labeled:
-    """What a source returns when its items carry labels (for accuracy): items[i] has labels[i]."""
+    """What a source returns when its items carry labels (for accuracy: items[i] has labels[i]) or
+    when it says how it made them (`extra`: preprocessing, recorded in the manifest)."""
 
     items: list
-    labels: list
+    labels: list | None = None
+    extra: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -275,12 +278,14 @@ def load(name: str, split: str, count: int, seed: int, **options) -> TextSet:
     except Exception as exc:  # readers raise many types (OSError, ArrowInvalid, ValueError...): all mean unreadable
         raise DataError(f"cannot read data source {name}: {type(exc).__name__}: {_first_line(exc)}") from None
     items, labels = (found.items, found.labels) if isinstance(found, Labeled) else (found, None)
+    made = found.extra if isinstance(found, Labeled) else {}
     if not len(items):
         raise DataError(f"data source {name} ({split} split) is empty")
     if count > len(items):
         raise DataError(f"data source {name} has {len(items)} {split} items, the recipe asks for {count}")
     chosen = random.Random(seed).sample(range(len(items)), count)
     extra = {k: v for k, v in options.items() if k in _RECORDED and v}
+    extra.update(made)
     if options.get("path"):
         extra["field"] = options.get("field")
     if name == "random":
@@ -322,4 +327,4 @@ def remove_overlap(calibration: TextSet, evaluation: TextSet, policy: str) -> Te
 
 
 # Sources in their own modules register themselves on import (their heavy imports stay inside functions).
-from calibration import files, images, synthetic  # noqa: E402,F401
+from calibration import files, images, media, synthetic  # noqa: E402,F401

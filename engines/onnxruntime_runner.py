@@ -19,12 +19,14 @@ _ORT_DTYPES = {
 }
 
 
-def session_options(threads: int = 0, spinning: bool = True):
+def session_options(threads: int = 0, spinning: bool = True, quiet: bool = False):
     """Spinning worker threads are free speed in a benchmark loop; in a server they take the cores the
     HTTP event loop needs between calls (measured: batch-1 latency doubled on a loaded 2-core machine)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
+    if quiet:  # a caller that reports the failure itself: ONNX Runtime's own log line would repeat it
+        options.log_severity_level = 4
     if not spinning:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -39,7 +41,12 @@ class OrtRunner:
     """Runs an ONNX file with ONNX Runtime; inputs are cast to the dtypes the graph declares."""
 
     def __init__(
-        self, model_path: str | Path, threads: int = 0, providers: list[str] | None = None, spinning: bool = True
+        self,
+        model_path: str | Path,
+        threads: int = 0,
+        providers: list[str] | None = None,
+        spinning: bool = True,
+        quiet: bool = False,
     ):
         import onnxruntime as ort
 
@@ -48,7 +55,7 @@ class OrtRunner:
         chosen = [p for p in (providers or ["CPUExecutionProvider"]) if p in available]
         if not chosen:
             raise RuntimeError(f"none of the providers {providers} is available here (have {available})")
-        self.session = ort.InferenceSession(str(self.path), session_options(threads, spinning), providers=chosen)
+        self.session = ort.InferenceSession(str(self.path), session_options(threads, spinning, quiet), providers=chosen)
         self.inputs = self.session.get_inputs()
         self.input_names = [i.name for i in self.inputs]
         self.output_names = [o.name for o in self.session.get_outputs()]

@@ -40,7 +40,8 @@ _VALUED_FLAGS = {
     "--shell-completion",
 }
 # `+key` may add keys only inside these free-form sections; anywhere else the key must be in the schema.
-FREE_FORM = ("evaluate.task_params.", "hydra.")
+# model.inputs is keyed by the model's input names; each entry is still typed (InputSpec).
+FREE_FORM = ("evaluate.task_params.", "model.inputs.", "hydra.")
 EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 log = logging.getLogger("optimize")
 

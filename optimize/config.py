@@ -10,6 +10,20 @@ from omegaconf import MISSING
 
 
 @dataclass
+class InputSpec:
+    """One model input as a recipe sets it (`model.inputs.NAME`): what random and constant tensors
+    look like, and the concrete values of the graph's symbolic dims (a string dim is the batch)."""
+
+    shape: Optional[List[Any]] = None  # e.g. [N, 3, 640, 640]; null: the model's, symbolic dims resolved
+    dtype: Optional[str] = None  # float32 | float16 | int64 | int32 | uint8 | bool; null: the model's
+    value: Optional[float] = None  # a constant input (a sample rate, a zero state); data never feeds it
+    low: Optional[float] = None  # random data: uniform in [low, high) when both are set ...
+    high: Optional[float] = None
+    mean: float = 0.0  # ... otherwise normal(mean, std)
+    std: float = 1.0
+
+
+@dataclass
 class ModelConfig:
     # A Hugging Face hub id, a local folder, a .gguf file, an .onnx file, or pkg://PACKAGE/SUBPATH
     # (a folder shipped inside an installed Python package, found without importing it).
@@ -22,13 +36,45 @@ class ModelConfig:
     max_length: int = 128
     trust_remote_code: bool = False
     allow_pickle: bool = False  # pickled checkpoints can run code when loaded: opt in explicitly
+    # Inputs of a model that takes tensors (an ONNX file without a tokenizer): shapes, dtypes and
+    # value ranges by input name, for random data, constant inputs and the graph's symbolic dims.
+    # Each entry takes InputSpec's keys (checked when the model loads: the names are the model's own).
+    inputs: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ImageOptions:
+    """image_folder: how a picture becomes one input tensor (pixels scaled to 0..1, then (x - mean) / std)."""
+
+    size: Optional[List[int]] = None  # [H, W] each image is resized to (null: as it is; all must match)
+    resize: str = "stretch"  # stretch | letterbox (keep the aspect ratio, pad with `pad`)
+    tile: bool = False  # cut each image into non-overlapping size[0] x size[1] tiles instead of resizing
+    layout: str = "NCHW"  # NCHW | NHWC
+    channels: str = "RGB"  # RGB | BGR | L
+    mean: List[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+    std: List[float] = field(default_factory=lambda: [1.0, 1.0, 1.0])
+    pad: float = 0.0  # letterbox padding, as a pixel value in 0..1
+    files: str = "*"  # a glob the folder's image files must match (e.g. "*.png")
+
+
+@dataclass
+class AudioOptions:
+    """audio_folder: files decoded to mono, resampled to sample_rate, cut into windows of `samples`."""
+
+    sample_rate: int = 16000
+    samples: int = 16000  # window length in samples at sample_rate (one item per window)
+    hop: Optional[int] = None  # samples between window starts (null: = samples, no overlap)
 
 
 @dataclass
 class DataConfig:
     source: str = "cpython_docs"  # a registered source in calibration/ (cpython_docs, text_file, jsonl)
     split: str = "calibration"  # calibration | evaluation (disjoint parts of the same source)
-    path: Optional[str] = None  # for file sources
+    path: Optional[str] = None  # for file sources (pkg://PACKAGE/SUBPATH: shipped inside a package)
+    # image_folder and audio_folder: how files become tensors (declared before `field`, which shadows
+    # dataclasses.field in this class body).
+    image: ImageOptions = field(default_factory=ImageOptions)
+    audio: AudioOptions = field(default_factory=AudioOptions)
     field: str = "text"  # jsonl field holding the text
     count: int = 64
     seed: int = 0
@@ -76,6 +122,9 @@ class GateConfig:
     max_peak_memory_mb: Optional[float] = None
     max_accuracy_drop: Optional[float] = None  # classifiers: top-1 accuracy drop vs baseline, in points
     min_accuracy: Optional[float] = None  # classifiers: candidate top-1 accuracy (0..1)
+    # Maps (segmentation, text detection) binarized at evaluate.task_params.mask_threshold, vs baseline:
+    min_mask_iou: Optional[float] = None  # mean per-sample IoU (0..1)
+    min_mask_agreement: Optional[float] = None  # share of pixels on the same side of the threshold
     max_ppl_increase_pct: Optional[float] = None  # causal LMs: held-out perplexity increase, percent
     min_decode_speedup: Optional[float] = None  # causal LMs: decode tokens/s (p50) over PyTorch FP32 greedy
     max_lm_eval_drop: Optional[float] = None  # causal LMs: largest lm-eval accuracy drop, in points

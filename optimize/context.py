@@ -14,6 +14,7 @@ import numpy as np
 import calibration
 from calibration import TextSet
 from engines import formats
+from optimize.config import recipe_dict
 from optimize.errors import RecipeError
 
 log = logging.getLogger("optimize.pipeline")
@@ -111,7 +112,24 @@ class Context:
         return self.encoder(texts)
 
     def calibration_inputs(self, count: int) -> dict[str, np.ndarray]:
-        return self.encode(self.calibration().items[:count])
+        """`count` calibration samples as the model's named inputs. A model that takes tensors and a
+        recipe that names the random source get random tensors shaped by `model.inputs`."""
+        data = self.calibration()
+        if data.source == "random" and hasattr(self.encoder, "random"):
+            return self.encoder.random(min(count, len(data.items)), data.seed)
+        self.refuse_text_for_tensors(data, "calibration.source")
+        return self.encode(data.items[:count])
+
+    def refuse_text_for_tensors(self, data: TextSet, key: str) -> None:
+        """A model that takes tensors fed from a text source: one line naming the source and the inputs."""
+        if hasattr(self.encoder, "random") and data.items and isinstance(data.items[0], str):
+            from optimize.inputs import TENSOR_SOURCES
+
+            raise RecipeError(
+                f"{key}={data.source} gives text, and this model takes tensors ({self.encoder.describe()}): "
+                f"set {key} to a tensor source ({TENSOR_SOURCES}) or random, or model.tokenizer=DIR for token ids"
+                + (" or evaluate.inputs=random" if key.startswith("evaluate") else "")
+            )
 
     def record(self, stage: str, info: dict) -> None:
         self.stage_records[stage] = info
@@ -143,6 +161,8 @@ def load_data(data_cfg) -> TextSet:
             min_chars=data_cfg.min_chars,
             dataset_split=data_cfg.get("dataset_split"),
             shape=data_cfg.get("shape"),
+            image=recipe_dict(data_cfg.get("image")),
+            audio=recipe_dict(data_cfg.get("audio")),
         )
     except calibration.DataError as exc:
         raise RecipeError(f"{exc}") from None

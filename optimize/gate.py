@@ -83,6 +83,20 @@ CHECKS = (
         operator.le,
         "<=",
     ),
+    CheckSpec(
+        "min_mask_iou",
+        "mask IoU vs baseline (mean)",
+        lambda b, c, t: _dig(c, "fidelity", "mask", "iou_mean"),
+        operator.ge,
+        ">=",
+    ),
+    CheckSpec(
+        "min_mask_agreement",
+        "mask pixel agreement",
+        lambda b, c, t: _dig(c, "fidelity", "mask", "pixel_agreement"),
+        operator.ge,
+        ">=",
+    ),
     CheckSpec("min_accuracy", "top-1 accuracy", lambda b, c, t: _dig(c, "top1_accuracy"), operator.ge, ">="),
     CheckSpec(
         "max_ppl_increase_pct",

@@ -111,6 +111,11 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         _prepare_tokenizer(cfg, ctx, source, stage)
         if ctx.encoder is None and hasattr(task, "encoder"):  # tasks whose inputs are not text bring their own
             ctx.encoder = task.encoder(ctx)
+        if ctx.encoder is None and source.onnx_path is not None:  # an ONNX file that takes tensors
+            from optimize.inputs import TensorEncoder
+
+            ctx.encoder = TensorEncoder.for_onnx(source.onnx_path, recipe_dict(cfg.model.inputs), ctx.threads)
+            ctx.record("inputs", ctx.encoder.record())
         model = _initial_model(source)
         for method, method_cfg in order(the_plan.stages):
             log.info("%s: %s", method.stage, method.name)

@@ -49,6 +49,10 @@ def load_model_for(state: ServeState):
         from serve.encoder import EncoderModel
 
         return EncoderModel(state.root, state.engine, threads, spinning=state.config.ort_spinning)
+    if serves == "encoder" and state.engine.get("inputs") and not state.engine.get("tokenizer"):
+        from serve.tensors import TensorModel  # any model that takes tensors: images, audio, ...
+
+        return TensorModel(state.root, state.engine, threads, spinning=state.config.ort_spinning)
     raise ValueError(f"this server has no handler for task {state.task!r} on engine {state.engine.get('format')!r}")
 
 

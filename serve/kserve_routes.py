@@ -140,7 +140,7 @@ async def model_config(request: Request) -> JSONResponse:
 
 async def infer(request: Request) -> Response:
     state = model_of(request)
-    if state.task != "sentence_embedding":
+    if state.task == "causal_lm":
         raise bad_request(
             f"model {state.name!r} is a {state.task} model: it is served on /v1/completions and "
             f"/v1/chat/completions, not as tensors"
@@ -153,7 +153,8 @@ async def infer(request: Request) -> Response:
         if item.rows > state.config.max_inputs:
             raise too_large_batch(item.rows, state.config.max_inputs)
         wanted = requested_outputs(parsed, state.model.output_names)
-    state.metrics.prompt_tokens.inc(int(item.inputs["attention_mask"].sum()))
+    if "attention_mask" in item.inputs:  # an encoder's tokens (a tensor model has none to count)
+        state.metrics.prompt_tokens.inc(int(item.inputs["attention_mask"].sum()))
     outputs = await run_encoder(state, item)
     return infer_response(state, parsed, wanted, outputs)
 
@@ -175,7 +176,7 @@ async def run_encoder(state, item) -> dict[str, np.ndarray]:
     size, timeout = state.config.max_batch_size, state.config.timeout_s
     if item.rows > state.config.max_inputs:  # every route: the cap on rows per request
         raise too_large_batch(item.rows, state.config.max_inputs)
-    if item.rows <= size:
+    if item.rows <= size or not getattr(item, "together", True):  # a tensor model's lone request: whole
         return await state.batcher.submit(item, item.rows, timeout)
     pieces = [EncoderBatchItem({k: v[i : i + size] for k, v in item.inputs.items()}) for i in range(0, item.rows, size)]
     # All pieces are queued or none is (429), and a refused, timed-out or abandoned request's pieces

@@ -408,7 +408,7 @@ def _score(entries: list[Entry], ctx) -> dict:
     race_cfg = ctx.cfg.engine.params
     baseline_p50 = {}
     for batch_size in ctx.cfg.evaluate.batch_sizes:
-        timed = [b for b in harness.batches_of(inputs, batch_size) if len(next(iter(b.values()))) == batch_size]
+        timed = [b for b in harness.batches_of(inputs, batch_size) if harness.sample_count(b) == batch_size]
         stats = benchmark.measure(
             {"baseline": baseline, **runners},
             timed,

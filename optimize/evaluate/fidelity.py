@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import numpy as np
 
+EMPTY_ROW = 1e-4  # a row this small relative to the largest row of the batch holds nothing
+
 
 def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Cosine similarity of matching rows (each sample flattened)."""
     a = a.astype(np.float64).reshape(len(a), -1)
     b = b.astype(np.float64).reshape(len(b), -1)
-    return (a * b).sum(1) / np.maximum(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-30)
+    norm_a, norm_b = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
+    cosine = (a * b).sum(1) / np.maximum(norm_a * norm_b, 1e-30)
+    # Two rows that are both empty next to the others (a detector's map of an image without text:
+    # zeros and sigmoid underflow, 1e-4 of the strongest row or less) are the same output, cosine 1;
+    # their direction is rounding noise. Rows of embeddings or logits are never that small.
+    empty = EMPTY_ROW * max(float(norm_a.max(initial=0.0)), float(norm_b.max(initial=0.0)))
+    return np.where((norm_a <= empty) & (norm_b <= empty), 1.0, cosine)
 
 
 def worst_cosine(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray], output: str | None) -> float:
@@ -58,4 +66,20 @@ def output_fidelity(base: dict[str, np.ndarray], cand: dict[str, np.ndarray]) ->
         "max_abs_error": max(o["max_abs_error"] for o in per_output.values()),
         "outputs": per_output,
         "samples": int(len(next(iter(base.values())))),
+    }
+
+
+def mask_agreement(base: np.ndarray, cand: np.ndarray, threshold: float) -> dict:
+    """Segmentation/detection maps binarized at `threshold` on both sides: the mean per-sample IoU of
+    the two masks (a sample where both are empty agrees fully) and the share of pixels that agree."""
+    a = base.reshape(len(base), -1) > threshold
+    b = cand.reshape(len(cand), -1) > threshold
+    union = (a | b).sum(1)
+    iou = np.where(union > 0, (a & b).sum(1) / np.maximum(union, 1), 1.0)
+    return {
+        "threshold": threshold,
+        "iou_mean": float(iou.mean()),
+        "iou_min": float(iou.min()),
+        "pixel_agreement": float((a == b).mean()),
+        "positive_share": float(a.mean()),  # how much of the baseline's map is above the threshold
     }

@@ -31,9 +31,29 @@ class Subject:
     layer_precision: dict = field(default_factory=dict)  # {precision: {count, nodes}} where a stage said
 
 
+def sample_count(inputs: dict[str, np.ndarray]) -> int:
+    """Samples in a batch: axis 0 of the first input, or the axis its `batch_axes` names
+    (optimize.inputs.Batch: a recurrent state has its samples on axis 1, a sample rate on none)."""
+    axes = getattr(inputs, "batch_axes", {})
+    name, array = next((k, v) for k, v in inputs.items() if axes.get(k, 0) is not None)
+    return array.shape[axes.get(name, 0)]
+
+
 def batches_of(inputs: dict[str, np.ndarray], batch_size: int) -> list[dict[str, np.ndarray]]:
-    n = len(next(iter(inputs.values())))
-    return [{k: v[i : i + batch_size] for k, v in inputs.items()} for i in range(0, n, batch_size)]
+    axes = getattr(inputs, "batch_axes", None)
+    if axes is None:
+        n = len(next(iter(inputs.values())))
+        return [{k: v[i : i + batch_size] for k, v in inputs.items()} for i in range(0, n, batch_size)]
+
+    def cut(name: str, array: np.ndarray, start: int) -> np.ndarray:
+        axis = axes.get(name, 0)
+        if axis is None:
+            return array
+        return array[(slice(None),) * axis + (slice(start, start + batch_size),)]
+
+    n = sample_count(inputs)
+    kind: Any = type(inputs)  # optimize.inputs.Batch, kept so every piece still says its batch axes
+    return [kind({k: cut(k, v, i) for k, v in inputs.items()}, axes) for i in range(0, n, batch_size)]
 
 
 def run_all(runner, batches: list[dict]) -> dict[str, np.ndarray]:
@@ -66,7 +86,7 @@ def latency(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray]
     """Per batch size: both runners' percentiles and the candidate's speedup at p50."""
     results = {}
     for batch_size in cfg.batch_sizes:
-        batches = [b for b in batches_of(inputs, batch_size) if len(next(iter(b.values()))) == batch_size]
+        batches = [b for b in batches_of(inputs, batch_size) if sample_count(b) == batch_size]
         if not batches:
             raise ValueError(f"evaluation set too small for batch size {batch_size}")
         runners: dict[str, Any] = {"baseline": baseline.runner, "candidate": candidate.runner}
@@ -124,34 +144,64 @@ def compare_runners(baseline: Subject, candidate: Subject, ctx, task_output: str
     cfg = ctx.cfg.evaluate
     inputs, described = evaluation_inputs(ctx, candidate.runner)
     metrics = shared_metrics(baseline, candidate, inputs, cfg, ctx.scratch)
-    metrics["candidate"]["fidelity"] = compare_outputs(baseline, candidate, inputs, task_output, cfg.top_k)
+    batches = batches_of(inputs, FIDELITY_BATCH)
+    base, cand = run_all(baseline.runner, batches), run_all(candidate.runner, batches)
+    judged = chosen_outputs(base, (cfg.task_params or {}).get("outputs"))
+    metrics["candidate"]["fidelity"] = fidelity_of(
+        {k: base[k] for k in judged}, {k: cand[k] for k in judged}, task_output, cfg.top_k
+    )
+    mask = mask_metrics(base, cand, cfg.task_params)
+    if mask is not None:
+        metrics["candidate"]["fidelity"]["mask"] = mask
     return metrics, described
+
+
+def chosen_outputs(outputs: dict, named) -> list[str]:
+    """The outputs fidelity judges: every one, or those evaluate.task_params.outputs names (a
+    recurrent model's next state is an input to the next call, not a result)."""
+    from optimize.errors import RecipeError
+
+    if not named:
+        return list(outputs)
+    missing = [n for n in named if n not in outputs]
+    if missing:
+        raise RecipeError(f"evaluate.task_params.outputs names {missing}; the model's outputs are {sorted(outputs)}")
+    return list(named)
+
+
+def mask_metrics(base: dict, cand: dict, task_params) -> dict | None:
+    """Mask IoU and pixel agreement of a map output when the recipe names one
+    (evaluate.task_params: {mask_output: NAME, mask_threshold: 0.5})."""
+    from optimize.errors import RecipeError
+    from optimize.evaluate.fidelity import mask_agreement
+
+    name = (task_params or {}).get("mask_output")
+    if name is None:
+        return None
+    if name not in base:
+        raise RecipeError(f"evaluate.task_params.mask_output={name}: the model's outputs are {sorted(base)}")
+    return dict(mask_agreement(base[name], cand[name], float(task_params.get("mask_threshold", 0.5))), output=name)
 
 
 def evaluation_inputs(ctx, runner) -> tuple[dict[str, np.ndarray], dict]:
     """(inputs, what they are): evaluation items encoded by the artifact's own tokenizer or the task's
-    encoder, or, when the recipe asks, random tensors shaped from the runner's signature."""
+    encoder, or, when the recipe asks, random tensors shaped by the recipe's `model.inputs` and the
+    rules in optimize/inputs.py (never a guessed size)."""
     cfg = ctx.cfg.evaluate
     if cfg.inputs == "random":
-        inputs = random_inputs(runner.signature(), cfg.data.count, cfg.data.seed)
+        inputs = random_inputs(ctx, runner, cfg.data.count, cfg.data.seed)
         return inputs, {"source": "random", "count": cfg.data.count, "seed": cfg.data.seed}
     data = ctx.evaluation_data()
+    ctx.refuse_text_for_tensors(data, "evaluate.data.source")
     return ctx.encode(data.items), data.describe()
 
 
-def random_inputs(signature: list[dict], count: int, seed: int, dim: int = 16) -> dict[str, np.ndarray]:
-    """Random tensors shaped from an ONNX signature: the first symbolic dim -> count, others -> dim."""
-    rng = np.random.default_rng(seed)
-    inputs = {}
-    for spec in signature:
-        shape = [
-            count if i == 0 and not isinstance(d, int) else (d if isinstance(d, int) else dim)
-            for i, d in enumerate(spec["shape"])
-        ]
-        if "int" in spec["type"]:
-            inputs[spec["name"]] = rng.integers(0, 100, size=shape).astype(np.int64)
-        elif "bool" in spec["type"]:
-            inputs[spec["name"]] = rng.integers(0, 2, size=shape).astype(bool)
-        else:
-            inputs[spec["name"]] = rng.standard_normal(shape).astype(np.float32)
-    return inputs
+def random_inputs(ctx, runner, count: int, seed: int) -> dict[str, np.ndarray]:
+    """Random tensors from the context's tensor encoder, or planned from the runner's signature."""
+    from optimize.config import recipe_dict
+    from optimize.inputs import TensorEncoder, plan_inputs
+
+    encoder = ctx.encoder if isinstance(ctx.encoder, TensorEncoder) else None
+    if encoder is None:
+        encoder = TensorEncoder(plan_inputs(runner.signature(), recipe_dict(ctx.cfg.model.inputs), {}))
+    return encoder.random(count, seed)

@@ -41,7 +41,7 @@ class CalibrationReader:
     def __init__(self, inputs: dict[str, np.ndarray], input_names: list[str], batch_size: int = 8):
         from optimize.evaluate.harness import batches_of
 
-        self.batches = [{k: b[k] for k in input_names} for b in batches_of(inputs, batch_size)]
+        self.batches = [{k: np.asarray(b[k]) for k in input_names} for b in batches_of(inputs, batch_size)]
         self.rewind()
 
     def get_next(self):
@@ -95,3 +95,62 @@ def int8_node_counts(onnx_path: Path) -> dict:
             floating += 1
             by_op[f"{node.op_type} (float)"] = by_op.get(f"{node.op_type} (float)", 0) + 1
     return {"int8": int8, "float": floating, "by_op": by_op}
+
+
+def constants_to_initializers(path: Path, out: Path) -> Path:
+    """The graph with its Constant-node tensors as initializers (exporters such as paddle2onnx write
+    weights as Constant nodes, and ONNX Runtime's quantizers only quantize initializers). Returns
+    `path` itself when there is nothing to move."""
+    import onnx
+
+    model = onnx.load(str(path))
+    constants = [
+        n
+        for n in model.graph.node
+        if n.op_type == "Constant" and len(n.attribute) == 1 and n.attribute[0].name == "value"
+    ]
+    if not constants:
+        return path
+    for node in constants:
+        tensor = onnx.TensorProto()
+        tensor.CopyFrom(node.attribute[0].t)
+        tensor.name = node.output[0]
+        model.graph.initializer.append(tensor)
+    moved = {id(n) for n in constants}
+    kept = [n for n in model.graph.node if id(n) not in moved]
+    del model.graph.node[:]
+    model.graph.node.extend(kept)
+    target = out / "initializers.onnx"
+    onnx.save(model, str(target))
+    return target
+
+
+def refuse_if_nothing_quantized(path: Path, source: Path, method: str, op_types: list[str] | None) -> dict:
+    """The quantized graph's kernel counts; a graph where the method found nothing to quantize is
+    refused with one line saying what the method looks for and what the graph has."""
+    counts = int8_node_counts(path)
+    if counts["int8"]:
+        return counts
+    weighted = int8_node_counts(source)["by_op"]
+    has = ", ".join(f"{n} {op.replace(' (float)', '')}" for op, n in sorted(weighted.items())) or "none"
+    looks_for = ", ".join(op_types) if op_types else "every op type ONNX Runtime quantizes"
+    raise RecipeError(
+        f"quantize.method={method} cannot apply to this model: it quantizes {looks_for} with constant weights, "
+        f"and the graph's weighted nodes are: {has}"
+        + (" (set quantize.params.op_types to include them)" if weighted else "")
+    )
+
+
+def with_opset_at_least(path: Path, out: Path, opset: int = 13) -> Path:
+    """The graph converted to at least this ONNX opset: per-channel QDQ puts an axis on
+    DequantizeLinear, which opset 13 introduced (exporters such as paddle2onnx write opset 11)."""
+    import onnx
+    from onnx import version_converter
+
+    model = onnx.load(str(path))
+    current = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), opset)
+    if current >= opset:
+        return path
+    target = out / f"opset{opset}.onnx"
+    onnx.save(version_converter.convert_version(model, opset), str(target))
+    return target

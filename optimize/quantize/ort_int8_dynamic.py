@@ -9,7 +9,14 @@ from pathlib import Path
 from typing import List, Optional
 
 from optimize.errors import RecipeError
-from optimize.quantize.common import auto_reduce_range, int8_node_counts, quant_type, require_onnx, workdir
+from optimize.quantize.common import (
+    auto_reduce_range,
+    constants_to_initializers,
+    quant_type,
+    refuse_if_nothing_quantized,
+    require_onnx,
+    workdir,
+)
 from optimize.quantize.sensitivity import sensitivity_fallback
 from optimize.registry import register
 
@@ -57,11 +64,11 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
     reduce_range = auto_reduce_range(cfg.reduce_range)
     weight_type = quant_type(cfg.weight_type)
     out = workdir(ctx)
-    source, packed = model.onnx_path, 0
+    source, packed = constants_to_initializers(model.onnx_path, out), 0
     if cfg.quantize_attention:
         from engines.ort_fusion import pack_attention_qkv
 
-        source, packed = pack_attention_qkv(model.onnx_path, out / "packed.onnx")
+        source, packed = pack_attention_qkv(source, out / "packed.onnx")
     cfg = dataclasses.replace(cfg, op_types=list(cfg.op_types) + (["Attention"] if packed else []))
 
     def quantize(excluded: list[str]) -> Path:
@@ -82,6 +89,7 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
     if cfg.fallback_min_cosine is not None:
         fp32_nodes, score = sensitivity_fallback(model.with_onnx(source), cfg, ctx, quantize, reduce_range)
     path = quantize(fp32_nodes)
+    kernels = refuse_if_nothing_quantized(path, source, "ort_int8_dynamic", cfg.op_types)
     from optimize.evaluate.kernels import int8_gemm_speedup
 
     ctx.record(
@@ -96,7 +104,7 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
             "fp32_nodes": fp32_nodes,
             "calibration_min_cosine": score,
             "packed_attention": packed,
-            "kernels": int8_node_counts(path),
+            "kernels": kernels,
         },
     )
     return model.with_onnx(path, precision="int8")

@@ -27,10 +27,12 @@ from optimize.errors import RecipeError
 from optimize.quantize.common import (
     CalibrationReader,
     auto_reduce_range,
-    int8_node_counts,
+    constants_to_initializers,
     onnx_input_names,
     quant_type,
+    refuse_if_nothing_quantized,
     require_onnx,
+    with_opset_at_least,
     workdir,
 )
 from optimize.quantize.sensitivity import sensitivity_fallback
@@ -94,6 +96,7 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
     require_onnx(model, "ort_int8_static_qdq")
     out = workdir(ctx, "quantize_static")
     source = optimize_for_cpu(model.onnx_path, out) if cfg.optimize_graph == "bert" else model.onnx_path
+    source = with_opset_at_least(constants_to_initializers(source, out), out)
     count = min(cfg.calibration_count, len(ctx.calibration().items))
     reader = CalibrationReader(ctx.calibration_inputs(count), onnx_input_names(source), cfg.calibration_batch)
     reduce_range = auto_reduce_range(cfg.reduce_range)
@@ -118,6 +121,7 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
             model.with_onnx(source), _RankingView(cfg, excluded, cache), ctx, quantize, reduce_range
         )
     path = quantize(fp32_nodes)
+    kernels = refuse_if_nothing_quantized(path, source, "ort_int8_static_qdq", cfg.op_types)
     from optimize.evaluate.kernels import int8_gemm_speedup
 
     ctx.record(
@@ -137,7 +141,7 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
             "excluded_nodes": excluded,
             "fp32_nodes": fp32_nodes,
             "calibration_min_cosine": score,
-            "kernels": int8_node_counts(path),
+            "kernels": kernels,
         },
     )
     return model.with_onnx(path, precision="int8")
@@ -214,7 +218,7 @@ class _RankingView:
 
     def __init__(self, cfg: OrtInt8StaticConfig, excluded: list[str], ranges_file: Path):
         self.ranges_file = ranges_file
-        self.op_types = [t for t in (cfg.op_types or ["MatMul", "Gemm"]) if t in ("MatMul", "Gemm")]
+        self.op_types = [t for t in (cfg.op_types or ["MatMul", "Gemm", "Conv"]) if t in ("MatMul", "Gemm", "Conv")]
         self.per_channel = cfg.per_channel
         self.nodes_to_exclude = excluded  # already FP32: not ranked again
         self.fallback_min_cosine = cfg.fallback_min_cosine

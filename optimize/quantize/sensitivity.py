@@ -48,6 +48,28 @@ def _simulated_error(
     return float(np.linalg.norm(xq @ wq - exact)) / max(float(np.linalg.norm(exact)), 1e-30)
 
 
+def _conv_error(
+    x: np.ndarray, w: np.ndarray, per_channel: bool, reduce_range: bool, x_range: Optional[tuple[float, float]] = None
+) -> float:
+    """A Conv's ranking score: the relative errors of quantizing its input (uint8, per tensor) and
+    its weight (int8, per output channel when per_channel), combined as independent noise. A proxy:
+    the convolution itself is not simulated, which would take an im2col of every activation."""
+    x = x.astype(np.float64)
+    lo, hi = x_range if x_range is not None else (float(x.min()), float(x.max()))
+    lo, hi = min(lo, 0.0), max(hi, 0.0)
+    x_scale = (hi - lo) / 255 or 1.0
+    x_zero = np.round(-lo / x_scale)
+    xq = (np.clip(np.round(x / x_scale) + x_zero, 0, 255) - x_zero) * x_scale
+    w = w.reshape(len(w), -1).astype(np.float64)
+    qmax = 63 if reduce_range else 127
+    w_max = np.abs(w).max(axis=1, keepdims=True) if per_channel else np.abs(w).max()
+    w_scale = np.where(w_max > 0, w_max / qmax, 1.0)
+    wq = np.clip(np.round(w / w_scale), -qmax, qmax) * w_scale
+    x_error = np.linalg.norm(xq - x) / max(float(np.linalg.norm(x)), 1e-30)
+    w_error = np.linalg.norm(wq - w) / max(float(np.linalg.norm(w)), 1e-30)
+    return float(np.hypot(x_error, w_error))
+
+
 def _rank_by_simulated_error(onnx_path: Path, inputs: dict, cfg, reduce_range: bool) -> list[str]:
     """One FP32 run records every quantizable node's input; nodes are ranked by the relative error
     that quantizing them alone adds to their own output (largest first). A static method's config
@@ -71,11 +93,11 @@ def _rank_by_simulated_error(onnx_path: Path, inputs: dict, cfg, reduce_range: b
     probe.unlink()
     ranges = getattr(cfg, "activation_ranges", None) or {}
     errors = {}
+    convs = {n.name for n in model.graph.node if n.op_type == "Conv"}
     for name, activation, weight, trans_b in nodes:
         w = weights[weight].T if trans_b else weights[weight]
-        errors[name] = _simulated_error(
-            activations[activation], w, cfg.per_channel, reduce_range, ranges.get(activation)
-        )
+        simulate = _conv_error if name in convs else _simulated_error
+        errors[name] = simulate(activations[activation], w, cfg.per_channel, reduce_range, ranges.get(activation))
     return sorted(errors, key=lambda name: errors[name], reverse=True)
 
 

@@ -1,0 +1,271 @@
+"""Inputs of a model that takes tensors: shapes, dtypes and values from the recipe, never guessed.
+
+`model.inputs.NAME` sets, per input, a shape (a string dim such as N stands for the batch), a dtype,
+a constant `value` (a sample rate, a zero state), and the range of random data (`low`/`high`, or
+`mean`/`std`). The rules for a graph's symbolic dims, in order:
+1. the recipe's `model.inputs.NAME.shape`;
+2. the batch: the first dim of the data input, and every dim of any input with the same symbol;
+3. the ONNX model's metadata_props, when it has an integer entry named after the symbol;
+4. otherwise one line naming the input and dim and the override to set (never a silent default).
+
+The data input (the one calibration and evaluation items feed) is the first input without a
+constant `value`; items are stacked along a new batch axis. Every other input is its constant,
+or random data from its spec seeded per batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from optimize.errors import RecipeError
+
+# ONNX element types the recipe may name, as numpy dtypes.
+DTYPES = {
+    "float32": np.float32,
+    "float": np.float32,
+    "float16": np.float16,
+    "float64": np.float64,
+    "double": np.float64,
+    "int64": np.int64,
+    "int32": np.int32,
+    "int8": np.int8,
+    "uint8": np.uint8,
+    "bool": np.bool_,
+}
+TENSOR_SOURCES = "image_folder, npy, audio_folder"
+BATCH = "N"
+
+
+@dataclass
+class InputPlan:
+    """One input resolved: its dims (int, or BATCH), dtype, and where its values come from."""
+
+    name: str
+    dims: list  # int | BATCH | None (a symbolic dim that the data decides)
+    dtype: Any
+    value: float | None
+    spec: dict
+
+    def shape(self, batch: int) -> list[int]:
+        unresolved = [i for i, d in enumerate(self.dims) if d is None]
+        if unresolved:
+            symbol = self.spec.get("_symbols", {}).get(unresolved[0], "?")
+            example = [BATCH if d == BATCH else (d if isinstance(d, int) else "...") for d in self.dims]
+            raise RecipeError(
+                f"model input {self.name!r} dim {unresolved[0]} is symbolic ({symbol}) and nothing sets it: "
+                f"set model.inputs.{self.name}.shape={_shape_text(example)} with concrete values "
+                f"(a string dim such as {BATCH} is the batch)"
+            )
+        return [batch if d == BATCH else d for d in self.dims]
+
+    def describe(self) -> str:
+        dims = ",".join(str(d) if d is not None else "?" for d in self.dims)
+        return f"{self.name}[{dims}] {np.dtype(self.dtype).name}"
+
+
+def _shape_text(dims: list) -> str:
+    return "[" + ",".join(str(d) for d in dims) + "]"
+
+
+def plan_inputs(signature: list[dict], given: dict, metadata: dict[str, str]) -> list[InputPlan]:
+    """Resolve every input of a signature ({name, type, shape}) with the recipe's `model.inputs`."""
+    names = [s["name"] for s in signature]
+    unknown = sorted(set(given) - set(names))
+    if unknown:
+        raise RecipeError(f"model.inputs names {unknown}, which the model does not take (it takes {names})")
+    for name, spec in given.items():
+        _check_spec_keys(name, spec)
+    data_input = next((s["name"] for s in signature if (given.get(s["name"]) or {}).get("value") is None), None)
+    batch_symbol = None
+    if data_input is not None:
+        first = next(s for s in signature if s["name"] == data_input)["shape"]
+        batch_symbol = first[0] if first and not isinstance(first[0], int) else None
+    return [
+        _plan_one(s, given.get(s["name"]) or {}, batch_symbol, metadata, s["name"] == data_input) for s in signature
+    ]
+
+
+def _check_spec_keys(name: str, spec) -> None:
+    from dataclasses import fields
+
+    from optimize.config import InputSpec
+
+    known = {f.name for f in fields(InputSpec)}
+    if not isinstance(spec, dict):
+        raise RecipeError(f"model.inputs.{name} must be a mapping of {sorted(known)}, got {spec!r}")
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise RecipeError(f"model.inputs.{name} has unknown keys {unknown} (known: {', '.join(sorted(known))})")
+
+
+def _plan_one(spec: dict, given: dict, batch_symbol, metadata: dict[str, str], feeds_data: bool) -> InputPlan:
+    name, model_dims = spec["name"], list(spec["shape"])
+    dtype = _dtype(given.get("dtype"), spec["type"], name)
+    if given.get("shape") is not None:
+        fixed: list = [BATCH if isinstance(d, str) else int(d) for d in given["shape"]]
+        if len(fixed) != len(model_dims):
+            raise RecipeError(
+                f"model.inputs.{name}.shape has {len(fixed)} dims, "
+                f"the model's input has {len(model_dims)} ({model_dims})"
+            )
+        for i, (mine, theirs) in enumerate(zip(fixed, model_dims)):
+            if isinstance(theirs, int) and isinstance(mine, int) and mine != theirs:
+                raise RecipeError(f"model.inputs.{name}.shape dim {i} is {mine}, the model fixes it at {theirs}")
+        return InputPlan(name, fixed, dtype, given.get("value"), dict(given, _model_dims=model_dims))
+    dims: list = []
+    symbols = {}
+    for i, d in enumerate(model_dims):
+        if isinstance(d, int):
+            dims.append(d)
+        elif d is not None and d == batch_symbol or (feeds_data and i == 0):
+            dims.append(BATCH)
+        elif isinstance(d, str) and str(metadata.get(d, "")).isdigit():
+            dims.append(int(metadata[d]))
+        else:
+            dims.append(None)  # the data decides it (data input) or the recipe must (others)
+            symbols[i] = d
+    return InputPlan(name, dims, dtype, given.get("value"), dict(given, _symbols=symbols, _model_dims=model_dims))
+
+
+def _dtype(named: str | None, onnx_type: str, name: str):
+    if named is not None:
+        if named not in DTYPES:
+            raise RecipeError(f"model.inputs.{name}.dtype={named} (use {', '.join(sorted(DTYPES))})")
+        return DTYPES[named]
+    inner = onnx_type.removeprefix("tensor(").removesuffix(")")
+    if inner not in DTYPES:
+        raise RecipeError(f"model input {name!r} is {onnx_type}, which data cannot be made for")
+    return DTYPES[inner]
+
+
+def random_tensor(plan: InputPlan, batch: int, rng: np.random.Generator) -> np.ndarray:
+    shape = plan.shape(batch)
+    if plan.value is not None:
+        return np.full(shape, plan.value, dtype=plan.dtype)
+    low, high = plan.spec.get("low"), plan.spec.get("high")
+    kind = np.dtype(plan.dtype).kind
+    if kind == "b":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if kind in "iu":
+        low, high = (0 if low is None else low), (100 if high is None else high)
+        return rng.integers(int(low), int(high), size=shape).astype(plan.dtype)
+    if low is not None and high is not None:
+        return rng.uniform(low, high, size=shape).astype(plan.dtype)
+    return rng.normal(plan.spec.get("mean", 0.0), plan.spec.get("std", 1.0), size=shape).astype(plan.dtype)
+
+
+class Batch(dict):
+    """Named inputs whose batch is not on axis 0 of every array: `batch_axes` maps an input to the
+    axis its samples are on (a recurrent state [layers, N, hidden] has them on 1), or to None for an
+    input every sample shares (a sample rate). Inputs it does not name are batched on axis 0."""
+
+    def __init__(self, arrays: dict, batch_axes: dict[str, int | None]):
+        super().__init__(arrays)
+        self.batch_axes = batch_axes
+
+
+class TensorEncoder:
+    """Items (arrays, one per sample) -> the model's named inputs; random batches from the specs.
+    The first batch it makes is run through the source model once, so a model that cannot run on the
+    recipe's shapes fails here with the shapes and the runtime's message (exit 2), not deep inside a stage."""
+
+    def __init__(self, plans: list[InputPlan], probe=None):
+        self.plans = plans
+        self.data_input = next((p for p in plans if p.value is None), None)
+        self._probe = probe
+
+    @classmethod
+    def for_onnx(cls, path: Path, given: dict, threads: int = 0) -> "TensorEncoder":
+        import onnx
+
+        from engines.onnxruntime_runner import OrtRunner
+
+        runner = OrtRunner(path, threads=threads, quiet=True)
+        metadata = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
+        return cls(plan_inputs(runner.signature(), given, metadata), probe=runner)
+
+    def describe(self) -> str:
+        return ", ".join(p.describe() for p in self.plans)
+
+    def record(self) -> dict:
+        """For the manifest: which input the data feeds and every input as resolved."""
+        return {
+            "data_input": self.data_input.name if self.data_input else None,
+            "resolved": {
+                p.name: {
+                    "dims": [BATCH if d == BATCH else d for d in p.dims],
+                    "dtype": np.dtype(p.dtype).name,
+                    "value": p.value,
+                }
+                for p in self.plans
+            },
+        }
+
+    def __call__(self, items: list) -> dict[str, np.ndarray]:
+        if any(isinstance(i, str) for i in items):
+            raise RecipeError(
+                f"the data source gives text, and this model takes tensors ({self.describe()}): use a tensor "
+                f"source ({TENSOR_SOURCES}), model.tokenizer=DIR for token ids, or evaluate.inputs=random"
+            )
+        if self.data_input is None:
+            raise RecipeError("every model input has a constant value in model.inputs: nothing for the data to feed")
+        data = np.stack([np.asarray(i) for i in items]).astype(self.data_input.dtype, copy=False)
+        self._check_data(data)
+        rng = np.random.default_rng(0)
+        batch = {p.name: data if p is self.data_input else random_tensor(p, len(items), rng) for p in self.plans}
+        return self._checked(batch)
+
+    def random(self, count: int, seed: int) -> dict[str, np.ndarray]:
+        """`count` samples of random data shaped from the specs (evaluate.inputs=random, calibration=random)."""
+        rng = np.random.default_rng(seed)
+        return self._checked({p.name: random_tensor(p, count, rng) for p in self.plans})
+
+    def _check_data(self, data: np.ndarray) -> None:
+        plan = self.data_input
+        assert plan is not None
+        if data.ndim != len(plan.dims):
+            raise RecipeError(
+                f"the data source gives items of shape {list(data.shape[1:])}, and model input "
+                f"{plan.describe()} takes {len(plan.dims) - 1} dims per sample"
+            )
+        # Only the graph's own fixed dims bind data: the recipe's values for symbolic ones shape
+        # random data, while images or audio bring their own size.
+        for i, (have, want) in enumerate(zip(data.shape, plan.spec.get("_model_dims", plan.dims))):
+            if i and isinstance(want, int) and have != want:
+                raise RecipeError(
+                    f"the data source gives items of shape {list(data.shape[1:])}, and model input "
+                    f"{plan.describe()} needs {want} at dim {i}"
+                )
+
+    def _checked(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        # The data input first: what counts samples reads the first input batched on axis 0.
+        order = sorted(self.plans, key=lambda p: p is not self.data_input)
+        axes = {p.name: (p.dims.index(BATCH) if BATCH in p.dims else None) for p in order}
+        batch = Batch({p.name: arrays[p.name] for p in order}, axes)
+        if self._probe is not None:
+            probe, self._probe = self._probe, None
+            run_or_refuse(probe, {p.name: _first_sample(batch[p.name], p.dims) for p in self.plans})
+        return batch
+
+
+def _first_sample(array: np.ndarray, dims: list) -> np.ndarray:
+    """The array cut to batch 1 along every batch dim (a state may carry the batch on dim 1)."""
+    index = tuple(slice(0, 1) if d == BATCH else slice(None) for d in dims)
+    return array[index] if len(index) == array.ndim else array
+
+
+def run_or_refuse(runner, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run the model once; a failure is the model's on these inputs: one line naming the shapes."""
+    try:
+        return runner(inputs)
+    except Exception as exc:  # ONNX Runtime raises its own types (Fail, RuntimeException, InvalidArgument...)
+        shapes = ", ".join(f"{k}{list(v.shape)} {v.dtype}" for k, v in inputs.items())
+        message = " ".join(str(exc).split())
+        message = message.split("Status Message:")[-1].strip() if "Status Message:" in message else message
+        raise RecipeError(
+            f"the model fails on the inputs {shapes}: {message[:300]} (set model.inputs.NAME.shape or the data's size)"
+        ) from None
