@@ -42,9 +42,10 @@ def tracking_uri(root: Path, settings: dict) -> str:
 def shown(uri: str) -> str:
     """The URI without a password, for messages."""
     parts = urllib.parse.urlsplit(uri)
-    if parts.password:
-        parts = parts._replace(netloc=f"{parts.username}:***@{parts.hostname}:{parts.port or ''}".rstrip(":"))
-    return urllib.parse.urlunsplit(parts)
+    if not parts.password:
+        return uri
+    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def check_reachable(uri: str) -> None:
@@ -122,7 +123,10 @@ def metrics_of(manifest: dict) -> dict[str, float]:
 
 
 def _quiet() -> None:
-    """MLflow and alembic log at INFO while creating a store; the command's own line says what happened."""
+    """MLflow and alembic log at INFO while creating a store; the command's own line says what happened.
+    (After importing mlflow, which sets its logger's level when imported.)"""
+    import mlflow  # noqa: F401
+
     for name in ("mlflow", "alembic"):
         logging.getLogger(name).setLevel(logging.WARNING)
     # A server that goes away mid-upload: fail in seconds, not after MLflow's default minutes of retries.
