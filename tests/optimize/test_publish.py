@@ -61,9 +61,8 @@ def _check_version(uri: str, name: str, version: str, manifest: dict, tmp_path: 
     assert run.data.metrics["candidate.fidelity.cosine_min"] == pytest.approx(fidelity["cosine_min"])
     top = {f.path for f in client.list_artifacts(found.run_id)}
     assert {"artifact", "manifest.json", "report.md", "junit.xml"} <= top
-    downloaded = mlflow.artifacts.download_artifacts(
-        f"models:/{name}/{version}", dst_path=str(tmp_path / "download"), tracking_uri=uri
-    )
+    source = client.get_model_version_download_uri(name, version)
+    downloaded = mlflow.artifacts.download_artifacts(source, dst_path=str(tmp_path / "download"), tracking_uri=uri)
     assert read_manifest(downloaded)["id"] == manifest["id"]
     assert verify(downloaded) == []  # every file came back as the manifest lists it
 
