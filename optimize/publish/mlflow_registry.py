@@ -51,7 +51,10 @@ def shown(uri: str) -> str:
 def check_reachable(uri: str) -> None:
     """An HTTP server must answer (any HTTP status counts: it is there); a SQLite or file store must be
     in a folder that exists or can be made, and is writable."""
-    scheme = urllib.parse.urlsplit(uri).scheme
+    try:
+        scheme = urllib.parse.urlsplit(uri).scheme
+    except ValueError as exc:  # e.g. an unclosed IPv6 bracket
+        raise RecipeError(f"MLflow tracking URI {uri!r} is not a URI ({exc})") from None
     if scheme in ("http", "https"):
         try:
             urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=HEALTH_TIMEOUT_S).close()

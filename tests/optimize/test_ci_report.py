@@ -28,6 +28,8 @@ def _suite(xml_bytes: bytes) -> ET.Element:
     assert len(suites) == 1
     suite = suites[0]
     cases = suite.findall("testcase")
+    children = [child.tag for child in suite]  # the Ant schema's order: properties, testcases, streams
+    assert children == ["properties", *["testcase"] * len(cases), "system-out", "system-err"]
     for element in (root, suite):
         assert int(element.get("tests")) == len(cases)
         assert int(element.get("failures")) == sum(c.find("failure") is not None for c in cases)
