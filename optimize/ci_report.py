@@ -115,7 +115,7 @@ def render_markdown(manifest: dict, path, plot_paths: list[str]) -> str:
         "## Environment",
         "\n".join(
             [
-                *(f"- {line}" for line in report._environment_lines(manifest)),
+                *(f"- {line}" for line in report.environment_lines(manifest)),
                 f"- Python {env.get('python')}, {env.get('platform')}; GPUs: {gpus}",
                 f"- packages: {packages}",
             ]

@@ -255,3 +255,15 @@ def test_hub_upload_without_network_or_token_is_one_line(artifact_copy, tmp_path
     no_token = {"HF_HUB_OFFLINE": "0", "HF_TOKEN": "", "HF_HOME": str(tmp_path / "hf-home")}
     proc = publish_cli(artifact_copy, "--to", "hf_hub", "--repo-id", "acme/minilm", env=no_token)
     one_error_line(proc, "no Hugging Face token")
+
+
+def test_a_failed_gate_is_not_published_at_the_end_of_a_run_unless_allowed(failed_gate_run, tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from optimize.__main__ import _publish
+
+    copy = Path(shutil.copytree(failed_gate_run.artifact, tmp_path / "out" / "artifact"))
+    cfg = OmegaConf.create({"publish": {"to": "mlflow", "allow_failed": False}})
+    _publish(cfg, read_manifest(copy), copy)
+    assert "not published to mlflow: the gate failed" in capsys.readouterr().out
+    _nothing_published(copy)
