@@ -112,7 +112,7 @@ class PublishConfig:
     # mlflow: default an embedded SQLite store beside the artifact (<artifact>/../mlruns), no server needed
     tracking_uri: Optional[str] = None
     experiment: str = "optimize"
-    model_name: Optional[str] = None  # the registered model (mlflow) or repository name; default: the recipe
+    model_name: Optional[str] = None  # mlflow: the registered model; default: the recipe's name
     # hf_hub: the repository ("owner/name"), the folder the upload is assembled in, and dry_run to list
     # what would be uploaded without any network access
     repo_id: Optional[str] = None
