@@ -24,11 +24,11 @@ mlflow = pytest.importorskip("mlflow")
 huggingface_hub = pytest.importorskip("huggingface_hub")
 
 
-def publish_cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+def publish_cli(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "optimize.publish", *map(str, args)],
-        cwd=ROOT,
-        env=dict(os.environ, **(env or {})),
+        cwd=cwd,
+        env=dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
         capture_output=True,
         text=True,
         timeout=300,
@@ -68,13 +68,16 @@ def _check_version(uri: str, name: str, version: str, manifest: dict, tmp_path: 
 
 
 def test_publish_registers_a_version_in_the_embedded_store(artifact_copy, tmp_path):
-    proc = publish_cli(artifact_copy, "--to", "mlflow", "--model-name", "minilm-int8")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    proc = publish_cli(artifact_copy, "--to", "mlflow", "--model-name", "minilm-int8", cwd=elsewhere)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "published to MLflow" in proc.stdout and "model minilm-int8 version 1" in proc.stdout
     assert proc.stderr.strip() == ""  # MLflow's store-creation logging stays quiet
     store = artifact_copy.parent / "mlruns"
     _check_version(f"sqlite:///{store / 'mlflow.db'}", "minilm-int8", "1", read_manifest(artifact_copy), tmp_path)
     assert (store / "artifacts").is_dir()  # the files live beside the store, not in the working folder
+    assert list(elsewhere.iterdir()) == []  # no mlflow.db or mlruns/ where the command ran
     again = publish_cli(artifact_copy, "--to", "mlflow", "--model-name", "minilm-int8")
     assert "version 2" in again.stdout, again.stderr[-2000:]
 
