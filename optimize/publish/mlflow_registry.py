@@ -101,10 +101,13 @@ def flatten(value, prefix: str = "") -> dict:
 
 
 def params_of(manifest: dict) -> dict[str, str]:
-    """The resolved recipe, one param per leaf; values as JSON, cut to MLflow's length limit."""
+    """The resolved recipe, one param per leaf: strings as they are, other values as JSON (null, lists),
+    cut to MLflow's length limit."""
     recipe = flatten(manifest["recipe"]["resolved"])
     params = {"recipe": manifest["recipe"]["name"]}
-    params.update({key: json.dumps(value, default=str)[:PARAM_VALUE_MAX] for key, value in recipe.items()})
+    for key, value in recipe.items():
+        text = value if isinstance(value, str) else json.dumps(value, default=str)
+        params[key] = text[:PARAM_VALUE_MAX]
     return params
 
 

@@ -51,7 +51,8 @@ def _check_version(uri: str, name: str, version: str, manifest: dict, tmp_path: 
     assert found.tags["manifest_digest"] == manifest["integrity"]["digest"]
     assert (found.tags["engine"], found.tags["precision"], found.tags["device"]) == ("onnxruntime", "int8", "cpu")
     run = client.get_run(found.run_id)
-    assert run.data.params["quantize.method"] == '"ort_int8_dynamic"'
+    assert run.data.params["quantize.method"] == "ort_int8_dynamic"
+    assert run.data.params["evaluate.batch_sizes"] == "[1, 32]"
     assert run.data.params["gate.min_cosine"] == str(manifest["recipe"]["resolved"]["gate"]["min_cosine"])
     for check in manifest["gate"]["checks"]:
         assert run.data.metrics[f"gate.{check['name']}.value"] == pytest.approx(check["value"])
