@@ -154,7 +154,7 @@ def _interrupt(signum, frame):
 def run_job(cfg) -> int:
     from hydra.core.hydra_config import HydraConfig
 
-    from optimize import pipeline, report
+    from optimize import ci_report, pipeline, report
 
     # Libraries log at INFO on the root logger (ONNX Runtime's quantizer does, per node): keep their
     # warnings, and this tool's own progress.
@@ -180,7 +180,27 @@ def run_job(cfg) -> int:
         _remove_hydra_outputs(run_dir, hydra_cfg)
         return EXIT_BAD_INPUT
     print(report.render(manifest, path))
+    try:
+        for line in ci_report.export(manifest, path, cfg.report.junit):
+            print(line)
+        _publish(cfg, manifest, path)
+    except RecipeError as exc:  # the artifact stays: only where it was to go failed
+        print(f"error: {exc} (the artifact is kept at {path})", file=sys.stderr)
+        return EXIT_BAD_INPUT
     return EXIT_PASSED if manifest["gate"]["passed"] else EXIT_GATE_FAILED
+
+
+def _publish(cfg, manifest: dict, path: Path) -> None:
+    """publish=NAME: send the artifact to a registry; a failed gate is sent only with publish.allow_failed."""
+    from optimize import publish
+
+    settings = publish.settings_of(cfg.publish)
+    if settings.get("to", publish.NONE) == publish.NONE:
+        return
+    if not manifest["gate"]["passed"] and not settings.get("allow_failed"):
+        print(f"not published to {settings['to']}: the gate failed (publish.allow_failed=true sends it tagged failed)")
+        return
+    print(publish.publish(path, settings))
 
 
 def _remove_hydra_outputs(run_dir: Path, hydra_cfg) -> None:

@@ -11,6 +11,7 @@ no cleanup) is removed by the next run into the same place once its PID is prova
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -19,7 +20,15 @@ import stat
 import uuid
 from pathlib import Path
 
-from engines.artifact import MANIFEST, SCHEMA_VERSION, ArtifactError, file_table, seal, signing_key_from_env
+from engines.artifact import (
+    MANIFEST,
+    SCHEMA_VERSION,
+    ArtifactError,
+    file_table,
+    read_manifest,
+    seal,
+    signing_key_from_env,
+)
 from optimize.errors import RecipeError
 
 STAGE, SCRATCH = "artifact", "scratch"
@@ -118,3 +127,34 @@ def publish(stage: Path, final: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(stage, final)
+
+
+# What a run's identity does not depend on: where the artifact goes, not what it is.
+NOT_IDENTITY = ("output_dir", "overwrite", "report", "publish")
+
+
+def content_id(recipe: dict, source_sha256: dict, stage: Path) -> str:
+    """The artifact's id: sha256 over the recipe (less where its outputs go), the source's file hashes
+    and every file built so far (the engine, its tokenizer, plots); the same inputs building the same
+    bytes get the same id."""
+    identity = {
+        "recipe": {k: v for k, v in recipe.items() if k not in NOT_IDENTITY},
+        "source": source_sha256,
+        "files": {f["path"]: f["sha256"] for f in file_table(stage)},
+    }
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def parent_id(source_location: str, source_sha256: dict) -> str | None:
+    """What the artifact came from: the id of the artifact its source file lies in (a model taken from
+    an earlier artifact), else the content hash of the source's weight files (None when it has none)."""
+    location = Path(source_location)
+    for folder in (location, *location.parents)[:3]:
+        if (folder / MANIFEST).is_file():
+            try:
+                return read_manifest(folder)["id"]
+            except ArtifactError:
+                break  # not a readable artifact: identify the source by its own bytes
+    if not source_sha256:
+        return None
+    return hashlib.sha256(json.dumps(source_sha256, sort_keys=True).encode()).hexdigest()

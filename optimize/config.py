@@ -33,6 +33,7 @@ class ModelConfig:
     revision: Optional[str] = None
     gguf_file: Optional[str] = None
     tokenizer: Optional[str] = None  # tokenizer folder for an ONNX source that takes token ids
+    hub_id: Optional[str] = None  # the model's Hugging Face Hub name when `source` is a local copy (model cards)
     max_length: int = 128
     trust_remote_code: bool = False
     allow_pickle: bool = False  # pickled checkpoints can run code when loaded: opt in explicitly
@@ -142,6 +143,34 @@ class ServeDefaults:
 
 
 @dataclass
+class ReportConfig:
+    """Where the CI reports go besides the artifact (which always holds report.md and junit.xml)."""
+
+    junit: Optional[str] = None  # also write the JUnit XML here (where the CI system looks for it)
+
+
+@dataclass
+class PublishConfig:
+    """A model registry the artifact goes to at the end of a run (`publish=mlflow`), or with
+    `python -m optimize.publish ARTIFACT --to NAME`. Only a gate-passing artifact is published unless
+    allow_failed is set (it is then tagged failed). Credentials never go here: they would be recorded
+    in the manifest (MLflow reads MLFLOW_TRACKING_TOKEN etc., the Hub HF_TOKEN)."""
+
+    to: str = "none"  # none | mlflow | hf_hub
+    allow_failed: bool = False
+    # mlflow: default an embedded SQLite store beside the artifact (<artifact>/../mlruns), no server needed
+    tracking_uri: Optional[str] = None
+    experiment: str = "optimize"
+    model_name: Optional[str] = None  # mlflow: the registered model; default: the recipe's name
+    # hf_hub: the repository ("owner/name"), the folder the upload is assembled in, and dry_run to list
+    # what would be uploaded without any network access
+    repo_id: Optional[str] = None
+    folder: Optional[str] = None
+    private: bool = True
+    dry_run: bool = False
+
+
+@dataclass
 class RecipeConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     calibration: DataConfig = field(default_factory=DataConfig)
@@ -152,6 +181,8 @@ class RecipeConfig:
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     gate: GateConfig = field(default_factory=GateConfig)
     serve: ServeDefaults = field(default_factory=ServeDefaults)
+    report: ReportConfig = field(default_factory=ReportConfig)
+    publish: PublishConfig = field(default_factory=PublishConfig)
     output_dir: Optional[str] = None  # final artifact path; default: <hydra run dir>/artifact
     overwrite: bool = False
     seed: int = 0

@@ -7,16 +7,13 @@ import logging
 import shutil
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from engines import formats, load_engine
-from optimize import artifact, environment, gate, registry, tasks
+from optimize import artifact, ci_report, environment, gate, publish, registry, tasks
 from optimize.config import recipe_dict
 from optimize.context import Context, Model, SourceModel
 from optimize.errors import RecipeError
@@ -68,8 +65,10 @@ def plan(cfg, run_dir: Path) -> Plan:
     if cfg.evaluate.overlap not in ("error", "drop"):
         raise RecipeError(f"evaluate.overlap={cfg.evaluate.overlap} (use error or drop)")
     resolve_source(cfg.model)
+    publish.check_settings(cfg.publish)
     final = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else run_dir / "artifact"
     artifact.check_destination(final, cfg.overwrite)
+    ci_report.check_destination(cfg.report.junit)
     return Plan(stages, any(m.needs_calibration for m, _ in stages), final)
 
 
@@ -131,7 +130,8 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         metrics["candidate"].update(engine=engine["format"], precision=engine["precision"])
         metrics["threads"] = _threads(ctx.threads)
         verdict = gate.judge(metrics["baseline"], metrics["candidate"], recipe_dict(cfg.gate))
-        manifest = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started)
+        manifest = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started, stage)
+        ci_report.write_into(stage, manifest, the_plan.final_dir)  # listed in the manifest like every file
         manifest = artifact.write_manifest(stage, manifest)
         artifact.publish(stage, the_plan.final_dir)
     return manifest, the_plan.final_dir
@@ -260,18 +260,20 @@ def _threads(requested: int) -> dict:
     return info
 
 
-def _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started) -> dict:
+def _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started, stage: Path) -> dict:
     calib = ctx._calibration.describe() if ctx._calibration else None
+    resolved = recipe_dict(cfg)
+    hashes = source_hash(source)
     return {
-        "id": uuid.uuid4().hex,
-        "parent_id": None,
+        "id": artifact.content_id(resolved, hashes, stage),  # before the reports: they hold the id
+        "parent_id": artifact.parent_id(source.location, hashes),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "recipe": {"name": recipe_name, "resolved": OmegaConf.to_container(cfg, resolve=True)},
+        "recipe": {"name": recipe_name, "resolved": resolved},
         "model": {
             "source": cfg.model.source,
             "resolved": source.location,
             "task": source.task,
-            "sha256": source_hash(source),
+            "sha256": hashes,
             **source.info,
         },
         "calibration": calib,

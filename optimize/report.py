@@ -102,7 +102,7 @@ def race_rows(race: dict) -> list[list[str]]:
     return rows
 
 
-def _environment_lines(manifest: dict) -> list[str]:
+def environment_lines(manifest: dict) -> list[str]:
     """The CPU the figures came from, and what INT8 buys on it (measured in this run)."""
     cpu = (manifest.get("environment") or {}).get("cpu") or {}
     lines = [
@@ -134,7 +134,7 @@ def render(manifest: dict, path) -> str:
         _table(metrics_rows(manifest["metrics"])),
         f"(threads: {threads.get('requested')}, cpu count {threads.get('cpu_count')}; "
         f"{manifest['evaluation'].get('count')} evaluation samples)",
-        *_environment_lines(manifest),
+        *environment_lines(manifest),
         "",
         _table(check_rows(manifest["gate"])),
         "",

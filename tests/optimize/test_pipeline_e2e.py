@@ -165,10 +165,12 @@ def test_onnx_file_source_evaluated_on_text_through_its_tokenizer(tmp_path, mini
         f"hydra.run.dir={tmp_path / 'run'}",
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    fidelity = read_manifest(out)["metrics"]["candidate"]["fidelity"]
+    manifest = read_manifest(out)
+    fidelity = manifest["metrics"]["candidate"]["fidelity"]
     # The same graph re-shipped: every output matches the original exactly.
     assert set(fidelity["outputs"]) == {"last_hidden_state", "sentence_embedding"}
     assert fidelity["max_abs_error"] == 0.0
+    assert manifest["parent_id"] == read_manifest(minilm_artifact)["id"]  # made from that artifact
 
 
 def test_sigterm_midway_leaves_no_artifact(tmp_path):
