@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := pipeline,demo,dev,vision,llm,serve
+EXTRAS := pipeline,demo,dev,vision,llm,serve,sweeps
 
 .PHONY: demo test lint install clean
 

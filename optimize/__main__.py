@@ -15,13 +15,14 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from optimize import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL_ERROR, EXIT_PASSED
+from optimize import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL_ERROR, EXIT_PASSED, EXIT_SIGINT, EXIT_SIGTERM
 from optimize.errors import RecipeError, bad_input_message
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "recipes")
 HYDRA_VERSION_BASE = "1.3"
-# Hydra's flags: those that mean "do not run a job here", and those that take a value.
-_NO_JOB_FLAGS = {"-m", "--multirun", "-h", "--help", "--hydra-help", "-i", "--info", "-sc", "--shell-completion"}
+# Hydra's flags: those that run a sweep, those that mean "do not run a job here", and those that take a value.
+_MULTIRUN_FLAGS = {"-m", "--multirun"}
+_HELP_FLAGS = {"-h", "--help", "--hydra-help", "-i", "--info", "-sc", "--shell-completion"}
 _VALUED_FLAGS = {
     "-c",
     "--cfg",
@@ -41,7 +42,6 @@ _VALUED_FLAGS = {
 }
 # `+key` may add keys only inside these free-form sections; anywhere else the key must be in the schema.
 FREE_FORM = ("evaluate.task_params.", "hydra.")
-EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 log = logging.getLogger("optimize")
 
 
@@ -53,16 +53,30 @@ def fail(message: str) -> None:
 def precheck(argv: list[str]) -> None:
     """Compose the recipe and plan it once before Hydra runs it, so a bad override, recipe or input
     the plan can see is one line and exit 2 with nothing written (Hydra itself prints several lines
-    and exits 1, which CI would read as a failed gate, and writes .hydra/ and a log first)."""
-    if _NO_JOB_FLAGS & {a.split("=")[0] for a in argv}:
-        return  # sweeps are composed per job; help and info need no check
+    and exits 1, which CI would read as a failed gate, and writes .hydra/ and a log first). A sweep
+    is checked job by job, before any job is launched."""
+    flags = {a.split("=")[0] for a in argv}
+    overrides = overrides_of(argv)
+    if flags & _HELP_FLAGS:
+        return  # help and info need no check
+    if flags & _MULTIRUN_FLAGS or "hydra.mode=MULTIRUN" in overrides:
+        if flags & {"-c", "--cfg"}:
+            fail("--cfg prints one job's recipe: give it without --multirun (-m) and without swept values")
+        for job in sweep_jobs(overrides):
+            check_job(job, plan=True)
+        return
+    check_job(overrides, plan=not {"-c", "--cfg"} & set(argv))
+
+
+def check_job(overrides: list[str], plan: bool) -> None:
+    """One job's recipe composed and (plan=True) planned; a refusal is one line and exit 2."""
     try:
-        cfg = compose_recipe(overrides_of(argv))
+        cfg = compose_recipe(overrides)
     except RecipeError as exc:
         fail(str(exc))
     except Exception as exc:  # Hydra and OmegaConf raise many types; all mean "bad recipe"
         fail(_one_line(exc))
-    if {"-c", "--cfg"} & set(argv):
+    if not plan:
         return  # printing the recipe loads and checks no inputs
     try:
         from optimize import pipeline
@@ -73,6 +87,27 @@ def precheck(argv: list[str]) -> None:
         if message is None:
             raise
         fail(message)
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """Each job's overrides, as Hydra's basic sweeper expands the swept lists; a fixed output_dir
+    shared by several jobs is refused (the second job would find the first one's artifact there)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except Exception as exc:
+        fail(_one_line(exc))
+    outputs = [o.split("=", 1)[1] for job in jobs for o in job if o.split("=", 1)[0].lstrip("+") == "output_dir"]
+    shared = [o for o in set(outputs) if outputs.count(o) > 1 and "${" not in o and o not in ("null", "")]
+    if shared:
+        fail(
+            f"output_dir={shared[0]} is the same for {outputs.count(shared[0])} jobs of the sweep; leave it unset "
+            f"(each job writes SWEEP_DIR/NUM/artifact) or make it differ per job"
+        )
+    return jobs
 
 
 def compose_recipe(overrides: list[str]):
@@ -135,11 +170,25 @@ def main() -> None:
     precheck(sys.argv[1:])
     import hydra
 
+    from optimize import sweep
+
     @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base=HYDRA_VERSION_BASE)
-    def entry(cfg) -> None:
-        sys.exit(run_job(cfg))
+    def entry(cfg) -> int:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        code, artifact = run_job(cfg)
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            sys.exit(code)
+        # In a sweep the job returns: an exit here would end the whole sweep after this job.
+        sweep.record_job(code, hydra_cfg, artifact)
+        return code
 
     entry()
+    # Reached after a multirun only (a single run exits inside entry): the worst job's code.
+    code = sweep.result["exit_code"]
+    sys.exit(EXIT_INTERNAL_ERROR if code is None else code)
 
 
 _signal_received: list[int] = []
@@ -150,7 +199,8 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def run_job(cfg) -> int:
+def run_job(cfg) -> tuple[int, Path | None]:
+    """Run one recipe: its exit code, and the artifact it wrote (None when nothing was written)."""
     from hydra.core.hydra_config import HydraConfig
 
     from optimize import pipeline, report
@@ -168,18 +218,18 @@ def run_job(cfg) -> int:
         manifest, path = pipeline.run(cfg, recipe, run_dir)
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
-        return EXIT_SIGTERM if signal.SIGTERM in _signal_received else EXIT_SIGINT
+        return (EXIT_SIGTERM if signal.SIGTERM in _signal_received else EXIT_SIGINT), None
     except Exception as exc:
         message = bad_input_message(exc)
         if message is None:
             traceback.print_exc()
             print("internal error: this is a bug in optimize; nothing was written", file=sys.stderr)
-            return EXIT_INTERNAL_ERROR
+            return EXIT_INTERNAL_ERROR, None
         print(f"error: {message}", file=sys.stderr)
         _remove_hydra_outputs(run_dir, hydra_cfg)
-        return EXIT_BAD_INPUT
+        return EXIT_BAD_INPUT, None
     print(report.render(manifest, path))
-    return EXIT_PASSED if manifest["gate"]["passed"] else EXIT_GATE_FAILED
+    return (EXIT_PASSED if manifest["gate"]["passed"] else EXIT_GATE_FAILED), path
 
 
 def _remove_hydra_outputs(run_dir: Path, hydra_cfg) -> None:
