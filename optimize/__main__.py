@@ -40,6 +40,9 @@ _VALUED_FLAGS = {
     "-sc",
     "--shell-completion",
 }
+LAUNCHER_PLUGINS = (
+    "joblib and submitit come with pip install 'optimize[sweeps]'; Ray needs pip install hydra-ray-launcher"
+)
 # `+key` may add keys only inside these free-form sections; anywhere else the key must be in the schema.
 FREE_FORM = ("evaluate.task_params.", "hydra.")
 log = logging.getLogger("optimize")
@@ -75,7 +78,10 @@ def check_job(overrides: list[str], plan: bool) -> None:
     except RecipeError as exc:
         fail(str(exc))
     except Exception as exc:  # Hydra and OmegaConf raise many types; all mean "bad recipe"
-        fail(_one_line(exc))
+        message = _one_line(exc)
+        if "Could not load 'hydra/launcher/" in message:
+            message += f" (a launcher plugin that is not installed? {LAUNCHER_PLUGINS})"
+        fail(message)
     if not plan:
         return  # printing the recipe loads and checks no inputs
     try:
