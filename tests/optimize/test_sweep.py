@@ -167,6 +167,29 @@ def test_the_ray_launcher_is_named_when_its_plugin_is_missing(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+def test_the_ray_launcher_runs_the_jobs_as_ray_tasks(tmp_path):
+    """Only where hydra-ray-launcher is installed (it cannot be beside the joblib launcher: see
+    test above). A private Ray instance on this machine (`ray.init.address=null`: started for the
+    sweep and gone with it) stands in for a cluster; the config is otherwise the shipped one."""
+    pytest.importorskip("hydra_plugins.hydra_ray_launcher")
+    sweep = tmp_path / "ray"
+    proc = run_optimize(
+        "-m",
+        "hydra/launcher=ray_cluster",
+        "hydra.launcher.ray.init.address=null",
+        "+hydra.launcher.ray.init.num_cpus=2",
+        "hydra.launcher.ray.remote.num_cpus=1",
+        *BASE,
+        f"gate.min_cosine=0.95,{STRICT}",
+        f"hydra.sweep.dir={sweep}",
+        env={"RAY_USAGE_STATS_ENABLED": "0"},
+    )
+    lines = job_lines(proc.stdout)
+    assert len(lines) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "exit 0" in lines[0] and "exit 1" in lines[1] and proc.returncode == 1
+    assert all((sweep / str(n) / "artifact" / "manifest.json").is_file() for n in range(2))
+
+
 def test_a_job_that_left_no_record_counts_as_an_internal_error(tmp_path):
     class Job:  # the fields of Hydra's job config that record_job reads
         def __init__(self, num):
