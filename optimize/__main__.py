@@ -78,10 +78,10 @@ def check_job(overrides: list[str], plan: bool) -> None:
     except RecipeError as exc:
         fail(str(exc))
     except Exception as exc:  # Hydra and OmegaConf raise many types; all mean "bad recipe"
-        message = _one_line(exc)
-        if "Could not load 'hydra/launcher/" in message:
-            message += f" (a launcher plugin that is not installed? {LAUNCHER_PLUGINS})"
-        fail(message)
+        line = _one_line(exc)
+        if "Could not load 'hydra/launcher/" in line:
+            line += f" (a launcher plugin that is not installed? {LAUNCHER_PLUGINS})"
+        fail(line)
     if not plan:
         return  # printing the recipe loads and checks no inputs
     try:
