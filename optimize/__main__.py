@@ -192,9 +192,10 @@ def main() -> None:
         return code
 
     entry()
-    # Reached after a multirun only (a single run exits inside entry): the worst job's code.
-    code = sweep.result["exit_code"]
-    sys.exit(EXIT_INTERNAL_ERROR if code is None else code)
+    # Reached after a multirun (a single run exits inside entry): the worst job's code; or after
+    # --cfg, --help and --info, which run no job.
+    if sweep.result["exit_code"] is not None:
+        sys.exit(sweep.result["exit_code"])
 
 
 _signal_received: list[int] = []
