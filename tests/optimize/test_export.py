@@ -5,6 +5,7 @@ changed files, and refuse bad inputs with one line and nothing written."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -200,3 +201,63 @@ def test_an_openvino_bundle_runs_with_openvino_tokenizers_and_numpy_only(openvin
     assert cosines(np.load(out), served_embeddings(openvino_artifact, TEXTS)).min() > 0.9999
     refused = export(openvino_artifact, "--bundle", tmp_path / "ort", "--ort-format")
     one_error_line(refused, "--ort-format converts ONNX Runtime graphs")
+
+
+def test_a_signed_bundle_runs_with_its_key_and_refuses_another(minilm_artifact, bundle_python, tmp_path):
+    key, other = tmp_path / "key", tmp_path / "other"
+    key.write_text("k" * 32)
+    other.write_text("o" * 32)
+    bundle = tmp_path / "signed"
+    proc = subprocess.run(
+        [sys.executable, "-m", "optimize.export", minilm_artifact, "--bundle", bundle],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ARTIFACT_SIGNING_KEY": str(key)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((bundle / MANIFEST).read_text())["integrity"]["signature"]["scheme"] == "hmac-sha256"
+    ran = run_bundle(bundle_python, bundle, "hello", "--key", str(key), "--require-signature", cwd=tmp_path)
+    assert ran.returncode == 0 and len(json.loads(ran.stdout)) == 384, ran.stderr
+    one_error_line(run_bundle(bundle_python, bundle, "hello", "--key", str(other), cwd=tmp_path), "signature")
+
+
+def test_a_graph_the_ort_converter_cannot_take_is_refused_with_one_line(minilm_artifact, tmp_path):
+    """A sentence-encoder artifact (sealed as the pipeline seals one) whose graph uses an operator of a
+    domain ONNX Runtime does not have: its converter fails, and export says so in one line."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    artifact = tmp_path / "custom-op"
+    with staging(artifact) as stage:
+        node = helper.make_node("Embed", ["input_ids"], ["sentence_embedding"], domain="com.example")
+        graph = helper.make_graph(
+            [node],
+            "custom",
+            [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch", "sequence"])],
+            [helper.make_tensor_value_info("sentence_embedding", TensorProto.FLOAT, ["batch", 4])],
+        )
+        model = helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.example", 1)]
+        )
+        onnx.save(model, stage / "model.onnx")
+        shutil.copytree(minilm_artifact / "tokenizer", stage / "tokenizer")
+        write_manifest(
+            stage,
+            {
+                "id": "custom-op-test",
+                "engine": {
+                    "format": "onnxruntime",
+                    "file": "model.onnx",
+                    "task": "sentence_embedding",
+                    "tokenizer": "tokenizer",
+                },
+                "gate": {"passed": True, "checks": []},
+                "verdict": "passed",
+            },
+        )
+        publish(stage, artifact)
+    proc = export(artifact, "--bundle", tmp_path / "bundle", "--ort-format")
+    one_error_line(proc, "model.onnx: ONNX Runtime cannot convert it to ORT format")
+    assert not (tmp_path / "bundle").exists()
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
