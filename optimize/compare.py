@@ -185,6 +185,7 @@ def build_table(labels: list[str], manifests: list[dict]) -> dict:
     fidelity = [(name, path) for name, path in FIDELITY if any(_dig(c, *path) is not None for c in candidates)]
     batches = sorted({int(b) for c in candidates for b in (c.get("speedup") or {})})
     decode = any(c.get("decode_speedup") is not None for c in candidates)
+    timed = any(_dig(c, "timing", "other_cpu_share") is not None for c in candidates)
     rows = []
     for label, manifest, cand in zip(labels, manifests, candidates):
         resolved = {
@@ -201,6 +202,8 @@ def build_table(labels: list[str], manifests: list[dict]) -> dict:
         row.update({f"speedup_b{b}": _dig(cand, "speedup", str(b)) for b in batches})
         if decode:
             row["decode_speedup"] = cand.get("decode_speedup")
+        if timed:
+            row["other_cpu_share"] = _dig(cand, "timing", "other_cpu_share")  # above 25%: latency untrusted
         row["size_mb"] = cand.get("size_mb")
         row["cpu"] = cpu_of(manifest)
         rows.append(row)
@@ -220,12 +223,18 @@ def _plain(encoded: str | None):
 # --- writing -----------------------------------------------------------------------------------------
 
 
-def _cell(value) -> str:
+def _cell(column: str, value) -> str:
     if value is None:
         return "-"
-    if isinstance(value, float):
-        return f"{value:.4f}" if abs(value) < 10 else f"{value:.1f}"
-    return str(value)
+    if not isinstance(value, float):
+        return str(value)
+    if "speedup" in column:
+        return f"{value:.2f}x"
+    if column == "other_cpu_share":
+        return f"{value:.0%}"
+    if column == "size_mb" or abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.4f}"
 
 
 def render_markdown(table: dict) -> str:
@@ -242,7 +251,7 @@ def render_markdown(table: dict) -> str:
     lines.append("| " + " | ".join(columns) + " |")
     lines.append("|" + "---|" * len(columns))
     for row in table["rows"]:
-        lines.append("| " + " | ".join(_cell(row[c]).replace("|", "\\|") for c in columns) + " |")
+        lines.append("| " + " | ".join(_cell(c, row[c]).replace("|", "\\|") for c in columns) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -213,8 +213,10 @@ def test_compare_says_when_the_cpus_differ_and_plots_them_apart(joblib_sweep):
     sweep, _ = joblib_sweep
     manifests = [json.loads((sweep / str(n) / "artifact" / "manifest.json").read_text()) for n in range(2)]
     manifests[1]["environment"]["cpu"] = {"model": "Intel Xeon", "cores": 8, "features": ["avx2", "amx"]}
+    manifests[0]["metrics"]["candidate"]["speedup"] = {"1": 2.5}  # as a timed run records it
     table = build_table(["a", "b"], manifests)
     markdown = render_markdown(table)
+    assert "| speedup_b1 |" in markdown and "| 2.50x |" in markdown and "| - |" in markdown
     assert markdown.startswith("**These artifacts were measured on 2 different CPUs**")
     assert markdown.splitlines()[2].endswith("| cpu |")  # the CPU column is shown when they differ
 
