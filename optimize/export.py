@@ -1,16 +1,18 @@
 """`python -m optimize.export ARTIFACT --bundle DIR [--ort-format]`: a self-contained folder for an edge
 device or a laptop.
 
-The bundle runs with only onnxruntime, tokenizers and numpy installed (openvino instead of onnxruntime
-for an OpenVINO artifact): the model, its tokenizer, `run.py` (embeds text from the command line), a
-copy of the artifact checker (engines/artifact.py, standard library only) that run.py checks the
-bundle with before loading, `requirements.txt` pinning the versions the model was evaluated with, and
-a manifest with every file's sha256 (so `python -m optimize.verify DIR` checks a bundle too).
-`--ort-format` converts the ONNX graph to ONNX Runtime's ORT format for mobile and minimal builds and
-keeps the reduced operator set (`model.required_operators.config`) that such a build is made from.
+The bundle runs with only its runtime installed: onnxruntime, tokenizers and numpy for a sentence
+encoder (openvino instead of onnxruntime for an OpenVINO one), onnxruntime-genai and numpy for a
+causal LM. It holds the model, its tokenizer, `run.py` (embeds text, or continues prompts, from the
+command line), a copy of the artifact checker (engines/artifact.py, standard library only) that
+run.py checks the bundle with before loading, `requirements.txt` pinning the versions the model was
+evaluated with, and a manifest with every file's sha256 (so `python -m optimize.verify DIR` checks a
+bundle too). `--ort-format` converts an encoder's ONNX graph to ONNX Runtime's ORT format for mobile
+and minimal builds and keeps the reduced operator set (`model.required_operators.config`) that such a
+build is made from.
 
-Sentence encoders only: causal-LM artifacts (ONNX Runtime GenAI, OpenVINO GenAI folders) are refused
-with one line; `python -m serve` runs them.
+OpenVINO GenAI causal LMs, image classifiers and simulated-quantization checkpoints are refused with
+one line (`python -m serve` runs the OpenVINO GenAI ones).
 
 Exit 0 with the bundle written; 2 when the artifact is refused (not an artifact, changed files, a bad
 signature, a failed gate without --allow-failed-gate, a model the bundle cannot carry) or the
@@ -31,7 +33,7 @@ from pathlib import Path
 
 import engines.artifact as checker
 from engines.artifact import VERIFY_KEY_ENV, ArtifactError
-from engines.formats import ONNXRUNTIME, OPENVINO
+from engines.formats import ONNXRUNTIME, ONNXRUNTIME_GENAI, OPENVINO
 from optimize import EXIT_BAD_INPUT
 from optimize.artifact import publish, scratch_for, staging, write_manifest
 from optimize.errors import RecipeError
@@ -40,7 +42,13 @@ RUN_SCRIPT = Path(__file__).resolve().parent / "assets" / "bundle" / "run.py"
 CHECKER = Path(checker.__file__).resolve()
 ORT_FILE, OPERATORS_FILE = "model.ort", "model.required_operators.config"
 # The packages run.py imports, by engine format: what the bundle needs and nothing else.
-RUNTIME_PACKAGES = {ONNXRUNTIME: ("onnxruntime", "tokenizers", "numpy"), OPENVINO: ("openvino", "tokenizers", "numpy")}
+RUNTIME_PACKAGES = {
+    ONNXRUNTIME: ("onnxruntime", "tokenizers", "numpy"),
+    OPENVINO: ("openvino", "tokenizers", "numpy"),
+    ONNXRUNTIME_GENAI: ("onnxruntime-genai", "numpy"),  # its tokenizer is its own
+}
+# What run.py does with each engine format: the task it takes.
+TASKS = {ONNXRUNTIME: "sentence_embedding", OPENVINO: "sentence_embedding", ONNXRUNTIME_GENAI: "causal_lm"}
 BUNDLE_FILES = ("run.py", "artifact.py", "requirements.txt")
 
 
@@ -102,12 +110,13 @@ def checked_source(root: Path, key_file: str | None, require_signature: bool, al
     if fmt not in RUNTIME_PACKAGES:
         raise RecipeError(
             f"{root}: a {fmt!r} engine cannot be bundled (bundles carry onnxruntime and openvino sentence "
-            f"encoders; causal LMs run with python -m serve)"
+            f"encoders and onnxruntime-genai causal LMs; serve the others with python -m serve)"
         )
-    if task != "sentence_embedding":
-        raise RecipeError(f"{root}: a {task!r} model cannot be bundled (run.py embeds text: sentence encoders only)")
-    if not engine.get("file") or not engine.get("tokenizer"):
-        raise RecipeError(f"{root}: the manifest's engine names no model file or tokenizer; cannot bundle it")
+    if task != TASKS[fmt]:
+        raise RecipeError(f"{root}: a {task!r} model on {fmt} cannot be bundled (run.py runs {TASKS[fmt]} there)")
+    needed = ("dir",) if fmt == ONNXRUNTIME_GENAI else ("file", "tokenizer")
+    if not all(engine.get(key) for key in needed):
+        raise RecipeError(f"{root}: the manifest's engine names no {' or '.join(needed)}; cannot bundle it")
     return manifest
 
 
@@ -160,7 +169,11 @@ def bundle_manifest(source: dict, engine: dict, requirements: list[str], ort_for
     """The artifact's manifest (recipe, metrics, gate, environment) with the bundle's engine block and
     a `bundle` section naming the artifact it came from; the file table is recomputed when it is written."""
     body = {k: v for k, v in source.items() if k not in ("schema_version", "files", checker.INTEGRITY)}
-    model_format = "ort" if ort_format else ("openvino-ir" if engine["format"] == OPENVINO else "onnx")
+    model_format = (
+        "ort"
+        if ort_format
+        else {OPENVINO: "openvino-ir", ONNXRUNTIME_GENAI: "onnxruntime-genai"}.get(engine["format"], "onnx")
+    )
     body["engine"] = engine
     body["bundle"] = {
         "source_id": source.get("id"),

@@ -162,26 +162,74 @@ def test_bad_inputs_exit_2_with_one_line_and_write_nothing(minilm_artifact, tmp_
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
 
 
-def test_causal_lm_artifacts_are_refused_with_one_line(tmp_path):
-    """An ONNX Runtime GenAI artifact's manifest (written and sealed as the pipeline writes one): the
+def test_openvino_genai_artifacts_are_refused_with_one_line(tmp_path):
+    """An OpenVINO GenAI artifact's manifest (written and sealed as the pipeline writes one): the
     refusal comes before any model file is read."""
-    artifact = tmp_path / "genai"
+    artifact = tmp_path / "ov-genai"
     with staging(artifact) as stage:
         (stage / "model").mkdir()
-        (stage / "model" / "genai_config.json").write_text("{}")
+        (stage / "model" / "openvino_model.xml").write_text("<net/>")
         write_manifest(
             stage,
             {
-                "id": "genai-test",
-                "engine": {"format": "onnxruntime-genai", "task": "causal_lm", "dir": "model"},
+                "id": "ov-genai-test",
+                "engine": {"format": "openvino-genai", "task": "causal_lm", "dir": "model"},
                 "gate": {"passed": True, "checks": []},
                 "verdict": "passed",
             },
         )
         publish(stage, artifact)
     proc = export(artifact, "--bundle", tmp_path / "bundle")
-    one_error_line(proc, "'onnxruntime-genai' engine cannot be bundled", "python -m serve")
+    one_error_line(proc, "'openvino-genai' engine cannot be bundled", "python -m serve")
     assert not (tmp_path / "bundle").exists()
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory) -> Path:
+    """A real ONNX Runtime GenAI artifact (random-weight 2-layer Llama, tests/support/tiny_llm.py)."""
+    pytest.importorskip("onnxruntime_genai")
+    out = tmp_path_factory.mktemp("tiny_llm") / "artifact"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.support.tiny_llm", str(out)],
+        cwd=ROOT,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"},
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def test_a_causal_lm_bundle_generates_as_the_server_does_with_onnxruntime_genai_and_numpy_only(tiny_llm, tmp_path):
+    from engines import load_engine
+    from engines.artifact import read_manifest
+    from engines.genai_runner import Sampling
+
+    bundle = tmp_path / "bundle"
+    proc = export(tiny_llm, "--bundle", bundle)
+    assert proc.returncode == 0, proc.stderr
+    requirements = bundle / "requirements.txt"
+    assert [line.split("==")[0] for line in requirements.read_text().splitlines()[1:]] == ["onnxruntime-genai", "numpy"]
+    # The test artifact records no package versions: pin what this environment has, so pip takes its cache.
+    constraints = tmp_path / "constraints.txt"
+    constraints.write_text(
+        "".join(f"{name}=={metadata.version(name)}\n" for name in ("onnxruntime-genai", "onnxruntime", "numpy"))
+    )
+    venv.EnvBuilder(with_pip=True).create(tmp_path / "env")
+    python = tmp_path / "env" / "bin" / "python"
+    subprocess.run(
+        [python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "-r", requirements, "-c", constraints],
+        check=True,
+        capture_output=True,
+    )
+    prompts = ["The Python standard library", "def main():"]
+    out = tmp_path / "continuations.json"
+    ran = run_bundle(python, bundle, *prompts, "--max-tokens", "12", "--output", str(out), cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    runner = load_engine(tiny_llm, read_manifest(tiny_llm)["engine"])
+    served = [runner.decode([t for t, _ in runner.generate(runner.encode(p), Sampling(12))]) for p in prompts]
+    assert json.loads(out.read_text()) == served and all(served)
+    one_error_line(export(tiny_llm, "--bundle", tmp_path / "ort", "--ort-format"), "--ort-format converts")
 
 
 def test_an_openvino_bundle_runs_with_openvino_tokenizers_and_numpy_only(openvino_artifact, tmp_path):

@@ -1,14 +1,19 @@
-"""Embed text with this bundle: `python run.py "some text" "more text"` (no text: one per line on stdin).
+"""Run this bundle: `python run.py "some text" "more text"` (no text: one per line on stdin).
 
-It needs only onnxruntime (openvino for an OpenVINO bundle), tokenizers and numpy; requirements.txt
-pins the versions the model was evaluated with. Before anything is loaded, every file is checked
-against manifest.json by artifact.py, the checker the pipeline and its server use (copied here and
-itself listed in the manifest). The texts are tokenized and run exactly as the server runs them: the
-graph pools (and normalizes, when the model does) inside, so its `sentence_embedding` output is the
-embedding.
+A sentence-encoder bundle embeds the texts; a causal-LM bundle (ONNX Runtime GenAI) continues each
+text as a prompt, greedily, up to --max-tokens new tokens, as the server does with temperature 0.
 
-Prints one JSON array per text, or with `--output FILE.npy` writes a float32 array [texts, dim].
-Exit 0 on success; 2 when the bundle is refused or the input is bad (one line `error: ...`).
+It needs only its runtime: onnxruntime (openvino for an OpenVINO bundle), tokenizers and numpy, or
+onnxruntime-genai and numpy for a causal LM; requirements.txt pins the versions the model was
+evaluated with. Before anything is loaded, every file is checked against manifest.json by
+artifact.py, the checker the pipeline and its server use (copied here and itself listed in the
+manifest). Texts are tokenized and run exactly as the server runs them: an encoder's graph pools
+(and normalizes, when the model does) inside, so its `sentence_embedding` output is the embedding.
+
+Prints one JSON value per text (an embedding's array, a continuation's string), or with
+`--output FILE` writes them: a float32 .npy array [texts, dim] for embeddings, a .json list of
+strings for continuations. Exit 0 on success; 2 when the bundle is refused or the input is bad
+(one line `error: ...`).
 """
 
 from __future__ import annotations
@@ -139,7 +144,7 @@ def load_model(engine: dict, threads: int):
 def read_texts(args) -> list[str]:
     texts = list(args.texts) if args.texts else [line.rstrip("\n") for line in sys.stdin]
     if not texts:
-        fail("no text to embed: give texts as arguments or one per line on stdin")
+        fail("no text given: give texts as arguments or one per line on stdin")
     return texts
 
 
@@ -153,12 +158,47 @@ def embed(texts: list[str], manifest: dict, threads: int, batch_size: int) -> np
     return np.concatenate(parts).astype(np.float32)
 
 
-def write_npy(path: Path, vectors: np.ndarray) -> None:
+def generate(prompts: list[str], manifest: dict, threads: int, max_tokens: int) -> list[str]:
+    """Greedy continuations with ONNX Runtime GenAI: the server's search options at temperature 0
+    (the prompt plus max_tokens, within the model's context), stopping at an end-of-sequence token."""
+    try:
+        import onnxruntime_genai as og
+    except ImportError:
+        fail("this bundle needs onnxruntime-genai: pip install -r requirements.txt")
+    folder = HERE / manifest["engine"].get("dir", ".")
+    context = int(json.loads((folder / "genai_config.json").read_text())["model"].get("context_length") or 2048)
+    config = og.Config(str(folder))
+    if threads:
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+    model = og.Model(config)
+    tokenizer = og.Tokenizer(model)
+    eos = {int(t) for t in tokenizer.eos_token_ids}
+    texts = []
+    for prompt in prompts:
+        ids = [int(t) for t in tokenizer.encode(prompt)]
+        if not ids or len(ids) >= context:
+            fail(f"a prompt has {len(ids)} tokens; this model takes 1 to {context - 1}")
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=min(context, len(ids) + max_tokens), do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens(ids)
+        produced: list[int] = []
+        while len(produced) < max_tokens and not generator.is_done():
+            generator.generate_next_token()
+            token = int(generator.get_next_tokens()[0])
+            if token in eos:
+                break
+            produced.append(token)
+        texts.append(tokenizer.decode(produced))
+    return texts
+
+
+def write_atomically(path: Path, write) -> None:
     """Written beside the destination and renamed into place: an error leaves no partial file."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            np.save(f, vectors, allow_pickle=False)
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -166,27 +206,37 @@ def write_npy(path: Path, vectors: np.ndarray) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = _Parser(prog="run.py", description="Embed texts with this bundle.")
-    parser.add_argument("texts", nargs="*", help="texts to embed (default: one per line on stdin)")
-    parser.add_argument("--output", type=Path, help="write a float32 .npy array [texts, dim] instead of JSON lines")
+    parser = _Parser(prog="run.py", description="Embed texts, or continue prompts, with this bundle.")
+    parser.add_argument("texts", nargs="*", help="texts to embed or prompts to continue (default: stdin lines)")
+    parser.add_argument("--output", type=Path, help="write .npy (embeddings) or .json (continuations) instead")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (default: the runtime's choice)")
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32, help="texts per run of an encoder")
+    parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt of a causal LM")
     parser.add_argument("--key", help="file holding the HMAC secret the manifest was signed with")
     parser.add_argument("--require-signature", action="store_true", help="refuse an unsigned manifest")
     args = parser.parse_args(argv)
-    if args.batch_size < 1 or args.threads < 0:
-        fail("--batch-size must be >= 1 and --threads >= 0")
-    if args.output is not None and (args.output.suffix != ".npy" or not args.output.parent.is_dir()):
-        fail(f"--output {args.output}: give a .npy file in an existing folder")
+    if args.batch_size < 1 or args.threads < 0 or args.max_tokens < 1:
+        fail("--batch-size and --max-tokens must be >= 1, --threads >= 0")
     manifest = checked_manifest(args.key, args.require_signature)
-    if (manifest.get("engine") or {}).get("task") != "sentence_embedding":
-        fail(f"{HERE}: this bundle's model is not a sentence encoder; run.py embeds text only")
-    vectors = embed(read_texts(args), manifest, args.threads, args.batch_size)
+    task = (manifest.get("engine") or {}).get("task")
+    if task not in ("sentence_embedding", "causal_lm"):
+        fail(f"{HERE}: this bundle's model is a {task!r}; run.py embeds text or continues prompts only")
+    suffix = ".npy" if task == "sentence_embedding" else ".json"
+    if args.output is not None and (args.output.suffix != suffix or not args.output.parent.is_dir()):
+        fail(f"--output {args.output}: give a {suffix} file in an existing folder")
+    texts = read_texts(args)
+    if task == "causal_lm":
+        continuations = generate(texts, manifest, args.threads, args.max_tokens)
+        if args.output is not None:
+            write_atomically(args.output, lambda f: f.write(json.dumps(continuations).encode()))
+        for text in [] if args.output is not None else continuations:
+            print(json.dumps(text))
+        return 0
+    vectors = embed(texts, manifest, args.threads, args.batch_size)
     if args.output is not None:
-        write_npy(args.output, vectors)
-    else:
-        for vector in vectors:
-            print(json.dumps(vector.tolist()))
+        write_atomically(args.output, lambda f: np.save(f, vectors, allow_pickle=False))
+    for vector in [] if args.output is not None else vectors:
+        print(json.dumps(vector.tolist()))
     return 0
 
 
