@@ -62,8 +62,11 @@ def expected_jobs(task_overrides: list[str]) -> int:
 def summarize(sweep_dir: Path, expected: int) -> tuple[int, list[str]]:
     """The sweep's exit code and one line per job (with the overrides that set it apart); a job that
     left no record (killed, or its node lost) counts as an internal error."""
+    written = [int(p.stem) for p in (sweep_dir / JOBS).glob("*.json") if p.stem.isdigit()]
+    # A sweeper plugin that chooses its own jobs (Optuna, Nevergrad) may run more than the lists say.
+    numbers = range(max([expected, *(n + 1 for n in written)]))
     records: dict[int, dict] = {}
-    for num in range(expected):
+    for num in numbers:
         try:
             record = json.loads((sweep_dir / JOBS / f"{num}.json").read_text())
             record["exit_code"] = int(record["exit_code"])
@@ -72,7 +75,7 @@ def summarize(sweep_dir: Path, expected: int) -> tuple[int, list[str]]:
             pass
     shared = set.intersection(*(set(r.get("overrides") or []) for r in records.values())) if records else set()
     lines, codes = [], []
-    for num in range(expected):
+    for num in numbers:
         if num not in records:
             codes.append(EXIT_INTERNAL_ERROR)
             lines.append(f"job {num}: no exit code recorded (the job died, or could not write to {sweep_dir / JOBS})")

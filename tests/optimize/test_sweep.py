@@ -205,6 +205,10 @@ def test_a_job_that_left_no_record_counts_as_an_internal_error(tmp_path):
     assert lines[1].startswith("job 1 [seed=1]: exit 2 (bad input")
     assert lines[2].startswith("job 2: no exit code recorded")
     assert summarize(tmp_path, 2)[0] == 2
+    # A sweeper that ran more jobs than the lists say (Optuna): every record counts, and the gap too.
+    record_job(1, Job(3), tmp_path / "3" / "artifact")
+    code, lines = summarize(tmp_path, 2)
+    assert code == 3 and len(lines) == 4 and lines[3].startswith("job 3 [seed=3]: exit 1 (gate failed)")
 
 
 def test_compare_says_when_the_cpus_differ_and_plots_them_apart(joblib_sweep):
