@@ -89,7 +89,7 @@ def main(argv: list[str]) -> int:
 
 def checked_source(root: Path, key_file: str | None, require_signature: bool, allow_failed_gate: bool) -> dict:
     """The artifact's manifest, after the one checker found every file as recorded; then what a bundle
-    can carry: a sentence encoder on ONNX Runtime or OpenVINO."""
+    can carry: a sentence encoder on ONNX Runtime or OpenVINO, a causal LM on ONNX Runtime GenAI."""
     key_file = key_file or os.environ.get(VERIFY_KEY_ENV)
     try:
         key = checker.read_key(key_file) if key_file else None
@@ -135,7 +135,7 @@ def write_bundle(root: Path, source: dict, bundle: Path, ort_format: bool) -> di
     written: an error or an interrupt leaves nothing."""
     engine = dict(source["engine"])
     with staging(bundle) as stage:
-        carried = [entry["path"] for entry in source["files"]]
+        carried = runtime_files(root, source)
         if ort_format:
             carried = [path for path in carried if path not in onnx_files(root, engine)]
             convert_to_ort(root / engine["file"], stage, scratch_for(stage))
@@ -155,6 +155,24 @@ def write_bundle(root: Path, source: dict, bundle: Path, ort_format: bool) -> di
         manifest = write_manifest(stage, bundle_manifest(source, engine, requirements, ort_format))
         publish(stage, bundle)
     return manifest
+
+
+def runtime_files(root: Path, source: dict) -> list[str]:
+    """The artifact's files the runtime reads: the engine's file (with an ONNX graph's external data,
+    an OpenVINO IR's weights), its folder, its tokenizer. Reports and plots stay behind."""
+    engine, listed = source["engine"], [entry["path"] for entry in source["files"]]
+    folders = [engine[key].strip("/") for key in ("dir", "tokenizer") if engine.get(key)]
+    if any(folder in ("", ".") for folder in folders):
+        return listed  # the engine reads the whole artifact folder
+    wanted = set(folders)
+    if engine.get("file"):
+        graph = str(engine["file"])
+        wanted.add(graph)
+        if graph.endswith(".onnx"):
+            wanted |= {p.relative_to(root).as_posix() for p in checker.check_onnx_external_data(root / graph)}
+        if graph.endswith(".xml"):
+            wanted.add(graph[: -len(".xml")] + ".bin")
+    return [path for path in listed if path in wanted or any(path.startswith(f + "/") for f in folders)]
 
 
 def onnx_files(root: Path, engine: dict) -> set[str]:

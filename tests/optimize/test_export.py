@@ -124,7 +124,9 @@ def test_the_ort_bundle_carries_the_ort_model_and_its_reduced_operator_set(bundl
     # The checker in the bundle is the project's checker, byte for byte, and listed in the manifest.
     assert (ort / "artifact.py").read_bytes() == (ROOT / "engines" / "artifact.py").read_bytes()
     listed = {f["path"] for f in manifest["files"]}
-    assert {"run.py", "artifact.py", "requirements.txt", "model.ort", "model.required_operators.config"} <= listed
+    tokenizer = {f["path"] for f in source["files"] if f["path"].startswith("tokenizer/")}
+    bundle_files = {"run.py", "artifact.py", "requirements.txt", "model.ort", "model.required_operators.config"}
+    assert listed == bundle_files | tokenizer
     # run.py needs nothing from this project.
     source_code = (ort / "run.py").read_text()
     assert not any(f"import {m}" in source_code or f"from {m}" in source_code for m in ("optimize", "engines", "torch"))
@@ -237,6 +239,14 @@ def test_an_openvino_bundle_runs_with_openvino_tokenizers_and_numpy_only(openvin
     proc = export(openvino_artifact, "--bundle", bundle)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "needs openvino==" in proc.stdout and not (bundle / "model.onnx").exists()
+    # The IR and its weights, the tokenizer, the bundle's own files: nothing else the artifact holds.
+    xml = json.loads((openvino_artifact / MANIFEST).read_text())["engine"]["file"]
+    listed = {f["path"] for f in json.loads((bundle / MANIFEST).read_text())["files"]}
+    assert {xml, xml[: -len(".xml")] + ".bin", "run.py", "artifact.py", "requirements.txt"} <= listed
+    assert all(
+        p.startswith("tokenizer/")
+        for p in listed - {xml, xml[:-4] + ".bin", "run.py", "artifact.py", "requirements.txt"}
+    )
     assert [line.split("==")[0] for line in (bundle / "requirements.txt").read_text().splitlines()[1:]] == [
         "openvino",
         "tokenizers",
