@@ -108,5 +108,5 @@ class SweepSummary(Callback):
         print(f"sweep: {sweep_dir} ({len(lines)} jobs)")
         for line in lines:
             print(f"  {line}")
-        print(f"sweep: exit {code} ({MEANING.get(code, 'unknown')} in the worst job)")
+        print(f"sweep: exit {code} (the worst job's: {MEANING.get(code, 'unknown')})")
         result["exit_code"] = code

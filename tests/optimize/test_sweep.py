@@ -137,6 +137,21 @@ def test_the_submitit_launchers_local_executor_runs_each_job_as_a_subprocess(tmp
     assert all((sweep / str(n) / "artifact" / "manifest.json").is_file() for n in range(2))
 
 
+def test_with_hydras_own_launcher_a_job_refused_at_run_time_does_not_stop_the_next(tmp_path):
+    """The basic launcher runs the jobs one after the other in this process: the first job's refusal
+    (more calibration items than the source has, which only loading the data finds) used to end the
+    sweep with it; now the second job runs, and the sweep exits 2."""
+    sweep = tmp_path / "basic"
+    proc = run_optimize("-m", *BASE, "gate.min_cosine=0.95", "calibration.count=100000,16", f"hydra.sweep.dir={sweep}")
+    lines = job_lines(proc.stdout)
+    assert len(lines) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "calibration.count=100000]: exit 2 (bad input" in lines[0]
+    assert "calibration.count=16]: exit 0 (gate passed)" in lines[1]
+    assert proc.returncode == 2 and "sweep: exit 2" in proc.stdout
+    assert "error: data source cpython_docs has" in proc.stderr and "asks for 100000" in proc.stderr
+    assert not (sweep / "0").exists() and (sweep / "1" / "artifact" / "manifest.json").is_file()
+
+
 def test_bad_sweeps_are_refused_before_any_job_starts(tmp_path):
     sweep = tmp_path / "sweep"
     one_error_line(run_optimize("-m", *BASE, "gate.min_cosine=0.95,abc", f"hydra.sweep.dir={sweep}"), "min_cosine")
