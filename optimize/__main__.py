@@ -66,13 +66,14 @@ def precheck(argv: list[str]) -> None:
         if flags & {"-c", "--cfg"}:
             fail("--cfg prints one job's recipe: give it without --multirun (-m) and without swept values")
         for job in sweep_jobs(overrides):
-            check_job(job, plan=True)
+            check_job(job, plan=True, sweep=True)
         return
     check_job(overrides, plan=not {"-c", "--cfg"} & set(argv))
 
 
-def check_job(overrides: list[str], plan: bool) -> None:
-    """One job's recipe composed and (plan=True) planned; a refusal is one line and exit 2."""
+def check_job(overrides: list[str], plan: bool, sweep: bool = False) -> None:
+    """One job's recipe composed and (plan=True) planned, and for a sweep its launcher; a refusal is one
+    line and exit 2."""
     try:
         cfg = compose_recipe(overrides)
     except RecipeError as exc:
@@ -82,6 +83,8 @@ def check_job(overrides: list[str], plan: bool) -> None:
         if "Could not load 'hydra/launcher/" in line:
             line += f" (a launcher plugin that is not installed? {LAUNCHER_PLUGINS})"
         fail(line)
+    if sweep:
+        check_launcher(cfg)
     if not plan:
         return  # printing the recipe loads and checks no inputs
     try:
@@ -93,6 +96,17 @@ def check_job(overrides: list[str], plan: bool) -> None:
         if message is None:
             raise
         fail(message)
+
+
+def check_launcher(cfg) -> None:
+    """A SLURM launcher off a SLURM node fails deep inside submitit with a traceback (it looks for
+    srun, as done here): say so in one line, and what runs here instead."""
+    target = str(cfg.hydra.launcher.get("_target_", ""))
+    if target.endswith("SlurmLauncher") and shutil.which("srun") is None:
+        fail(
+            "hydra/launcher=slurm submits SLURM jobs, and this machine has no srun (not a SLURM node): "
+            "run the sweep from a login node of the cluster, or rehearse it here with hydra/launcher=slurm_local"
+        )
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:

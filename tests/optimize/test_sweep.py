@@ -163,6 +163,11 @@ def test_bad_sweeps_are_refused_before_any_job_starts(tmp_path):
         "same for 2 jobs",
     )
     one_error_line(run_optimize("-m", "--cfg", "job"), "--cfg")
+    if shutil.which("srun") is None:  # not a SLURM node: the SLURM launcher cannot submit from here
+        slurm = run_optimize(
+            "-m", "hydra/launcher=slurm", *BASE, "gate.min_cosine=0.95,0.99", f"hydra.sweep.dir={sweep}"
+        )
+        one_error_line(slurm, "no srun", "hydra/launcher=slurm_local")
     assert not sweep.exists() and not (tmp_path / "one").exists()
 
 
