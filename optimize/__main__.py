@@ -256,9 +256,13 @@ def run_job(cfg) -> tuple[int, Path | None]:
 def _remove_hydra_outputs(run_dir: Path, hydra_cfg) -> None:
     """A refused run writes nothing: remove what Hydra wrote for it (.hydra/, the job's log), and the
     run directory if that leaves it empty."""
-    for handler in logging.getLogger().handlers:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
         if isinstance(handler, logging.FileHandler):
+            # Removed, not only closed: a closed FileHandler reopens its file on the next record, and
+            # in a sweep the launcher logs on after the job (submitit does), into a removed folder.
             handler.close()
+            root.removeHandler(handler)
     if hydra_cfg.output_subdir:
         shutil.rmtree(run_dir / hydra_cfg.output_subdir, ignore_errors=True)
     (run_dir / f"{hydra_cfg.job.name}.log").unlink(missing_ok=True)

@@ -124,17 +124,26 @@ def test_a_failed_artifact_is_bundled_only_when_asked(joblib_sweep, tmp_path):
 
 
 def test_the_submitit_launchers_local_executor_runs_each_job_as_a_subprocess(tmp_path):
-    """hydra/launcher=slurm_local: submitit's job files and worker processes, as on SLURM."""
+    """hydra/launcher=slurm_local: submitit's job files and worker processes, as on SLURM. One job is
+    refused when it loads its data (more calibration items than the source has), the other passes."""
     sweep = tmp_path / "submitit"
     proc = run_optimize(
-        "-m", "hydra/launcher=slurm_local", *BASE, f"gate.min_cosine=0.95,{STRICT}", f"hydra.sweep.dir={sweep}"
+        "-m",
+        "hydra/launcher=slurm_local",
+        *BASE,
+        "gate.min_cosine=0.95",
+        "calibration.count=100000,16",
+        f"hydra.sweep.dir={sweep}",
     )
     lines = job_lines(proc.stdout)
     assert len(lines) == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "gate.min_cosine=0.95]: exit 0" in lines[0] and f"gate.min_cosine={STRICT}]: exit 1" in lines[1]
-    assert proc.returncode == 1
-    assert list((sweep / ".submitit").rglob("*_log.out")), "submitit wrote no job logs"
-    assert all((sweep / str(n) / "artifact" / "manifest.json").is_file() for n in range(2))
+    assert "calibration.count=100000]: exit 2" in lines[0] and "calibration.count=16]: exit 0" in lines[1]
+    assert proc.returncode == 2
+    logs = list((sweep / ".submitit").rglob("*_log.err"))
+    assert len(logs) == 2, "submitit wrote no job logs"
+    # The refused job's one line is in its submitit log (SLURM jobs have no terminal).
+    assert any("error: data source cpython_docs has" in log.read_text() for log in logs)
+    assert not (sweep / "0").exists() and (sweep / "1" / "artifact" / "manifest.json").is_file()
 
 
 def test_with_hydras_own_launcher_a_job_refused_at_run_time_does_not_stop_the_next(tmp_path):
