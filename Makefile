@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := pipeline,demo,dev,vision,llm,serve,media,publish
+EXTRAS := pipeline,demo,dev,vision,llm,serve,media,publish,sweeps
 
 .PHONY: demo test lint install clean
 

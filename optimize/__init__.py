@@ -7,3 +7,4 @@ EXIT_PASSED = 0
 EXIT_GATE_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERNAL_ERROR = 3
+EXIT_SIGINT, EXIT_SIGTERM = 130, 143  # interrupted by Ctrl-C / stopped by SIGTERM: nothing written

@@ -15,13 +15,14 @@ import tempfile
 import traceback
 from pathlib import Path
 
-from optimize import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL_ERROR, EXIT_PASSED
+from optimize import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL_ERROR, EXIT_PASSED, EXIT_SIGINT, EXIT_SIGTERM
 from optimize.errors import RecipeError, bad_input_message
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "recipes")
 HYDRA_VERSION_BASE = "1.3"
-# Hydra's flags: those that mean "do not run a job here", and those that take a value.
-_NO_JOB_FLAGS = {"-m", "--multirun", "-h", "--help", "--hydra-help", "-i", "--info", "-sc", "--shell-completion"}
+# Hydra's flags: those that run a sweep, those that mean "do not run a job here", and those that take a value.
+_MULTIRUN_FLAGS = {"-m", "--multirun"}
+_HELP_FLAGS = {"-h", "--help", "--hydra-help", "-i", "--info", "-sc", "--shell-completion"}
 _VALUED_FLAGS = {
     "-c",
     "--cfg",
@@ -39,10 +40,12 @@ _VALUED_FLAGS = {
     "-sc",
     "--shell-completion",
 }
+LAUNCHER_PLUGINS = (
+    "joblib and submitit come with pip install 'optimize[sweeps]'; Ray needs pip install hydra-ray-launcher"
+)
 # `+key` may add keys only inside these free-form sections; anywhere else the key must be in the schema.
 # model.inputs is keyed by the model's input names; each entry is still typed (InputSpec).
 FREE_FORM = ("evaluate.task_params.", "model.inputs.", "hydra.")
-EXIT_SIGINT, EXIT_SIGTERM = 130, 143
 log = logging.getLogger("optimize")
 
 
@@ -54,16 +57,36 @@ def fail(message: str) -> None:
 def precheck(argv: list[str]) -> None:
     """Compose the recipe and plan it once before Hydra runs it, so a bad override, recipe or input
     the plan can see is one line and exit 2 with nothing written (Hydra itself prints several lines
-    and exits 1, which CI would read as a failed gate, and writes .hydra/ and a log first)."""
-    if _NO_JOB_FLAGS & {a.split("=")[0] for a in argv}:
-        return  # sweeps are composed per job; help and info need no check
+    and exits 1, which CI would read as a failed gate, and writes .hydra/ and a log first). A sweep
+    is checked job by job, before any job is launched."""
+    flags = {a.split("=")[0] for a in argv}
+    overrides = overrides_of(argv)
+    if flags & _HELP_FLAGS:
+        return  # help and info need no check
+    if flags & _MULTIRUN_FLAGS or "hydra.mode=MULTIRUN" in overrides:
+        if flags & {"-c", "--cfg"}:
+            fail("--cfg prints one job's recipe: give it without --multirun (-m) and without swept values")
+        for job in sweep_jobs(overrides):
+            check_job(job, plan=True, sweep=True)
+        return
+    check_job(overrides, plan=not {"-c", "--cfg"} & set(argv))
+
+
+def check_job(overrides: list[str], plan: bool, sweep: bool = False) -> None:
+    """One job's recipe composed and (plan=True) planned, and for a sweep its launcher; a refusal is one
+    line and exit 2."""
     try:
-        cfg = compose_recipe(overrides_of(argv))
+        cfg = compose_recipe(overrides)
     except RecipeError as exc:
         fail(str(exc))
     except Exception as exc:  # Hydra and OmegaConf raise many types; all mean "bad recipe"
-        fail(_one_line(exc))
-    if {"-c", "--cfg"} & set(argv):
+        line = _one_line(exc)
+        if "Could not load 'hydra/launcher/" in line:
+            line += f" (a launcher plugin that is not installed? {LAUNCHER_PLUGINS})"
+        fail(line)
+    if sweep:
+        check_launcher(cfg)
+    if not plan:
         return  # printing the recipe loads and checks no inputs
     try:
         from optimize import pipeline
@@ -74,6 +97,38 @@ def precheck(argv: list[str]) -> None:
         if message is None:
             raise
         fail(message)
+
+
+def check_launcher(cfg) -> None:
+    """A SLURM launcher off a SLURM node fails deep inside submitit with a traceback (it looks for
+    srun, as done here): say so in one line, and what runs here instead."""
+    target = str(cfg.hydra.launcher.get("_target_", ""))
+    if target.endswith("SlurmLauncher") and shutil.which("srun") is None:
+        fail(
+            "hydra/launcher=slurm submits SLURM jobs, and this machine has no srun (not a SLURM node): "
+            "run the sweep from a login node of the cluster, or rehearse it here with hydra/launcher=slurm_local"
+        )
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """Each job's overrides, as Hydra's basic sweeper expands the swept lists; a fixed output_dir
+    shared by several jobs is refused (the second job would find the first one's artifact there)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+        jobs = [job for batch in BasicSweeper.split_arguments(parsed, None) for job in batch]
+    except Exception as exc:
+        fail(_one_line(exc))
+    outputs = [o.split("=", 1)[1] for job in jobs for o in job if o.split("=", 1)[0].lstrip("+") == "output_dir"]
+    shared = [o for o in set(outputs) if outputs.count(o) > 1 and "${" not in o and o not in ("null", "")]
+    if shared:
+        fail(
+            f"output_dir={shared[0]} is the same for {outputs.count(shared[0])} jobs of the sweep; leave it unset "
+            f"(each job writes SWEEP_DIR/NUM/artifact) or make it differ per job"
+        )
+    return jobs
 
 
 def compose_recipe(overrides: list[str]):
@@ -136,11 +191,26 @@ def main() -> None:
     precheck(sys.argv[1:])
     import hydra
 
+    from optimize import sweep
+
     @hydra.main(config_path=CONFIG_DIR, config_name="config", version_base=HYDRA_VERSION_BASE)
-    def entry(cfg) -> None:
-        sys.exit(run_job(cfg))
+    def entry(cfg) -> int:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        code, artifact = run_job(cfg)
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode != RunMode.MULTIRUN:
+            sys.exit(code)
+        # In a sweep the job returns: an exit here would end the whole sweep after this job.
+        sweep.record_job(code, hydra_cfg, artifact)
+        return code
 
     entry()
+    # Reached after a multirun (a single run exits inside entry): the worst job's code; or after
+    # --cfg, --help and --info, which run no job.
+    if sweep.result["exit_code"] is not None:
+        sys.exit(sweep.result["exit_code"])
 
 
 _signal_received: list[int] = []
@@ -151,7 +221,8 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
 
-def run_job(cfg) -> int:
+def run_job(cfg) -> tuple[int, Path | None]:
+    """Run one recipe: its exit code, and the artifact it wrote (None when nothing was written)."""
     from hydra.core.hydra_config import HydraConfig
 
     from optimize import ci_report, pipeline, report
@@ -169,16 +240,16 @@ def run_job(cfg) -> int:
         manifest, path = pipeline.run(cfg, recipe, run_dir)
     except KeyboardInterrupt:
         print("interrupted: nothing was written", file=sys.stderr)
-        return EXIT_SIGTERM if signal.SIGTERM in _signal_received else EXIT_SIGINT
+        return (EXIT_SIGTERM if signal.SIGTERM in _signal_received else EXIT_SIGINT), None
     except Exception as exc:
         message = bad_input_message(exc)
         if message is None:
             traceback.print_exc()
             print("internal error: this is a bug in optimize; nothing was written", file=sys.stderr)
-            return EXIT_INTERNAL_ERROR
+            return EXIT_INTERNAL_ERROR, None
         print(f"error: {message}", file=sys.stderr)
         _remove_hydra_outputs(run_dir, hydra_cfg)
-        return EXIT_BAD_INPUT
+        return EXIT_BAD_INPUT, None
     print(report.render(manifest, path))
     try:
         for line in ci_report.export(manifest, path, cfg.report.junit):
@@ -186,8 +257,8 @@ def run_job(cfg) -> int:
         _publish(cfg, manifest, path)
     except RecipeError as exc:  # the artifact stays: only where it was to go failed
         print(f"error: {exc} (the artifact is kept at {path})", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    return EXIT_PASSED if manifest["gate"]["passed"] else EXIT_GATE_FAILED
+        return EXIT_BAD_INPUT, path
+    return (EXIT_PASSED if manifest["gate"]["passed"] else EXIT_GATE_FAILED), path
 
 
 def _publish(cfg, manifest: dict, path: Path) -> None:
@@ -206,9 +277,13 @@ def _publish(cfg, manifest: dict, path: Path) -> None:
 def _remove_hydra_outputs(run_dir: Path, hydra_cfg) -> None:
     """A refused run writes nothing: remove what Hydra wrote for it (.hydra/, the job's log), and the
     run directory if that leaves it empty."""
-    for handler in logging.getLogger().handlers:
+    root = logging.getLogger()
+    for handler in list(root.handlers):
         if isinstance(handler, logging.FileHandler):
+            # Removed, not only closed: a closed FileHandler reopens its file on the next record, and
+            # in a sweep the launcher logs on after the job (submitit does), into a removed folder.
             handler.close()
+            root.removeHandler(handler)
     if hydra_cfg.output_subdir:
         shutil.rmtree(run_dir / hydra_cfg.output_subdir, ignore_errors=True)
     (run_dir / f"{hydra_cfg.job.name}.log").unlink(missing_ok=True)

@@ -1,4 +1,5 @@
-"""`python -m optimize.verify ARTIFACT [--key FILE] [--require-signature]`: check an artifact.
+"""`python -m optimize.verify ARTIFACT [--key FILE] [--require-signature]`: check an artifact (or a bundle
+that `python -m optimize.export` made of one: its manifest has the same shape).
 
 The manifest's own digest, its signature (HMAC-SHA256, with a key), that every path it names stays
 inside the artifact, that every entry is a regular single-link file, and every file's sha256
@@ -52,9 +53,11 @@ def main(argv: list[str]) -> int:
     if problems:
         print(f"{args.artifact}: {len(problems)} problem(s); the artifact does not match its manifest")
         return 1
+    bundle = manifest.get("bundle")
+    made_from = f"; a bundle of artifact {bundle.get('source_id')}" if isinstance(bundle, dict) else ""
     print(
         f"{args.artifact}: {len(manifest['files'])} files match the manifest; "
-        f"gate {manifest.get('verdict', 'unknown')}; manifest {signed}"
+        f"gate {manifest.get('verdict', 'unknown')}; manifest {signed}{made_from}"
     )
     return 0
 

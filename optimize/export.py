@@ -1,0 +1,257 @@
+"""`python -m optimize.export ARTIFACT --bundle DIR [--ort-format]`: a self-contained folder for an edge
+device or a laptop.
+
+The bundle runs with only its runtime installed: onnxruntime, tokenizers and numpy for a sentence
+encoder (openvino instead of onnxruntime for an OpenVINO one), onnxruntime-genai and numpy for a
+causal LM. It holds the model, its tokenizer, `run.py` (embeds text, or continues prompts, from the
+command line), a copy of the artifact checker (engines/artifact.py, standard library only) that
+run.py checks the bundle with before loading, `requirements.txt` pinning the versions the model was
+evaluated with, and a manifest with every file's sha256 (so `python -m optimize.verify DIR` checks a
+bundle too). `--ort-format` converts an encoder's ONNX graph to ONNX Runtime's ORT format for mobile
+and minimal builds and keeps the reduced operator set (`model.required_operators.config`) that such a
+build is made from.
+
+OpenVINO GenAI causal LMs, image classifiers and simulated-quantization checkpoints are refused with
+one line (`python -m serve` runs the OpenVINO GenAI ones).
+
+Exit 0 with the bundle written; 2 when the artifact is refused (not an artifact, changed files, a bad
+signature, a failed gate without --allow-failed-gate, a model the bundle cannot carry) or the
+destination cannot be used: one line `error: ...`, nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import io
+import logging
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import engines.artifact as checker
+from engines.artifact import VERIFY_KEY_ENV, ArtifactError
+from engines.formats import ONNXRUNTIME, ONNXRUNTIME_GENAI, OPENVINO
+from optimize import EXIT_BAD_INPUT
+from optimize.artifact import publish, scratch_for, staging, write_manifest
+from optimize.errors import RecipeError
+
+RUN_SCRIPT = Path(__file__).resolve().parent / "assets" / "bundle" / "run.py"
+CHECKER = Path(checker.__file__).resolve()
+ORT_FILE, OPERATORS_FILE = "model.ort", "model.required_operators.config"
+# The packages run.py imports, by engine format: what the bundle needs and nothing else.
+RUNTIME_PACKAGES = {
+    ONNXRUNTIME: ("onnxruntime", "tokenizers", "numpy"),
+    OPENVINO: ("openvino", "tokenizers", "numpy"),
+    ONNXRUNTIME_GENAI: ("onnxruntime-genai", "numpy"),  # its tokenizer is its own
+}
+# What run.py does with each engine format: the task it takes.
+TASKS = {ONNXRUNTIME: "sentence_embedding", OPENVINO: "sentence_embedding", ONNXRUNTIME_GENAI: "causal_lm"}
+BUNDLE_FILES = ("run.py", "artifact.py", "requirements.txt")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def main(argv: list[str]) -> int:
+    parser = _Parser(prog="python -m optimize.export", description=__doc__.split("\n\n")[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--bundle", type=Path, required=True, help="the folder to write (new, or empty)")
+    parser.add_argument(
+        "--ort-format",
+        action="store_true",
+        help="convert the ONNX graph to ORT format and keep its reduced operator set (mobile / minimal builds)",
+    )
+    parser.add_argument("--key", help=f"HMAC key file to check the artifact's signature (default: ${VERIFY_KEY_ENV})")
+    parser.add_argument("--require-signature", action="store_true", help="refuse an unsigned artifact")
+    parser.add_argument("--allow-failed-gate", action="store_true", help="bundle an artifact whose gate failed")
+    args = parser.parse_args(argv)
+    try:
+        source = checked_source(args.artifact, args.key, args.require_signature, args.allow_failed_gate)
+        check_bundle_destination(args.bundle, args.artifact)
+        manifest = write_bundle(args.artifact, source, args.bundle, args.ort_format)
+    except (RecipeError, ArtifactError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    size_mb, about = sum(f["bytes"] for f in manifest["files"]) / 2**20, manifest["bundle"]
+    needs = " ".join(about["requirements"])
+    print(
+        f"bundle: {args.bundle} ({len(manifest['files'])} files, {size_mb:.1f} MB, {about['model_format']}); "
+        f"needs {needs}; run: python {args.bundle / 'run.py'} TEXT"
+    )
+    return 0
+
+
+def checked_source(root: Path, key_file: str | None, require_signature: bool, allow_failed_gate: bool) -> dict:
+    """The artifact's manifest, after the one checker found every file as recorded; then what a bundle
+    can carry: a sentence encoder on ONNX Runtime or OpenVINO, a causal LM on ONNX Runtime GenAI."""
+    key_file = key_file or os.environ.get(VERIFY_KEY_ENV)
+    try:
+        key = checker.read_key(key_file) if key_file else None
+        problems = checker.verify(root, key, require_signature)
+        manifest = checker.read_manifest(root)
+    except OSError as exc:
+        raise RecipeError(f"{root}: {exc.strerror or exc}") from None
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise RecipeError(f"{root} does not match its manifest: {problems[0]}{more}; refused")
+    if "bundle" in manifest:
+        raise RecipeError(f"{root} is already a bundle; export the artifact it was made from")
+    gate = manifest.get("gate") or {}
+    if gate.get("passed") is not True and not allow_failed_gate:
+        raise RecipeError(f"{root}: the gate did not pass; refusing to bundle it (--allow-failed-gate overrides)")
+    engine = manifest.get("engine") or {}
+    fmt, task = engine.get("format"), engine.get("task")
+    if fmt not in RUNTIME_PACKAGES:
+        raise RecipeError(
+            f"{root}: a {fmt!r} engine cannot be bundled (bundles carry onnxruntime and openvino sentence "
+            f"encoders and onnxruntime-genai causal LMs; serve the others with python -m serve)"
+        )
+    if task != TASKS[fmt]:
+        raise RecipeError(f"{root}: a {task!r} model on {fmt} cannot be bundled (run.py runs {TASKS[fmt]} there)")
+    needed = ("dir",) if fmt == ONNXRUNTIME_GENAI else ("file", "tokenizer")
+    if not all(engine.get(key) for key in needed):
+        raise RecipeError(f"{root}: the manifest's engine names no {' or '.join(needed)}; cannot bundle it")
+    return manifest
+
+
+def check_bundle_destination(bundle: Path, artifact: Path) -> None:
+    if os.path.islink(bundle) or (bundle.exists() and not bundle.is_dir()):
+        raise RecipeError(f"--bundle {bundle} is a file or a link, not a folder; refusing to write it")
+    if bundle.is_dir() and any(bundle.iterdir()):
+        raise RecipeError(f"--bundle {bundle} already exists and is not empty")
+    target, source = bundle.resolve(), artifact.resolve()
+    if target == source or source in target.parents:
+        raise RecipeError(f"--bundle {bundle} is inside the artifact; the artifact would no longer match its manifest")
+
+
+def write_bundle(root: Path, source: dict, bundle: Path, ort_format: bool) -> dict:
+    """Build the bundle in a hidden folder beside `bundle` and rename it into place once its manifest is
+    written: an error or an interrupt leaves nothing."""
+    engine = dict(source["engine"])
+    with staging(bundle) as stage:
+        carried = runtime_files(root, source)
+        if ort_format:
+            carried = [path for path in carried if path not in onnx_files(root, engine)]
+            convert_to_ort(root / engine["file"], stage, scratch_for(stage))
+            engine["file"] = ORT_FILE
+        clashes = sorted(set(carried) & set(BUNDLE_FILES))
+        if clashes:
+            raise RecipeError(f"{root}: the artifact has files named like the bundle's own ({', '.join(clashes)})")
+        for path in carried:
+            (stage / path).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / path, stage / path)
+        requirements = pinned_requirements(source, engine["format"])
+        (stage / "requirements.txt").write_text(
+            "# What run.py imports, at the versions the model was evaluated with.\n" + "\n".join(requirements) + "\n"
+        )
+        shutil.copyfile(RUN_SCRIPT, stage / "run.py")
+        shutil.copyfile(CHECKER, stage / "artifact.py")
+        manifest = write_manifest(stage, bundle_manifest(source, engine, requirements, ort_format))
+        publish(stage, bundle)
+    return manifest
+
+
+def runtime_files(root: Path, source: dict) -> list[str]:
+    """The artifact's files the runtime reads: the engine's file (with an ONNX graph's external data,
+    an OpenVINO IR's weights), its folder, its tokenizer. Reports and plots stay behind."""
+    engine, listed = source["engine"], [entry["path"] for entry in source["files"]]
+    folders = [engine[key].strip("/") for key in ("dir", "tokenizer") if engine.get(key)]
+    if any(folder in ("", ".") for folder in folders):
+        return listed  # the engine reads the whole artifact folder
+    wanted = set(folders)
+    if engine.get("file"):
+        graph = str(engine["file"])
+        wanted.add(graph)
+        if graph.endswith(".onnx"):
+            wanted |= {p.relative_to(root).as_posix() for p in checker.check_onnx_external_data(root / graph)}
+        if graph.endswith(".xml"):
+            wanted.add(graph[: -len(".xml")] + ".bin")
+    return [path for path in listed if path in wanted or any(path.startswith(f + "/") for f in folders)]
+
+
+def onnx_files(root: Path, engine: dict) -> set[str]:
+    """The engine's ONNX graph and its external data: what the ORT-format file replaces."""
+    if engine["format"] != ONNXRUNTIME or not str(engine["file"]).endswith(".onnx"):
+        raise RecipeError(f"{root}: --ort-format converts ONNX Runtime graphs; this engine is {engine['format']}")
+    graph = root / engine["file"]
+    return {engine["file"], *(p.relative_to(root).as_posix() for p in checker.check_onnx_external_data(graph))}
+
+
+def bundle_manifest(source: dict, engine: dict, requirements: list[str], ort_format: bool) -> dict:
+    """The artifact's manifest (recipe, metrics, gate, environment) with the bundle's engine block and
+    a `bundle` section naming the artifact it came from; the file table is recomputed when it is written."""
+    body = {k: v for k, v in source.items() if k not in ("schema_version", "files", checker.INTEGRITY)}
+    model_format = (
+        "ort"
+        if ort_format
+        else {OPENVINO: "openvino-ir", ONNXRUNTIME_GENAI: "onnxruntime-genai"}.get(engine["format"], "onnx")
+    )
+    body["engine"] = engine
+    body["bundle"] = {
+        "source_id": source.get("id"),
+        "source_digest": source[checker.INTEGRITY]["digest"],
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "model_format": model_format,
+        "operators_config": OPERATORS_FILE if ort_format else None,
+        "requirements": requirements,
+        "run": "python run.py TEXT [TEXT ...]",
+    }
+    return body
+
+
+def pinned_requirements(manifest: dict, fmt: str) -> list[str]:
+    packages = (manifest.get("environment") or {}).get("packages") or {}
+    return [f"{name}=={packages[name]}" if packages.get(name) else name for name in RUNTIME_PACKAGES[fmt]]
+
+
+@contextlib.contextmanager
+def quiet_logs():
+    """The converter's loggers set their own INFO level; silence INFO for its duration."""
+    logging.disable(logging.INFO)
+    try:
+        yield
+    finally:
+        logging.disable(logging.NOTSET)
+
+
+def convert_to_ort(graph: Path, stage: Path, scratch: Path) -> None:
+    """ONNX -> ORT format with ONNX Runtime's own converter ('Fixed' optimization style: the graph is
+    optimized once, here, so a minimal build needs no optimizer), plus the operator list a reduced
+    build is configured from."""
+    from onnxruntime.tools import convert_onnx_models_to_ort as converter
+
+    out = scratch / "ort"
+    out.mkdir()
+    model = out / graph.name
+    shutil.copyfile(graph, model)
+    for data in checker.check_onnx_external_data(graph):
+        target = out / data.relative_to(graph.parent)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(data, target)
+    try:
+        # The converter prints its progress; the command's own line says what was written.
+        with contextlib.redirect_stdout(io.StringIO()), quiet_logs():
+            converter.convert_onnx_models_to_ort(
+                model, output_dir=out / "converted", optimization_styles=[converter.OptimizationStyle.Fixed]
+            )
+    except Exception as exc:  # the converter raises what ONNX Runtime raises; any of it means "cannot convert"
+        text = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise RecipeError(f"{graph.name}: ONNX Runtime cannot convert it to ORT format ({text})") from None
+    converted = out / "converted" / (model.stem + ".ort")
+    operators = out / "converted" / (model.stem + ".required_operators.config")
+    if not converted.is_file() or not operators.is_file():
+        raise RecipeError(f"{graph.name}: ONNX Runtime's converter wrote no ORT model; cannot convert it")
+    shutil.copyfile(converted, stage / ORT_FILE)
+    # The converter names the scratch paths it read in a comment; the bundle names its own file.
+    lines = [f"# - {ORT_FILE}" if line.startswith("# - ") else line for line in operators.read_text().splitlines()]
+    (stage / OPERATORS_FILE).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
