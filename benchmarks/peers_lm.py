@@ -252,12 +252,6 @@ class LlamaCppWorker:
     def tokenize(self, text: str) -> list[int]:
         return self._call({"op": "tokenize", "text": text})["ids"]
 
-    def cpu_seconds(self) -> float:
-        import psutil
-
-        t = psutil.Process(self.proc.pid).cpu_times()
-        return t.user + t.system
-
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
@@ -373,29 +367,6 @@ def measure_perplexity(entries: list[Entry], ids: list[int], window: int) -> Non
         print(f"perplexity {entry.name}: {entry.perplexity:.3f}", file=sys.stderr)
 
 
-class OtherCpuShare:
-    """optimize.evaluate.benchmark.OtherCpuUse, less the CPU time of this benchmark's own helper
-    processes (the llama.cpp worker), which OtherCpuUse would count as other processes."""
-
-    def __init__(self, helpers: list):
-        self.helpers = helpers
-
-    def __enter__(self):
-        from optimize.evaluate.benchmark import OtherCpuUse
-
-        self.others = OtherCpuUse().__enter__()
-        self.start = (time.monotonic(), sum(h.cpu_seconds() for h in self.helpers))
-        return self
-
-    def __exit__(self, *exc):
-        helper = sum(h.cpu_seconds() for h in self.helpers) - self.start[1]
-        wall = time.monotonic() - self.start[0]
-        self.others.__exit__(*exc)
-        self.raw_share = self.others.share
-        self.share = max(0.0, self.raw_share - helper / max(wall * (os.cpu_count() or 1), 1e-9))
-        return False
-
-
 def measure_speed(
     entries: list[Entry], prompts: list[list[int]], new_tokens: int, warmup: int, runs: int, threads: int = 0
 ) -> dict:
@@ -403,6 +374,7 @@ def measure_speed(
     `timing_engine` generate in worker processes of their own; their in-process runners are dropped
     first, so during timing this process holds only PyTorch."""
     from engines.runner_process import RunnerProcess
+    from optimize.evaluate.benchmark import OtherCpuUse
     from optimize.tasks.causal_lm import speed
 
     with contextlib.ExitStack() as stack:
@@ -413,12 +385,11 @@ def measure_speed(
                 timed[entry.name] = stack.enter_context(RunnerProcess(*entry.timing_engine, threads=threads))
             else:
                 timed[entry.name] = entry.runner
-        helpers = [r for r in timed.values() if isinstance(r, (LlamaCppWorker, RunnerProcess))]
-        with OtherCpuShare(helpers) as others:
+        with OtherCpuUse() as others:  # the workers are children: their CPU time is this benchmark's own
             result = speed(timed, prompts, new_tokens, warmup, runs)
     for entry in entries:
         entry.generation = result[entry.name]
-    return {"other_cpu_share": others.share, "other_cpu_share_with_helpers": others.raw_share}
+    return {"other_cpu_share": others.share}
 
 
 def ratios(entries: list[Entry], bar: float = PERPLEXITY_BAR) -> dict:

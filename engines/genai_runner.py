@@ -15,6 +15,8 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from engines.hardware import usable_cores
+
 # Used when the model folder carries no chat template: plain role-tagged turns.
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -64,8 +66,11 @@ class GenAIRunner:
         self.context_length = int(settings.get("context_length") or 2048)
         self.vocab_size = int(settings.get("vocab_size") or 0)
         config = og.Config(str(self.dir))
-        if threads:  # the decoder's intra-op threads, like OrtRunner's
-            config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
+        # The decoder's intra-op threads, always set: left to ONNX Runtime GenAI's default, SmolLM2 INT4
+        # decoded at 151 tok/s with a 94 ms first token on a 2-core AMD EPYC, against 229 tok/s and
+        # 57 ms with the thread count set to the 2 cores. threads=0 means every core this process may use.
+        threads = threads or usable_cores()
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
         self.model = og.Model(config)
         self.tokenizer = og.Tokenizer(self.model)
         self.eos_token_ids = set(int(t) for t in self.tokenizer.eos_token_ids)

@@ -6,11 +6,17 @@ Engines use it to refuse an artifact the CPU cannot run; the pipeline records it
 from __future__ import annotations
 
 import functools
+import os
 import shutil
 import subprocess
 
 # The features that decide which kernels win: VNNI / AMX for INT8, AVX512-BF16 / AMX-BF16 for bf16.
 CPU_FEATURES = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def usable_cores() -> int:
+    """The CPUs this process may run on (its affinity mask where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 @functools.lru_cache(maxsize=1)

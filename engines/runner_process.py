@@ -1,11 +1,11 @@
 """A causal-LM Runner in a process of its own, for timing generation as a server runs it.
 
-Runtimes loaded side by side in one process slow each other down: a race that held PyTorch, three
-OpenVINO GenAI pipelines and an ONNX Runtime GenAI model in one process timed ONNX Runtime GenAI
-at 163 decode tokens/s, while the same model decoded at 230-240 tokens/s in a process of its own
-(2-core AMD EPYC, other processes idle); OpenVINO lost a few percent. A server loads one runtime,
-so each timed candidate gets a process with only its own engine loaded (`engines.load_engine`),
-and the caller keeps interleaving the runs as before.
+Runtimes loaded side by side in one process slow each other down. Timed beside PyTorch and an
+OpenVINO GenAI pipeline in one process, SmolLM2 INT4 decoded at 205 tok/s on ONNX Runtime GenAI and
+125-132 tok/s on OpenVINO GenAI; in processes of their own, in the same run, at 223-241 and 140-154
+tok/s (2-core AMD EPYC, 2026-11-30). A server loads one runtime, so each timed candidate gets a
+process with only its own engine loaded (`engines.load_engine`), and the caller keeps interleaving
+the runs as before. The worker is a child process: OtherCpuUse counts its CPU time as the run's own.
 
 The worker answers JSON lines on stdin/stdout: {"op": "stream", "ids": [...], "n": N} ->
 {"stamps": [...]}, the perf_counter() after each generated token. On Linux perf_counter is
@@ -71,13 +71,6 @@ class RunnerProcess:
 
     def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
         return self._call({"op": "stream", "ids": [int(i) for i in prompt_ids], "n": int(new_tokens)})["stamps"]
-
-    def cpu_seconds(self) -> float:
-        """CPU time the worker has used (a benchmark counts it as its own, not as other processes')."""
-        import psutil
-
-        t = psutil.Process(self.proc.pid).cpu_times()
-        return t.user + t.system
 
     def close(self) -> None:
         if self.proc.poll() is None:

@@ -31,7 +31,8 @@ BUSY_SHARE = 0.25
 
 class OtherCpuUse:
     """Context manager: `share` is the fraction of all CPUs' time, over the block's wall time, used by
-    anything but this process (other processes, and time the hypervisor stole)."""
+    anything but this process and its children (other processes, and time the hypervisor stole); a
+    child is this run's own work, such as a worker timing a candidate (engines/runner_process.py)."""
 
     def __enter__(self):
         import psutil
@@ -62,8 +63,18 @@ def _busy_cpu_seconds() -> float:
 
 
 def _own_cpu_seconds(process) -> float:
+    """This process, its children that are still running, and those it has waited for."""
+    import psutil
+
     t = process.cpu_times()
-    return t.user + t.system
+    total = t.user + t.system + t.children_user + t.children_system
+    for child in process.children(recursive=True):
+        try:
+            c = child.cpu_times()
+        except psutil.Error:  # ended since the listing: counted in children_* once waited for
+            continue
+        total += c.user + c.system
+    return total
 
 
 def measure(

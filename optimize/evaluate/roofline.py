@@ -27,7 +27,6 @@ numpy's sum does not use BLAS, so OPENBLAS_NUM_THREADS and friends do not change
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -153,7 +152,3 @@ def runner_read_bytes(runner) -> tuple[Optional[WeightBytes], Optional[KVShape]]
         except Exception:  # AttributeError included: a runner that cannot tell
             found.append(None)
     return found[0], found[1]
-
-
-def cpu_count() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

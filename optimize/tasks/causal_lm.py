@@ -282,10 +282,11 @@ def _roofline_metrics(metrics, base, cand, cfg, threads: int) -> None:
     """metrics[side]["roofline"]: weight and KV bytes read per decoded token, the memory read bandwidth
     measured now with the run's thread count, the bound it puts on decode tok/s, and the share of it
     the measured decode speed reaches (optimize/evaluate/roofline.py says what is counted)."""
+    from engines.hardware import usable_cores
     from optimize.evaluate import roofline as rl
     from optimize.evaluate.benchmark import OtherCpuUse
 
-    threads = threads or rl.cpu_count()
+    threads = threads or usable_cores()
     with OtherCpuUse() as others:
         bandwidth = rl.read_bandwidth(threads)
     bandwidth["other_cpu_share"] = others.share

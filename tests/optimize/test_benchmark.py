@@ -28,3 +28,24 @@ def test_repeats_shrink_to_the_time_budget_but_not_below_the_minimum():
     log = []
     stats = measure({"a": Recorder("a", log)}, [{"i": 0}], 1, warmup=1, repeats=1000, budget_s=0.0, min_repeats=5)
     assert stats["a"]["samples"] == 5
+
+
+def test_cpu_time_of_a_child_process_counts_as_this_runs_own():
+    """A worker timing a candidate is a child: its CPU time must not read as another process's."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    from optimize.evaluate.benchmark import _own_cpu_seconds
+
+    me = psutil.Process()
+    burn = "import time\nend = time.process_time() + 0.4\nwhile time.process_time() < end: pass\nprint(1, flush=True)\n"
+    before = _own_cpu_seconds(me)
+    child = subprocess.Popen([sys.executable, "-c", burn + "input()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"1"  # burned, still running
+        assert _own_cpu_seconds(me) - before >= 0.35  # 0.4 s burned; the clock ticks in 10 ms
+    finally:
+        child.communicate(b"\n")
+    assert _own_cpu_seconds(me) - before >= 0.35  # and once waited for
