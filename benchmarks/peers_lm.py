@@ -56,6 +56,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from engines.runner_process import RunnerProcessError, WorkerProcess  # noqa: E402 (after the path)
+
 BASELINE = "PyTorch FP32"
 ARTIFACT = "artifact"
 PERPLEXITY_BAR = 0.15  # a peer more than this above PyTorch FP32's perplexity fails the recipe's gate
@@ -211,57 +213,34 @@ def openvino_runner_for(folder: Path, artifact_engine: dict, threads: int):
 # ---------------------------------------------------------------------------------------------
 # llama.cpp in a side venv
 # ---------------------------------------------------------------------------------------------
-class LlamaCppWorker:
+class LlamaCppWorker(WorkerProcess):
     """llama-cpp-python in a subprocess of another interpreter, behind the runner calls the benchmark
     uses (timed_stream, log_likelihood), over JSON lines. A call's stamps are the worker's
     perf_counter() (CLOCK_MONOTONIC on Linux, shared with this process), so speed() reads them as
     its own."""
 
-    def __init__(self, python: str, gguf: Path, threads: int, context: int = 1024, window: int = 512):
-        self.proc = subprocess.Popen(
-            [python, str(Path(__file__).resolve()), "--llamacpp-worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-        )
-        self.info = self._call(
-            {"op": "load", "model": str(gguf), "threads": threads, "context": context, "window": window}
-        )
+    name = "llama.cpp worker"
 
-    def _call(self, request: dict) -> dict:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the llama.cpp worker exited (code {self.proc.poll()})")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"llama.cpp worker: {reply['error']}")
-        return reply
+    def __init__(self, python: str, gguf: Path, threads: int, context: int = 1024, window: int = 512):
+        super().__init__([python, str(Path(__file__).resolve()), "--llamacpp-worker"])
+        try:
+            self.info = self.call(
+                {"op": "load", "model": str(gguf), "threads": threads, "context": context, "window": window}
+            )
+        except RunnerProcessError:
+            self.close()
+            raise
 
     def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
-        return self._call({"op": "stream", "ids": [int(i) for i in prompt_ids], "n": new_tokens})["stamps"]
+        return self.call({"op": "stream", "ids": [int(i) for i in prompt_ids], "n": new_tokens})["stamps"]
 
     def log_likelihood(self, ids, start: int = 1):
         import numpy as np
 
-        return np.asarray(self._call({"op": "score", "ids": [int(i) for i in ids]})["logprobs"])[start - 1 :]
+        return np.asarray(self.call({"op": "score", "ids": [int(i) for i in ids]})["logprobs"])[start - 1 :]
 
     def tokenize(self, text: str) -> list[int]:
-        return self._call({"op": "tokenize", "text": text})["ids"]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self._call({"op": "exit"})
-            except (RuntimeError, BrokenPipeError, ValueError):
-                pass
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        return self.call({"op": "tokenize", "text": text})["ids"]
 
 
 def llamacpp_worker() -> None:
@@ -340,7 +319,7 @@ def llamacpp_peer(python: str | None, gguf: Path, threads: int, window: int) -> 
         return None, f"llama-cpp-python does not import in {python}: {lines[-1] if lines else 'no output'}"
     try:
         return LlamaCppWorker(python, gguf, threads or os.cpu_count() or 1, window=window), ""
-    except RuntimeError as exc:
+    except RunnerProcessError as exc:
         return None, f"llama.cpp worker failed to start: {exc}"
 
 

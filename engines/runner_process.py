@@ -27,29 +27,20 @@ class RunnerProcessError(RuntimeError):
     """The worker could not load the engine, or exited."""
 
 
-class RunnerProcess:
-    """`timed_stream` of the engine at root/engine, run in a child process (close() or `with` ends it)."""
+class WorkerProcess:
+    """A child process answering JSON-line requests: `call(request) -> reply`, a reply with "error"
+    raised as RunnerProcessError; {"op": "exit"} on close() (or leaving `with`) ends it."""
 
-    def __init__(self, root: str | Path, engine: dict, threads: int = 0):
-        package_parent = str(Path(__file__).resolve().parents[1])
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")])))
+    name = "worker"
+
+    def __init__(self, command: list[str], env: dict | None = None):
         # stderr goes to a file: a pipe nobody reads would block a worker that prints a lot.
         self.stderr = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engines.runner_process"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            text=True,
-            env=env,
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True, env=env
         )
-        try:
-            self._call({"op": "load", "root": str(root), "engine": engine, "threads": threads})
-        except RunnerProcessError:
-            self.close()
-            raise
 
-    def _call(self, request: dict) -> dict:
+    def call(self, request: dict) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
@@ -58,10 +49,10 @@ class RunnerProcess:
             pass  # the worker is gone: readline below returns "" and the error says why
         line = self.proc.stdout.readline()
         if not line:
-            raise RunnerProcessError(f"the timing worker exited (code {self.proc.wait()}): {self._last_error_line()}")
+            raise RunnerProcessError(f"the {self.name} exited (code {self.proc.wait()}): {self._last_error_line()}")
         reply = json.loads(line)
         if "error" in reply:
-            raise RunnerProcessError(f"the timing worker: {reply['error']}")
+            raise RunnerProcessError(f"the {self.name}: {reply['error']}")
         return reply
 
     def _last_error_line(self) -> str:
@@ -69,13 +60,10 @@ class RunnerProcess:
         lines = [line.strip() for line in self.stderr.read().splitlines() if line.strip()]
         return lines[-1][:300] if lines else "no output"
 
-    def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
-        return self._call({"op": "stream", "ids": [int(i) for i in prompt_ids], "n": int(new_tokens)})["stamps"]
-
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self._call({"op": "exit"})
+                self.call({"op": "exit"})
             except RunnerProcessError:
                 pass
             try:
@@ -91,6 +79,25 @@ class RunnerProcess:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+class RunnerProcess(WorkerProcess):
+    """`timed_stream` of the engine at root/engine, run in a child process (close() or `with` ends it)."""
+
+    name = "timing worker"
+
+    def __init__(self, root: str | Path, engine: dict, threads: int = 0):
+        package_parent = str(Path(__file__).resolve().parents[1])
+        path = os.pathsep.join(filter(None, [package_parent, os.environ.get("PYTHONPATH")]))
+        super().__init__([sys.executable, "-m", "engines.runner_process"], dict(os.environ, PYTHONPATH=path))
+        try:
+            self.call({"op": "load", "root": str(root), "engine": engine, "threads": threads})
+        except RunnerProcessError:
+            self.close()
+            raise
+
+    def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
+        return self.call({"op": "stream", "ids": [int(i) for i in prompt_ids], "n": int(new_tokens)})["stamps"]
 
 
 def _answer(request: dict, state: dict) -> dict:

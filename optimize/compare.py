@@ -16,7 +16,6 @@ a tampered artifact, an unusable --out): one line `error: ...`, nothing written.
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
 import json
@@ -28,7 +27,7 @@ from pathlib import Path
 
 from engines.artifact import MANIFEST, ArtifactError, read_manifest, verify
 from optimize import EXIT_BAD_INPUT
-from optimize.errors import RecipeError
+from optimize.errors import ArgumentParser, RecipeError
 
 OUTPUTS = ("compare.csv", "compare.md", "compare.png")
 # Candidate metrics worth a column, when any artifact has them: (column, path in metrics.candidate).
@@ -44,14 +43,8 @@ FIDELITY = (
 IGNORED_SETTINGS = ("output_dir", "overwrite")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-
-
 def main(argv: list[str]) -> int:
-    parser = _Parser(prog="python -m optimize.compare", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m optimize.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="artifacts, or folders holding them (a sweep folder)")
     parser.add_argument("--out", type=Path, help="where to write compare.csv/.md/.png (default: the first DIR)")
     args = parser.parse_args(argv)

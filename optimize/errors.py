@@ -7,11 +7,21 @@ output path that cannot be written) and turns it into that line; anything else s
 
 from __future__ import annotations
 
+import argparse
 import errno
+import sys
 
 
 class RecipeError(Exception):
     """The recipe, an override or an input is wrong. Raised before anything is written."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The tools' command lines (verify, export, publish, compare): a bad argument is one line, exit 2."""
+
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
 
 
 # Exception classes, by module prefix and name, that only a bad input raises.

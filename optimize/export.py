@@ -21,7 +21,6 @@ destination cannot be used: one line `error: ...`, nothing written.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime
 import io
@@ -36,7 +35,7 @@ from engines.artifact import VERIFY_KEY_ENV, ArtifactError
 from engines.formats import ONNXRUNTIME, ONNXRUNTIME_GENAI, OPENVINO
 from optimize import EXIT_BAD_INPUT
 from optimize.artifact import publish, scratch_for, staging, write_manifest
-from optimize.errors import RecipeError
+from optimize.errors import ArgumentParser, RecipeError
 
 RUN_SCRIPT = Path(__file__).resolve().parent / "assets" / "bundle" / "run.py"
 CHECKER = Path(checker.__file__).resolve()
@@ -52,14 +51,8 @@ TASKS = {ONNXRUNTIME: "sentence_embedding", OPENVINO: "sentence_embedding", ONNX
 BUNDLE_FILES = ("run.py", "artifact.py", "requirements.txt")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
-
-
 def main(argv: list[str]) -> int:
-    parser = _Parser(prog="python -m optimize.export", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m optimize.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--bundle", type=Path, required=True, help="the folder to write (new, or empty)")
     parser.add_argument(

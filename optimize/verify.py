@@ -13,21 +13,15 @@ signature (one line `error: ...`).
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from engines.artifact import VERIFY_KEY_ENV, ArtifactError, check_signature, read_key, read_manifest, verify
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+from optimize.errors import ArgumentParser
 
 
 def main(argv: list[str]) -> int:
-    parser = _Parser(prog="python -m optimize.verify")
+    parser = ArgumentParser(prog="python -m optimize.verify")
     parser.add_argument("artifact")
     parser.add_argument(
         "--key",

@@ -7,17 +7,10 @@ without --allow-failed, an unreachable registry or a missing setting (one line `
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from optimize import EXIT_BAD_INPUT, EXIT_PASSED
-from optimize.errors import RecipeError
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(EXIT_BAD_INPUT)
+from optimize.errors import ArgumentParser, RecipeError
 
 
 def parse(argv: list[str]) -> tuple[str, dict]:
@@ -25,7 +18,7 @@ def parse(argv: list[str]) -> tuple[str, dict]:
     from optimize.publish import TARGETS
 
     defaults = PublishConfig()
-    parser = _Parser(prog="python -m optimize.publish")
+    parser = ArgumentParser(prog="python -m optimize.publish")
     parser.add_argument("artifact")
     parser.add_argument("--to", required=True, choices=sorted(TARGETS), help="the registry")
     parser.add_argument("--allow-failed", action="store_true", help="publish a failed gate too, tagged failed")
