@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import subprocess
@@ -372,26 +371,10 @@ def ratios(entries: list[Entry], batch_sizes: list[str], min_cosine: float = MIN
 # report
 # ---------------------------------------------------------------------------------------------
 def environment(notes: dict) -> dict:
-    from importlib import metadata
+    from optimize.environment import benchmark_machine
 
-    from engines.hardware import cpu_flags
-    from optimize.environment import cpu_model
-
-    watched = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-    versions = {}
-    for name in ("torch", "transformers", "onnxruntime", "onnx", "openvino", "nncf", "numpy"):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
-    return {
-        "date": datetime.date.today().isoformat(),
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "flags": [f for f in watched if f in cpu_flags()],
-        "packages": versions,
-        "optimum_venv_packages": notes.get("optimum_versions") or {},
-    }
+    packages = ("torch", "transformers", "onnxruntime", "onnx", "openvino", "nncf", "numpy")
+    return {**benchmark_machine(packages), "optimum_venv_packages": notes.get("optimum_versions") or {}}
 
 
 def markdown(entries: list[Entry], batch_sizes: list[str], table: dict, latency: dict, env: dict, notes: dict) -> str:

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import hashlib
 import json
 import os
@@ -423,37 +422,24 @@ def ratios(entries: list[Entry], bar: float = PERPLEXITY_BAR) -> dict:
 # report
 # ---------------------------------------------------------------------------------------------
 def environment(worker_info: dict | None = None) -> dict:
-    from importlib import metadata
+    from optimize.environment import benchmark_machine
 
-    from engines.hardware import cpu_flags
-    from optimize.environment import cpu_model
-
-    watched = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
-    versions = {}
-    for name in (
-        "torch",
-        "transformers",
-        "openvino",
-        "openvino-genai",
-        "openvino-tokenizers",
-        "nncf",
-        "onnxruntime",
-        "onnxruntime-genai",
-        "numpy",
-    ):
-        try:
-            versions[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            pass
+    machine = benchmark_machine(
+        (
+            "torch",
+            "transformers",
+            "openvino",
+            "openvino-genai",
+            "openvino-tokenizers",
+            "nncf",
+            "onnxruntime",
+            "onnxruntime-genai",
+            "numpy",
+        )
+    )
     if worker_info and worker_info.get("llama_cpp_python"):
-        versions["llama-cpp-python (side venv)"] = worker_info["llama_cpp_python"]
-    return {
-        "date": datetime.date.today().isoformat(),
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "flags": [f for f in watched if f in cpu_flags()],
-        "packages": versions,
-    }
+        machine["packages"]["llama-cpp-python (side venv)"] = worker_info["llama_cpp_python"]
+    return machine
 
 
 def markdown(entries: list[Entry], table: dict, timing: dict, env: dict, notes: list[str], settings: dict) -> str:

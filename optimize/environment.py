@@ -40,9 +40,9 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def package_versions() -> dict[str, str]:
+def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str]:
     versions = {}
-    for name in PACKAGES:
+    for name in names:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -61,4 +61,17 @@ def describe() -> dict:
         },
         "gpus": gpus(),
         "packages": package_versions(),
+    }
+
+
+def benchmark_machine(packages: tuple[str, ...]) -> dict:
+    """What a benchmark report names its figures by: date, CPU model, cores, CPU features, versions."""
+    import datetime
+
+    return {
+        "date": datetime.date.today().isoformat(),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "flags": [f for f in CPU_FEATURES if f in cpu_flags()],
+        "packages": package_versions(packages),
     }

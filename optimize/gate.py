@@ -165,29 +165,11 @@ def judge(baseline: dict, candidate: dict, thresholds: dict) -> Verdict:
         value = spec.read(baseline, candidate, thresholds)
         if value is None:
             checks.append(Check(spec.threshold_key, metric, None, spec.comparison, threshold, False, "not measured"))
-        elif spec.timed and busy > BUSY_SHARE:
-            checks.append(
-                Check(
-                    spec.threshold_key,
-                    metric,
-                    float(value),
-                    spec.comparison,
-                    threshold,
-                    False,
-                    f"untrusted: other processes used {busy:.0%} of the CPUs while timing",
-                )
-            )
         else:
-            checks.append(
-                Check(
-                    spec.threshold_key,
-                    metric,
-                    float(value),
-                    spec.comparison,
-                    threshold,
-                    bool(spec.passes(value, threshold)),
-                )
-            )
+            untrusted = spec.timed and busy > BUSY_SHARE
+            note = f"untrusted: other processes used {busy:.0%} of the CPUs while timing" if untrusted else ""
+            passed = not untrusted and bool(spec.passes(value, threshold))
+            checks.append(Check(spec.threshold_key, metric, float(value), spec.comparison, threshold, passed, note))
     return Verdict(all(c.passed for c in checks), tuple(checks))
 
 
