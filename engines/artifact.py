@@ -50,6 +50,60 @@ class EngineUnavailable(ArtifactError):
     """The artifact is sound but this machine cannot run its engine (missing CPU feature, runtime)."""
 
 
+# --- JSON from outside: one parse for manifests and request bodies -------------------------------
+
+MAX_JSON_INT_DIGITS = 64  # no field here needs more; Python refuses over 4300 digits with a ValueError
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+class JSONInputError(ValueError):
+    """Text from outside that is not JSON this project accepts; the message is one line."""
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_JSON_INT_DIGITS:
+        raise JSONInputError(f"an integer of {len(text)} characters (at most {MAX_JSON_INT_DIGITS} digits)")
+    return int(text)
+
+
+def _check_strings(value) -> None:
+    """Every string (key or value) must be encodable as UTF-8: a JSON escape can spell a lone surrogate."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise JSONInputError("a string is not valid UTF-8 (a lone surrogate)") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def parse_json(data: bytes | str) -> object:
+    """JSON from a file or a request, parsed strictly: UTF-8 only (raw surrogate bytes included, which
+    `json.loads(bytes)` lets through), integers of at most MAX_JSON_INT_DIGITS digits, no lone
+    surrogates, bounded nesting. NaN and Infinity stay readable (callers that take numbers check them).
+    Anything else is a JSONInputError with one line."""
+    try:
+        text = data.decode("utf-8") if isinstance(data, bytes) else data
+        value = json.loads(text, parse_int=_bounded_int)
+    except UnicodeDecodeError as exc:
+        raise JSONInputError(f"not valid UTF-8 (byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise JSONInputError(" ".join(str(exc).split())[:200]) from None
+    except RecursionError:
+        raise JSONInputError("nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(text):  # only an escape can spell a lone surrogate: walk only then
+        _check_strings(value)
+    return value
+
+
 # --- files: regular, one link, no symlink on the way ----------------------------------------------
 
 
@@ -272,9 +326,9 @@ def read_manifest(root: str | Path) -> dict:
     if size > MAX_MANIFEST_BYTES:
         raise ArtifactError(f"{path} is {size} bytes, over the {MAX_MANIFEST_BYTES} a manifest may have")
     try:
-        manifest = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ArtifactError(f"{path} is not valid JSON: {' '.join(str(exc).split())[:200]}") from None
+        manifest = parse_json(path.read_bytes())
+    except JSONInputError as exc:
+        raise ArtifactError(f"{path} is not valid JSON: {exc}") from None
     try:
         check_shape(manifest)
     except ArtifactError as exc:
