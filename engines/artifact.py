@@ -38,6 +38,7 @@ VERIFY_KEY_ENV = "ARTIFACT_VERIFY_KEY"  # verify and serve check with this one w
 HMAC_SCHEME = "hmac-sha256"
 ENGINE_PATH_KEYS = ("file", "dir", "tokenizer", "model_dir")
 MAX_MANIFEST_BYTES = 64 << 20
+MAX_KEY_BYTES = 64 << 10
 _CHUNK = 1 << 20
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -226,11 +227,19 @@ def digest_of(manifest: dict) -> str:
 
 
 def read_key(source: str | Path) -> bytes:
-    """The HMAC secret in a key file (surrounding whitespace dropped)."""
+    """The HMAC secret in a key file (surrounding whitespace dropped). The file must be a regular file
+    of at most MAX_KEY_BYTES: /dev/zero or a FIFO named by mistake would otherwise be read forever."""
     try:
-        key = Path(source).expanduser().read_bytes().strip()
+        fd = os.open(Path(source).expanduser(), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            kind = describe_kind(os.fstat(f.fileno()).st_mode)
+            if kind:
+                raise ArtifactError(f"key file {source} is {kind}, not a regular file")
+            key = f.read(MAX_KEY_BYTES + 1).strip()
     except OSError as exc:
-        raise ArtifactError(f"key file {source}: {exc.strerror}") from None
+        raise ArtifactError(f"key file {source}: {exc.strerror or exc}") from None
+    if len(key) > MAX_KEY_BYTES:
+        raise ArtifactError(f"key file {source} is over {MAX_KEY_BYTES} bytes; an HMAC secret is short")
     if key.startswith(b"-----BEGIN"):
         raise ArtifactError(
             f"key file {source} holds a PEM key; Ed25519 needs the 'cryptography' package, "
@@ -326,11 +335,11 @@ def read_manifest(root: str | Path) -> dict:
     if size > MAX_MANIFEST_BYTES:
         raise ArtifactError(f"{path} is {size} bytes, over the {MAX_MANIFEST_BYTES} a manifest may have")
     try:
-        manifest = parse_json(path.read_bytes())
+        raw = parse_json(path.read_bytes())
     except JSONInputError as exc:
         raise ArtifactError(f"{path} is not valid JSON: {exc}") from None
     try:
-        check_shape(manifest)
+        manifest = check_shape(raw)
     except ArtifactError as exc:
         raise ArtifactError(f"{path}: {exc}") from None
     if not hmac.compare_digest(digest_of(manifest), manifest[INTEGRITY]["digest"]):

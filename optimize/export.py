@@ -71,6 +71,9 @@ def main(argv: list[str]) -> int:
     except (RecipeError, ArtifactError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except OSError as exc:  # the destination's folder cannot be read or written (staging removed the partial)
+        print(f"error: --bundle {args.bundle}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     size_mb, about = sum(f["bytes"] for f in manifest["files"]) / 2**20, manifest["bundle"]
     needs = " ".join(about["requirements"])
     print(

@@ -14,26 +14,44 @@ Prints one JSON value per text (an embedding's array, a continuation's string), 
 `--output FILE` writes them: a float32 .npy array [texts, dim] for embeddings, a .json list of
 strings for continuations. Exit 0 on success; 2 when the bundle is refused or the input is bad
 (one line `error: ...`).
+
+What the check is worth: it catches accidents (a file changed, lost or added in a copy), not an
+attacker. Whoever can replace a file of the bundle can replace artifact.py too, and a checker
+cannot vouch for itself, so --key and --require-signature here prove nothing about a bundle that
+may have been tampered with. Check its signature with a checker from outside the bundle: the
+installed project's `python -m optimize.verify BUNDLE --key FILE --require-signature`.
 """
 
-from __future__ import annotations
-
-import argparse
-import importlib.util
-import json
-import os
 import sys
-import tempfile
-from pathlib import Path
 
-import numpy as np
+# Before any other import: `python run.py` puts this folder first on the module search path, so a
+# numpy.py or argparse.py added to the bundle would run before the bundle is checked. Nothing is
+# imported from here but artifact.py, by its path. (-I and -P do not add the folder.)
+if not (sys.flags.isolated or getattr(sys.flags, "safe_path", False)):
+    del sys.path[0]
 
-HERE = Path(__file__).resolve().parent
+import os  # noqa: E402  (from the standard library now that the folder is off the path)
+
+# A PYTHONPATH entry naming this folder (`PYTHONPATH=.` from inside it) would reach it as well.
+_HERE = os.path.dirname(os.path.realpath(__file__))
+sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != _HERE]
+
+import argparse  # noqa: E402
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import NoReturn  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+HERE = Path(_HERE)
 OUTPUT = "sentence_embedding"
 DTYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
+MAX_THREADS = 1024  # past this a runtime's thread option overflows or exhausts the machine
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(2)
 
@@ -43,21 +61,37 @@ class _Parser(argparse.ArgumentParser):
         fail(message)
 
 
+def checker_file() -> Path:
+    """The checker to run: the installed project's when this Python has the project, else the bundle's
+    copy. A bundle cannot vouch for itself (a replaced artifact.py passes its own check); the project's
+    checker finds a replaced artifact.py changed, like any other file."""
+    for entry in sys.path:  # this folder is no longer on it
+        root = entry or os.curdir
+        installed = os.path.join(root, "engines", "artifact.py")
+        if os.path.isfile(os.path.join(root, "optimize", "verify.py")) and os.path.isfile(installed):
+            return Path(installed)
+    return HERE / "artifact.py"
+
+
 def load_checker():
-    """artifact.py from this folder, loaded by path (the script's folder need not be on sys.path)."""
+    """The checker, loaded by its path (never imported by name from this folder)."""
+    path = checker_file()
     # No __pycache__ beside it: the bundle must keep exactly the files its manifest lists.
     sys.dont_write_bytecode = True
-    spec = importlib.util.spec_from_file_location("bundle_artifact_checker", HERE / "artifact.py")
-    if spec is None or spec.loader is None or not (HERE / "artifact.py").is_file():
+    spec = importlib.util.spec_from_file_location("bundle_artifact_checker", path)
+    if spec is None or spec.loader is None or not path.is_file():
         fail(f"{HERE}: artifact.py (the checker) is missing; refused")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # a damaged copy (truncated, edited) raises whatever its code raises
+        reason = " ".join(str(exc).split())[:200]
+        fail(f"{path}: the checker cannot be loaded ({type(exc).__name__}: {reason}); refused")
     return module
 
 
-def checked_manifest(key_file: str | None, require_signature: bool) -> dict:
+def checked_manifest(checker, key_file: str | None, require_signature: bool) -> dict:
     """The manifest, after every file of the bundle matched it (and its signature, with a key)."""
-    checker = load_checker()
     try:
         key = checker.read_key(key_file) if key_file else None
         problems = checker.verify(HERE, key, require_signature)
@@ -142,7 +176,22 @@ def load_model(engine: dict, threads: int):
 
 
 def read_texts(args) -> list[str]:
-    texts = list(args.texts) if args.texts else [line.rstrip("\n") for line in sys.stdin]
+    """The texts from the arguments, or one per line of stdin; each must be valid UTF-8 (the
+    tokenizers take nothing else, and the arguments hold undecodable bytes as lone surrogates)."""
+    if args.texts:
+        texts = list(args.texts)
+        for i, text in enumerate(texts):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:
+                fail(f"text argument {i + 1} is not valid UTF-8")
+    else:
+        data = sys.stdin.buffer.read()
+        try:
+            lines = data.decode("utf-8").split("\n")
+        except UnicodeDecodeError as exc:
+            fail(f"stdin is not valid UTF-8 (byte {exc.start})")
+        texts = lines[:-1] if lines[-1] == "" else lines
     if not texts:
         fail("no text given: give texts as arguments or one per line on stdin")
     return texts
@@ -158,7 +207,19 @@ def embed(texts: list[str], manifest: dict, threads: int, batch_size: int) -> np
     return np.concatenate(parts).astype(np.float32)
 
 
-def generate(prompts: list[str], manifest: dict, threads: int, max_tokens: int) -> list[str]:
+def context_length(folder: Path, parse_json) -> int:
+    """The model's context from its genai_config.json (2048 when it names none)."""
+    path = folder / "genai_config.json"
+    try:
+        context = parse_json(path.read_bytes())["model"].get("context_length") or 2048
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # JSONInputError is a ValueError
+        fail(f"{path}: not a usable GenAI config ({' '.join(str(exc).split())[:200] or type(exc).__name__})")
+    if not isinstance(context, int) or context < 2:
+        fail(f"{path}: context_length {context!r} is not a length")
+    return context
+
+
+def generate(prompts: list[str], manifest: dict, threads: int, max_tokens: int, parse_json) -> list[str]:
     """Greedy continuations with ONNX Runtime GenAI: the server's search options at temperature 0
     (the prompt plus max_tokens, within the model's context), stopping at an end-of-sequence token."""
     try:
@@ -166,7 +227,7 @@ def generate(prompts: list[str], manifest: dict, threads: int, max_tokens: int) 
     except ImportError:
         fail("this bundle needs onnxruntime-genai: pip install -r requirements.txt")
     folder = HERE / manifest["engine"].get("dir", ".")
-    context = int(json.loads((folder / "genai_config.json").read_text())["model"].get("context_length") or 2048)
+    context = context_length(folder, parse_json)
     config = og.Config(str(folder))
     if threads:
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
@@ -193,50 +254,101 @@ def generate(prompts: list[str], manifest: dict, threads: int, max_tokens: int) 
     return texts
 
 
-def write_atomically(path: Path, write) -> None:
-    """Written beside the destination and renamed into place: an error leaves no partial file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+class Output:
+    """--output, checked and reserved before anything is computed: a temporary file is made beside it
+    at once (so a folder that cannot be written costs nothing) and renamed into place once written
+    (so an error leaves no partial file)."""
+
+    def __init__(self, path: Path, suffix: str):
+        if path.suffix != suffix or not os.path.isdir(path.parent):
+            fail(f"--output {path}: give a {suffix} file in an existing folder")
+        folder = Path(os.path.realpath(path.parent))
+        if folder == HERE or HERE in folder.parents:
+            # A file here would make every later run refuse the bundle (a file not in its manifest).
+            fail(f"--output {path} is inside the bundle; write it elsewhere")
+        if os.path.isdir(path):
+            fail(f"--output {path} is a folder; give a {suffix} file")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".run-output-", suffix=".tmp")
+        except OSError as exc:
+            fail(f"--output {path}: cannot write in {path.parent} ({exc.strerror or exc})")
+        self.path, self.tmp, self.file = path, Path(tmp), os.fdopen(fd, "wb")
+
+    def commit(self, results: list[str] | np.ndarray) -> None:
+        """Embeddings as a float32 .npy array, continuations as a .json list of strings."""
+        try:
+            with self.file:
+                if isinstance(results, np.ndarray):
+                    np.save(self.file, results, allow_pickle=False)
+                else:
+                    self.file.write(json.dumps(results).encode())
+            os.replace(self.tmp, self.path)
+        except OSError as exc:
+            fail(f"--output {self.path}: {exc.strerror or exc}")
+
+    def discard(self) -> None:
+        """Remove the temporary file unless commit renamed it into place."""
+        self.file.close()
+        self.tmp.unlink(missing_ok=True)
+
+
+def check_engine(engine: dict, task: str) -> None:
+    """The engine fields run.py reads, so a manifest without them is one line, not a KeyError."""
+    if task == "sentence_embedding" and not isinstance(engine.get("file"), str):
+        fail(f"{HERE}: the manifest's engine names no model file; refused")
+    max_length = engine.get("max_length")
+    if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1):
+        fail(f"{HERE}: the manifest's engine.max_length {max_length!r} is not a length; refused")
+
+
+SECURITY = """The check against manifest.json, and of its signature with --key, is made by this
+bundle's own artifact.py: it catches accidents (a file changed, lost or added), not tampering, since
+whoever can replace the bundle's files can replace its checker too. A signature is only as
+trustworthy as its verifier, which must come from outside the bundle: python -m optimize.verify
+BUNDLE --key FILE --require-signature, with the project installed."""
 
 
 def main(argv: list[str]) -> int:
-    parser = _Parser(prog="run.py", description="Embed texts, or continue prompts, with this bundle.")
+    parser = _Parser(
+        prog="run.py",
+        description="Embed texts, or continue prompts, with this bundle.",
+        epilog=SECURITY,
+    )
     parser.add_argument("texts", nargs="*", help="texts to embed or prompts to continue (default: stdin lines)")
     parser.add_argument("--output", type=Path, help="write .npy (embeddings) or .json (continuations) instead")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (default: the runtime's choice)")
     parser.add_argument("--batch-size", type=int, default=32, help="texts per run of an encoder")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt of a causal LM")
-    parser.add_argument("--key", help="file holding the HMAC secret the manifest was signed with")
+    parser.add_argument(
+        "--key", help="file holding the HMAC secret the manifest was signed with (checked by the bundle itself: below)"
+    )
     parser.add_argument("--require-signature", action="store_true", help="refuse an unsigned manifest")
     args = parser.parse_args(argv)
-    if args.batch_size < 1 or args.threads < 0 or args.max_tokens < 1:
-        fail("--batch-size and --max-tokens must be >= 1, --threads >= 0")
-    manifest = checked_manifest(args.key, args.require_signature)
-    task = (manifest.get("engine") or {}).get("task")
+    if args.batch_size < 1 or args.max_tokens < 1 or not 0 <= args.threads <= MAX_THREADS:
+        fail(f"--batch-size and --max-tokens must be >= 1, --threads 0 to {MAX_THREADS}")
+    checker = load_checker()
+    manifest = checked_manifest(checker, args.key, args.require_signature)
+    engine = manifest.get("engine") or {}
+    task = engine.get("task")
     if task not in ("sentence_embedding", "causal_lm"):
         fail(f"{HERE}: this bundle's model is a {task!r}; run.py embeds text or continues prompts only")
+    check_engine(engine, task)
     suffix = ".npy" if task == "sentence_embedding" else ".json"
-    if args.output is not None and (args.output.suffix != suffix or not args.output.parent.is_dir()):
-        fail(f"--output {args.output}: give a {suffix} file in an existing folder")
-    texts = read_texts(args)
-    if task == "causal_lm":
-        continuations = generate(texts, manifest, args.threads, args.max_tokens)
-        if args.output is not None:
-            write_atomically(args.output, lambda f: f.write(json.dumps(continuations).encode()))
-        for text in [] if args.output is not None else continuations:
-            print(json.dumps(text))
-        return 0
-    vectors = embed(texts, manifest, args.threads, args.batch_size)
-    if args.output is not None:
-        write_atomically(args.output, lambda f: np.save(f, vectors, allow_pickle=False))
-    for vector in [] if args.output is not None else vectors:
-        print(json.dumps(vector.tolist()))
+    output = Output(args.output, suffix) if args.output is not None else None
+    try:
+        texts = read_texts(args)
+        results: list[str] | np.ndarray = (
+            generate(texts, manifest, args.threads, args.max_tokens, checker.parse_json)
+            if task == "causal_lm"
+            else embed(texts, manifest, args.threads, args.batch_size)
+        )
+        if output is not None:
+            output.commit(results)
+    finally:
+        if output is not None:
+            output.discard()
+    for value in [] if output is not None else results:
+        print(json.dumps(value if isinstance(value, str) else value.tolist()))
     return 0
 
 
