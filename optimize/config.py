@@ -124,7 +124,7 @@ class GateConfig:
     max_accuracy_drop: Optional[float] = None  # classifiers: top-1 accuracy drop vs baseline, in points
     min_accuracy: Optional[float] = None  # classifiers: candidate top-1 accuracy (0..1)
     # Maps (segmentation, text detection) binarized at evaluate.task_params.mask_threshold, vs baseline:
-    min_mask_iou: Optional[float] = None  # mean per-sample IoU (0..1)
+    min_mask_iou: Optional[float] = None  # IoU pooled over the evaluation set (0..1)
     min_mask_agreement: Optional[float] = None  # share of pixels on the same side of the threshold
     max_ppl_increase_pct: Optional[float] = None  # causal LMs: held-out perplexity increase, percent
     min_decode_speedup: Optional[float] = None  # causal LMs: decode tokens/s (p50) over PyTorch FP32 greedy

@@ -70,16 +70,25 @@ def output_fidelity(base: dict[str, np.ndarray], cand: dict[str, np.ndarray]) ->
 
 
 def mask_agreement(base: np.ndarray, cand: np.ndarray, threshold: float) -> dict:
-    """Segmentation/detection maps binarized at `threshold` on both sides: the mean per-sample IoU of
-    the two masks (a sample where both are empty agrees fully) and the share of pixels that agree."""
+    """Segmentation/detection maps binarized at `threshold` on both sides, against the baseline's.
+
+    `iou` is pooled over the whole evaluation set (intersection over union of every pixel, as
+    segmentation benchmarks accumulate it): a per-sample mean lets samples where both masks are
+    empty count as perfect, so four images of which one holds text read 0.82 when the one with text
+    scored 0.28, and one stray pixel on an empty image moves the mean by a quarter. It is None when
+    the baseline finds nothing above the threshold anywhere: then IoU measures nothing and a gate on
+    it must not pass. The per-sample mean and min stay in the report for diagnosis."""
     a = base.reshape(len(base), -1) > threshold
     b = cand.reshape(len(cand), -1) > threshold
-    union = (a | b).sum(1)
-    iou = np.where(union > 0, (a & b).sum(1) / np.maximum(union, 1), 1.0)
+    intersection, union = (a & b).sum(1), (a | b).sum(1)
+    per_sample = np.where(union > 0, intersection / np.maximum(union, 1), 1.0)
+    positive = int(a.sum())
     return {
         "threshold": threshold,
-        "iou_mean": float(iou.mean()),
-        "iou_min": float(iou.min()),
+        "iou": float(intersection.sum() / union.sum()) if positive else None,
+        "iou_mean": float(per_sample.mean()),
+        "iou_min": float(per_sample.min()),
         "pixel_agreement": float((a == b).mean()),
+        "positive_pixels": positive,
         "positive_share": float(a.mean()),  # how much of the baseline's map is above the threshold
     }

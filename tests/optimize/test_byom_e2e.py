@@ -6,12 +6,22 @@ tritonclient on loopback, with declared shapes and dtypes checked (422 otherwise
 - Silero VAD (silero-vad): a 512-sample audio window plus an LSTM state [2, N, 128] and a scalar
   sample rate; WAV files written at 44.1 kHz and resampled by the source (tests/support/audio.py).
 
-Small on purpose: 64x64 images, a few calibration items, no latency or memory runs.
+Small on purpose: 64x64 tiles, a few calibration items, no latency or memory runs. The detector is
+calibrated and evaluated on tiles of scikit-image's two pictures of printed text (held out by
+content hash, as every image source splits), so the masks it is gated on hold text: its held-out
+photos have almost none at any size, and IoU over empty masks measures nothing.
+
+Verdicts and CPUs: ONNX Runtime's integer kernels differ by CPU. Without VNNI (AVX2 only) the
+quantize methods keep weights to 7 bits (`reduce_range`), with VNNI they use all 8. Measured on the
+text tiles with both settings: static INT8 pooled mask IoU 0.856 (7-bit) and 0.869 (8-bit), so its
+verdict at 0.75 holds on every CPU kind; dynamic INT8 (ConvInteger) 0.72 and 0.91, so its verdict
+depends on the CPU and its test asserts that it was gated, not how.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,49 +35,80 @@ pytest.importorskip("silero_vad")
 pytest.importorskip("skimage")
 
 FAST = ["evaluate.latency=false", "evaluate.memory=false", "evaluate.batch_sizes=[1]"]
+TEXT_TILES = ["files=*.png", "tile=true", "size=[64,64]"]  # 16 calibration and 10 evaluation tiles
 SMALL_IMAGES = [
-    "calibration.count=4",
-    "calibration.image.size=[64,64]",
-    "evaluate.data.image.size=[64,64]",
+    "calibration.count=8",
+    *(f"calibration.image.{option}" for option in TEXT_TILES),
+    *(f"evaluate.data.image.{option}" for option in TEXT_TILES),
+    "evaluate.data.count=10",
     "model.inputs.x.shape=[N,3,64,64]",
 ]
 
 
-def optimize(tmp_path, name: str, *overrides: str) -> dict:
+def optimize(tmp_path, name: str, *overrides: str, verdict: str | None = "passed") -> dict:
+    """One run; `verdict=None` takes either verdict, as long as the exit code says the same."""
     out = tmp_path / name
     proc = run_optimize(*overrides, *FAST, f"output_dir={out}", f"hydra.run.dir={tmp_path / ('run-' + name)}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads((out / "manifest.json").read_text())
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["verdict"] == ("passed" if proc.returncode == 0 else "failed"), proc.stdout[-3000:]
+    assert verdict in (None, manifest["verdict"]), proc.stdout[-3000:]
+    return manifest
+
+
+def text_pictures(folder):
+    """scikit-image's two pictures of printed text (a scanned page and a line of text), copied."""
+    import shutil
+
+    import skimage
+
+    folder.mkdir()
+    data = Path(skimage.__file__).parent / "data"
+    for name in ("page.png", "text.png"):
+        shutil.copy(data / name, folder / name)
+    return folder
 
 
 @pytest.fixture(scope="module")
 def detector_artifacts(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ppocr")
+    images = [f"calibration.path={text_pictures(tmp / 'text')}", *SMALL_IMAGES]
     dynamic = optimize(
-        tmp, "dynamic", "recipe=ppocr_det_int8_dynamic", *SMALL_IMAGES, "quantize.params.sensitivity_samples=2"
+        tmp, "dynamic", "recipe=ppocr_det_int8_dynamic", *images, "quantize.params.sensitivity_samples=4", verdict=None
     )
     static = optimize(
-        tmp, "static", "recipe=ppocr_det_int8_static", *SMALL_IMAGES, "quantize.params.calibration_count=4"
+        tmp,
+        "static",
+        "recipe=ppocr_det_int8_static",
+        *images,
+        "quantize.params.calibration_count=8",
+        "gate.min_mask_iou=0.75",  # measured 0.856 with 7-bit weights, 0.869 with 8-bit (module docstring)
     )
     return tmp, dynamic, static
 
 
-def test_detector_int8_dynamic_and_static_pass_their_gate_on_real_images(detector_artifacts):
+def test_detector_int8_dynamic_and_static_are_gated_on_the_text_masks(detector_artifacts):
     _, dynamic, static = detector_artifacts
     for manifest, kernel in ((dynamic, "ConvInteger"), (static, "Conv")):
-        assert manifest["verdict"] == "passed"
-        assert manifest["calibration"]["source"] == "image_folder" and manifest["calibration"]["count"] == 4
+        assert manifest["calibration"]["source"] == "image_folder" and manifest["calibration"]["count"] == 8
         assert manifest["calibration"]["image"]["size"] == [64, 64] and "random" not in manifest["calibration"]
         assert manifest["evaluation"]["source"] == "image_folder" and manifest["evaluation"]["split"] == "evaluation"
+        assert manifest["evaluation"]["count"] == 10 and manifest["calibration"]["image"]["tile"] is True
         assert manifest["stages"]["quantize"]["kernels"]["by_op"].get(kernel, 0) > 0
         mask = manifest["metrics"]["candidate"]["fidelity"]["mask"]
-        assert mask["output"] == "sigmoid_0.tmp_0" and 0 <= mask["iou_mean"] <= 1 and mask["pixel_agreement"] > 0.9
-        checked = {c["name"] for c in manifest["gate"]["checks"]}
-        assert {"min_mask_iou", "min_mask_agreement"} <= checked
+        assert mask["output"] == "sigmoid_0.tmp_0" and mask["positive_pixels"] > 1000  # the tiles hold text
+        assert 0 <= mask["iou"] <= 1 and mask["pixel_agreement"] > 0.9
+        checks = {c["name"]: c for c in manifest["gate"]["checks"]}
+        assert {"min_mask_iou", "min_mask_agreement"} <= set(checks)
+        assert checks["min_mask_iou"]["value"] == pytest.approx(mask["iou"])
+        # The weight range follows the CPU the environment block names (7 bits without VNNI).
+        vnni = {"avx512_vnni", "avx_vnni", "amx_int8"} & set(manifest["environment"]["cpu"]["features"])
+        assert manifest["stages"]["quantize"]["reduce_range"] is not bool(vnni)
         # The signature keeps the graph's symbolic H and W: serve takes any size.
         assert manifest["engine"]["inputs"][0]["name"] == "x" and isinstance(
             manifest["engine"]["inputs"][0]["shape"][2], str
         )
+    assert static["verdict"] == "passed"  # on every CPU kind (module docstring)
     assert static["stages"]["quantize"]["kernels"]["int8"] == 62  # every convolution
 
 

@@ -21,8 +21,22 @@ def test_mask_iou_and_pixel_agreement():
     result = mask_agreement(base, cand, 0.5)
     assert result["iou_min"] == 0.0  # sample 1: nothing vs one pixel
     assert result["iou_mean"] == pytest.approx((0.5 + 0.0 + 1.0) / 3)  # sample 2: both empty, full agreement
+    # Pooled over the set: 2 pixels found of the 5 either side marks; the empty sample adds nothing.
+    assert result["iou"] == pytest.approx(2 / 5)
     assert result["pixel_agreement"] == pytest.approx(1 - 3 / 48)
-    assert result["positive_share"] == pytest.approx(4 / 48)
+    assert result["positive_share"] == pytest.approx(4 / 48) and result["positive_pixels"] == 4
+
+
+def test_mask_iou_is_not_measured_when_the_baseline_finds_nothing():
+    """Images without text: every per-sample IoU is 1 (both empty) or 0 (a stray pixel), and neither
+    says anything about text; the gate on IoU fails as not measured instead of passing."""
+    base = np.zeros((4, 1, 8, 8), np.float32)
+    cand = base.copy()
+    cand[3, 0, 0, 0] = 0.9
+    result = mask_agreement(base, cand, 0.5)
+    assert result["iou"] is None and result["positive_pixels"] == 0 and result["iou_mean"] == 0.75
+    verdict = gate.judge({}, {"fidelity": {"mask": result}}, {"min_mask_iou": 0.5})
+    assert not verdict.passed and verdict.checks[0].note == "not measured"
 
 
 def test_empty_rows_have_cosine_one_and_a_false_positive_has_zero():
@@ -34,7 +48,7 @@ def test_empty_rows_have_cosine_one_and_a_false_positive_has_zero():
 
 
 def test_mask_gate_keys_and_recipe_errors():
-    candidate = {"fidelity": {"mask": {"iou_mean": 0.85, "pixel_agreement": 0.999}}}
+    candidate = {"fidelity": {"mask": {"iou": 0.85, "pixel_agreement": 0.999}}}
     verdict = gate.judge({}, candidate, {"min_mask_iou": 0.9, "min_mask_agreement": 0.99})
     checks = {c.name: c.passed for c in verdict.checks}
     assert checks == {"min_mask_iou": False, "min_mask_agreement": True} and not verdict.passed
