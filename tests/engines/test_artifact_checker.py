@@ -18,7 +18,15 @@ import numpy as np
 import pytest
 
 import engines
-from engines.artifact import ArtifactError, check_onnx_external_data, read_manifest, seal, sha256_file, verify
+from engines.artifact import (
+    ArtifactError,
+    check_onnx_external_data,
+    read_key,
+    read_manifest,
+    seal,
+    sha256_file,
+    verify,
+)
 from optimize import artifact
 from tests.support.cli import ROOT, one_error_line
 
@@ -244,6 +252,19 @@ def test_short_or_pem_keys_are_refused(tmp_path):
     one_error_line(verify_cli(root, "--key", str(tmp_path / "missing")), "key file")
 
 
+def test_key_files_that_are_not_small_regular_files_are_refused_without_blocking(tmp_path):
+    """/dev/zero would be read forever and a FIFO blocks until a writer comes: both are refused."""
+    root = build(tmp_path)
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "huge").write_bytes(b"k" * (1 << 20))
+    for key, fragment in (("/dev/zero", "character device"), (str(tmp_path / "fifo"), "FIFO"), (str(tmp_path), "")):
+        with pytest.raises(ArtifactError, match=fragment):
+            read_key(key)
+        one_error_line(verify_cli(root, "--key", key), "key file")
+    one_error_line(verify_cli(root, "--key", str(tmp_path / "huge")), "key file", "over")
+    one_error_line(serve_cli(root, "--key", "/dev/zero"), "key file", "character device")
+
+
 # --- finding 11: links and special files ------------------------------------------------------------
 
 
@@ -334,3 +355,15 @@ def test_verify_exit_1_still_means_a_changed_file(tmp_path):
     (root / "notes.txt").write_text("changed")
     proc = verify_cli(root)
     assert proc.returncode == 1 and "changed file notes.txt" in proc.stdout
+
+
+def test_a_manifest_with_an_integer_of_thousands_of_digits_is_one_line(tmp_path):
+    """Python's json refuses an integer over 4300 digits with a ValueError of its own; verify and serve
+    read the manifest with the checker's parse, which refuses it in one line."""
+    root = build(tmp_path)
+    manifest = (root / "manifest.json").read_text()
+    (root / "manifest.json").write_text(manifest.replace("{", '{"huge": ' + "7" * 5000 + ",", 1))
+    with pytest.raises(ArtifactError, match="integer of 5000 characters"):
+        read_manifest(root)
+    one_error_line(verify_cli(root), "manifest.json", "integer")
+    one_error_line(serve_cli(root), "manifest.json", "integer")

@@ -319,3 +319,178 @@ def test_a_graph_the_ort_converter_cannot_take_is_refused_with_one_line(minilm_a
     one_error_line(proc, "model.onnx: ONNX Runtime cannot convert it to ORT format")
     assert not (tmp_path / "bundle").exists()
     assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
+
+
+# --- hostile inputs to a bundle's run.py --------------------------------------------------------------
+
+PERMISSIVE_CHECKER = '''"""A replaced checker that passes every bundle."""
+import json
+from pathlib import Path
+
+
+class ArtifactError(Exception):
+    pass
+
+
+def read_key(path):
+    return b"any key will do"
+
+
+def verify(root, key=None, require_signature=False):
+    return []
+
+
+def read_manifest(root):
+    return json.loads((Path(root) / "manifest.json").read_text())
+
+
+parse_json = json.loads
+'''
+
+
+def copy_bundle(bundle: Path, to: Path) -> Path:
+    shutil.copytree(bundle, to)
+    return to
+
+
+def run_raw(python: Path, *args, cwd: Path, stdin: str = "", env: dict | None = None) -> subprocess.CompletedProcess:
+    """A command whose arguments and stdin may hold bytes that are not UTF-8 (as surrogate escapes)."""
+    return subprocess.run(
+        [python, *args],
+        cwd=cwd,
+        input=stdin,
+        capture_output=True,
+        encoding="utf-8",
+        errors="surrogateescape",
+        env=env,
+    )
+
+
+def test_modules_planted_in_a_bundle_never_run(bundles, bundle_python, tmp_path):
+    """`python run.py` puts the bundle's folder first on the module path: a numpy.py, argparse.py or
+    __future__.py added there must not run before (or after) the bundle is refused."""
+    planted = copy_bundle(bundles["onnx"], tmp_path / "planted")
+    names = ["numpy", "argparse", "__future__", "json", "tempfile", "pathlib", "typing", "os", "hashlib", "importlib"]
+    for name in names:
+        (planted / f"{name}.py").write_text(f"open({str(tmp_path / ('ran-' + name))!r}, 'w').close()\n")
+    project_python = Path(sys.executable)
+    runs = [
+        (bundle_python, tmp_path, None),  # the README's command: no -I
+        (bundle_python, planted, {**os.environ, "PYTHONPATH": "."}),  # from inside, the folder on PYTHONPATH
+        (project_python, tmp_path, None),  # with the project installed
+    ]
+    for python, cwd, env in runs:
+        proc = run_raw(python, planted / "run.py", "hello", cwd=cwd, env=env)
+        one_error_line(proc, "does not match its manifest", "unexpected file")
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("ran-")], python
+
+
+@pytest.fixture(scope="module")
+def signed_bundle(minilm_artifact, tmp_path_factory) -> tuple[Path, Path]:
+    """A bundle signed with the key it returns."""
+    root = tmp_path_factory.mktemp("signed")
+    key = root / "key"
+    key.write_text("k" * 32)
+    proc = subprocess.run(
+        [sys.executable, "-m", "optimize.export", minilm_artifact, "--bundle", root / "bundle"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "ARTIFACT_SIGNING_KEY": str(key)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return root / "bundle", key
+
+
+def verify_bundle(bundle: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "optimize.verify", bundle, *args], cwd=ROOT, capture_output=True, text=True
+    )
+
+
+def test_a_replaced_checker_is_caught_by_verify_and_by_run_py_where_the_project_is_installed(signed_bundle, tmp_path):
+    """A bundle cannot vouch for itself: its run.py checks with its own artifact.py, which whoever edits
+    the bundle can replace. The checker from outside the bundle (`optimize.verify`, or the installed
+    project's, which run.py uses when this Python has the project) catches the replaced file."""
+    signed, key = signed_bundle
+    tampered = copy_bundle(signed, tmp_path / "tampered")
+    (tampered / "artifact.py").write_text(PERMISSIVE_CHECKER)
+    (tampered / "tokenizer" / "tokenizer.json").write_bytes(b"{}")
+    verified = verify_bundle(tampered, "--key", str(key), "--require-signature")
+    assert verified.returncode == 1, verified.stdout + verified.stderr
+    assert "changed file artifact.py" in verified.stdout and "changed file tokenizer/tokenizer.json" in verified.stdout
+    ran = run_raw(Path(sys.executable), tampered / "run.py", "hello", "--key", key, "--require-signature", cwd=tmp_path)
+    one_error_line(ran, "does not match its manifest", "changed file")
+    # An unsigned bundle whose manifest was rewritten to match: only a signature catches that, and
+    # verify says the bundle's checker is not this project's.
+    resealed = tmp_path / "resealed"
+    with staging(resealed) as stage:
+        shutil.copytree(signed, stage, dirs_exist_ok=True)
+        (stage / "artifact.py").write_text(PERMISSIVE_CHECKER)
+        body = {k: v for k, v in json.loads((stage / MANIFEST).read_text()).items() if k != "integrity"}
+        (stage / MANIFEST).unlink()
+        write_manifest(stage, body)
+        publish(stage, resealed)
+    one_error_line(verify_bundle(resealed, "--key", str(key), "--require-signature"), "not signed")
+    plain = verify_bundle(resealed)
+    assert plain.returncode == 0 and "artifact.py is not this project's checker" in plain.stdout, plain.stdout
+    assert "not this project's checker" not in verify_bundle(signed).stdout
+    # run.py --help says so.
+    helped = run_raw(Path(sys.executable), signed / "run.py", "--help", cwd=tmp_path)
+    assert helped.returncode == 0 and "python -m optimize.verify" in helped.stdout
+    assert "not tampering" in " ".join(helped.stdout.split())
+
+
+def test_text_that_is_not_utf8_is_one_line(bundles, bundle_python, tmp_path):
+    run = bundles["onnx"] / "run.py"
+    one_error_line(run_raw(bundle_python, "-I", run, "fine", "bad \udcff text", cwd=tmp_path), "argument 2", "UTF-8")
+    one_error_line(run_raw(bundle_python, "-I", run, cwd=tmp_path, stdin="ok\nbad \udcfe\n"), "stdin", "UTF-8")
+    assert verify_bundle(bundles["onnx"]).returncode == 0
+
+
+def test_a_bad_output_is_refused_before_anything_is_computed(bundles, bundle_python, tmp_path):
+    """An --output that is a folder, in a folder that cannot be written, or inside the bundle (which would
+    then refuse every later run) is one line; stdin that is not UTF-8 is not even read."""
+    bundle = bundles["onnx"]
+    (tmp_path / "folder.npy").mkdir()
+    (tmp_path / "into-bundle").symlink_to(bundle / "tokenizer")
+    cases = {
+        tmp_path / "folder.npy": "is a folder",
+        Path("/proc/no-such-dir/x.npy"): "existing folder",
+        Path("/proc/x.npy"): "cannot write",
+        bundle / "vectors.npy": "inside the bundle",
+        bundle / "tokenizer" / "vectors.npy": "inside the bundle",
+        tmp_path / "into-bundle" / "vectors.npy": "inside the bundle",
+        tmp_path / "vectors.json": "give a .npy file",
+    }
+    for output, fragment in cases.items():
+        proc = run_raw(bundle_python, "-I", bundle / "run.py", "--output", output, cwd=tmp_path, stdin="\udcff\n")
+        one_error_line(proc, f"--output {output}", fragment)
+    assert verify_bundle(bundle).returncode == 0  # nothing was written into it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["folder.npy", "into-bundle"]
+    assert list((tmp_path / "folder.npy").iterdir()) == []
+
+
+def test_a_manifest_with_a_huge_integer_is_one_line(bundles, bundle_python, tmp_path):
+    """Python's json refuses integers over 4300 digits with a ValueError; the checker says so in one line."""
+    huge = copy_bundle(bundles["onnx"], tmp_path / "huge")
+    text = (huge / MANIFEST).read_text()
+    (huge / MANIFEST).write_text(text.replace("{", '{"count": ' + "9" * 5000 + ",", 1))
+    one_error_line(run_bundle(bundle_python, huge, "hello", cwd=tmp_path), "manifest.json", "integer")
+    one_error_line(run_raw(Path(sys.executable), huge / "run.py", "hello", cwd=tmp_path), "manifest.json", "integer")
+    one_error_line(verify_bundle(huge), "manifest.json", "integer")
+    one_error_line(export(huge, "--bundle", tmp_path / "again"), "manifest.json", "integer")
+
+
+def test_a_causal_lm_bundle_refuses_bad_text_and_output_with_one_line(tiny_llm, tmp_path):
+    """The same refusals for a causal-LM bundle, before onnxruntime-genai loads anything."""
+    bundle = tmp_path / "bundle"
+    assert export(tiny_llm, "--bundle", bundle).returncode == 0
+    python, run = Path(sys.executable), bundle / "run.py"
+    one_error_line(run_raw(python, "-I", run, "\udcc3", cwd=tmp_path), "argument 1", "UTF-8")
+    one_error_line(run_raw(python, "-I", run, cwd=tmp_path, stdin="\udcff"), "stdin", "UTF-8")
+    (tmp_path / "folder.json").mkdir()
+    one_error_line(run_raw(python, "-I", run, "hi", "--output", tmp_path / "folder.json", cwd=tmp_path), "folder")
+    one_error_line(run_raw(python, "-I", run, "hi", "--output", bundle / "out.json", cwd=tmp_path), "inside the bundle")
+    one_error_line(run_raw(python, "-I", run, "hi", "--output", tmp_path / "out.npy", cwd=tmp_path), "give a .json")
+    assert verify_bundle(bundle).returncode == 0

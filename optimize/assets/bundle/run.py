@@ -7,8 +7,9 @@ It needs only its runtime: onnxruntime (openvino for an OpenVINO bundle), tokeni
 onnxruntime-genai and numpy for a causal LM; requirements.txt pins the versions the model was
 evaluated with. Before anything is loaded, every file is checked against manifest.json by
 artifact.py, the checker the pipeline and its server use (copied here and itself listed in the
-manifest). Texts are tokenized and run exactly as the server runs them: an encoder's graph pools
-(and normalizes, when the model does) inside, so its `sentence_embedding` output is the embedding.
+manifest), or by the installed project's own when this Python has the project. Texts are
+tokenized and run exactly as the server runs them: an encoder's graph pools (and normalizes, when
+the model does) inside, so its `sentence_embedding` output is the embedding.
 
 Prints one JSON value per text (an embedding's array, a continuation's string), or with
 `--output FILE` writes them: a float32 .npy array [texts, dim] for embeddings, a .json list of
