@@ -8,6 +8,8 @@ same array hashes alike in calibration and evaluation and the overlap check work
 - npy: a .npy array (items along axis 0) or one array of a .npz file (`field`), never unpickled.
 - audio_folder: sound files decoded with soundfile, mixed to mono, resampled to the recipe's rate
   (scipy's polyphase filter) and cut into fixed windows; a recording's windows stay in one split.
+  Rates outside MIN_SAMPLE_RATE..MAX_SAMPLE_RATE and files longer than MAX_AUDIO_SAMPLES, decoded
+  or resampled, are refused from the file's header, before anything is decoded.
 
 `path` may be pkg://PACKAGE/SUBPATH: a folder or file shipped inside an installed package.
 """
@@ -27,6 +29,12 @@ from calibration import DataError, Labeled, _in_split, _read, source
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
 AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".aiff", ".aif")
 MAX_FOLDER_FILES = 10_000
+# Sample rates a recording or a model may have: below 1 kHz is not audio a model takes, and a
+# header claiming 1 Hz would make resampling to 16 kHz multiply the file's length by 16000.
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 1_000, 384_000
+# Samples per file, decoded (frames x channels) and after resampling: 128 MiB of float32, about
+# 35 minutes at 16 kHz. Compressed files (FLAC of silence) decode to far more than their size.
+MAX_AUDIO_SAMPLES = 2**25
 
 
 def resolve_path(path: str | None) -> str | None:
@@ -223,6 +231,8 @@ def audio_folder(split: str, path: str | None = None, audio: dict | None = None,
     hop = int(options["hop"] or window)
     if min(rate, window, hop) < 1:
         raise DataError(f"audio sample_rate, samples and hop must be positive (got {rate}, {window}, {hop})")
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise DataError(f"audio.sample_rate={rate} (use {MIN_SAMPLE_RATE} .. {MAX_SAMPLE_RATE} Hz)")
     items = []
     for file in folder_files(path, AUDIO_SUFFIXES, "audio"):
         data = _read(str(file))
@@ -237,7 +247,10 @@ def _decode_audio(data: bytes, file: Path, rate: int) -> np.ndarray:
     import soundfile
 
     try:
-        wave, file_rate = soundfile.read(io.BytesIO(data), dtype="float32", always_2d=True)
+        with soundfile.SoundFile(io.BytesIO(data)) as sound:
+            file_rate = int(sound.samplerate)
+            _check_audio_size(file, sound.frames, sound.channels, file_rate, rate)
+            wave = sound.read(dtype="float32", always_2d=True)
     except (RuntimeError, soundfile.LibsndfileError) as exc:
         raise DataError(f"audio file {file} cannot be decoded: {exc}") from None
     mono = wave.mean(axis=1)
@@ -246,6 +259,20 @@ def _decode_audio(data: bytes, file: Path, rate: int) -> np.ndarray:
 
         from scipy.signal import resample_poly
 
-        divisor = gcd(int(file_rate), rate)
-        mono = resample_poly(mono, rate // divisor, int(file_rate) // divisor)
+        divisor = gcd(file_rate, rate)
+        mono = resample_poly(mono, rate // divisor, file_rate // divisor)
     return mono.astype(np.float32)
+
+
+def _check_audio_size(file: Path, frames: int, channels: int, file_rate: int, rate: int) -> None:
+    """Refuse from the header what decoding or resampling could not hold: read() allocates
+    frames x channels, and resampling multiplies the length by rate / file_rate."""
+    if not MIN_SAMPLE_RATE <= file_rate <= MAX_SAMPLE_RATE:
+        raise DataError(f"audio file {file} declares {file_rate} Hz, outside {MIN_SAMPLE_RATE} .. {MAX_SAMPLE_RATE} Hz")
+    decoded, resampled = frames * channels, -(-frames * rate // file_rate)
+    if max(decoded, resampled) > MAX_AUDIO_SAMPLES:
+        raise DataError(
+            f"audio file {file} has {frames} frames x {channels} channels at {file_rate} Hz "
+            f"({resampled} samples at {rate} Hz): over the limit of {MAX_AUDIO_SAMPLES} samples per file; "
+            f"cut it into shorter files"
+        )

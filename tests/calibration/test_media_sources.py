@@ -3,12 +3,14 @@ overlap like the text sources; bad folders and files are one DataError."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
 import calibration
 from calibration import DataError
-from tests.support.audio import write_wavs
+from tests.support.audio import write_silence, write_wavs
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +160,70 @@ def test_bad_audio_is_one_error(tmp_path):
             calibration.load("audio_folder", split, 1, 0, path=str(tmp_path))
     with pytest.raises(DataError, match="positive"):
         calibration.load("audio_folder", "calibration", 1, 0, path=str(tmp_path), audio={"samples": 0})
+
+
+def peak_bytes(action) -> int:
+    """The most memory Python and numpy held while `action` ran (numpy reports its buffers to tracemalloc)."""
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        action()
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    return peak
+
+
+def refused_with_little_memory(folder, match: str, **audio) -> None:
+    """Both splits loaded (a lone file falls in one of them, the other is empty): one DataError naming
+    the file, raised from the header, before the decoded or resampled wave is allocated."""
+    refusals = []
+
+    def load_both():
+        for split in ("calibration", "evaluation"):
+            try:
+                calibration.load("audio_folder", split, 1, 0, path=str(folder), audio=audio)
+            except DataError as exc:
+                refusals.append(str(exc))
+
+    # Reading a file reserves a buffer of the data size limit; past that, 16 MiB for everything else.
+    assert peak_bytes(load_both) < calibration.max_data_bytes() + 16 * 2**20
+    assert [r for r in refusals if re.search(match, r)], refusals
+
+
+def test_a_rate_outside_audio_rates_is_refused_before_resampling(tmp_path):
+    # 20 KB declaring 1 Hz: resampled to 16 kHz it would be 160 million samples (1.3 GB).
+    (path,) = write_wavs(tmp_path / "wavs", 1, seconds=10_000, rate=1)
+    assert path.stat().st_size < 25_000
+    refused_with_little_memory(tmp_path / "wavs", r"clip00.wav declares 1 Hz, outside 1000 \.\. 384000 Hz")
+    write_wavs(tmp_path / "ok", 1, seconds=0.1, rate=16000)
+    with pytest.raises(DataError, match=r"audio.sample_rate=10000000 \(use 1000 \.\. 384000 Hz\)"):
+        calibration.load("audio_folder", "calibration", 1, 0, path=str(tmp_path / "ok"), audio={"sample_rate": 10**7})
+
+
+def test_a_recording_that_decodes_past_the_limit_is_refused_from_its_header(tmp_path):
+    from calibration.media import MAX_AUDIO_SAMPLES
+
+    # 100 KB of FLAC silence that decodes to 2**25 + 1 samples (128 MiB of float32).
+    path = write_silence(tmp_path / "long" / "silence.flac", MAX_AUDIO_SAMPLES + 1, rate=16000)
+    assert path.stat().st_size < 200_000
+    refused_with_little_memory(
+        tmp_path / "long", rf"silence.flac has {MAX_AUDIO_SAMPLES + 1} frames x 1 channels .* samples per file"
+    )
+    # Channels count: 8 channels of a quarter of the limit decode to twice it.
+    write_silence(tmp_path / "wide" / "eight.flac", MAX_AUDIO_SAMPLES // 4, rate=16000, channels=8)
+    refused_with_little_memory(tmp_path / "wide", r"eight.flac has \d+ frames x 8 channels")
+
+
+def test_a_recording_that_resamples_past_the_limit_is_refused_before_resampling(tmp_path):
+    from calibration.media import MAX_AUDIO_SAMPLES
+
+    # 175 KB at 1 kHz, within the limit as decoded; at 384 kHz it would be 384 times longer.
+    frames = MAX_AUDIO_SAMPLES // 384 + 1
+    write_silence(tmp_path / "slow" / "slow.wav", frames, rate=1000)
+    refused_with_little_memory(
+        tmp_path / "slow",
+        rf"slow.wav has {frames} frames .* \({frames * 384} samples at 384000 Hz\)",
+        sample_rate=384000,
+    )

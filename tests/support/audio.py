@@ -1,6 +1,7 @@
 """WAV files for the audio tests, written with soundfile: no package that installs offline ships
 recorded speech, so these are voiced-like segments (a gliding fundamental with decaying harmonics,
-amplitude-modulated at a syllable rate) between pauses and noise, at a rate the source resamples."""
+amplitude-modulated at a syllable rate) between pauses and noise, at a rate the source resamples;
+and silence of any length, small on disk, for the limits on what a file may decode to."""
 
 from __future__ import annotations
 
@@ -31,3 +32,16 @@ def write_wavs(folder: Path, count: int, seconds: float = 2.0, rate: int = 44100
         soundfile.write(str(path), speechlike(seconds, rate, i), rate)
         paths.append(path)
     return paths
+
+
+def write_silence(path: Path, frames: int, rate: int, channels: int = 1) -> Path:
+    """A recording of silence, written block by block: as FLAC it is tiny however long it is, the
+    shape of a file whose decoded length is far beyond its size on disk."""
+    import soundfile
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    block = np.zeros((min(frames, 2**20), channels), np.float32)
+    with soundfile.SoundFile(str(path), "w", samplerate=rate, channels=channels) as sound:
+        for start in range(0, frames, len(block)):
+            sound.write(block[: frames - start])
+    return path
