@@ -4,6 +4,9 @@ multiples of 32, every weight in a convolution."""
 
 from __future__ import annotations
 
+import re
+import shlex
+
 import pytest
 
 from tests.support.cli import one_error_line, run_optimize
@@ -46,16 +49,39 @@ def test_text_evaluation_data_for_a_tensor_model_names_the_source(tmp_path):
     refuse(tmp_path, *DETECTOR, fragments=["evaluate.data.source=cpython_docs gives text", "evaluate.inputs=random"])
 
 
-def test_symbolic_spatial_dims_are_never_guessed(tmp_path):
+RANDOM_DYNAMIC = ("evaluate.inputs=random", "calibration=random", "quantize=ort_int8_dynamic")
+
+
+def test_symbolic_spatial_dims_are_never_guessed_and_the_advice_runs_as_written(tmp_path):
     # The issue's second command: every symbolic dim used to become 16.
-    refuse(
-        tmp_path,
+    line = refuse(
+        tmp_path / "a",
         *DETECTOR,
-        "evaluate.inputs=random",
-        "calibration=random",
-        "quantize=ort_int8_dynamic",
-        fragments=["model input 'x' dim 2 is symbolic (p2o.DynamicDimension.1)", "model.inputs.x.shape=[N,3,...,...]"],
+        *RANDOM_DYNAMIC,
+        fragments=[
+            "model input 'x' dim 2 is symbolic (p2o.DynamicDimension.1)",
+            "add '++model.inputs.x.shape=[N,3,64,64]' with your sizes in place of 64",
+        ],
     )
+    # Copied from the line as a shell reads it, the override gets the run past that refusal and
+    # the probe (64 is a multiple of the detector's stride), on to the method's own refusal.
+    (quoted,) = re.findall(r"add ('[^']*')", line)
+    refuse(tmp_path / "b", *DETECTOR, *RANDOM_DYNAMIC, *shlex.split(quoted), fragments=["cannot apply"])
+
+
+@pytest.mark.parametrize(
+    "shape, fragment",
+    [
+        ("[N,3,-4,64]", "model.inputs.x.shape dim 2 is -4: a dim is a positive whole number"),
+        ("[N,3,8.5,64]", "model.inputs.x.shape dim 2 is 8.5: a dim is a positive whole number"),
+        ("[N,3,99999999999999999999999,64]", "model input 'x' dim 2 is beyond int64"),
+        ("[N,3,100000,100000]", "model input 'x' dim 3 is 100000"),
+    ],
+)
+def test_absurd_dims_are_bad_input(tmp_path, shape, fragment):
+    # These were exit 3, an internal error: numpy's ValueError or MemoryError; 8.5 ran as 8.
+    line = refuse(tmp_path, *DETECTOR, *RANDOM_DYNAMIC, f"++model.inputs.x.shape={shape}", fragments=[fragment])
+    assert "internal error" not in line
 
 
 def test_a_model_that_cannot_run_on_the_shapes_is_bad_input(tmp_path):

@@ -4,6 +4,9 @@ probe; batches whose state carries the batch on another axis."""
 
 from __future__ import annotations
 
+import re
+import shlex
+
 import numpy as np
 import onnx
 import pytest
@@ -11,7 +14,7 @@ from onnx import TensorProto, helper
 
 from optimize.errors import RecipeError
 from optimize.evaluate.harness import batches_of, sample_count
-from optimize.inputs import BATCH, Batch, TensorEncoder, plan_inputs
+from optimize.inputs import BATCH, MAX_ITEM_ELEMENTS, Batch, TensorEncoder, plan_inputs
 
 IMAGE = [{"name": "x", "type": "tensor(float)", "shape": ["n", 3, "h", "w"]}]
 VAD = [
@@ -21,13 +24,106 @@ VAD = [
 ]
 
 
+def compose_inputs(*overrides: str) -> dict:
+    """model.inputs as Hydra composes it from the command line's words."""
+    from hydra import compose, initialize_config_dir
+
+    from optimize.__main__ import CONFIG_DIR
+    from optimize.config import recipe_dict, register_schema
+
+    register_schema()
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        return recipe_dict(compose("config", overrides=list(overrides)).model.inputs)
+
+
+def advised_override(message: str) -> str:
+    """The override a refusal advises, as a shell would pass it (the message quotes it for one)."""
+    (quoted,) = re.findall(r"add ('\+\+[^']*')", message)
+    (word,) = shlex.split(quoted)
+    return word
+
+
 def test_symbolic_dims_without_a_value_are_refused_naming_the_override():
     (plan,) = plan_inputs(IMAGE, {}, {})
     assert plan.dims == [BATCH, 3, None, None]
     with pytest.raises(RecipeError) as refused:
         TensorEncoder([plan]).random(2, 0)
     message = str(refused.value)
-    assert "'x' dim 2 is symbolic (h)" in message and "model.inputs.x.shape=[N,3,...,...]" in message
+    assert "'x' dim 2 is symbolic (h)" in message and "'++model.inputs.x.shape=[N,3,64,64]'" in message
+    advice = advised_override(message)
+    # The advice composes as written, whether the recipe sets model.inputs.x (ppocr_det does) or not.
+    for recipe in ("model.source=model.onnx", "recipe=ppocr_det_int8_static"):
+        given = compose_inputs(recipe, advice)
+        assert given["x"]["shape"] == ["N", 3, 64, 64]
+        (planned,) = plan_inputs(IMAGE, given, {})
+        assert planned.shape(2) == [2, 3, 64, 64]
+
+
+@pytest.mark.parametrize("name", ["input.1", "onnx::Conv_0", "0", "a b", "true"])
+def test_the_advice_composes_for_names_that_are_not_plain_keys(name):
+    # PyTorch's exporter names inputs input.1 or onnx::Conv_0: a dotted override would nest them.
+    spec = [{"name": name, "type": "tensor(float)", "shape": ["n", "t"]}]
+    with pytest.raises(RecipeError) as refused:
+        TensorEncoder(plan_inputs(spec, {}, {})).random(1, 0)
+    given = compose_inputs("model.source=model.onnx", advised_override(str(refused.value)))
+    assert given == {name: {"shape": ["N", 64]}}
+    assert plan_inputs(spec, given, {})[0].shape(3) == [3, 64]
+
+
+def test_a_name_hydra_cannot_take_is_pointed_at_a_recipe():
+    spec = [{"name": "entrée", "type": "tensor(float)", "shape": ["n", "t"]}]
+    with pytest.raises(RecipeError, match=r"shape: \[N,64\] under model.inputs\['entrée'\] in a recipe"):
+        TensorEncoder(plan_inputs(spec, {}, {})).random(1, 0)
+
+
+@pytest.mark.parametrize(
+    "dim, shown",
+    [(8.5, "8.5"), (8.0, "8.0"), (-4, "-4"), (0, "0"), (True, "True"), ("...", "'...'"), ("64", "'64'")],
+)
+def test_a_recipe_dim_is_a_positive_whole_number_or_a_name(dim, shown):
+    # 8.5 used to become 8 without a word; -4 reached numpy (ValueError); "..." was taken for the batch.
+    with pytest.raises(RecipeError) as refused:
+        plan_inputs(IMAGE, {"x": {"shape": ["N", 3, dim, 64]}}, {})
+    assert str(refused.value) == (
+        f"model.inputs.x.shape dim 2 is {shown}: a dim is a positive whole number, or a name such as N for the batch"
+    )
+    with pytest.raises(RecipeError, match=r"model.inputs.x.shape=64 \(give a list of dims"):
+        plan_inputs(IMAGE, {"x": {"shape": 64}}, {})
+
+
+@pytest.mark.parametrize(
+    "shape, dim, shown",
+    [
+        (["N", 3, 10**30, 64], 2, "beyond int64"),
+        (["N", 3, 2**62, 64], 2, str(2**62)),
+        (["N", 3, 100_000, 100_000], 3, "100000"),
+        (["N", 3, 10**5000, 64], 2, "beyond int64"),  # one Python cannot even print
+    ],
+)
+def test_a_sample_over_the_cpu_bound_is_refused_naming_the_dim(shape, dim, shown):
+    # These used to reach numpy: MemoryError for 3x100000x100000, ValueError past int64.
+    with pytest.raises(RecipeError) as refused:
+        plan_inputs(IMAGE, {"x": {"shape": shape}}, {})
+    message = str(refused.value)
+    assert message.startswith(f"model input 'x' dim {dim} is {shown}: one sample of x[N,3,")
+    assert f"over {MAX_ITEM_ELEMENTS} elements, more than a CPU run can hold" in message
+    # The bound is on one sample, batch left out: 3 x 4096 x 5461 is just under it, 5462 just over.
+    (fits,) = plan_inputs(IMAGE, {"x": {"shape": ["N", 3, 4096, 5461]}}, {})
+    assert 3 * 4096 * 5461 <= MAX_ITEM_ELEMENTS < 3 * 4096 * 5462 and fits.dims == [BATCH, 3, 4096, 5461]
+    with pytest.raises(RecipeError, match="'x' dim 3 is 5462"):
+        plan_inputs(IMAGE, {"x": {"shape": ["N", 3, 4096, 5462]}}, {})
+
+
+def test_the_graph_and_its_metadata_are_bounded_too():
+    huge = [{"name": "x", "type": "tensor(float)", "shape": ["n", 2**40]}]
+    with pytest.raises(RecipeError, match=f"'x' dim 1 is {2**40}: one sample of x\\[N,{2**40}\\]"):
+        plan_inputs(huge, {}, {})
+    with pytest.raises(RecipeError, match="'x' dim 3 is 100000: one sample"):
+        plan_inputs(IMAGE, {}, {"h": "100000", "w": "100000"})
+    # Only a positive integer entry sets a dim: "0", "-3" or a superscript two leave it to the recipe.
+    for value in ("0", "-3", "\u00b2", "4.5", "9" * 40):
+        (plan,) = plan_inputs(IMAGE, {}, {"h": value, "w": "4"})
+        assert plan.dims == [BATCH, 3, None, 4], value
 
 
 def test_recipe_shape_then_batch_then_metadata():
