@@ -8,6 +8,7 @@ input is bad (one line on stderr, nothing written), 3 an internal error (a bug: 
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import signal
 import sys
@@ -234,7 +235,7 @@ def run_job(cfg) -> tuple[int, Path | None]:
     # SIGTERM (CI cancelling a job) unwinds like Ctrl-C, so the staging directory is removed.
     signal.signal(signal.SIGTERM, _interrupt)
     hydra_cfg = HydraConfig.get()
-    recipe = hydra_cfg.runtime.choices.get("recipe") or "custom"
+    recipe = own_model_name(cfg, list(hydra_cfg.overrides.task)) or hydra_cfg.runtime.choices.get("recipe") or "custom"
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:
         manifest, path = pipeline.run(cfg, recipe, run_dir)
@@ -258,7 +259,27 @@ def run_job(cfg) -> tuple[int, Path | None]:
     except RecipeError as exc:  # the artifact stays: only where it was to go failed
         print(f"error: {exc} (the artifact is kept at {path})", file=sys.stderr)
         return EXIT_BAD_INPUT, path
+    except Exception:  # not exit 1 from Hydra, which reads as a failed gate
+        traceback.print_exc()
+        print(f"internal error: this is a bug in optimize; the artifact is kept at {path}", file=sys.stderr)
+        return EXIT_INTERNAL_ERROR, path
     return (EXIT_PASSED if manifest["gate"]["passed"] else EXIT_GATE_FAILED), path
+
+
+def own_model_name(cfg, overrides: list[str]) -> str | None:
+    """Bring your own model (`model.source=...` or `model=NAME` without `recipe=`): the default recipe's
+    settings apply, but its name and model.hub_id describe the default model, and the artifact, the
+    registries and the model card would claim it. The run is named after the source instead (its file's
+    stem or its folder's name), and model.hub_id is dropped unless given too. None for a recipe run."""
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
+    if "recipe" in keys or not keys & {"model", "model.source"}:
+        return None
+    if "model.source" in keys and "model.hub_id" not in keys:
+        cfg.model.hub_id = None
+    source = str(cfg.model.source).rstrip("/")
+    path = Path(source.split("://", 1)[-1])
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", path.name if Path(source).is_dir() else path.stem).strip("._-")
+    return name or "custom"
 
 
 def _publish(cfg, manifest: dict, path: Path) -> None:

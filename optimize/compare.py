@@ -21,6 +21,7 @@ import io
 import json
 import math
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -39,6 +40,7 @@ FIDELITY = (
     ("accuracy_drop_points", ("accuracy_drop_points",)),
     ("perplexity_increase_pct", ("perplexity_increase_pct",)),
 )
+BATCH_KEY = re.compile(r"^[0-9]{1,6}$")  # a key of metrics.candidate.speedup: the batch size
 # Settings that differ between the runs of any sweep and say nothing about the model.
 IGNORED_SETTINGS = ("output_dir", "overwrite")
 
@@ -52,10 +54,13 @@ def main(argv: list[str]) -> int:
         artifacts = find_artifacts(args.dirs)
         out = output_folder(args.out, args.dirs, artifacts)
         manifests = [checked(path) for path in artifacts]
-        table = build_table([label_of(p, args.dirs) for p in artifacts], manifests)
+        table = build_table(labels_of(artifacts, args.dirs), manifests)
         write_outputs(out, table)
     except (RecipeError, ArtifactError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {' '.join(str(exc).splitlines())}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as exc:  # writing the outputs: a full disk, a folder made read-only meanwhile
+        print(f"error: cannot write the comparison: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     print(render_markdown(table))
     print(f"compare: {len(artifacts)} artifacts -> {', '.join(str(out / name) for name in OUTPUTS)}")
@@ -93,12 +98,32 @@ def find_artifacts(dirs: list[Path]) -> list[Path]:
     return unique
 
 
-def label_of(path: Path, dirs: list[Path]) -> str:
-    """An artifact's name in the table: its path inside the folder it was found in (a sweep's `3/artifact`)."""
+def labels_of(artifacts: list[Path], dirs: list[Path]) -> list[str]:
+    """Each artifact's name in the table: its path inside the folder it was found in (a sweep's
+    `3/artifact`), or the folder's own name when it is the artifact. Names that two artifacts share
+    (two runs' folders each holding `artifact`) take one more folder of their path at a time, until
+    every name is its own: the shortest path suffix that tells them apart."""
+    paths = [path.resolve() for path in artifacts]
+    lengths = [_inside(path, dirs) for path in paths]
+    while True:
+        labels = [_suffix(path, n) for path, n in zip(paths, lengths)]
+        shared = {label for label in labels if labels.count(label) > 1}
+        if not shared:
+            return labels
+        # Distinct resolved paths: lengthening every shared name ends at the full paths at the latest.
+        lengths = [n + 1 if label in shared else n for label, n in zip(labels, lengths)]
+
+
+def _inside(path: Path, dirs: list[Path]) -> int:
+    """How many parts of the path lie below the DIR it was found in (1: the DIR is the artifact)."""
     for root in dirs:
-        if root.resolve() in path.resolve().parents:
-            return path.resolve().relative_to(root.resolve()).as_posix()
-    return str(path)
+        if root.resolve() in path.parents:
+            return len(path.relative_to(root.resolve()).parts)
+    return 1
+
+
+def _suffix(path: Path, parts: int) -> str:
+    return path.as_posix() if parts >= len(path.parts) else Path(*path.parts[-parts:]).as_posix()
 
 
 def _natural(path: Path) -> list:
@@ -148,13 +173,23 @@ def flatten(tree, prefix: str = "") -> dict[str, str]:
     return {prefix.rstrip("."): json.dumps(tree)}
 
 
+def settings_of(manifest: dict) -> dict[str, str]:
+    """The recipe's name and resolved settings, flattened; a field of the wrong type is left out
+    (the artifact checker does not check the recipe block: an edited manifest, digested again)."""
+    recipe = _dict(manifest.get("recipe"))
+    return {"recipe": json.dumps(recipe.get("name")), **flatten(_dict(recipe.get("resolved")))}
+
+
 def differing_settings(manifests: list[dict]) -> list[str]:
     """The recipe keys (the recipe's name included) whose values are not the same in every artifact."""
-    settings = [
-        {"recipe": json.dumps(m["recipe"].get("name")), **flatten(m["recipe"].get("resolved") or {})} for m in manifests
-    ]
+    settings = [settings_of(m) for m in manifests]
     keys = sorted(set().union(*settings))
     return [key for key in keys if key not in IGNORED_SETTINGS and len({s.get(key, "(unset)") for s in settings}) > 1]
+
+
+def _dict(value) -> dict:
+    """A manifest field read where a dict is expected: any other type counts as missing."""
+    return value if isinstance(value, dict) else {}
 
 
 def _dig(tree, *keys):
@@ -165,39 +200,51 @@ def _dig(tree, *keys):
     return tree
 
 
+def _scalar(value):
+    """A cell from a manifest field: a number or a string as it is, anything else (a list, a dict,
+    a boolean where a figure belongs) as missing."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    return value
+
+
+def _batches(candidate: dict) -> set[int]:
+    """The batch sizes of metrics.candidate.speedup: its keys that are batch sizes; others are ignored."""
+    return {int(key) for key in _dict(candidate.get("speedup")) if BATCH_KEY.match(key)}
+
+
 def cpu_of(manifest: dict) -> str:
-    cpu = (manifest.get("environment") or {}).get("cpu") or {}
-    features = ",".join(cpu.get("features") or []) or "no listed features"
-    return f"{cpu.get('model', 'unknown CPU')} ({cpu.get('cores', '?')} cores; {features})"
+    cpu = _dict(_dict(manifest.get("environment")).get("cpu"))
+    features = cpu.get("features")
+    listed = ",".join(map(str, features)) if isinstance(features, list) else ""
+    model, cores = _scalar(cpu.get("model")), _scalar(cpu.get("cores"))
+    return f"{model or 'unknown CPU'} ({'?' if cores is None else cores} cores; {listed or 'no listed features'})"
 
 
 def build_table(labels: list[str], manifests: list[dict]) -> dict:
     """{"columns": [...], "rows": [{column: value}], "cpus": [...]}: values as numbers or strings."""
     settings = differing_settings(manifests)
-    candidates = [(m.get("metrics") or {}).get("candidate") or {} for m in manifests]
+    candidates = [_dict(_dict(m.get("metrics")).get("candidate")) for m in manifests]
     fidelity = [(name, path) for name, path in FIDELITY if any(_dig(c, *path) is not None for c in candidates)]
-    batches = sorted({int(b) for c in candidates for b in (c.get("speedup") or {})})
+    batches = sorted(set().union(*map(_batches, candidates)))
     decode = any(c.get("decode_speedup") is not None for c in candidates)
     timed = any(_dig(c, "timing", "other_cpu_share") is not None for c in candidates)
     rows = []
     for label, manifest, cand in zip(labels, manifests, candidates):
-        resolved = {
-            "recipe": json.dumps(manifest["recipe"].get("name")),
-            **flatten(manifest["recipe"].get("resolved") or {}),
-        }
-        engine = manifest.get("engine") or {}
+        resolved = settings_of(manifest)
+        engine = _dict(manifest.get("engine"))
         row: dict = {"artifact": label}
         row.update({key: _plain(resolved.get(key)) for key in settings})
-        row["verdict"] = manifest.get("verdict", "unknown")
-        row["engine"] = engine.get("format") or cand.get("engine")
-        row["precision"] = engine.get("precision") or cand.get("precision")
-        row.update({name: _dig(cand, *keys) for name, keys in fidelity})
-        row.update({f"speedup_b{b}": _dig(cand, "speedup", str(b)) for b in batches})
+        row["verdict"] = _scalar(manifest.get("verdict")) or "unknown"
+        row["engine"] = _scalar(engine.get("format")) or _scalar(cand.get("engine"))
+        row["precision"] = _scalar(engine.get("precision")) or _scalar(cand.get("precision"))
+        row.update({name: _scalar(_dig(cand, *keys)) for name, keys in fidelity})
+        row.update({f"speedup_b{b}": _scalar(_dig(cand, "speedup", str(b))) for b in batches})
         if decode:
-            row["decode_speedup"] = cand.get("decode_speedup")
-        if timed:
-            row["other_cpu_share"] = _dig(cand, "timing", "other_cpu_share")  # above 25%: latency untrusted
-        row["size_mb"] = cand.get("size_mb")
+            row["decode_speedup"] = _scalar(cand.get("decode_speedup"))
+        if timed:  # above 25%: latency untrusted
+            row["other_cpu_share"] = _scalar(_dig(cand, "timing", "other_cpu_share"))
+        row["size_mb"] = _scalar(cand.get("size_mb"))
         row["cpu"] = cpu_of(manifest)
         rows.append(row)
     columns = list(rows[0])
@@ -220,7 +267,7 @@ def _cell(column: str, value) -> str:
     if value is None:
         return "-"
     if not isinstance(value, float):
-        return str(value)
+        return " ".join(str(value).splitlines())  # a table row is one line
     if "speedup" in column:
         return f"{value:.2f}x"
     if column == "other_cpu_share":
@@ -277,8 +324,9 @@ def render_plot(table: dict) -> bytes:
             passed = any(row["verdict"] == "passed" for row in rows)
             ax.scatter([x], [y], color="tab:green" if passed else "tab:red")
             label = ", ".join(row["artifact"] for row in rows)
-            ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
-        ax.set_title(cpu if len(cpu) < 60 else cpu[:57] + "...", fontsize=9)
+            # parse_math=False: a folder or CPU name with `$...$` would be read as (bad) TeX.
+            ax.annotate(label, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, parse_math=False)
+        ax.set_title(cpu if len(cpu) < 60 else cpu[:57] + "...", fontsize=9, parse_math=False)
         ax.set_xlabel(x_key or "row")
         ax.set_ylabel(y_key.replace("_b", " at batch ") if table["batches"] else "size MB")
         ax.grid(alpha=0.3)

