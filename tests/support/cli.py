@@ -14,6 +14,8 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 # A quick variant of the default recipe: fewer evaluation samples, no sensitivity search, no
 # latency or memory runs. The gate still checks fidelity, so the artifact is a real passing one.
 # ONNX Runtime dynamic INT8 without the race (the race has tests of its own): seconds, not minutes.
+# Its verdict holds on every CPU kind: with the 7-bit weights of CPUs without VNNI and the 8-bit
+# ones of VNNI CPUs, MiniLM measured min cosine 0.991 / 0.992, mean 0.993 / 0.995, top-k 0.96 / 0.96.
 FAST_OVERRIDES = [
     "engine=onnx",
     "quantize=ort_int8_dynamic",
