@@ -10,32 +10,63 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import signal
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from serve.config import API_KEY_ENV
 
 
+def one_line(message: str) -> str:
+    """A message that stays on one line whatever text from the command line it quotes: line breaks
+    and other control characters are written as escapes."""
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(message))
+
+
 class OneLineParser(argparse.ArgumentParser):
     def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        fail(message)
 
 
-def number(kind, low, inclusive: bool):
-    """An argparse type: a number of `kind` above `low` (or at least `low`)."""
+def number(kind, low, inclusive: bool, high=None):
+    """An argparse type: a finite number of `kind` above `low` (or at least `low`), at most `high`."""
 
     def parse(text):
         try:
             value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        except (ValueError, OverflowError):  # int() refuses over 4300 digits with a ValueError too
+            raise argparse.ArgumentTypeError(f"not a number: {text[:40]!r}") from None
+        if isinstance(value, float) and not math.isfinite(
+            value
+        ):  # nan passes every comparison; inf overflows uvicorn's timers
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text[:40]!r}")
         if value < low or (value == low and not inclusive):
-            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low}, got {text}")
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low}, got {text[:40]!r}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {text[:40]!r}")
         return value
 
     return parse
+
+
+def api_key(text: str) -> str:
+    """An argparse type: a key a client can send. An empty or blank one would turn auth off (the
+    server treats no key as open), and one with surrounding spaces could never match (the server
+    strips the token a client sends)."""
+    problem = key_problem(text)
+    if problem:
+        raise argparse.ArgumentTypeError(f"the key {problem}")
+    return text
+
+
+def key_problem(key: str) -> str | None:
+    if not key.strip():
+        return "is empty or blank, which would serve without auth (leave it unset for that)"
+    if key != key.strip():
+        return "starts or ends with whitespace, which no client can send"
+    return None
 
 
 def positive(kind):
@@ -53,7 +84,7 @@ def build_parser() -> OneLineParser:
     )
     p.add_argument("artifact", help="artifact directory (holds manifest.json)")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=non_negative(int), default=8000, help="0 picks a free port")
+    p.add_argument("--port", type=number(int, 0, True, high=65535), default=8000, help="0 picks a free port")
     p.add_argument("--model-name", help="name clients use (default: the recipe's name)")
     p.add_argument("--max-batch-size", type=positive(int), help="rows per model call (default 32 or the recipe's)")
     p.add_argument(
@@ -93,7 +124,7 @@ def build_parser() -> OneLineParser:
         action="store_true",
         help="let idle ONNX Runtime threads spin (faster on a dedicated machine, slower on a shared one)",
     )
-    p.add_argument("--api-key", help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
+    p.add_argument("--api-key", type=api_key, help=f"require 'Authorization: Bearer KEY' (or set {API_KEY_ENV})")
     p.add_argument(
         "--open-health-metrics",
         action="store_true",
@@ -119,9 +150,20 @@ def build_parser() -> OneLineParser:
     return p
 
 
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+def fail(message: str) -> NoReturn:
+    print(f"error: {one_line(message)}", file=sys.stderr)
     sys.exit(2)
+
+
+def check_key_from_env() -> None:
+    """The key from the environment follows the flag's rule: a variable set to blank is refused, not
+    read as "no key" (a deployment whose secret did not render would otherwise serve without auth)."""
+    import os
+
+    key = os.environ.get(API_KEY_ENV)
+    problem = key_problem(key) if key is not None else None
+    if problem:
+        fail(f"{API_KEY_ENV} {problem}")
 
 
 def check_artifact(
@@ -173,6 +215,8 @@ def check_artifact(
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.api_key is None:
+        check_key_from_env()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     root = Path(args.artifact)
     manifest = check_artifact(root, args.allow_modified, args.allow_failed_gate, args.key, args.require_signature)

@@ -27,9 +27,10 @@ from starlette.routing import Match, Route
 
 from serve.config import ServeConfig
 from serve.errors import HTTPError, too_large
-from serve.state import ServeState, default_model_name, state_of  # noqa: F401 (re-exported)
+from serve.state import STREAM_FAILED, ServeState, default_model_name, state_of  # noqa: F401 (re-exported)
 
 log = logging.getLogger("serve")
+access_log = logging.getLogger("serve.access")  # one line per request, at debug level (--log-level debug)
 OPEN_PATHS = ("/v2/health/", "/metrics")  # open without a key only when the operator says so
 
 
@@ -97,10 +98,13 @@ async def drain(state: ServeState) -> None:
     if state.generator:
         await state.generator.stop()
     log.info(
-        "serve: stopped; answered %d of %d accepted requests; %d closed by their client before the answer",
-        state.completed,
+        "serve: stopped; answered %d of %d accepted requests (%d with a server error); "
+        "%d closed by their client before the answer; %d cut off by a server error",
+        state.ended["answered"],
         state.accepted,
-        state.disconnected,
+        state.server_errors,
+        state.ended["disconnected"],
+        state.ended["cut"],
     )
 
 
@@ -126,16 +130,63 @@ async def on_starlette_error(request: Request, exc: HTTPException) -> JSONRespon
     return error_response(request.url.path, HTTPError(exc.status_code, message, kind, dict(exc.headers or {})))
 
 
-async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unexpected error on %s", request.url.path)
-    return error_response(request.url.path, HTTPError(500, f"internal error: {type(exc).__name__}", "server_error"))
-
-
 # --- the gatekeeper: metrics, accounting, auth, size limit -----------------------------------------
 
 
+class Exchange:
+    """One request as the gatekeeper watches it: what was sent, and how it ended."""
+
+    def __init__(self, scope):
+        self.scope = scope
+        self.started = time.perf_counter()
+        self.status = 500
+        self.response_started = False
+        self.complete = False  # the last byte of the response was handed to the server
+        self.error = False  # a server error (an exception, or a stream that ended with an error event)
+
+    def outcome(self) -> tuple[str, int]:
+        """(how it ended, the status to count): a stream's 200 went out with its headers, so how the
+        stream ended decides what is counted (499 client gone, 500 server error)."""
+        if self.complete:
+            failed = self.error or self.scope.get(STREAM_FAILED, False)
+            return ("answered", 500 if failed else self.status)
+        if self.error:
+            return ("cut", 500)
+        return ("disconnected", 499)
+
+
+class BodyDeadline:
+    """`receive` with a deadline on the whole request body: a client trickling its body gets 408, and
+    the request's own --timeout-s (which starts once the body is read) is not its only bound. The
+    deadline is lifted once the body is in or the response has begun: Starlette's streaming response
+    listens for the client's disconnect with this same `receive`, and a stream must run to its end."""
+
+    def __init__(self, receive, deadline: float):
+        self.receive, self.deadline = receive, deadline
+        self.lifted = False
+
+    async def __call__(self):
+        if self.lifted:
+            return await self.receive()
+        remaining = self.deadline - time.perf_counter()
+        try:
+            if remaining <= 0:
+                raise TimeoutError
+            async with asyncio.timeout(remaining):
+                message = await self.receive()
+        except TimeoutError:
+            raise HTTPError(
+                408, "the request body did not arrive in time", "timeout", {"Connection": "close"}
+            ) from None
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self.lifted = True  # the body is complete (or the client is gone)
+        return message
+
+
 class Gatekeeper:
-    """Pure ASGI middleware (no extra task per request, and streaming responses pass through)."""
+    """Pure ASGI middleware (no extra task per request, and streaming responses pass through).
+    Every request is counted once, by how it ended: answered (whatever the status), closed by its
+    client (499), or cut off by a server error after its headers went out."""
 
     def __init__(self, app, state: ServeState, routes: list[Route]):
         self.app, self.state, self.routes = app, state, routes
@@ -143,58 +194,69 @@ class Gatekeeper:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        state, started, status = self.state, time.perf_counter(), [500]
+        state, exchange = self.state, Exchange(scope)
         state.accepted += 1
         state.metrics.in_flight.inc()
+        deadline = None
         if scope["method"] in ("POST", "PUT", "PATCH"):
-            receive = self.timed_receive(receive, started + state.config.body_timeout_s)
+            receive = deadline = BodyDeadline(receive, exchange.started + state.config.body_timeout_s)
 
         async def send_and_watch(message):
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                exchange.status, exchange.response_started = message["status"], True
+                if deadline is not None:
+                    deadline.lifted = True
             await send(message)
             if message["type"] == "http.response.body" and not message.get("more_body"):
-                state.completed += 1
+                exchange.complete = True
 
         try:
             refusal = self.refusal(scope)
-            if refusal:
-                await error_response(scope["path"], refusal)(scope, receive, send_and_watch)
-            else:
-                await self.app(scope, receive, send_and_watch)
+            app = error_response(scope["path"], refusal) if refusal else self.app
+            await app(scope, receive, send_and_watch)
         except ClientDisconnect:
             # The client went away before its answer: nothing is lost and nothing can be sent. Counted
             # as 499 (nginx's "client closed request"), logged without a traceback.
-            status[0] = 499
-            state.disconnected += 1
             log.debug("client disconnected on %s", scope["path"])
+        except asyncio.CancelledError:
+            exchange.error = True  # the server gave up on it (a shutdown past its grace period)
+            raise
+        except Exception as exc:
+            exchange.error = True
+            await self.answer_error(scope, receive, send_and_watch, exchange, exc)
         finally:
-            # The route Starlette's router chose (it records it in the scope), else match here
-            # (requests refused before routing, or Starlette versions that do not record it).
-            route = scope.get("route")
-            endpoint = route.path if isinstance(route, Route) else self.endpoint(scope)
-            state.metrics.in_flight.dec()
-            state.metrics.requests.labels(endpoint, scope["method"], str(status[0])).inc()
-            state.metrics.latency.labels(endpoint).observe(time.perf_counter() - started)
+            self.record(scope, exchange)
 
-    @staticmethod
-    def timed_receive(receive, deadline: float):
-        """`receive` with a deadline on the whole body: a client trickling its body gets 408, and the
-        request's own --timeout-s (which starts once the body is read) is not its only bound."""
+    async def answer_error(self, scope, receive, send, exchange: Exchange, exc: Exception) -> None:
+        """An unexpected error: 500 with a JSON body if nothing was sent yet; otherwise the response
+        stays incomplete and uvicorn closes the connection, the only signal left to the client."""
+        log.error("unexpected error on %s", scope["path"], exc_info=exc)
+        if exchange.response_started:
+            return
+        message = f"internal error: {type(exc).__name__}"
+        with contextlib.suppress(OSError, ClientDisconnect):
+            await error_response(scope["path"], HTTPError(500, message, "server_error"))(scope, receive, send)
 
-        async def timed():
-            remaining = deadline - time.perf_counter()
-            try:
-                if remaining <= 0:
-                    raise TimeoutError
-                async with asyncio.timeout(remaining):
-                    return await receive()
-            except TimeoutError:
-                raise HTTPError(
-                    408, "the request body did not arrive in time", "timeout", {"Connection": "close"}
-                ) from None
-
-        return timed
+    def record(self, scope, exchange: Exchange) -> None:
+        """Metrics, the drain counts and the access log line, all from the same outcome."""
+        state = self.state
+        ended, status = exchange.outcome()
+        state.ended[ended] += 1
+        if ended == "answered" and status == 500:  # 503 and 504 are answers the server meant to give
+            state.server_errors += 1
+        # The route Starlette's router chose (it records it in the scope), else match here
+        # (requests refused before routing, or Starlette versions that do not record it).
+        route = scope.get("route")
+        endpoint = route.path if isinstance(route, Route) else self.endpoint(scope)
+        elapsed = time.perf_counter() - exchange.started
+        state.metrics.in_flight.dec()
+        state.metrics.requests.labels(endpoint, scope["method"], str(status)).inc()
+        state.metrics.latency.labels(endpoint).observe(elapsed)
+        if access_log.isEnabledFor(logging.DEBUG):
+            client = (scope.get("client") or ("-",))[0]
+            access_log.debug(
+                "%s %s %s %d %s %.1f ms", client, scope["method"], scope["path"], status, ended, elapsed * 1e3
+            )
 
     def refusal(self, scope) -> HTTPError | None:
         headers = dict(scope["headers"])
@@ -275,7 +337,6 @@ def create_app(
     handlers: dict[Any, Callable[..., Any]] = {
         HTTPError: on_http_error,
         HTTPException: on_starlette_error,
-        Exception: on_unexpected_error,
     }
     app = Starlette(
         routes=routes,

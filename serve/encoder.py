@@ -35,6 +35,12 @@ class EncoderBatchItem:
     def length(self) -> int:
         return next(iter(self.inputs.values())).shape[1]
 
+    def split(self, size: int) -> list[EncoderBatchItem]:
+        """Pieces of at most `size` rows, in order."""
+        return [
+            EncoderBatchItem({k: v[i : i + size] for k, v in self.inputs.items()}) for i in range(0, self.rows, size)
+        ]
+
 
 class EncoderModel:
     task = "sentence_embedding"

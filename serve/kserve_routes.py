@@ -170,15 +170,14 @@ def requested_outputs(parsed, names: list[str]) -> list[tuple[str, bool]]:
 
 
 async def run_encoder(state, item) -> dict[str, np.ndarray]:
-    """Submit to the batcher; a request larger than one batch goes in batch-sized pieces."""
-    from serve.encoder import EncoderBatchItem
-
+    """Submit to the batcher; a request larger than one batch goes in batch-sized pieces (each kind
+    of item knows how it may be cut: a tensor model's request whose batch is not on axis 0 stays whole)."""
     size, timeout = state.config.max_batch_size, state.config.timeout_s
     if item.rows > state.config.max_inputs:  # every route: the cap on rows per request
         raise too_large_batch(item.rows, state.config.max_inputs)
-    if item.rows <= size or not getattr(item, "together", True):  # a tensor model's lone request: whole
+    pieces = item.split(size) if item.rows > size else [item]
+    if len(pieces) == 1:
         return await state.batcher.submit(item, item.rows, timeout)
-    pieces = [EncoderBatchItem({k: v[i : i + size] for k, v in item.inputs.items()}) for i in range(0, item.rows, size)]
     # All pieces are queued or none is (429), and a refused, timed-out or abandoned request's pieces
     # leave the queue at once: none of them reaches the model.
     results = await state.batcher.submit_many([(p, p.rows) for p in pieces], timeout)

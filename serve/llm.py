@@ -22,6 +22,11 @@ from typing import Any, cast
 from serve.errors import bad_request, busy, unavailable
 from serve.protocol import GenerationRequest
 
+# Seeds each generation engine takes: its Python binding raises on anything else (a 500 otherwise).
+# ONNX Runtime GenAI's random_seed is a signed 32-bit integer whose -1 means "seed from the clock",
+# so negative seeds are refused there; OpenVINO GenAI's rng_seed is an unsigned 64-bit integer.
+SEED_RANGES = {"onnxruntime-genai": (0, 2**31 - 1), "openvino-genai": (0, 2**64 - 1)}
+
 
 class GenerativeModel:
     task = "causal_lm"
@@ -29,6 +34,7 @@ class GenerativeModel:
     def __init__(self, root: Path, engine: dict, threads: int = 0, max_prompt_tokens: int = 0, max_tokens: int = 512):
         from engines import load_engine
 
+        self.seed_range = SEED_RANGES.get(str(engine.get("format")), SEED_RANGES["onnxruntime-genai"])
         self.runner: Any = cast(Any, load_engine(root, engine, threads=threads))  # a GenAIRunner
         self.context_length = self.runner.context_length
         self.max_prompt_tokens = min(max_prompt_tokens or self.context_length - 1, self.context_length - 1)
@@ -66,6 +72,17 @@ class GenerativeModel:
                 param="max_tokens",
             )
         return min(requested or self.max_tokens, room)
+
+    def sampling(self, request: GenerationRequest, budget: int):
+        """The engine's sampling settings; a seed outside the range the engine takes is a 400."""
+        from engines.genai_runner import Sampling
+
+        low, high = self.seed_range
+        if request.seed is not None and not low <= request.seed <= high:
+            raise bad_request(
+                f"'seed' must be between {low} and {high} for this model, got {request.seed}", param="seed"
+            )
+        return Sampling(budget, request.temperature, request.top_p, request.seed)
 
 
 @dataclass

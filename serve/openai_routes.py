@@ -12,7 +12,7 @@ import base64
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, MutableMapping
 
 import numpy as np
 from starlette.requests import Request
@@ -23,7 +23,7 @@ from serve.body import arriving, read_body
 from serve.errors import HTTPError, bad_request, timed_out
 from serve.jsonbody import FastJSONResponse, array
 from serve.protocol import json_object, parse_chat_request, parse_completion_request, parse_embeddings_request
-from serve.state import state_of
+from serve.state import STREAM_FAILED, state_of
 
 
 def routes() -> list[Route]:
@@ -124,7 +124,6 @@ async def chat_completions(request: Request):
 
 
 async def generate(request: Request, parse, chat: bool):
-    from engines.genai_runner import Sampling
     from serve.llm import StopMatcher
 
     state = state_of(request)
@@ -134,10 +133,10 @@ async def generate(request: Request, parse, chat: bool):
     model = state.model
     prompt_ids = model.prompt_ids(parsed)
     budget = model.token_budget(len(prompt_ids), parsed.max_tokens)
+    sampling = model.sampling(parsed, budget)
     state.metrics.prompt_tokens.inc(len(prompt_ids))
-    sampling = Sampling(budget, parsed.temperature, parsed.top_p, parsed.seed)
     generation = state.generator.submit(prompt_ids, sampling)
-    reply = Reply(state.name, chat, len(prompt_ids), generation, StopMatcher(parsed.stop))
+    reply = Reply(state.name, chat, len(prompt_ids), generation, StopMatcher(parsed.stop), request.scope)
     if parsed.stream:
         return await reply.stream(state.config.timeout_s, parsed.include_usage)
     return await reply.whole(state.config.timeout_s)
@@ -146,9 +145,10 @@ async def generate(request: Request, parse, chat: bool):
 class Reply:
     """Turns one generation's events into an OpenAI response, whole or as server-sent events."""
 
-    def __init__(self, model: str, chat: bool, prompt_tokens: int, generation, stops):
+    def __init__(self, model: str, chat: bool, prompt_tokens: int, generation, stops, scope: MutableMapping):
         self.model, self.chat, self.prompt_tokens = model, chat, prompt_tokens
         self.generation, self.stops = generation, stops
+        self.scope = scope  # where a stream that fails after its headers reports it (serve.app counts it)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.finish_reason = None
@@ -228,6 +228,7 @@ class Reply:
             if include_usage:
                 yield self.sse({**self.chunk(None), "choices": [], "usage": self.usage()})
         except Exception as exc:  # headers are sent: the error can only travel in the stream
+            self.scope[STREAM_FAILED] = True
             yield self.sse({"error": {"message": f"generation failed: {exc}", "type": "server_error"}})
         finally:
             self.generation.cancel.set()  # also when the client disconnects mid-stream

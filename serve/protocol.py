@@ -10,14 +10,13 @@ Checks that need the model (input names, dtypes, token ranges, prompt length) li
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Literal, overload
 
 import numpy as np
 
+from engines.artifact import JSONInputError, parse_json
 from serve.errors import bad_request, unprocessable
 
 # KServe v2 datatypes this server can read, as little-endian numpy dtypes (the binary extension
@@ -35,41 +34,18 @@ KSERVE_DTYPES = {
 }
 NUMPY_TO_KSERVE = {dtype: name for name, dtype in KSERVE_DTYPES.items()}
 MAX_DIMS = 8
-
-
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+# Elements one shape may describe: a terabyte of data, far past any request body, and small enough
+# that numpy's byte count (elements x 8) stays inside its index range.
+MAX_ELEMENTS = 2**40
 
 
 def load_json(body: bytes) -> object:
+    """The one strict parse for JSON from outside (engines.artifact.parse_json): UTF-8 only, no lone
+    surrogates (escaped or raw-encoded), integers of at most 64 digits, bounded nesting; else 400."""
     try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return parse_json(body)
+    except JSONInputError as exc:
         raise bad_request(f"malformed JSON: {exc}") from None
-    except RecursionError:
-        raise bad_request("malformed JSON: nested too deeply") from None
-    # JSON's \uD800-\uDFFF escapes can spell a lone surrogate, a string that is not valid UTF-8 (and
-    # that tokenizers fail on); only a body holding such an escape is walked.
-    if _SURROGATE_ESCAPE.search(body):
-        check_utf8(data)
-    return data
-
-
-def check_utf8(value, where: str = "body") -> None:
-    """400 for any string (key or value) that cannot be UTF-8: a lone surrogate."""
-    stack = [(value, where)]
-    while stack:
-        item, path = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise bad_request(f"a string in the request ({path}) is not valid UTF-8 (a lone surrogate)") from None
-        elif isinstance(item, dict):
-            for key, child in item.items():
-                stack.append((key, path))
-                stack.append((child, f"{path}.{key}" if isinstance(key, str) and key.isascii() else path))
-        elif isinstance(item, list):
-            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
 
 
 def json_object(body: bytes) -> dict:
@@ -200,6 +176,10 @@ def parse_infer_request(body: bytes, header_length: str | None = None) -> InferR
 def parse_shape(raw, where: str) -> list[int]:
     if not isinstance(raw, list) or len(raw) > MAX_DIMS or not all(is_int(d) and d >= 0 for d in raw):
         raise bad_request(f"{where}: 'shape' must be a list of at most {MAX_DIMS} non-negative integers")
+    # A zero dim makes the element count 0 whatever the others are, so [2**63, 0] would pass every
+    # size check and then fail in numpy (past its index range): bound the dims as if zeros were ones.
+    if math.prod(max(d, 1) for d in raw) > MAX_ELEMENTS:
+        raise bad_request(f"{where}: 'shape' {raw} is too large: its non-zero dims multiply to over {MAX_ELEMENTS}")
     return raw
 
 

@@ -11,6 +11,10 @@ from starlette.requests import Request
 from serve.config import ServeConfig
 from serve.errors import unavailable
 
+# Scope key a streaming route sets when its stream ended with an error event: the 200 went out with
+# the headers, and the request is counted as the server error it was.
+STREAM_FAILED = "serve.stream_failed"
+
 
 class ServeState:
     """Everything the routes share: the manifest, settings, metrics, and the model once loaded."""
@@ -30,9 +34,11 @@ class ServeState:
         self.load_error: str | None = None
         self.on_fatal: Callable[[str], None] = lambda message: None
         self.draining = False
+        # Requests by how they ended: answered (whatever the status), disconnected (the client left
+        # before its answer, counted as 499), cut (a server error after the headers went out).
         self.accepted = 0
-        self.completed = 0
-        self.disconnected = 0  # clients that closed the connection before their answer (counted as 499)
+        self.ended = {"answered": 0, "disconnected": 0, "cut": 0}
+        self.server_errors = 0  # answered with a 500, or a stream that ended with an error event
         self.created = int(time.time())
 
     @property

@@ -27,6 +27,17 @@ class TensorBatchItem:
     def key(self) -> tuple:
         return tuple((name, array.shape[1:]) for name, array in self.inputs.items())
 
+    def split(self, size: int) -> list[TensorBatchItem]:
+        """Pieces of at most `size` rows along axis 0; a request that cannot be cut there runs whole."""
+        if not self.together or self.rows <= size:
+            return [self]
+        return [
+            TensorBatchItem(
+                {name: array[i : i + size] for name, array in self.inputs.items()}, min(size, self.rows - i), True
+            )
+            for i in range(0, self.rows, size)
+        ]
+
 
 class TensorModel:
     def __init__(self, root: Path, engine: dict, threads: int = 0, spinning: bool = False):

@@ -61,3 +61,44 @@ def encoder_name(encoder_artifact) -> str:
     from engines.artifact import read_manifest
 
     return read_manifest(encoder_artifact)["recipe"]["name"]
+
+
+@pytest.fixture(scope="session")
+def tensor_artifact(tmp_path_factory) -> Path:
+    """A tensor model ("bring your own ONNX") through the real pipeline: y[n, 3] = x[n, 4] @ W, with
+    W = arange(12) / 10. Tiny on purpose (seconds to build); its answers are known offline."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tests.support.cli import run_optimize
+
+    workdir = tmp_path_factory.mktemp("tensor")
+    weights = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "matmul",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])],
+        [weights],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(workdir / "matmul.onnx"))
+    out = workdir / "artifact"
+    proc = run_optimize(
+        f"model.source={workdir / 'matmul.onnx'}",
+        "model.task=generic",
+        "engine=onnx",
+        "quantize=none",
+        "gate=none",
+        "gate.min_cosine=0.99",
+        "evaluate.inputs=random",
+        "calibration=random",
+        "evaluate.data.count=4",
+        "evaluate.batch_sizes=[1]",
+        "evaluate.latency=false",
+        "evaluate.memory=false",
+        f"output_dir={out}",
+        f"hydra.run.dir={workdir / 'run'}",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out

@@ -5,6 +5,7 @@ the session's artifact is never modified."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from engines.artifact import seal
+from serve.config import API_KEY_ENV
 from tests.support.cli import one_error_line
 from tests.support.serve import ROOT, running_server
 
@@ -85,3 +87,15 @@ def test_overrides_serve_a_modified_failed_artifact_and_say_so(encoder_artifact,
     with running_server(copy, "--allow-modified", "--allow-failed-gate") as server:
         assert "serving a modified artifact" in server.output
     assert server.proc.returncode == 0
+
+
+@pytest.mark.parametrize("key", ["", " ", "\t\n", " padded "])
+def test_a_blank_api_key_refuses_to_start(encoder_artifact, key):
+    # A blank key used to mean "no key": the server started with auth silently off.
+    words = ["whitespace"] if key.strip() else ["empty or blank"]
+    one_error_line(serve(str(encoder_artifact), "--api-key", key), "--api-key", *words)
+    env = {**os.environ, API_KEY_ENV: key}
+    proc = subprocess.run(
+        [sys.executable, "-m", "serve", str(encoder_artifact)], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    one_error_line(proc, API_KEY_ENV, *words)

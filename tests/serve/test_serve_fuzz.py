@@ -1,12 +1,19 @@
 """Property-based fuzzing of the request parsers: whatever arrives, the answer is a request the
-server can act on or an HTTPError with a 4xx status, never another exception (a 500)."""
+server can act on or an HTTPError with a 4xx status, never another exception (a 500). And of the
+command line: whatever arguments `python -m serve` is given, it parses them or exits 2 with one
+line `error: ...` (0 for --help), never a traceback."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from serve.errors import HTTPError
@@ -18,6 +25,7 @@ from serve.protocol import (
     parse_embeddings_request,
     parse_infer_request,
 )
+from tests.support.serve import ROOT
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # Requests with many optional fields are slow to generate: fewer examples, same coverage of fields.
@@ -185,3 +193,109 @@ def test_stop_matcher_emits_exactly_the_text_before_the_first_stop(pieces, stops
     full = "".join(pieces)
     cuts = [full.find(s) for s in stops if s in full]
     assert emitted == (full[: min(cuts)] if cuts else full)
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+FLAGS = [
+    "--host",
+    "--port",
+    "--model-name",
+    "--max-batch-size",
+    "--max-queue-delay-ms",
+    "--max-queue",
+    "--timeout-s",
+    "--max-request-bytes",
+    "--max-inputs",
+    "--max-prompt-tokens",
+    "--max-tokens",
+    "--header-timeout-s",
+    "--body-timeout-s",
+    "--max-connections",
+    "--threads",
+    "--ort-spinning",
+    "--api-key",
+    "--open-health-metrics",
+    "--allow-modified",
+    "--allow-failed-gate",
+    "--key",
+    "--require-signature",
+    "--log-level",
+    "--help",
+]
+HOSTILE_VALUES = [
+    "",
+    " ",
+    "\t",
+    "0",
+    "-1",
+    "1e3",
+    "nan",
+    "-nan",
+    "inf",
+    "-inf",
+    "1e309",
+    "0x10",
+    "1_000",
+    "65536",
+    "9" * 5000,  # past int()'s 4300 digits
+    str(2**63),
+    "--",
+    "-",
+    "--port=",
+    "line\nbreak",
+    "\x1b[31mred",
+    "é",
+    "\u202e",
+]
+# Text a command line can carry: no NUL, no lone surrogates (those cannot reach a process's argv).
+arg_text = st.text(st.characters(blacklist_categories=["Cs"], blacklist_characters="\x00"), max_size=12)
+argument = st.sampled_from(FLAGS) | st.sampled_from(HOSTILE_VALUES) | arg_text
+FUZZ_ARGV = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def assert_one_error_line(code, stderr: str) -> None:
+    assert code in (0, 2), (code, stderr)
+    if code == 2:
+        lines = stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    assert "Traceback" not in stderr
+
+
+@FUZZ_ARGV
+@given(st.lists(argument, max_size=8))
+def test_argument_parsing_parses_or_refuses_in_one_line(argv):
+    from serve.__main__ import build_parser
+    from serve.config import resolve
+
+    out, err = io.StringIO(), io.StringIO()
+    code = None
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as exc:
+            code = exc.code
+    if code is None:  # parsed: the settings it makes must be usable as they are
+        config = resolve(vars(args), {})
+        assert 0 <= args.port <= 65535 and config.timeout_s > 0 and config.body_timeout_s > 0
+        assert config.api_key is None or (config.api_key.strip() and config.api_key == config.api_key.strip())
+        return
+    assert_one_error_line(code, err.getvalue())
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(argument.filter(lambda a: a != "--help"), min_size=1, max_size=6))
+@example(["stray\nargument"])  # quoted in the message: it must not break the line
+def test_the_command_refuses_hostile_arguments_in_one_line(argv):
+    """The real process, parse and checks only: the artifact does not exist, so nothing is served."""
+    env = {k: v for k, v in os.environ.items() if k != "SERVE_API_KEY"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "serve", "/nonexistent/artifact", *argv],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert_one_error_line(proc.returncode, proc.stderr)

@@ -277,7 +277,9 @@ def test_shutdown_line_accounts_for_disconnects(encoder_artifact, encoder_name):
             sock.close()
         normal_latency(s, encoder_name, 3)
         time.sleep(0.5)
-    match = re.search(r"answered (\d+) of (\d+) accepted requests; (\d+) closed by their client", s.output)
+    match = re.search(
+        r"answered (\d+) of (\d+) accepted requests \(0 with a server error\); (\d+) closed by their client", s.output
+    )
     assert match, s.output[-2000:]
     answered, accepted, gone = map(int, match.groups())
     assert gone == 5 and answered + gone == accepted, s.output[-2000:]

@@ -17,14 +17,16 @@ PORT_LINE = re.compile(r"Uvicorn running on http://127\.0\.0\.1:(\d+)")
 
 
 class ServerProcess:
-    """`python -m serve ARTIFACT --port 0 ...`; the port is read from uvicorn's startup line."""
+    """`python -m serve ARTIFACT --port 0 ...`; the port is read from uvicorn's startup line.
+    With `token_delay_s`, a causal LM's tokens come that much apart (see slow_generation)."""
 
-    def __init__(self, artifact: Path, *args: str, env: dict | None = None):
+    def __init__(self, artifact: Path, *args: str, env: dict | None = None, token_delay_s: float | None = None):
         self.lines: list[str] = []
         self.port_found = threading.Event()
         self.port = None
+        command = ["-m", "serve"] if token_delay_s is None else ["-m", "tests.support.serve", str(token_delay_s)]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "serve", str(artifact), "--host", "127.0.0.1", "--port", "0", *args],
+            [sys.executable, *command, str(artifact), "--host", "127.0.0.1", "--port", "0", *args],
             cwd=ROOT,
             env={**os.environ, **(env or {})},
             stdout=subprocess.PIPE,
@@ -75,8 +77,10 @@ class ServerProcess:
 
 
 @contextlib.contextmanager
-def running_server(artifact: Path, *args: str, env: dict | None = None, headers: dict | None = None):
-    server = ServerProcess(artifact, *args, env=env)
+def running_server(
+    artifact: Path, *args: str, env: dict | None = None, headers: dict | None = None, token_delay_s: float | None = None
+):
+    server = ServerProcess(artifact, *args, env=env, token_delay_s=token_delay_s)
     try:
         yield server.wait_ready(headers=headers)
     finally:
@@ -132,3 +136,26 @@ def kserve_tensors(ids) -> list[dict]:
         {"name": n, "datatype": "INT64", "shape": list(a.shape), "data": a.reshape(-1).tolist()}
         for n, a in tensors.items()
     ]
+
+
+def slow_generation(delay_s: float) -> None:
+    """Hold every generated token for `delay_s` (in the generation thread, as a slower model would):
+    the tiny test LLM writes a whole stream in milliseconds, too fast for a client to leave in the
+    middle of one or for a stream to outlast a deadline."""
+    from engines.genai_runner import GenAIRunner
+
+    generate = GenAIRunner.generate
+
+    def slowed(self, *args, **kwargs):
+        for item in generate(self, *args, **kwargs):
+            time.sleep(delay_s)
+            yield item
+
+    GenAIRunner.generate = slowed  # type: ignore[method-assign]
+
+
+if __name__ == "__main__":  # python -m tests.support.serve TOKEN_DELAY_S ARTIFACT [serve's arguments]
+    from serve.__main__ import main
+
+    slow_generation(float(sys.argv[1]))
+    sys.exit(main(sys.argv[2:]))
