@@ -57,6 +57,7 @@ MAX_JSON_INT_DIGITS = 64  # no field here needs more; Python refuses over 4300 d
 
 
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+_LONG_DIGITS = re.compile(r"[0-9]{%d}" % (MAX_JSON_INT_DIGITS + 1))
 
 
 class JSONInputError(ValueError):
@@ -93,7 +94,10 @@ def parse_json(data: bytes | str) -> object:
     Anything else is a JSONInputError with one line."""
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
-        value = json.loads(text, parse_int=_bounded_int)
+        # The integer hook runs in Python once per integer (4x slower on a body of 12k integers):
+        # only text holding a run of digits longer than the bound needs it.
+        hook = _bounded_int if _LONG_DIGITS.search(text) else None
+        value = json.loads(text, parse_int=hook)
     except UnicodeDecodeError as exc:
         raise JSONInputError(f"not valid UTF-8 (byte {exc.start})") from None
     except json.JSONDecodeError as exc:
