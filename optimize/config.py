@@ -116,9 +116,11 @@ class GateConfig:
     min_topk_agreement: Optional[float] = None
     max_abs_error: Optional[float] = None
     min_speedup: Optional[float] = None
-    speedup_batch_size: int = 1
+    # The batch size min_speedup / max_p95_ms are checked at, or `all` (every point of workload.batches,
+    # one check each). Any: OmegaConf takes no Union of int and str; optimize/workload.py checks it.
+    speedup_batch_size: Any = 1
     max_p95_ms: Optional[float] = None
-    latency_batch_size: int = 1
+    latency_batch_size: Any = 1
     max_size_mb: Optional[float] = None
     max_peak_memory_mb: Optional[float] = None
     max_accuracy_drop: Optional[float] = None  # classifiers: top-1 accuracy drop vs baseline, in points
@@ -128,8 +130,27 @@ class GateConfig:
     min_mask_agreement: Optional[float] = None  # share of pixels on the same side of the threshold
     max_ppl_increase_pct: Optional[float] = None  # causal LMs: held-out perplexity increase, percent
     min_decode_speedup: Optional[float] = None  # causal LMs: decode tokens/s (p50) over PyTorch FP32 greedy
+    # The request shape min_decode_speedup is checked at ("1024x128": prompt x output tokens), or `all`
+    # (every point of workload.requests); null: the first request of the workload.
+    request_shape: Optional[str] = None
     max_lm_eval_drop: Optional[float] = None  # causal LMs: largest lm-eval accuracy drop, in points
     min_distill_recovery: Optional[float] = None  # prune+distill: share of the pruning perplexity loss won back (0..1)
+
+
+@dataclass
+class WorkloadConfig:
+    """The traffic the artifact will serve: what the race optimizes and the evaluation times at every
+    point. Resolved and checked in optimize/workload.py (Any: OmegaConf takes neither Union nor Literal)."""
+
+    # Encoders and tensor models: {batch size: weight} ({1: 0.7, 32: 0.3}; a weight is the share of
+    # calls made at that size) or a list (equal weights). null: the one batch size the gate's speed
+    # check names (today's race), timed with evaluate.batch_sizes as before.
+    batches: Any = None
+    # Causal LMs: [{prompt: 64, output: 64, weight: 0.5}, {prompt: 1024, output: 128, weight: 0.5}]
+    # (prompt and output in tokens; weight default 1). null: one request of evaluate.task_params'
+    # prompt_tokens and new_tokens.
+    requests: Any = None
+    concurrency: int = 1  # requests in flight at once (recorded; served-latency checks use it)
 
 
 @dataclass
@@ -180,6 +201,7 @@ class RecipeConfig:
     engine: MethodConfig = field(default_factory=lambda: MethodConfig(method="onnx"))
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     gate: GateConfig = field(default_factory=GateConfig)
+    workload: WorkloadConfig = field(default_factory=WorkloadConfig)
     serve: ServeDefaults = field(default_factory=ServeDefaults)
     report: ReportConfig = field(default_factory=ReportConfig)
     publish: PublishConfig = field(default_factory=PublishConfig)

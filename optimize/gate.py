@@ -4,6 +4,10 @@ Every threshold that is set becomes a check with its value, threshold and pass/f
 whose metric was not measured fails: a verdict never passes on a number nobody measured. A latency
 check fails too when other processes took more than BUSY_SHARE of the CPUs while it was timed:
 contention slows the baseline and the candidate unequally, so the ratio says nothing.
+
+Speed checks are made at the points they are asked to: gate.min_speedup and gate.max_p95_ms at one
+batch size or at `all` the workload's batch sizes, min_decode_speedup at one request shape or `all`;
+each point of `all` is a check of its own (min_speedup[batch=32]), so CI shows which point failed.
 """
 
 from __future__ import annotations
@@ -13,16 +17,23 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 from optimize.evaluate.benchmark import BUSY_SHARE
+from optimize.workload import ALL, Workload
 
 
 @dataclass(frozen=True)
 class CheckSpec:
     threshold_key: str
     metric: str  # what the value is, for the report
-    read: Callable[[dict, dict, dict], Optional[float]]  # (baseline, candidate, thresholds) -> value
+    # (baseline, candidate, point) -> value; point: the batch size or request shape ("1024x128")
+    # the check is made at, None for a check of the run as a whole
+    read: Callable[[dict, dict, Optional[str]], Optional[float]]
     passes: Callable[[float, float], bool]
     comparison: str
     timed: bool = False  # a latency figure: not trusted when the machine was busy while timing
+    # The threshold naming the point(s) checked: a batch size or `all` (per="batch"), a request
+    # shape, `all` or null (per="request"); a check of `all` is made once per workload point.
+    selector: Optional[str] = None
+    per: str = ""
 
 
 def _dig(metrics: Any, *keys) -> Any:
@@ -33,97 +44,108 @@ def _dig(metrics: Any, *keys) -> Any:
     return metrics
 
 
-def _batch(thresholds: dict, key: str) -> str:
-    return str(thresholds.get(key) or 1)
+def _decode_speedup(candidate: dict, shape: Optional[str]) -> Any:
+    """The workload's first request's decode speedup, or the named shape's."""
+    if shape is None:
+        return _dig(candidate, "decode_speedup")
+    return _dig(candidate, "requests", shape, "decode_speedup")
 
 
 CHECKS = (
     CheckSpec(
-        "min_cosine", "fidelity cosine (min)", lambda b, c, t: _dig(c, "fidelity", "cosine_min"), operator.ge, ">="
+        "min_cosine", "fidelity cosine (min)", lambda b, c, point: _dig(c, "fidelity", "cosine_min"), operator.ge, ">="
     ),
     CheckSpec(
         "min_mean_cosine",
         "fidelity cosine (mean)",
-        lambda b, c, t: _dig(c, "fidelity", "cosine_mean"),
+        lambda b, c, point: _dig(c, "fidelity", "cosine_mean"),
         operator.ge,
         ">=",
     ),
     CheckSpec(
         "min_topk_agreement",
         "retrieval top-k agreement",
-        lambda b, c, t: _dig(c, "fidelity", "topk_agreement"),
+        lambda b, c, point: _dig(c, "fidelity", "topk_agreement"),
         operator.ge,
         ">=",
     ),
     CheckSpec(
-        "max_abs_error", "max abs error", lambda b, c, t: _dig(c, "fidelity", "max_abs_error"), operator.le, "<="
+        "max_abs_error", "max abs error", lambda b, c, point: _dig(c, "fidelity", "max_abs_error"), operator.le, "<="
     ),
     CheckSpec(
         "min_speedup",
         "speedup at p50",
-        lambda b, c, t: _dig(c, "speedup", _batch(t, "speedup_batch_size")),
+        lambda b, c, point: _dig(c, "speedup", point),
         operator.ge,
         ">=",
         True,
+        "speedup_batch_size",
+        "batch",
     ),
     CheckSpec(
         "max_p95_ms",
         "latency p95 (ms)",
-        lambda b, c, t: _dig(c, "latency", _batch(t, "latency_batch_size"), "p95_ms"),
+        lambda b, c, point: _dig(c, "latency", point, "p95_ms"),
         operator.le,
         "<=",
         True,
+        "latency_batch_size",
+        "batch",
     ),
-    CheckSpec("max_size_mb", "size on disk (MB)", lambda b, c, t: _dig(c, "size_mb"), operator.le, "<="),
-    CheckSpec("max_peak_memory_mb", "peak memory (MB)", lambda b, c, t: _dig(c, "peak_memory_mb"), operator.le, "<="),
+    CheckSpec("max_size_mb", "size on disk (MB)", lambda b, c, point: _dig(c, "size_mb"), operator.le, "<="),
+    CheckSpec(
+        "max_peak_memory_mb", "peak memory (MB)", lambda b, c, point: _dig(c, "peak_memory_mb"), operator.le, "<="
+    ),
     CheckSpec(
         "max_accuracy_drop",
         "top-1 accuracy drop (points)",
-        lambda b, c, t: _dig(c, "accuracy_drop_points"),
+        lambda b, c, point: _dig(c, "accuracy_drop_points"),
         operator.le,
         "<=",
     ),
     CheckSpec(
         "min_mask_iou",
         "mask IoU vs baseline (pooled over the set)",
-        lambda b, c, t: _dig(c, "fidelity", "mask", "iou"),
+        lambda b, c, point: _dig(c, "fidelity", "mask", "iou"),
         operator.ge,
         ">=",
     ),
     CheckSpec(
         "min_mask_agreement",
         "mask pixel agreement",
-        lambda b, c, t: _dig(c, "fidelity", "mask", "pixel_agreement"),
+        lambda b, c, point: _dig(c, "fidelity", "mask", "pixel_agreement"),
         operator.ge,
         ">=",
     ),
-    CheckSpec("min_accuracy", "top-1 accuracy", lambda b, c, t: _dig(c, "top1_accuracy"), operator.ge, ">="),
+    CheckSpec("min_accuracy", "top-1 accuracy", lambda b, c, point: _dig(c, "top1_accuracy"), operator.ge, ">="),
     CheckSpec(
         "max_ppl_increase_pct",
         "held-out perplexity increase (%)",
-        lambda b, c, t: _dig(c, "perplexity_increase_pct"),
+        lambda b, c, point: _dig(c, "perplexity_increase_pct"),
         operator.le,
         "<=",
     ),
     CheckSpec(
         "min_decode_speedup",
         "decode tok/s p50 vs PyTorch FP32 greedy",
-        lambda b, c, t: _dig(c, "decode_speedup"),
+        lambda b, c, point: _decode_speedup(c, point),
         operator.ge,
         ">=",
         True,
+        "request_shape",
+        "request",
     ),
     CheckSpec(
         "max_lm_eval_drop",
         "lm-eval accuracy drop (points, worst task)",
-        lambda b, c, t: _dig(c, "lm_eval_drop_pts"),
+        lambda b, c, point: _dig(c, "lm_eval_drop_pts"),
         operator.le,
         "<=",
     ),
     CheckSpec(
         "min_distill_recovery",
         "share of the pruning perplexity loss recovered by distillation",
-        lambda b, c, t: _dig(c, "distill_recovery"),
+        lambda b, c, point: _dig(c, "distill_recovery"),
         operator.ge,
         ">=",
     ),
@@ -150,27 +172,55 @@ class Verdict:
         return {"passed": self.passed, "checks": [asdict(c) for c in self.checks]}
 
 
-def judge(baseline: dict, candidate: dict, thresholds: dict) -> Verdict:
+def judge(baseline: dict, candidate: dict, thresholds: dict, workload: Optional[Workload] = None) -> Verdict:
+    """Every threshold set becomes a check; a threshold on `all` points becomes one check per point of
+    `workload` (without one: per point measured), named like min_speedup[batch=32]."""
     checks = []
     busy = _dig(candidate, "timing", "other_cpu_share") or 0.0  # while the latency figures were timed
     for spec in CHECKS:
         threshold = thresholds.get(spec.threshold_key)
         if threshold is None:
             continue
-        metric = spec.metric
-        if spec.threshold_key == "min_speedup":
-            metric += f", batch {_batch(thresholds, 'speedup_batch_size')}"
-        if spec.threshold_key == "max_p95_ms":
-            metric += f", batch {_batch(thresholds, 'latency_batch_size')}"
-        value = spec.read(baseline, candidate, thresholds)
-        if value is None:
-            checks.append(Check(spec.threshold_key, metric, None, spec.comparison, threshold, False, "not measured"))
-        else:
-            untrusted = spec.timed and busy > BUSY_SHARE
-            note = f"untrusted: other processes used {busy:.0%} of the CPUs while timing" if untrusted else ""
+        for name, metric, point in _points(spec, thresholds, candidate, workload):
+            value = spec.read(baseline, candidate, point)
+            if value is None:
+                checks.append(Check(name, metric, None, spec.comparison, threshold, False, "not measured"))
+                continue
+            share = _dig(candidate, "timing", "points", point) if point is not None else None
+            share = busy if share is None else share
+            untrusted = spec.timed and share > BUSY_SHARE
+            note = f"untrusted: other processes used {share:.0%} of the CPUs while timing" if untrusted else ""
             passed = not untrusted and bool(spec.passes(value, threshold))
-            checks.append(Check(spec.threshold_key, metric, float(value), spec.comparison, threshold, passed, note))
+            checks.append(Check(name, metric, float(value), spec.comparison, threshold, passed, note))
     return Verdict(all(c.passed for c in checks), tuple(checks))
+
+
+def _is_all(selector: Any) -> bool:
+    return isinstance(selector, str) and selector.strip().lower() == ALL
+
+
+def _points(spec: CheckSpec, thresholds: dict, candidate: dict, workload: Optional[Workload]) -> list:
+    """(check name, metric, point) for each point the check is made at."""
+    name, metric = spec.threshold_key, spec.metric
+    if spec.per == "batch":
+        selector = thresholds.get(spec.selector or "")
+        if not _is_all(selector):
+            batch = str(selector or 1)
+            return [(name, f"{metric}, batch {batch}", batch)]
+        if workload is not None:
+            keys = [p.key for p in workload.batches]
+        else:
+            keys = sorted(_dig(candidate, "latency") or {}, key=int)
+        return [(f"{name}[batch={k}]", f"{metric}, batch {k}", k) for k in keys] or [(name, metric, None)]
+    if spec.per == "request":
+        selector = thresholds.get(spec.selector or "")
+        if selector is None:
+            return [(name, metric, None)]
+        if not _is_all(selector):
+            return [(name, f"{metric}, shape {selector}", str(selector).strip().lower())]
+        keys = [p.key for p in workload.requests] if workload is not None else list(_dig(candidate, "requests") or {})
+        return [(f"{name}[shape={k}]", f"{metric}, shape {k}", k) for k in keys] or [(name, metric, None)]
+    return [(name, metric, None)]
 
 
 def gate_keys() -> set[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engines import formats, load_engine
-from optimize import artifact, ci_report, environment, gate, publish, registry, tasks
+from optimize import artifact, ci_report, environment, gate, publish, registry, tasks, workload
 from optimize.config import recipe_dict
 from optimize.context import Context, Model, SourceModel
 from optimize.errors import RecipeError
@@ -21,6 +21,7 @@ from optimize.evaluate.harness import Subject
 from optimize.models import load as load_source
 from optimize.models import resolve as resolve_source
 from optimize.models import source_hash
+from optimize.workload import Workload
 
 log = logging.getLogger(__name__)
 TOKENIZER_DIR = "tokenizer"
@@ -33,6 +34,7 @@ class Plan:
     stages: list[tuple[registry.Method, Any]]
     needs_calibration: bool
     final_dir: Path
+    workload: Workload  # the traffic the race optimizes and the gate checks, resolved once
 
 
 def plan(cfg, run_dir: Path) -> Plan:
@@ -62,6 +64,13 @@ def plan(cfg, run_dir: Path) -> Plan:
             f"evaluate.batch_sizes has {max(cfg.evaluate.batch_sizes)}, more than the "
             f"{cfg.evaluate.data.count} evaluation samples (evaluate.data.count)"
         )
+    the_workload = workload.resolve(cfg)
+    largest = max(p.batch for p in the_workload.batches)
+    if cfg.model.task != "causal_lm" and cfg.evaluate.latency and largest > cfg.evaluate.data.count:
+        raise RecipeError(
+            f"workload.batches has {largest}, more than the {cfg.evaluate.data.count} evaluation samples "
+            "(evaluate.data.count)"
+        )
     if cfg.evaluate.overlap not in ("error", "drop"):
         raise RecipeError(f"evaluate.overlap={cfg.evaluate.overlap} (use error or drop)")
     resolve_source(cfg.model)
@@ -69,7 +78,7 @@ def plan(cfg, run_dir: Path) -> Plan:
     final = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else run_dir / "artifact"
     artifact.check_destination(final, cfg.overwrite)
     ci_report.check_destination(cfg.report.junit)
-    return Plan(stages, any(m.needs_calibration for m, _ in stages), final)
+    return Plan(stages, any(m.needs_calibration for m, _ in stages), final, the_workload)
 
 
 def _refuse_after_candidates(stages) -> None:
@@ -129,7 +138,8 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         metrics["baseline"].update(engine=baseline.engine["format"], precision="fp32")
         metrics["candidate"].update(engine=engine["format"], precision=engine["precision"])
         metrics["threads"] = _threads(ctx.threads)
-        verdict = gate.judge(metrics["baseline"], metrics["candidate"], recipe_dict(cfg.gate))
+        metrics["workload"] = the_plan.workload.record()
+        verdict = gate.judge(metrics["baseline"], metrics["candidate"], recipe_dict(cfg.gate), the_plan.workload)
         manifest = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started, stage)
         ci_report.write_into(stage, manifest, the_plan.final_dir)  # listed in the manifest like every file
         manifest = artifact.write_manifest(stage, manifest)

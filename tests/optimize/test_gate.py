@@ -73,7 +73,7 @@ def test_every_gate_threshold_in_the_schema_has_a_check():
 
     from optimize.config import GateConfig
 
-    selectors = {"speedup_batch_size", "latency_batch_size"}
+    selectors = {"speedup_batch_size", "latency_batch_size", "request_shape"}
     assert {f.name for f in fields(GateConfig)} - selectors == gate_keys()
 
 

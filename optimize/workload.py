@@ -1,0 +1,193 @@
+"""The workload: the traffic a recipe says its artifact will serve (`workload.batches` for encoders and
+tensor models, `workload.requests` for causal LMs), resolved once into points with weights.
+
+The race minimises the weighted cost over the points, the evaluation times every point, and the gate
+checks the points it is asked to (`gate.speedup_batch_size=all`, `gate.request_shape=all`). A recipe
+that declares nothing gets one point: the batch size (or request) the race and the gate used before
+the workload existed, so such a recipe behaves exactly as it did.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from optimize.errors import RecipeError
+
+ALL = "all"
+
+
+@dataclass(frozen=True)
+class BatchPoint:
+    batch: int
+    weight: float  # share of calls at this batch size (the weights sum to 1)
+
+    @property
+    def label(self) -> str:
+        return f"batch={self.batch}"
+
+    @property
+    def key(self) -> str:  # how metrics key their per-batch figures
+        return str(self.batch)
+
+
+@dataclass(frozen=True)
+class RequestPoint:
+    prompt: int  # prompt tokens
+    output: int  # generated tokens
+    weight: float  # share of requests of this shape (the weights sum to 1)
+
+    @property
+    def label(self) -> str:
+        return f"shape={self.key}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.prompt}x{self.output}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    batches: tuple[BatchPoint, ...]
+    requests: tuple[RequestPoint, ...]
+    concurrency: int = 1
+    declared: bool = False  # the recipe said what it serves (not the one-point default)
+
+    def batch_sizes_timed(self, evaluated: list[int]) -> list[int]:
+        """evaluate.batch_sizes, then any declared batch size they lack: every point is timed."""
+        return list(dict.fromkeys([*evaluated, *(p.batch for p in self.batches)]))
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "declared": self.declared,
+            "batches": {p.key: p.weight for p in self.batches},
+            "requests": [{"prompt": p.prompt, "output": p.output, "weight": p.weight} for p in self.requests],
+            "concurrency": self.concurrency,
+        }
+
+
+def resolve(cfg) -> Workload:
+    """The recipe's workload, checked: bad input is a RecipeError naming the key."""
+    node = cfg.get("workload") if hasattr(cfg, "get") else None
+    batches_raw = _plain(node.get("batches")) if node is not None else None
+    requests_raw = _plain(node.get("requests")) if node is not None else None
+    concurrency = node.get("concurrency", 1) if node is not None else 1
+    if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
+        raise RecipeError(f"workload.concurrency={concurrency}: give a whole number of at least 1")
+    for key in ("speedup_batch_size", "latency_batch_size"):
+        selector_batch(cfg.gate.get(key, 1), f"gate.{key}")
+    batches = _batches(batches_raw) if batches_raw is not None else _default_batches(cfg)
+    requests = _requests(requests_raw) if requests_raw is not None else _default_requests(cfg)
+    workload = Workload(batches, requests, concurrency, batches_raw is not None or requests_raw is not None)
+    request_shape(cfg.gate.get("request_shape"), workload)
+    return workload
+
+
+def _plain(value) -> Any:
+    from omegaconf import DictConfig, ListConfig, OmegaConf
+
+    if isinstance(value, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(value, resolve=True)
+    return value
+
+
+def selector_batch(value, key: str) -> Optional[int]:
+    """A gate batch selector: a batch size, or None for `all`."""
+    if isinstance(value, str) and value.strip().lower() == ALL:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RecipeError(f"{key}={value}: give a batch size (a whole number of at least 1) or all")
+    return value
+
+
+def request_shape(value, workload: Workload) -> Optional[tuple[RequestPoint, ...]]:
+    """The requests gate.request_shape selects: null -> the first, `all` -> every one, '1024x128' -> that one."""
+    if value is None:
+        return workload.requests[:1]
+    text = str(value).strip().lower()
+    if text == ALL:
+        return workload.requests
+    match = [p for p in workload.requests if p.key == text]
+    if not match:
+        known = ", ".join(p.key for p in workload.requests)
+        raise RecipeError(f"gate.request_shape={value}: not a workload request (declared: {known}, or all)")
+    return tuple(match)
+
+
+def _whole(value, key: str) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RecipeError(f"{key}: {value!r} is not a whole number of at least 1")
+    return value
+
+
+def _weight(value, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise RecipeError(f"{key}: weight {value!r} must be a positive number")
+    return float(value)
+
+
+def _normalised(weights: list[float]) -> list[float]:
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def _batches(raw) -> tuple[BatchPoint, ...]:
+    """{1: 0.7, 32: 0.3} or [1, 32] (equal weights)."""
+    if isinstance(raw, dict):
+        pairs = [(_whole(k, "workload.batches"), _weight(v, f"workload.batches.{k}")) for k, v in raw.items()]
+    elif isinstance(raw, list):
+        pairs = [(_whole(b, "workload.batches"), 1.0) for b in raw]
+    else:
+        raise RecipeError(f"workload.batches={raw!r}: give a list of batch sizes or {{batch size: weight}}")
+    sizes = [b for b, _ in pairs]
+    if not pairs or len(set(sizes)) != len(sizes):
+        raise RecipeError(f"workload.batches={raw!r}: list each batch size once, at least one")
+    return tuple(BatchPoint(b, w) for (b, _), w in zip(pairs, _normalised([w for _, w in pairs])))
+
+
+def _requests(raw) -> tuple[RequestPoint, ...]:
+    """[{prompt: 64, output: 64, weight: 0.5}, ...] (weight default 1)."""
+    if not isinstance(raw, list) or not raw:
+        raise RecipeError("workload.requests: give a list of {prompt: TOKENS, output: TOKENS, weight: W}")
+    shapes = []
+    for i, item in enumerate(raw):
+        key = f"workload.requests[{i}]"
+        if (
+            not isinstance(item, dict)
+            or not {"prompt", "output"} <= set(item)
+            or set(item) - {"prompt", "output", "weight"}
+        ):
+            raise RecipeError(f"{key}={item!r}: give {{prompt: TOKENS, output: TOKENS, weight: W}}")
+        prompt, output = _whole(item["prompt"], f"{key}.prompt"), _whole(item["output"], f"{key}.output")
+        if prompt < 2 or output < 2:
+            raise RecipeError(f"{key}: prompt and output must be at least 2 tokens")
+        shapes.append((prompt, output, _weight(item.get("weight", 1.0), key)))
+    if len({(p, o) for p, o, _ in shapes}) != len(shapes):
+        raise RecipeError("workload.requests: list each prompt/output shape once")
+    weights = _normalised([w for _, _, w in shapes])
+    return tuple(RequestPoint(p, o, w) for (p, o, _), w in zip(shapes, weights))
+
+
+def _default_batches(cfg) -> tuple[BatchPoint, ...]:
+    """The batch size the race was won at before workloads: the gate's speedup (or p95) batch, else
+    the first timed one; `all` there means every evaluated batch size."""
+    gate, evaluated = cfg.gate, list(cfg.evaluate.batch_sizes)
+    if gate.get("min_speedup") is not None:
+        chosen = selector_batch(gate.get("speedup_batch_size", 1), "gate.speedup_batch_size")
+    elif gate.get("max_p95_ms") is not None:
+        chosen = selector_batch(gate.get("latency_batch_size", 1), "gate.latency_batch_size")
+    else:
+        chosen = evaluated[0] if evaluated else 1
+    sizes = evaluated if chosen is None else [chosen]
+    return tuple(BatchPoint(b, w) for b, w in zip(sizes, _normalised([1.0] * len(sizes))))
+
+
+def _default_requests(cfg) -> tuple[RequestPoint, ...]:
+    """One request of evaluate.task_params' prompt_tokens and new_tokens (the LM task's defaults)."""
+    params = _plain(cfg.evaluate.get("task_params")) or {}
+    prompt, output = params.get("prompt_tokens", 64), params.get("new_tokens", 64)
+    if not isinstance(prompt, int) or not isinstance(output, int):
+        return (RequestPoint(64, 64, 1.0),)  # the task's own config check names the bad key
+    return (RequestPoint(prompt, output, 1.0),)
