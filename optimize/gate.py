@@ -7,7 +7,8 @@ contention slows the baseline and the candidate unequally, so the ratio says not
 
 Speed checks are made at the points they are asked to: gate.min_speedup and gate.max_p95_ms at one
 batch size or at `all` the workload's batch sizes, min_decode_speedup at one request shape or `all`;
-each point of `all` is a check of its own (min_speedup[batch=32]), so CI shows which point failed.
+each point of `all` is a check of its own (min_speedup[batch=32]), so CI shows which point failed
+(a workload of one point keeps the plain name).
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ def _points(spec: CheckSpec, thresholds: dict, candidate: dict, workload: Option
             keys = [p.key for p in workload.batches]
         else:
             keys = sorted(_dig(candidate, "latency") or {}, key=int)
-        return [(f"{name}[batch={k}]", f"{metric}, batch {k}", k) for k in keys] or [(name, metric, None)]
+        return _each(name, metric, "batch", keys)
     if spec.per == "request":
         selector = thresholds.get(spec.selector or "")
         if selector is None:
@@ -219,8 +220,16 @@ def _points(spec: CheckSpec, thresholds: dict, candidate: dict, workload: Option
         if not _is_all(selector):
             return [(name, f"{metric}, shape {selector}", str(selector).strip().lower())]
         keys = [p.key for p in workload.requests] if workload is not None else list(_dig(candidate, "requests") or {})
-        return [(f"{name}[shape={k}]", f"{metric}, shape {k}", k) for k in keys] or [(name, metric, None)]
+        return _each(name, metric, "shape", keys)
     return [(name, metric, None)]
+
+
+def _each(name: str, metric: str, kind: str, keys: list[str]) -> list:
+    """One check per point, named for it (min_speedup[batch=32]); a workload of one point keeps the
+    check's plain name, as before workloads, so a one-point recipe's checks read exactly as they did."""
+    if len(keys) == 1:
+        return [(name, f"{metric}, {kind} {keys[0]}", keys[0])]
+    return [(f"{name}[{kind}={k}]", f"{metric}, {kind} {k}", k) for k in keys] or [(name, metric, None)]
 
 
 def gate_keys() -> set[str]:

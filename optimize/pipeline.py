@@ -124,6 +124,8 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
 
             ctx.encoder = TensorEncoder.for_onnx(source.onnx_path, recipe_dict(cfg.model.inputs), ctx.threads)
             ctx.record("inputs", ctx.encoder.record())
+        if hasattr(task, "check_workload"):  # a task whose workload depends on the model (LM context)
+            task.check_workload(ctx, the_plan.workload)
         model = _initial_model(source)
         for method, method_cfg in order(the_plan.stages):
             log.info("%s: %s", method.stage, method.name)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from optimize.evaluate.benchmark import RETIME_SHARE
+
 
 def _fmt(value, digits: int = 2) -> str:
     if value is None:
@@ -54,6 +56,15 @@ def metrics_rows(metrics: dict) -> list[list[str]]:
     rows += [[str(cell) for cell in row] for row in metrics.get("table", [])]  # rows a task adds
     if "timing" in cand:  # the conditions the latency figures were measured in
         rows.append(["CPU used by other processes while timing", "", f"{cand['timing']['other_cpu_share']:.0%}", ""])
+        if "retimed_points" in cand["timing"]:
+            rows.append(
+                [
+                    f"points timed again (others above {RETIME_SHARE:.0%} of the CPUs)",
+                    "",
+                    f"{cand['timing']['retimed_points']} of {len(cand['timing'].get('points') or {})}",
+                    "",
+                ]
+            )
     rows.append(
         [
             "size on disk MB",

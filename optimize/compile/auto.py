@@ -168,6 +168,8 @@ class Entry:
     accuracy_checks: list = field(default_factory=list)
     passed: Optional[bool] = None
     outcome: str = ""
+    slower_than_baseline_at: list = field(default_factory=list)  # workload points (set by race.pick)
+    cost: Optional[float] = None  # the weighted cost over the workload's points (several points only)
 
     def kernels(self) -> Optional[dict]:
         """INT8 and float weighted nodes: from the quantize record (ONNX Runtime) or the OpenVINO op counts."""
@@ -191,6 +193,8 @@ class Entry:
             "metrics": self.metrics,
             "kernels": self.kernels(),
             "columns": self.columns(),
+            "slower_than_baseline_at": self.slower_than_baseline_at,
+            "cost": self.cost,
             "outcome": self.outcome,
         }
 
@@ -206,6 +210,8 @@ class Entry:
         }
         for batch, timing in self.latency.items():
             cells[f"p50 ms b{batch} (x base)"] = f"{timing['p50_ms']:.2f} ({timing['x_baseline']:.2f}x)"
+        if self.cost is not None:
+            cells["workload ms (weighted p50)"] = f"{self.cost:.2f}"
         return cells
 
 
@@ -223,8 +229,12 @@ def _fmt(value, digits: int = 4) -> str:
     tasks=("sentence_embedding", "generic", "causal_lm"),
 )
 def engine_race(model, cfg: EngineRaceConfig, ctx):
-    """Race ONNX Runtime and OpenVINO candidates on this machine; ship the fastest that passes accuracy."""
+    """Race ONNX Runtime and OpenVINO candidates on this machine; ship the fastest over the recipe's
+    workload that passes accuracy."""
+    from optimize import workload as workloads
+
     started = time.monotonic()
+    workload = workloads.resolve(ctx.cfg)
     lm = model.task == "causal_lm"
     exported = model if lm else _export_once(model, ctx)  # decoders are built from the module itself
     entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates or default_candidates(model.task)]
@@ -246,16 +256,17 @@ def engine_race(model, cfg: EngineRaceConfig, ctx):
     if lm:
         from optimize.compile import race_lm
 
-        baseline = race_lm.score(built, ctx)
-        winner = race_lm.choose(built, ctx)
+        baseline = race_lm.score(built, ctx, workload)
+        winner = race_lm.choose(built, ctx, workload, baseline)
     else:
-        baseline = _score(built, ctx)
-        winner = _choose(built, ctx)
+        baseline = _score(built, ctx, workload)
+        winner = _choose(built, ctx, workload, baseline)
     export = ctx.stage_records.pop("export", None)
     ctx.stage_records.update(winner.records)  # the winner's own engine (and quantize) records
     winner_engine = ctx.stage_records.pop("engine", None)
     ctx.record(
-        "engine", _race_record(ctx, entries, winner, baseline, export, winner_engine, time.monotonic() - started)
+        "engine",
+        _race_record(ctx, workload, entries, winner, baseline, export, winner_engine, time.monotonic() - started),
     )
     return winner.model
 
@@ -384,9 +395,10 @@ def _cache_dir(key_base: str, spec: Candidate) -> Path:
 # ---------------------------------------------------------------- scoring and choosing
 
 
-def _score(entries: list[Entry], ctx) -> dict:
+def _score(entries: list[Entry], ctx, workload) -> dict:
     """Fidelity of every candidate against the baseline on the evaluation data, then one timing run
-    per batch size with the baseline and every candidate taking turns. Returns the baseline's p50s."""
+    per batch size (evaluate.batch_sizes and every workload point) with the baseline and every
+    candidate taking turns, timed again while the machine was busy. Returns the baseline's p50s."""
     from engines import load_engine
     from optimize import tasks
     from optimize.evaluate import benchmark, harness
@@ -407,15 +419,17 @@ def _score(entries: list[Entry], ctx) -> dict:
         )
     race_cfg = ctx.cfg.engine.params
     baseline_p50 = {}
-    for batch_size in ctx.cfg.evaluate.batch_sizes:
+    for batch_size in workload.batch_sizes_timed(list(ctx.cfg.evaluate.batch_sizes)):
         timed = [b for b in harness.batches_of(inputs, batch_size) if harness.sample_count(b) == batch_size]
-        stats = benchmark.measure(
-            {"baseline": baseline, **runners},
-            timed,
-            batch_size,
-            warmup=2,
-            repeats=race_cfg.timing_repeats,
-            budget_s=8.0,
+        stats = benchmark.quietest(
+            lambda: benchmark.measure(
+                {"baseline": baseline, **runners},
+                timed,  # noqa: B023
+                batch_size,  # noqa: B023
+                warmup=2,
+                repeats=race_cfg.timing_repeats,
+                budget_s=8.0,
+            )
         )
         baseline_p50[str(batch_size)] = stats["baseline"]["p50_ms"]
         for entry in entries:
@@ -423,6 +437,7 @@ def _score(entries: list[Entry], ctx) -> dict:
                 "p50_ms": stats[entry.name]["p50_ms"],
                 "x_baseline": stats["baseline"]["p50_ms"] / stats[entry.name]["p50_ms"],
                 "other_cpu_share": stats["other_cpu_share"],
+                "retimes": stats["retimes"],
             }
     return baseline_p50
 
@@ -444,30 +459,43 @@ def _size_mb(model) -> float:
     return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name != "candidate.json") / 2**20
 
 
-def race_batch_size(ctx) -> str:
-    """The batch size the race is won at: the gate's speedup (or p95) batch, else the first timed one."""
-    gate = ctx.cfg.gate
-    if gate.min_speedup is not None:
-        return str(gate.speedup_batch_size)
-    if gate.max_p95_ms is not None:
-        return str(gate.latency_batch_size)
-    return str(ctx.cfg.evaluate.batch_sizes[0])
-
-
-def _choose(entries: list[Entry], ctx) -> Entry:
-    """The fastest at the race's batch size among the candidates that pass every accuracy (and size)
-    check of the gate."""
+def _choose(entries: list[Entry], ctx, workload, baseline_p50: dict) -> Entry:
+    """The fastest over the workload (p50 at its one batch size, or the weighted p50 over several)
+    among the candidates that pass every accuracy (and size) check of the gate, preferring those
+    never slower than the baseline at any point."""
     from optimize.compile.race import pick
 
-    batch = race_batch_size(ctx)
+    points = workload.batches
+    if len(points) == 1:
+        batch = points[0].key
+        words = (f"fastest at batch {batch}", f"p50 at batch {batch}")
+    else:
+        for entry in entries:
+            entry.cost = sum(p.weight * entry.latency[p.key]["p50_ms"] for p in points)
+        mix = ", ".join(f"batch {p.batch}: {p.weight:.2f}" for p in points)
+        words = (f"fastest over the workload ({mix})", "weighted p50")
     return pick(
         entries,
         ctx,
         measured=lambda e: {"fidelity": e.fidelity},
-        cost=lambda e: e.latency[batch]["p50_ms"],
+        cost=lambda e: e.cost if e.cost is not None else e.latency[points[0].key]["p50_ms"],
         error=lambda e: -e.fidelity.get("cosine_min", 0.0),
-        cost_words=(f"fastest at batch {batch}", f"p50 at batch {batch}"),
+        cost_words=words,
+        per_point=lambda e: {f"batch {p.batch}": e.latency[p.key]["p50_ms"] for p in points},
+        baseline={f"batch {p.batch}": baseline_p50[p.key] for p in points},
     )
+
+
+def won_on(workload, lm: bool) -> str:
+    """What the race minimised, in words."""
+    if lm:
+        points = workload.requests
+        if len(points) == 1:
+            return "generation time"
+        return "weighted request time (" + ", ".join(f"{p.key}: {p.weight:.2f}" for p in points) + ")"
+    if len(workload.batches) == 1:
+        return f"p50 at batch {workload.batches[0].batch}"
+    return "weighted p50 (" + ", ".join(f"batch {p.batch}: {p.weight:.2f}" for p in workload.batches) + ")"
 
 
 # ---------------------------------------------------------------- report
@@ -475,6 +503,7 @@ def _choose(entries: list[Entry], ctx) -> Entry:
 
 def _race_record(
     ctx,
+    workload,
     entries: list[Entry],
     winner: Entry,
     baseline: dict,
@@ -485,7 +514,7 @@ def _race_record(
     from optimize.evaluate.kernels import int8_gemm_speedup
 
     lm = bool(winner.metrics)
-    plot = _plot(entries, race_batch_size(ctx), ctx.scratch / "race_front.png")
+    plot = _plot(entries, workload, ctx.scratch / "race_front.png")
     if plot:
         ctx.extra_files["race/front.png"] = plot
     for entry in entries:
@@ -493,8 +522,11 @@ def _race_record(
     record = {
         "method": "auto",
         "winner": winner.name,
-        "won_on": "generation time" if lm else f"p50 at batch {race_batch_size(ctx)}",
+        "won_on": won_on(workload, lm),
+        "workload": workload.record(),
         "candidates": [e.report() for e in entries],
+        "close_calls": [e.name for e in entries if "within noise" in e.outcome],
+        "retimed_points": _retimed_points(entries),
         "seconds": round(seconds, 1),
         "plot": "race/front.png" if plot else None,
         "winner_engine": winner_engine,
@@ -503,16 +535,31 @@ def _race_record(
         return {**record, "baseline": baseline}
     return {
         **record,
-        "batch_size": race_batch_size(ctx),
+        "batch_size": workload.batches[0].key if len(workload.batches) == 1 else None,
         "baseline_p50_ms": baseline,
         "export": export,
         "int8_gemm": int8_gemm_speedup(ctx.threads),
     }
 
 
-def _plot(entries: list[Entry], batch: str, path: Path) -> Optional[Path]:
-    """Latency against accuracy (min cosine; for causal LMs, generation time against perplexity increase)."""
-    scored = [e for e in entries if (e.latency and "cosine_min" in e.fidelity) or "generation_ms" in e.metrics]
+def _retimed_points(entries: list[Entry]) -> int:
+    """Points the race timed again because other processes took CPU time (all candidates share a run)."""
+    for entry in entries:
+        timed = entry.latency or entry.metrics.get("requests") or {}
+        if timed:
+            return sum((t.get("retimes") or 0) > 0 for t in timed.values())
+    return 0
+
+
+def _plot(entries: list[Entry], workload, path: Path) -> Optional[Path]:
+    """The front at every workload point: latency (causal LMs: request time) against accuracy (min
+    cosine; perplexity increase), one panel per point, each candidate labelled with its size."""
+    lm = any("requests" in e.metrics for e in entries)
+    points = [p.key for p in (workload.requests if lm else workload.batches)]
+    if lm:
+        scored = [e for e in entries if "requests" in e.metrics]
+    else:
+        scored = [e for e in entries if "cosine_min" in e.fidelity and all(k in e.latency for k in points)]
     if not scored:
         return None
     import matplotlib
@@ -520,31 +567,34 @@ def _plot(entries: list[Entry], batch: str, path: Path) -> Optional[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    lm = "generation_ms" in scored[0].metrics
-    for entry in scored:
-        x, y = (
-            (entry.metrics["generation_ms"], entry.metrics["perplexity_increase_pct"])
-            if lm
-            else (entry.latency[batch]["p50_ms"], entry.fidelity["cosine_min"])
-        )
-        shipped = entry.outcome.startswith("won")
-        ax.scatter(
-            [x],
-            [y],
-            color="tab:green" if entry.passed else "tab:red",
-            marker="*" if shipped else "o",
-            s=160 if shipped else 50,
-        )
-        ax.annotate(entry.name, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
-    ax.set_xlabel("generation time, p50 TTFT + decode (ms)" if lm else f"p50 latency at batch {batch} (ms)")
-    ax.set_ylabel("perplexity increase (%)" if lm else "min cosine vs baseline")
-    ax.set_title("engine race: green passes accuracy, red fails, star ships")
-    ax.grid(alpha=0.3)
+    fig, axes = plt.subplots(1, len(points), figsize=(6 * len(points), 4.5), squeeze=False)
+    for ax, point in zip(axes[0], points):
+        for entry in scored:
+            x, y = _front_xy(entry, point, lm)
+            shipped = entry.outcome.startswith("won")
+            ax.scatter(
+                [x],
+                [y],
+                color="tab:green" if entry.passed else "tab:red",
+                marker="*" if shipped else "o",
+                s=160 if shipped else 50,
+            )
+            size = f" ({entry.size_mb:.0f} MB)" if entry.size_mb is not None else ""
+            ax.annotate(entry.name + size, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_xlabel(f"request time {point} tokens, p50 TTFT + decode (ms)" if lm else f"p50 at batch {point} (ms)")
+        ax.set_ylabel("perplexity increase (%)" if lm else "min cosine vs baseline")
+        ax.grid(alpha=0.3)
+    fig.suptitle("engine race at each workload point: green passes accuracy, red fails, star ships")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _front_xy(entry: Entry, point: str, lm: bool) -> tuple[float, float]:
+    if lm:
+        return entry.metrics["requests"][point]["request_ms"], entry.metrics["perplexity_increase_pct"]
+    return entry.latency[point]["p50_ms"], entry.fidelity["cosine_min"]
 
 
 class _progress:

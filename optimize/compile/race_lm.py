@@ -3,28 +3,31 @@ in auto.py).
 
 Every candidate decoder is scored against the PyTorch FP32 baseline on the held-out tokens the
 evaluation uses (perplexity, and lm-eval where the gate checks it), then every candidate and the
-baseline generate the same prompts in turn (time to first token and decode tokens/s), each candidate
-in a process of its own with only its runtime loaded, as a server runs it. The winner
-is the candidate that passes the gate's accuracy checks with the shortest generation of the
-evaluation's prompt and new tokens: TTFT + (new_tokens - 1) / decode, so first token and decode
-count together, as a user waiting for an answer sees them.
+baseline generate the same prompts in turn (time to first token and decode tokens/s) at every request
+shape of the workload (`workload.requests`: prompt and output lengths with weights), each candidate
+in a process of its own with only its runtime loaded, as a server runs it. The winner is the
+candidate that passes the gate's accuracy checks with the shortest weighted request time, a request's
+time being TTFT + (output - 1) / decode, so first token and decode count together, as a user waiting
+for an answer sees them: a runtime that decodes faster but prefills slower wins short prompts and
+may lose long ones.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 
-def score(entries: list, ctx) -> dict:
-    """Fill each entry's `metrics` (perplexity, lm-eval, TTFT, decode); returns the baseline's."""
+def score(entries: list, ctx, workload) -> dict:
+    """Fill each entry's `metrics` (perplexity, lm-eval, TTFT and decode at each request shape);
+    returns the baseline's."""
     from engines import load_engine
     from engines.pytorch_runner import TorchLM
     from engines.runner_process import RunnerProcess
-    from optimize.evaluate.benchmark import OtherCpuUse
-    from optimize.tasks.causal_lm import Tokens, eval_config, perplexity, speed
+    from optimize.tasks.causal_lm import Tokens, eval_config, perplexity, request_ms, timed_requests
 
     cfg, tokens, data = eval_config(ctx), Tokens(ctx), ctx.evaluation_data()
     ids = tokens("\n\n".join(data.items))[: cfg.perplexity_tokens]
@@ -32,36 +35,61 @@ def score(entries: list, ctx) -> dict:
     runners = {e.name: load_engine(e.model.engine_dir, e.model.engine, threads=ctx.threads) for e in entries}
     for entry in entries:
         entry.size_mb = sum(p.stat().st_size for p in entry.model.engine_dir.rglob("*") if p.is_file()) / 2**20
-    base = {"perplexity": perplexity(baseline, ids, cfg.perplexity_window)}
+    base: dict[str, Any] = {"perplexity": perplexity(baseline, ids, cfg.perplexity_window)}
     for entry in entries:
         ppl = perplexity(runners[entry.name], ids, cfg.perplexity_window)
         entry.metrics = {"perplexity": ppl, "perplexity_increase_pct": (ppl / base["perplexity"] - 1) * 100}
     if ctx.cfg.gate.max_lm_eval_drop is not None and cfg.lm_eval_tasks:
         _lm_eval(entries, runners, baseline, base, tokens, data.items, cfg, ctx)
-    prompts = [p[: cfg.prompt_tokens] for p in map(tokens, data.items) if len(p) >= cfg.prompt_tokens]
     runs = max(2, min(ctx.cfg.evaluate.repeats, ctx.cfg.engine.params.timing_repeats, 5))
     runners.clear()  # scored; each candidate is timed in a process of its own (engines/runner_process.py)
     with contextlib.ExitStack() as stack:
         timed_runners = {
             e.name: stack.enter_context(RunnerProcess(e.model.engine_dir, e.model.engine, ctx.threads)) for e in entries
         }
-        with OtherCpuUse() as others:
-            timed = speed({"baseline": baseline, **timed_runners}, prompts, cfg.new_tokens, warmup=1, runs=runs)
-    base["generation"] = timed["baseline"]
+        timed = timed_requests(
+            {"baseline": baseline, **timed_runners}, tokens, data.items, workload.requests, warmup=1, runs=runs
+        )
+    on_baseline = {r.key: timed[r.key]["runs"]["baseline"] for r in workload.requests}
+    first = workload.requests[0]
+    base.update(
+        requests={
+            r.key: {"generation": on_baseline[r.key], "request_ms": request_ms(on_baseline[r.key], r.output)}
+            for r in workload.requests
+        },
+        generation=on_baseline[first.key],
+    )
     for entry in entries:
-        result = timed[entry.name]
+        entry.metrics["requests"] = {r.key: _at(timed[r.key], entry.name, r.output) for r in workload.requests}
+        head = entry.metrics["requests"][first.key]
         entry.metrics.update(
-            generation=result,
-            generation_ms=generation_ms(result, cfg.new_tokens),
-            decode_speedup=result["decode_tok_s"]["p50"] / timed["baseline"]["decode_tok_s"]["p50"],
-            other_cpu_share=others.share,
+            generation=head["generation"],
+            generation_ms=head["request_ms"],
+            decode_speedup=head["decode_speedup"],
+            other_cpu_share=max(t["other_cpu_share"] for t in timed.values()),
         )
     return base
 
 
+def _at(run: dict, name: str, output: int) -> dict:
+    """One candidate's figures at one request shape."""
+    from optimize.tasks.causal_lm import request_ms
+
+    result, base = run["runs"][name], run["runs"]["baseline"]
+    return {
+        "generation": result,
+        "request_ms": request_ms(result, output),
+        "decode_speedup": result["decode_tok_s"]["p50"] / base["decode_tok_s"]["p50"],
+        "other_cpu_share": run["other_cpu_share"],
+        "retimes": run["retimes"],
+    }
+
+
 def generation_ms(result: dict, new_tokens: int) -> float:
     """Milliseconds to answer: first token, then the rest at the median decode speed."""
-    return result["ttft_ms"]["p50"] + (new_tokens - 1) / result["decode_tok_s"]["p50"] * 1000
+    from optimize.tasks.causal_lm import request_ms
+
+    return request_ms(result, new_tokens)
 
 
 def _lm_eval(entries, runners, baseline, base, tokens, paragraphs, cfg, ctx) -> None:
@@ -73,18 +101,28 @@ def _lm_eval(entries, runners, baseline, base, tokens, paragraphs, cfg, ctx) -> 
         entry.metrics.update(lm_eval=scores, lm_eval_drop_pts=lm_eval_drop(base["lm_eval"], scores))
 
 
-def choose(entries: list, ctx):
-    """The candidate with the shortest generation among those that pass every accuracy and size check
-    of the gate (perplexity increase, lm-eval drop, size); none passing: the lowest perplexity ships."""
+def choose(entries: list, ctx, workload, baseline: dict):
+    """The candidate with the shortest request time over the workload (weighted over its shapes) among
+    those that pass every accuracy and size check of the gate (perplexity increase, lm-eval drop,
+    size), preferring those never slower than the baseline at any shape; none passing: the lowest
+    perplexity ships."""
     from optimize.compile.race import pick
 
+    points = workload.requests
+    words = ("shortest generation", "generation time")
+    if len(points) > 1:
+        for entry in entries:
+            entry.cost = sum(p.weight * entry.metrics["requests"][p.key]["request_ms"] for p in points)
+        words = ("shortest weighted request time", "weighted request time")
     return pick(
         entries,
         ctx,
         measured=lambda e: e.metrics,
-        cost=lambda e: e.metrics["generation_ms"],
+        cost=lambda e: e.cost if e.cost is not None else e.metrics["generation_ms"],
         error=lambda e: e.metrics["perplexity"],
-        cost_words=("shortest generation", "generation time"),
+        cost_words=words,
+        per_point=lambda e: {f"{p.key} tokens": e.metrics["requests"][p.key]["request_ms"] for p in points},
+        baseline={f"{p.key} tokens": baseline["requests"][p.key]["request_ms"] for p in points},
     )
 
 
@@ -102,4 +140,19 @@ def columns(entry) -> dict:
             f"{generation['decode_tok_s']['p50']:.1f} ({m['decode_speedup']:.2f}x)" if generation else "-"
         ),
         "generation ms": f"{m['generation_ms']:.0f}" if "generation_ms" in m else "-",
+        **_shape_columns(m.get("requests") or {}),
+        **({"workload ms (weighted)": f"{entry.cost:.0f}"} if entry.cost is not None else {}),
     }
+
+
+def _shape_columns(requests: dict) -> dict:
+    """TTFT, decode and request time at each shape, when the workload has several."""
+    if len(requests) < 2:
+        return {}
+    cells = {}
+    for shape, r in requests.items():
+        g = r["generation"]
+        cells[f"TTFT ms {shape}"] = f"{g['ttft_ms']['p50']:.1f}"
+        cells[f"decode tok/s {shape}"] = f"{g['decode_tok_s']['p50']:.1f} ({r['decode_speedup']:.2f}x)"
+        cells[f"request ms {shape}"] = f"{r['request_ms']:.0f}"
+    return cells

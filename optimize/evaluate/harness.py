@@ -82,15 +82,20 @@ def fidelity_of(base: dict[str, np.ndarray], cand: dict[str, np.ndarray], task_o
     return output_fidelity(base, cand)
 
 
-def latency(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], cfg) -> dict[str, dict]:
-    """Per batch size: both runners' percentiles and the candidate's speedup at p50."""
+def latency(
+    baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], cfg, batch_sizes: list[int] | None = None
+) -> dict[str, dict]:
+    """Per batch size (evaluate.batch_sizes, or every point of the workload): both runners'
+    percentiles and the candidate's speedup at p50, timed again while the machine was busy."""
     results = {}
-    for batch_size in cfg.batch_sizes:
+    for batch_size in batch_sizes or cfg.batch_sizes:
         batches = [b for b in batches_of(inputs, batch_size) if sample_count(b) == batch_size]
         if not batches:
             raise ValueError(f"evaluation set too small for batch size {batch_size}")
         runners: dict[str, Any] = {"baseline": baseline.runner, "candidate": candidate.runner}
-        stats: dict[str, Any] = benchmark.measure(runners, batches, batch_size, cfg.warmup, cfg.repeats)
+        stats: dict[str, Any] = benchmark.quietest(
+            lambda: benchmark.measure(runners, batches, batch_size, cfg.warmup, cfg.repeats)  # noqa: B023
+        )
         stats["speedup"] = stats["baseline"]["p50_ms"] / stats["candidate"]["p50_ms"]
         results[str(batch_size)] = stats
         log.info(
@@ -119,31 +124,54 @@ def peak_memory_mb(subject: Subject, batch: dict[str, np.ndarray], scratch: Path
     return json.loads(proc.stdout.strip().splitlines()[-1])["peak_memory_mb"]
 
 
-def shared_metrics(baseline: Subject, candidate: Subject, inputs: dict[str, np.ndarray], cfg, scratch: Path) -> dict:
-    """What every task reports: size on disk, latency per batch size (with speedup), peak memory."""
+def shared_metrics(
+    baseline: Subject,
+    candidate: Subject,
+    inputs: dict[str, np.ndarray],
+    cfg,
+    scratch: Path,
+    batch_sizes: list[int] | None = None,
+) -> dict:
+    """What every task reports: size on disk, latency per batch size (with speedup), peak memory.
+    batch_sizes: every batch size to time (default evaluate.batch_sizes)."""
     metrics: dict[str, dict[str, Any]] = {
         "baseline": {"size_mb": baseline.size_bytes / 2**20},
         "candidate": {"size_mb": candidate.size_bytes / 2**20},
     }
+    batch_sizes = batch_sizes or list(cfg.batch_sizes)
     if cfg.latency:
-        per_batch = latency(baseline, candidate, inputs, cfg)
+        per_batch = latency(baseline, candidate, inputs, cfg, batch_sizes)
         for side in ("baseline", "candidate"):
             metrics[side]["latency"] = {b: s[side] for b, s in per_batch.items()}
         metrics["candidate"]["speedup"] = {b: s["speedup"] for b, s in per_batch.items()}
-        metrics["candidate"]["timing"] = {"other_cpu_share": max(s["other_cpu_share"] for s in per_batch.values())}
+        metrics["candidate"]["timing"] = timing_record(per_batch)
     if cfg.memory:
-        largest = batches_of(inputs, max(cfg.batch_sizes))[0]
+        largest = batches_of(inputs, max(batch_sizes))[0]
         for side, subject in (("baseline", baseline), ("candidate", candidate)):
             metrics[side]["peak_memory_mb"] = peak_memory_mb(subject, largest, scratch, cfg.threads)
     return metrics
 
 
+def timing_record(per_point: dict[str, dict]) -> dict:
+    """The conditions latency was timed in: the busiest point's share of the CPUs taken by other
+    processes (the gate's test), each point's, and how many points were timed again for it."""
+    return {
+        "other_cpu_share": max(s["other_cpu_share"] for s in per_point.values()),
+        "points": {k: s["other_cpu_share"] for k, s in per_point.items()},
+        "retimed_points": sum(s.get("retimes", 0) > 0 for s in per_point.values()),
+        "retimes": {k: s.get("retimes", 0) for k, s in per_point.items()},
+    }
+
+
 def compare_runners(baseline: Subject, candidate: Subject, ctx, task_output: str | None) -> tuple[dict, dict]:
     """Evaluate two runners on the same inputs: evaluation text (tokenized by the artifact's own
     tokenizer) or, when the recipe asks, random tensors shaped from the model's signature."""
+    from optimize import workload
+
     cfg = ctx.cfg.evaluate
     inputs, described = evaluation_inputs(ctx, candidate.runner)
-    metrics = shared_metrics(baseline, candidate, inputs, cfg, ctx.scratch)
+    batch_sizes = workload.resolve(ctx.cfg).batch_sizes_timed(list(cfg.batch_sizes))
+    metrics = shared_metrics(baseline, candidate, inputs, cfg, ctx.scratch, batch_sizes)
     batches = batches_of(inputs, FIDELITY_BATCH)
     base, cand = run_all(baseline.runner, batches), run_all(candidate.runner, batches)
     judged = chosen_outputs(base, (cfg.task_params or {}).get("outputs"))

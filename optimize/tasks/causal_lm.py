@@ -41,8 +41,8 @@ class LLMEvalConfig:
 
     perplexity_tokens: int = 2048  # held-out tokens scored (the README figures use 2,048)
     perplexity_window: int = 512  # tokens per forward pass; each window starts without context
-    prompt_tokens: int = 64  # prompt length for the speed runs
-    new_tokens: int = 64  # tokens generated per speed run (EOS cannot stop a run early)
+    prompt_tokens: int = 64  # prompt length for the speed runs (when workload.requests is not set)
+    new_tokens: int = 64  # tokens generated per speed run (EOS cannot stop a run early); same
     lm_eval_tasks: List[str] = field(default_factory=lambda: [LOCAL_TASK])
     lm_eval_limit: Optional[int] = 100  # questions per task (null: all)
     sample_prompt: str = "The capital of Italy is"  # greedy continuation recorded for both sides
@@ -80,6 +80,19 @@ class CausalLM(Task):
 
     def evaluate(self, baseline, candidate, ctx) -> tuple[dict, dict]:
         return evaluate_causal_lm(baseline, candidate, ctx)
+
+    def check_workload(self, ctx, workload) -> None:
+        """Before any candidate is built: every request fits the model's context, and the
+        evaluation text holds a prompt of every declared length."""
+        context = getattr(getattr(ctx.source.module, "config", None), "max_position_embeddings", None)
+        tokens = Tokens(ctx)
+        for request in workload.requests:
+            if context is not None and request.prompt + request.output > context:
+                raise RecipeError(
+                    f"workload.requests: {request.prompt} prompt + {request.output} output tokens do not fit "
+                    f"the model's context of {context} tokens"
+                )
+            prompts_of(tokens, ctx.evaluation_data().items, request.prompt)
 
 
 class _LogitsModule:
@@ -174,11 +187,52 @@ def speed(runners: dict, prompts: list[list[int]], new_tokens: int, warmup: int,
     }
 
 
+def prompts_of(tokens: Tokens, items: list[str], length: int) -> list[list[int]]:
+    """Prompts of exactly `length` tokens from the evaluation text: the start of each item that long,
+    else (a long prompt, longer than any paragraph) consecutive pieces of the items joined."""
+    per_item = [ids[:length] for ids in map(tokens, items) if len(ids) >= length]
+    if per_item:
+        return per_item
+    joined = tokens("\n\n".join(items))
+    if len(joined) < length:
+        raise RecipeError(
+            f"workload.requests: a {length}-token prompt needs more evaluation text than the "
+            f"{len(joined)} tokens there are: raise evaluate.data.count"
+        )
+    return [joined[i : i + length] for i in range(0, len(joined) - length + 1, length)]
+
+
+def timed_requests(runners: dict, tokens: Tokens, items: list[str], requests, warmup: int, runs: int) -> dict:
+    """{shape key: the quietest speed() run of that request shape (timed again while other
+    processes took more than benchmark.RETIME_SHARE of the CPUs), with other_cpu_share, retimes}."""
+    from optimize.evaluate.benchmark import OtherCpuUse, quietest
+
+    def once(prompts: list[list[int]], output: int) -> dict:
+        with OtherCpuUse() as others:
+            result = speed(runners, prompts, output, warmup, runs)
+        return {"runs": result, "other_cpu_share": others.share}
+
+    timed = {}
+    for request in requests:
+        prompts = prompts_of(tokens, items, request.prompt)
+        log.info("greedy generation %s: %d runs per side", request.key, runs)
+        timed[request.key] = quietest(lambda: once(prompts, request.output))  # noqa: B023
+    return timed
+
+
+def request_ms(result: dict, new_tokens: int) -> float:
+    """Milliseconds to answer: first token, then the rest at the median decode speed."""
+    return result["ttft_ms"]["p50"] + (new_tokens - 1) / result["decode_tok_s"]["p50"] * 1000
+
+
 def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
+    from engines.pytorch_runner import TorchLM
+    from optimize import workload
+
     cfg = eval_config(ctx)
     data = ctx.evaluation_data()
     tokens = Tokens(ctx)
-    from engines.pytorch_runner import TorchLM
+    requests = workload.resolve(ctx.cfg).requests
 
     base = TorchLM(ctx.source.module, ctx.threads)
     cand = candidate.runner
@@ -194,7 +248,7 @@ def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
 
         # Timed in a process of its own, with only its runtime loaded (engines/runner_process.py).
         with RunnerProcess(candidate.root, candidate.engine, ctx.threads) as timed:
-            _speed_metrics(metrics, base, timed, tokens, data.items, cfg, ctx.cfg.evaluate)
+            _speed_metrics(metrics, base, timed, tokens, data.items, requests, ctx.cfg.evaluate)
     else:
         metrics["candidate"]["speed_note"] = "latency not measured (evaluate.latency=false)"
     _roofline_metrics(metrics, base, cand, cfg, ctx.threads)
@@ -260,22 +314,32 @@ def _sample_metrics(metrics, base, cand, tokens, cfg) -> None:
         }
 
 
-def _speed_metrics(metrics, base, cand, tokens, items, cfg, evaluate_cfg) -> None:
-    prompts = [ids[: cfg.prompt_tokens] for ids in map(tokens, items) if len(ids) >= cfg.prompt_tokens]
-    if not prompts:
-        raise RecipeError(f"no evaluation item has {cfg.prompt_tokens} tokens for a speed prompt")
-    log.info("greedy generation: %d runs of %d tokens per side", evaluate_cfg.repeats, cfg.new_tokens)
-    from optimize.evaluate.benchmark import OtherCpuUse
+def _speed_metrics(metrics, base, cand, tokens, items, requests, evaluate_cfg) -> None:
+    """Generation speed at every request shape of the workload; the first shape's figures are also the
+    run's headline ones (generation, decode_speedup, ttft_speedup: what a one-shape recipe reports)."""
+    timed = timed_requests(
+        {"baseline": base, "candidate": cand}, tokens, items, requests, evaluate_cfg.warmup, evaluate_cfg.repeats
+    )
+    for side in ("baseline", "candidate"):
+        metrics[side]["requests"] = {}
+    for request in requests:
+        run = timed[request.key]
+        b, c = run["runs"]["baseline"], run["runs"]["candidate"]
+        metrics["baseline"]["requests"][request.key] = {"generation": b, "request_ms": request_ms(b, request.output)}
+        metrics["candidate"]["requests"][request.key] = {
+            "generation": c,
+            "request_ms": request_ms(c, request.output),
+            "decode_speedup": c["decode_tok_s"]["p50"] / b["decode_tok_s"]["p50"],
+            "ttft_speedup": b["ttft_ms"]["p50"] / c["ttft_ms"]["p50"],
+        }
+    from optimize.evaluate.harness import timing_record
 
-    with OtherCpuUse() as others:
-        result = speed(
-            {"baseline": base, "candidate": cand}, prompts, cfg.new_tokens, evaluate_cfg.warmup, evaluate_cfg.repeats
-        )
-    metrics["candidate"]["timing"] = {"other_cpu_share": others.share}
-    metrics["baseline"]["generation"], metrics["candidate"]["generation"] = result["baseline"], result["candidate"]
-    b, c = result["baseline"], result["candidate"]
-    metrics["candidate"]["decode_speedup"] = c["decode_tok_s"]["p50"] / b["decode_tok_s"]["p50"]
-    metrics["candidate"]["ttft_speedup"] = b["ttft_ms"]["p50"] / c["ttft_ms"]["p50"]
+    metrics["candidate"]["timing"] = timing_record(timed)
+    first = metrics["candidate"]["requests"][requests[0].key]
+    metrics["baseline"]["generation"] = metrics["baseline"]["requests"][requests[0].key]["generation"]
+    metrics["candidate"]["generation"] = first["generation"]
+    metrics["candidate"]["decode_speedup"] = first["decode_speedup"]
+    metrics["candidate"]["ttft_speedup"] = first["ttft_speedup"]
 
 
 def _roofline_metrics(metrics, base, cand, cfg, threads: int) -> None:
@@ -290,8 +354,10 @@ def _roofline_metrics(metrics, base, cand, cfg, threads: int) -> None:
     with OtherCpuUse() as others:
         bandwidth = rl.read_bandwidth(threads)
     bandwidth["other_cpu_share"] = others.share
-    # Decode tokens 2..n (those decode tok/s is timed on) attend to prompt+1 .. prompt+n-1 cached tokens.
-    context = cfg.prompt_tokens + cfg.new_tokens // 2
+    # Decode tokens 2..n (those decode tok/s is timed on) attend to prompt+1 .. prompt+n-1 cached tokens
+    # (the first request shape's, whose decode speed is the headline one).
+    first = metrics["candidate"].get("generation") or {}
+    context = first.get("prompt_tokens", cfg.prompt_tokens) + first.get("new_tokens", cfg.new_tokens) // 2
     for side, runner in (("baseline", base), ("candidate", cand)):
         weight, kv = rl.runner_read_bytes(runner)
         tok_s = metrics[side].get("generation", {}).get("decode_tok_s", {}).get("p50")
@@ -377,6 +443,32 @@ def _fmt(value, digits=2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _shape_rows(base: dict, cand: dict, shapes: list[str]) -> list[list[str]]:
+    """Every request shape of the workload: request time, then TTFT and decode p50 of the shapes
+    after the first (whose rows come before, with their p95s)."""
+    rows = []
+    for i, shape in enumerate(shapes):
+        b, c = base[shape], cand[shape]
+        rows.append([f"request time p50 ms ({shape})", _fmt(b["request_ms"], 0), _fmt(c["request_ms"], 0), ""])
+        rows[-1][3] = f"{b['request_ms'] / c['request_ms']:.2f}x"
+        if i == 0:
+            continue
+        bg, cg = b["generation"], c["generation"]
+        rows.append(
+            [f"time to first token p50 ms ({shape})", _fmt(bg["ttft_ms"]["p50"]), _fmt(cg["ttft_ms"]["p50"]), ""]
+        )
+        rows[-1][3] = f"{c['ttft_speedup']:.2f}x"
+        rows.append(
+            [
+                f"decode tok/s p50 ({shape})",
+                _fmt(bg["decode_tok_s"]["p50"], 1),
+                _fmt(cg["decode_tok_s"]["p50"], 1),
+                f"{c['decode_speedup']:.2f}x",
+            ]
+        )
+    return rows
+
+
 def table_rows(metrics: dict) -> list[list[str]]:
     """Rows for the end-of-run table: [metric, baseline, candidate, ratio]."""
     b, c = metrics["baseline"], metrics["candidate"]
@@ -399,10 +491,12 @@ def table_rows(metrics: dict) -> list[list[str]]:
         )
     if "generation" in c:
         bg, cg = b["generation"], c["generation"]
+        shapes = list(c.get("requests") or {})
+        at = f" ({shapes[0]})" if len(shapes) > 1 else ""  # several shapes: the rows say which
         for pct in ("p50", "p95"):
             rows.append(
                 [
-                    f"time to first token {pct} ms",
+                    f"time to first token {pct} ms{at}",
                     _fmt(bg["ttft_ms"][pct]),
                     _fmt(cg["ttft_ms"][pct]),
                     f"{bg['ttft_ms'][pct] / cg['ttft_ms'][pct]:.2f}x" if pct == "p50" else "",
@@ -411,12 +505,14 @@ def table_rows(metrics: dict) -> list[list[str]]:
         for pct in ("p50", "p95"):
             rows.append(
                 [
-                    f"decode tok/s {pct}",
+                    f"decode tok/s {pct}{at}",
                     _fmt(bg["decode_tok_s"][pct], 1),
                     _fmt(cg["decode_tok_s"][pct], 1),
                     f"{cg['decode_tok_s'][pct] / bg['decode_tok_s'][pct]:.2f}x" if pct == "p50" else "",
                 ]
             )
+        if shapes[1:]:
+            rows += _shape_rows(b["requests"], c["requests"], shapes)
     else:
         rows.append(["decode speed", "-", "-", c.get("speed_note", "not measured")])
     rows += _roofline_rows(b, c)

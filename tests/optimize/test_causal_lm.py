@@ -58,6 +58,7 @@ TINY_OVERRIDES = [
     "evaluate.task_params.prompt_tokens=16",
     "evaluate.task_params.new_tokens=8",
     "evaluate.task_params.lm_eval_limit=4",
+    "workload.requests=null",  # one request of prompt_tokens and new_tokens, as before workloads
 ]
 
 
@@ -271,3 +272,38 @@ def test_smollm2_int4_cpu_recipe_end_to_end(tmp_path):
     assert cand["perplexity_increase_pct"] < 50
     base = manifest["metrics"]["baseline"]
     assert "Rome" in cand["sample"]["continuation"] or "Rome" in base["sample"]["continuation"]
+
+
+def test_a_long_prompt_shape_is_timed_and_one_that_does_not_fit_the_context_is_refused(tiny_llm, tmp_path):
+    base = [o for o in TINY_OVERRIDES if not o.startswith("workload.")] + [
+        "evaluate.task_params.lm_eval_tasks=[]",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    out = tmp_path / "artifact"
+    proc = run_optimize(
+        f"model.source={tiny_llm}",
+        *base,
+        "workload.requests=[{prompt:16,output:8,weight:3},{prompt:300,output:8}]",
+        "gate.min_decode_speedup=0.0001",
+        "gate.request_shape=all",
+        f"output_dir={out}",
+    )
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    cand = manifest["metrics"]["candidate"]
+    assert set(cand["requests"]) == {"16x8", "300x8"}
+    assert cand["requests"]["300x8"]["generation"]["prompt_tokens"] == 300  # cut from the joined text
+    assert cand["generation"] == cand["requests"]["16x8"]["generation"]  # the first shape is the headline
+    assert [c["name"] for c in manifest["gate"]["checks"] if "decode" in c["name"]] == [
+        "min_decode_speedup[shape=16x8]",
+        "min_decode_speedup[shape=300x8]",
+    ]
+    assert manifest["metrics"]["workload"]["requests"][0]["weight"] == 0.75
+    assert "request time p50 ms (300x8)" in proc.stdout and "decode tok/s p50 (300x8)" in proc.stdout
+
+    refused = tmp_path / "refused"
+    proc = run_optimize(
+        f"model.source={tiny_llm}", *base, "workload.requests=[{prompt:1024,output:128}]", f"output_dir={refused}"
+    )
+    one_error_line(proc, "workload.requests: 1024 prompt + 128 output tokens do not fit the model's context of 512")
+    assert not refused.exists()

@@ -6,6 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from engines.artifact import read_manifest, verify
+from optimize import workload
 from optimize.compile import auto
 from optimize.errors import RecipeError
 from optimize.registry import build_config, get
@@ -20,7 +21,7 @@ def _entry(name: str, cosine_min: float, p50: float) -> auto.Entry:
     return entry
 
 
-def _ctx(**gate):
+def _ctx(batches=None, **gate):
     thresholds = {
         "min_cosine": None,
         "min_mean_cosine": None,
@@ -29,14 +30,21 @@ def _ctx(**gate):
         "speedup_batch_size": 1,
         "max_p95_ms": None,
         "latency_batch_size": 1,
+        "request_shape": None,
         **gate,
     }
-    return SimpleNamespace(cfg=OmegaConf.create({"gate": thresholds, "evaluate": {"batch_sizes": [1, 32]}}))
+    cfg = {"gate": thresholds, "evaluate": {"batch_sizes": [1, 32]}, "workload": {"batches": batches}}
+    return SimpleNamespace(cfg=OmegaConf.create(cfg))
+
+
+def _choose(entries, ctx, baseline=None):
+    """The race's choice with the workload the recipe resolves to (one point unless it declares more)."""
+    return auto._choose(entries, ctx, workload.resolve(ctx.cfg), baseline or {"1": 10.0, "32": 300.0})
 
 
 def test_a_candidate_that_fails_accuracy_is_never_shipped_however_fast():
     entries = [_entry("fast_but_wrong", 0.95, 1.0), _entry("slow", 0.999, 9.0), _entry("middle", 0.995, 4.0)]
-    winner = auto._choose(entries, _ctx(min_cosine=0.99, min_speedup=1.5))
+    winner = _choose(entries, _ctx(min_cosine=0.99, min_speedup=1.5))
     assert winner.name == "middle"
     assert entries[0].outcome == "lost: failed accuracy (min_cosine)" and not entries[0].passed
     assert entries[1].outcome == "lost: 2.25x the winner's p50 at batch 1"
@@ -45,7 +53,7 @@ def test_a_candidate_that_fails_accuracy_is_never_shipped_however_fast():
 
 def test_when_nothing_passes_the_most_accurate_ships_and_the_gate_will_say_so():
     entries = [_entry("a", 0.97, 1.0), _entry("b", 0.98, 5.0)]
-    winner = auto._choose(entries, _ctx(min_cosine=0.99))
+    winner = _choose(entries, _ctx(min_cosine=0.99))
     assert winner.name == "b" and not winner.passed
     assert all(e.outcome.startswith("failed accuracy") for e in entries)
 
@@ -53,7 +61,7 @@ def test_when_nothing_passes_the_most_accurate_ships_and_the_gate_will_say_so():
 def test_size_limits_are_part_of_the_race():
     entries = [_entry("big", 0.999, 1.0), _entry("small", 0.999, 2.0)]
     entries[0].size_mb = 100.0
-    assert auto._choose(entries, _ctx(min_cosine=0.99, max_size_mb=50)).name == "small"
+    assert _choose(entries, _ctx(min_cosine=0.99, max_size_mb=50)).name == "small"
 
 
 def test_race_config_refuses_unknown_candidates_and_stray_params():
@@ -139,6 +147,7 @@ def test_causal_lm_race_on_a_tiny_llama_ships_the_fastest_generation_within_the_
         "evaluate.task_params.prompt_tokens=16",
         "evaluate.task_params.new_tokens=8",
         "evaluate.task_params.lm_eval_tasks=[]",
+        "workload.requests=[{prompt:16,output:8},{prompt:40,output:8}]",
         f"output_dir={out}",
         f"hydra.run.dir={tmp_path / 'run'}",
         env={"OPTIMIZE_CACHE": str(tmp_path / "cache")},
@@ -154,9 +163,14 @@ def test_causal_lm_race_on_a_tiny_llama_ships_the_fastest_generation_within_the_
         assert metrics["generation_ms"] == pytest.approx(auto_generation_ms(metrics))
     winner = by_name[race["winner"]]
     assert winner["outcome"].startswith("won")
-    assert winner["metrics"]["generation_ms"] == min(
-        c["metrics"]["generation_ms"] for c in by_name.values() if c["passed_accuracy"]
-    )
+    passing = [c for c in by_name.values() if c["passed_accuracy"]]
+    never_slower = [c for c in passing if not c["slower_than_baseline_at"]] or passing
+    assert winner in never_slower and winner["cost"] <= min(c["cost"] for c in never_slower) * 1.05
+    for candidate in by_name.values():  # every declared shape timed, the cost weighted over them
+        shapes = candidate["metrics"]["requests"]
+        assert set(shapes) == {"16x8", "40x8"}
+        assert candidate["cost"] == pytest.approx(sum(0.5 * s["request_ms"] for s in shapes.values()))
+    assert "TTFT ms 40x8" in proc.stdout and "request ms 40x8" in proc.stdout
     assert manifest["engine"]["format"] == {"ort_genai_int4": "onnxruntime-genai"}.get(race["winner"], "openvino-genai")
     assert "engine race" in proc.stdout and "generation ms" in proc.stdout
 
@@ -180,3 +194,119 @@ def test_an_openvino_engine_this_machine_cannot_run_is_refused_before_any_weight
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None if name == "nncf" else real_find_spec(name))
     with pytest.raises(RecipeError, match="precision=int8: needs nncf: pip install nncf"):
         build_config(method, {"precision": "int8"})
+
+
+def _at(name: str, b1: float, b32: float, cosine_min: float = 0.999) -> auto.Entry:
+    entry = _entry(name, cosine_min, b1)
+    entry.latency["32"] = {"p50_ms": b32, "x_baseline": 300 / b32}
+    return entry
+
+
+BASE_P50 = {"1": 10.0, "32": 300.0}
+
+
+def test_a_workload_of_one_point_races_exactly_as_before():
+    """Declaring the one point the race used is today's race: same winner, same outcome lines."""
+
+    def race(batches):
+        entries = [_at("a", 4.0, 400.0), _at("b", 3.0, 500.0), _at("c", 2.0, 100.0, cosine_min=0.9)]
+        winner = _choose(entries, _ctx(batches, min_cosine=0.99, min_speedup=1.5), BASE_P50)
+        return winner.name, [e.outcome for e in entries]
+
+    assert (
+        race(None)
+        == race([1])
+        == (
+            "b",
+            [
+                "lost: 1.33x the winner's p50 at batch 1",
+                "won: fastest at batch 1 of the 2 that pass accuracy",
+                "lost: failed accuracy (min_cosine)",
+            ],
+        )
+    )
+
+
+def test_fastest_at_one_point_and_slower_than_the_baseline_at_another_does_not_ship():
+    entries = [_at("spiky", 2.0, 320.0), _at("balanced", 4.0, 250.0), _at("wrong", 1.0, 50.0, cosine_min=0.9)]
+    winner = _choose(entries, _ctx([1, 32], min_cosine=0.99), BASE_P50)
+    assert winner.name == "balanced" and winner.cost == pytest.approx(127.0)
+    assert entries[0].slower_than_baseline_at == ["batch 32"]
+    assert entries[0].outcome == "lost: slower than the baseline at batch 32"
+    assert (
+        winner.outcome == "won: fastest over the workload (batch 1: 0.50, batch 32: 0.50) of the 2 that pass accuracy"
+    )
+    # When every passing candidate is slower somewhere, the cheapest still ships, and says so.
+    alone = [_at("spiky", 2.0, 320.0), _at("wrong", 1.0, 50.0, cosine_min=0.9)]
+    winner = _choose(alone, _ctx([1, 32], min_cosine=0.99), BASE_P50)
+    assert winner.name == "spiky" and "slower than the baseline at batch 32, as every passing one" in winner.outcome
+
+
+def test_weights_decide_between_a_batch_1_and_a_batch_32_candidate():
+    def winner(batches):
+        entries = [_at("quick_single", 2.0, 200.0), _at("quick_batch", 5.0, 120.0)]
+        return _choose(entries, _ctx(batches, min_cosine=0.99), BASE_P50).name
+
+    assert winner({1: 0.999, 32: 0.001}) == "quick_single"
+    assert winner({1: 0.7, 32: 0.3}) == "quick_batch"  # 0.7*5 + 0.3*120 = 39.5 against 61.4
+
+
+def test_within_noise_the_balanced_candidate_wins_and_the_lopsided_one_is_named():
+    # Costs 101.0 and 100.5 (within 5%): "lopsided" is cheapest but 2x the best at batch 1.
+    entries = [_at("even", 2.0, 200.0), _at("lopsided", 4.0, 197.0)]
+    winner = _choose(entries, _ctx([1, 32], min_cosine=0.99), BASE_P50)
+    assert winner.name == "even"
+    assert entries[1].outcome == (
+        "lost: 1.00x the winner's weighted p50; within 5% of the winner's cost (within noise) but "
+        "2.00x the winner's time at batch 1"
+    )
+    # Out of noise, cost decides and nothing is named.
+    entries = [_at("even", 2.0, 200.0), _at("lopsided", 4.0, 150.0)]
+    assert _choose(entries, _ctx([1, 32], min_cosine=0.99), BASE_P50).name == "lopsided"
+    assert "within noise" not in entries[0].outcome
+
+
+def _lm(name: str, short_ms: float, long_ms: float, ppl_pct: float = 10.0) -> auto.Entry:
+    entry = auto.Entry(name, auto.CANDIDATES["ort_genai_int4"])
+    generation = {"ttft_ms": {"p50": 50.0}, "decode_tok_s": {"p50": 100.0}}
+    entry.metrics = {
+        "perplexity": 20.0 + ppl_pct,
+        "perplexity_increase_pct": ppl_pct,
+        "generation_ms": short_ms,
+        "generation": generation,
+        "decode_speedup": 4.0,
+        "requests": {
+            "64x64": {"request_ms": short_ms, "generation": generation, "decode_speedup": 4.0},
+            "1024x128": {"request_ms": long_ms, "generation": generation, "decode_speedup": 3.0},
+        },
+    }
+    entry.size_mb = 100.0
+    return entry
+
+
+def test_the_lm_race_ranks_by_weighted_request_time_over_the_declared_shapes():
+    from optimize.compile import race_lm
+
+    requests = [{"prompt": 64, "output": 64, "weight": 0.5}, {"prompt": 1024, "output": 128, "weight": 0.5}]
+    base = {"requests": {"64x64": {"request_ms": 3000.0}, "1024x128": {"request_ms": 9000.0}}}
+
+    def race(reqs):
+        # Decodes faster (short chat wins) but prefills a long prompt slowly, against the balanced one.
+        entries = [_lm("fast_decode", 500.0, 4000.0), _lm("fast_prefill", 700.0, 2500.0)]
+        cfg = OmegaConf.create(
+            {
+                "gate": {"max_ppl_increase_pct": 15.0, "request_shape": None},
+                "evaluate": {"batch_sizes": [1]},
+                "workload": {"requests": reqs},
+            }
+        )
+        ctx = SimpleNamespace(cfg=cfg)
+        winner = race_lm.choose(entries, ctx, workload.resolve(cfg), base)
+        return winner.name, entries
+
+    name, entries = race(requests)
+    assert name == "fast_prefill" and entries[1].cost == pytest.approx(1600.0)
+    assert entries[0].outcome == "lost: 1.41x the winner's weighted request time"
+    assert {"TTFT ms 1024x128", "decode tok/s 1024x128", "request ms 1024x128"} <= set(entries[0].columns())
+    name, entries = race(requests[:1])  # the old race: one 64-token prompt, 64 tokens
+    assert name == "fast_decode" and entries[1].outcome == "lost: 1.40x the winner's generation time"
