@@ -131,3 +131,18 @@ def test_each_point_is_a_junit_test_case_so_ci_shows_which_failed():
     assert cases["min_speedup[batch=1]"] is None
     assert cases["min_speedup[batch=32]"].get("message") == "speedup at p50, batch 32 = 0.71, required >= 1.5"
     assert ci_report.headline(manifest)["speedup"] == "0.710"  # every point is checked: the worst
+
+
+def test_a_point_timed_while_others_used_the_cpus_is_timed_again_a_bounded_number_of_times():
+    from optimize.evaluate import benchmark
+
+    shares = iter([0.4, 0.2, 0.3, 0.05])
+    calls = []
+
+    def once():
+        calls.append(1)
+        return {"other_cpu_share": next(shares), "p50_ms": len(calls)}
+
+    kept = benchmark.quietest(once)
+    assert len(calls) == 1 + benchmark.MAX_RETIMES and kept == {"other_cpu_share": 0.2, "p50_ms": 2, "retimes": 2}
+    assert benchmark.quietest(lambda: {"other_cpu_share": 0.05}) == {"other_cpu_share": 0.05, "retimes": 0}
