@@ -16,6 +16,7 @@ PYTORCH = "pytorch"
 MODELOPT_TORCH = "modelopt-torch"
 OPENVINO = "openvino"
 OPENVINO_GENAI = "openvino-genai"
+TENSORRT_RTX = "tensorrt-rtx"
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ FORMATS: dict[str, EngineFormat] = {
             ("openvino", "openvino_genai"),
             "causal_lm",
         ),
+        # A plan built ahead of time for RTX-class GPUs; loading it refuses elsewhere, naming what is missing.
+        EngineFormat(TENSORRT_RTX, "engines.tensorrt_rtx_runner:load_rtx_runner", ("tensorrt_rtx",), "encoder"),
     )
 }
 

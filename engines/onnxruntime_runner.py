@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engines.ort_providers import ProviderFallback
+
 # ONNX element types as numpy dtypes, for feeding inputs the graph accepts.
 _ORT_DTYPES = {
     "tensor(float)": np.float32,
@@ -47,15 +49,27 @@ class OrtRunner:
         providers: list[str] | None = None,
         spinning: bool = True,
         quiet: bool = False,
+        cache_root: Path | None = None,
     ):
         import onnxruntime as ort
 
+        from engines.ort_providers import check_active, provider_options
+
         self.path = Path(model_path)
         available = ort.get_available_providers()
-        chosen = [p for p in (providers or ["CPUExecutionProvider"]) if p in available]
-        if not chosen:
-            raise RuntimeError(f"none of the providers {providers} is available here (have {available})")
-        self.session = ort.InferenceSession(str(self.path), session_options(threads, spinning, quiet), providers=chosen)
+        asked = list(providers or ["CPUExecutionProvider"])
+        # The first provider is the one asked for; the later ones are ONNX Runtime's per-node fallbacks
+        # and may be missing. A missing first one is refused, never silently replaced by the next.
+        if asked[0] not in available:
+            raise ProviderFallback(f"{asked[0]} is not in this onnxruntime (it has {', '.join(available)})")
+        chosen = [p for p in asked if p in available]
+        self.session = ort.InferenceSession(
+            str(self.path),
+            session_options(threads, spinning, quiet),
+            providers=chosen,
+            provider_options=provider_options(chosen, cache_root),
+        )
+        check_active(self.session, asked[0])
         self.inputs = self.session.get_inputs()
         self.input_names = [i.name for i in self.inputs]
         self.output_names = [o.name for o in self.session.get_outputs()]
@@ -81,4 +95,12 @@ class OrtRunner:
 
 def load_ort_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> OrtRunner:
     """Runner from an engine block: {'format': 'onnxruntime', 'file': NAME, 'providers': [...]}."""
-    return OrtRunner(Path(root) / engine["file"], threads=threads, providers=engine.get("providers"), spinning=spinning)
+    providers = engine.get("providers")
+    try:
+        return OrtRunner(
+            Path(root) / engine["file"], threads=threads, providers=providers, spinning=spinning, cache_root=Path(root)
+        )
+    except ProviderFallback as exc:
+        from engines.artifact import EngineUnavailable
+
+        raise EngineUnavailable(str(exc)) from None
