@@ -99,6 +99,28 @@ def build_parser() -> OneLineParser:
     p.add_argument("--max-prompt-tokens", type=positive(int), help="causal LMs: prompt limit (default: context - 1)")
     p.add_argument("--max-tokens", type=positive(int), help="causal LMs: cap on max_tokens (default 512)")
     p.add_argument(
+        "--max-num-seqs",
+        type=number(int, 1, True, high=4096),
+        help="causal LMs: sequences generated together by an engine that batches continuously "
+        "(OpenVINO GenAI; default 16 or the recipe's; 1: one at a time)",
+    )
+    p.add_argument(
+        "--kv-cache-gb",
+        type=number(float, 0, False, high=4096),
+        help="causal LMs, continuous batching: KV cache size in GB (default 1 or the recipe's)",
+    )
+    p.add_argument(
+        "--max-batched-tokens",
+        type=number(int, 1, True, high=1 << 20),
+        help="causal LMs, continuous batching: prompt and decode tokens per scheduling step (default 512)",
+    )
+    p.add_argument(
+        "--prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="causal LMs, continuous batching: reuse the KV cache of shared prompt prefixes (default on)",
+    )
+    p.add_argument(
         "--header-timeout-s",
         type=positive(float),
         default=10.0,

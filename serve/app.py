@@ -43,8 +43,9 @@ def load_model_for(state: ServeState):
     if serves == "causal_lm":
         from serve.llm import GenerativeModel
 
+        cfg = state.config
         return GenerativeModel(
-            state.root, state.engine, threads, state.config.max_prompt_tokens, state.config.max_tokens
+            state.root, state.engine, threads, cfg.max_prompt_tokens, cfg.max_tokens, batch_settings(cfg)
         )
     if serves == "encoder" and state.task == "sentence_embedding":
         from serve.encoder import EncoderModel
@@ -55,6 +56,18 @@ def load_model_for(state: ServeState):
 
         return TensorModel(state.root, state.engine, threads, spinning=state.config.ort_spinning)
     raise ValueError(f"this server has no handler for task {state.task!r} on engine {state.engine.get('format')!r}")
+
+
+def batch_settings(cfg: ServeConfig):
+    """The continuous-batching engine's limits from the server settings."""
+    from engines.openvino_genai_runner import BatchSettings
+
+    return BatchSettings(
+        max_num_seqs=cfg.max_num_seqs,
+        kv_cache_bytes=int(cfg.kv_cache_gb * 2**30),
+        max_batched_tokens=cfg.max_batched_tokens,
+        prefix_caching=cfg.prefix_caching,
+    )
 
 
 # --- loading and draining ------------------------------------------------------------------------
@@ -74,7 +87,11 @@ async def load_in_background(state: ServeState) -> None:
 
 def start_serving(state: ServeState, model) -> None:
     cfg = state.config
-    if model.task == "causal_lm":
+    if model.task == "causal_lm" and model.batching:
+        from serve.llm_batching import ContinuousBatchingService
+
+        state.generator = ContinuousBatchingService(model, cfg.max_queue, state.metrics)
+    elif model.task == "causal_lm":
         from serve.llm import GenerationService
 
         state.generator = GenerationService(model, cfg.max_queue, state.metrics)
@@ -85,9 +102,10 @@ def start_serving(state: ServeState, model) -> None:
             model.run_batch, cfg.max_batch_size, cfg.max_queue_delay_s, cfg.max_queue, state.metrics, name=state.name
         )
         state.batcher.start()
+    how = f": {model.describe()}" if model.task == "causal_lm" else ""
+    log.info("serve: model %r (%s) ready%s", state.name, model.task, how)
     state.model = model
     state.metrics.ready.set(1)
-    log.info("serve: model %r (%s) ready", state.name, model.task)
 
 
 async def drain(state: ServeState) -> None:

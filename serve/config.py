@@ -26,6 +26,13 @@ class ServeConfig:
     header_timeout_s: float = 10.0  # request headers must be complete within this, or the connection closes
     body_timeout_s: float = 30.0  # the whole request body within this, or 408
     max_connections: int = 1024  # uvicorn's limit_concurrency: past it, 503
+    # Causal LMs on an engine that batches continuously (OpenVINO GenAI): sequences decoded together,
+    # the KV cache's size, tokens per scheduling step, and whether shared prompt prefixes are reused.
+    # max_num_seqs 1 runs one generation at a time through the runner the pipeline measured.
+    max_num_seqs: int = 16
+    kv_cache_gb: float = 1.0
+    max_batched_tokens: int = 512
+    prefix_caching: bool = True
 
     @property
     def max_queue_delay_s(self) -> float:
@@ -37,7 +44,16 @@ class ServeConfig:
 
 
 # Settings an artifact's recipe may carry (recipe.resolved.serve); the command line wins.
-RECIPE_KEYS = ("max_batch_size", "max_queue_delay_ms", "max_queue", "timeout_s")
+RECIPE_KEYS = (
+    "max_batch_size",
+    "max_queue_delay_ms",
+    "max_queue",
+    "timeout_s",
+    "max_num_seqs",
+    "kv_cache_gb",
+    "max_batched_tokens",
+    "prefix_caching",
+)
 
 
 def resolve(cli: dict, manifest: dict) -> ServeConfig:

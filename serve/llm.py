@@ -1,12 +1,16 @@
-"""Causal LMs: prompt limits, one generation at a time in a worker thread, tokens streamed back.
+"""Causal LMs: prompt limits, the generation service, tokens streamed back.
 
-Generation runs in one dedicated thread (ONNX Runtime GenAI releases the GIL while it decodes);
-each token is handed to the event loop as it is produced, which is what makes `stream: true`
-real streaming. Requests wait in a bounded queue: a full queue answers 429 at once.
+Two ways to generate, chosen by what the engine can do:
 
-Batching several generations at once (continuous batching) is not done: on a 2-core CPU one
-decode already uses the cores, and it keeps this module small. The queue bound and the per-request
-limits still hold.
+- OpenVINO GenAI artifacts (with --max-num-seqs > 1, the default): the engine's own continuous-batching
+  pipeline, one for all requests, driven by one scheduling thread (serve/llm_batching.py). Requests
+  join and leave the running batch at every step; the KV cache is paged and its size bounds admission.
+- Otherwise (ONNX Runtime GenAI artifacts, whose Generator this server drives batches only
+  statically, or --max-num-seqs 1): one generation at a time in a dedicated thread (ONNX Runtime
+  GenAI releases the GIL while it decodes).
+
+Either way each token is handed to the event loop as it is produced, which is what makes
+`stream: true` real streaming, and requests wait in a bounded queue: a full queue answers 429 at once.
 """
 
 from __future__ import annotations
@@ -31,14 +35,49 @@ SEED_RANGES = {"onnxruntime-genai": (0, 2**31 - 1), "openvino-genai": (0, 2**64 
 class GenerativeModel:
     task = "causal_lm"
 
-    def __init__(self, root: Path, engine: dict, threads: int = 0, max_prompt_tokens: int = 0, max_tokens: int = 512):
+    def __init__(
+        self,
+        root: Path,
+        engine: dict,
+        threads: int = 0,
+        max_prompt_tokens: int = 0,
+        max_tokens: int = 512,
+        batch=None,  # engines.openvino_genai_runner.BatchSettings, or None for one at a time
+    ):
         from engines import load_engine
 
-        self.seed_range = SEED_RANGES.get(str(engine.get("format")), SEED_RANGES["onnxruntime-genai"])
-        self.runner: Any = cast(Any, load_engine(root, engine, threads=threads))  # a GenAIRunner
+        self.format = str(engine.get("format"))
+        self.seed_range = SEED_RANGES.get(self.format, SEED_RANGES["onnxruntime-genai"])
+        self.batching = self.format == "openvino-genai" and batch is not None and batch.max_num_seqs > 1
+        if self.batching:
+            from engines.openvino_genai_runner import load_ov_genai_batch_engine
+
+            # An OVGenAIBatchEngine: only the continuous-batching pipeline is compiled, not LLMPipeline too.
+            self.runner: Any = load_ov_genai_batch_engine(root, engine, batch, threads=threads, spinning=False)
+        else:
+            self.runner = cast(Any, load_engine(root, engine, threads=threads))  # a GenAIRunner or OVGenAIRunner
         self.context_length = self.runner.context_length
         self.max_prompt_tokens = min(max_prompt_tokens or self.context_length - 1, self.context_length - 1)
         self.max_tokens = max_tokens
+        # Tokens the KV cache holds at most (continuous batching): a request must fit it on its own.
+        self.cache_tokens = self.runner.num_blocks * self.runner.block_tokens if self.batching else 0
+
+    def describe(self) -> str:
+        """How generations are run, for the startup line."""
+        if self.batching:
+            r = self.runner
+            return (
+                f"continuous batching in OpenVINO GenAI's scheduler: up to {r.settings.max_num_seqs} sequences, "
+                f"KV cache {r.kv_cache_bytes / 2**20:.1f} MiB ({r.num_blocks} blocks of {r.block_tokens} tokens), "
+                f"{r.settings.max_batched_tokens} tokens per step, prefix caching "
+                f"{'on' if r.settings.prefix_caching else 'off'}"
+            )
+        if self.format == "openvino-genai":
+            return "one generation at a time (--max-num-seqs 1)"
+        return (
+            "one generation at a time (ONNX Runtime GenAI: this server drives its Generator, which batches "
+            "only statically; no continuous batching)"
+        )
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
@@ -71,7 +110,24 @@ class GenerativeModel:
                 f"context length of {self.context_length}",
                 param="max_tokens",
             )
-        return min(requested or self.max_tokens, room)
+        if self.cache_tokens and requested is not None:
+            self.check_fits(prompt_length, requested)
+        budget = min(requested or self.max_tokens, room)
+        if self.cache_tokens and requested is None:  # no max_tokens asked: as many as the cache holds
+            budget = min(budget, self.cache_tokens - 1 - prompt_length)
+            self.check_fits(prompt_length, max(budget, 1))
+        return budget
+
+    def check_fits(self, prompt_length: int, new_tokens: int) -> None:
+        """A request whose prompt and new tokens cannot fit the whole KV cache can never run: 400."""
+        needed = self.runner.blocks_for(prompt_length + new_tokens)
+        if needed > self.runner.num_blocks:
+            raise bad_request(
+                f"prompt ({prompt_length} tokens) + max_tokens ({new_tokens}) need {needed} KV-cache blocks of "
+                f"{self.runner.block_tokens} tokens; this server's KV cache holds {self.runner.num_blocks} "
+                f"({self.cache_tokens} tokens, --kv-cache-gb)",
+                param="max_tokens",
+            )
 
     def sampling(self, request: GenerationRequest, budget: int):
         """The engine's sampling settings; a seed outside the range the engine takes is a 400."""
@@ -93,6 +149,35 @@ class Generation:
     cancel: threading.Event = field(default_factory=threading.Event)
     started: float = field(default_factory=time.perf_counter)
     tokens: int = 0
+    first_at: float = 0.0  # perf_counter() of the first token
+    last_at: float = 0.0  # ... and of the latest one
+
+
+def observe_token(metrics, generation: Generation) -> None:
+    """Count one token of a stream: time to first token, then the gap since the previous one."""
+    now = time.perf_counter()
+    generation.tokens += 1
+    if metrics:
+        metrics.generation_tokens.inc()
+    if generation.tokens == 1:
+        generation.first_at = now
+        if metrics:
+            metrics.ttft.observe(now - generation.started)
+    elif metrics:
+        metrics.itl.observe(now - generation.last_at)
+    generation.last_at = now
+
+
+def observe_end(metrics, generation: Generation) -> None:
+    """A generation that ran to its end (not one cancelled or failed)."""
+    if not metrics or not generation.tokens:
+        return
+    now = time.perf_counter()
+    metrics.generated_tokens.inc(generation.tokens)
+    metrics.tokens_per_s.observe(generation.tokens / max(now - generation.started, 1e-9))
+    metrics.e2e.observe(now - generation.started)
+    if generation.tokens > 1:
+        metrics.tpot.observe((generation.last_at - generation.first_at) / (generation.tokens - 1))
 
 
 class GenerationService:
@@ -123,28 +208,26 @@ class GenerationService:
 
     def observe_queue(self) -> None:
         if self.metrics:
-            self.metrics.queue_depth.set(max(self.pending - 1, 0))
+            waiting = max(self.pending - 1, 0)
+            self.metrics.queue_depth.set(waiting)
+            self.metrics.waiting.set(waiting)
+            self.metrics.running.set(min(self.pending, 1))
 
     def run(self, loop, generation: Generation, prompt_ids: list[int], sampling) -> None:
         """In the worker thread: decode and post every token to the request's event queue."""
         post = lambda *event: loop.call_soon_threadsafe(generation.events.put_nowait, event)  # noqa: E731
         if generation.cancel.is_set():  # timed out or disconnected while queued
             return post("end", "cancelled")
+        if self.metrics:
+            self.metrics.request_queue_time.observe(time.perf_counter() - generation.started)
         try:
             for _, piece in self.model.runner.generate(prompt_ids, sampling, generation.cancel.is_set):
-                generation.tokens += 1
-                if generation.tokens == 1 and self.metrics:
-                    self.metrics.ttft.observe(time.perf_counter() - generation.started)
+                observe_token(self.metrics, generation)
                 post("token", piece)
         except Exception as exc:
             return post("error", exc)
-        self.observe_speed(generation)
+        observe_end(self.metrics, generation)
         post("end", "length" if generation.tokens >= sampling.max_new_tokens else "stop")
-
-    def observe_speed(self, generation: Generation) -> None:
-        if self.metrics and generation.tokens:
-            self.metrics.generated_tokens.inc(generation.tokens)
-            self.metrics.tokens_per_s.observe(generation.tokens / max(time.perf_counter() - generation.started, 1e-9))
 
     async def stop(self) -> None:
         """Drain: let queued and running generations finish, then release the thread."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 # Latency buckets in seconds: sub-millisecond health checks up to generation runs of a minute.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Per-token times: a decode step of a small model on a CPU (a few ms) up to a stalled stream.
+TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
 
@@ -55,8 +57,59 @@ class Metrics:
             registry=r,
         )
         self.generated_tokens = Counter("serve_generated_tokens", "Causal LMs: tokens generated", registry=r)
+        self.add_generation_metrics(r)
         self.prompt_tokens = Counter("serve_prompt_tokens", "Tokens read from prompts and inputs", registry=r)
         self.ready = Gauge("serve_model_ready", "1 once the model is loaded and serving", registry=r)
+
+    def add_generation_metrics(self, r) -> None:
+        """Causal LMs under concurrent load, named after vLLM's (what dashboards already graph)."""
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.itl = Histogram(
+            "serve_inter_token_latency_seconds",
+            "Causal LMs: time between consecutive tokens of one stream",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "serve_time_per_output_token_seconds",
+            "Causal LMs: per request, decode time after the first token divided by the tokens after it",
+            buckets=TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "serve_e2e_request_latency_seconds",
+            "Causal LMs: request accepted to its last token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.request_queue_time = Histogram(
+            "serve_request_queue_time_seconds",
+            "Causal LMs: request accepted to handed to the engine",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.generation_tokens = Counter(
+            "serve_generation_tokens",
+            "Causal LMs: tokens generated, streams cut short included (serve_generated_tokens counts finished ones)",
+            registry=r,
+        )
+        self.running = Gauge("serve_num_requests_running", "Causal LMs: sequences in the engine now", registry=r)
+        self.waiting = Gauge("serve_num_requests_waiting", "Causal LMs: requests waiting for the engine", registry=r)
+        self.kv_cache_usage = Gauge(
+            "serve_kv_cache_usage_perc", "Causal LMs: fraction of the KV cache's blocks in use (0 to 1)", registry=r
+        )
+        self.prefix_queries = Counter(
+            "serve_prefix_cache_queries",
+            "Causal LMs with prefix caching: prompt tokens looked up in the prefix cache",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "serve_prefix_cache_hits",
+            "Causal LMs with prefix caching: prompt tokens whose KV blocks an earlier prompt had filled "
+            "(counted by the server over whole blocks; the engine does not report its own hits)",
+            registry=r,
+        )
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

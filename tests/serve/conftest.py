@@ -33,6 +33,25 @@ def tiny_llm_artifact(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_ov_llm_artifact(tmp_path_factory) -> Path:
+    """The same tiny Llama as an OpenVINO GenAI artifact (continuous batching); a few seconds."""
+    if any(importlib.util.find_spec(m) is None for m in ("openvino", "openvino_genai", "openvino_tokenizers")):
+        pytest.skip("openvino-genai is not installed")
+    out = tmp_path_factory.mktemp("tiny_ov_llm") / "artifact"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.support.tiny_llm", str(out), "--openvino"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
 def encoder_artifact(request) -> Path:
     """The real MiniLM artifact from the pipeline (tests/conftest.py), or a prebuilt one named by
     SERVE_TEST_ARTIFACT (to iterate on serve/ without rebuilding; tests never modify it)."""

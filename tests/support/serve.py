@@ -141,17 +141,30 @@ def kserve_tensors(ids) -> list[dict]:
 def slow_generation(delay_s: float) -> None:
     """Hold every generated token for `delay_s` (in the generation thread, as a slower model would):
     the tiny test LLM writes a whole stream in milliseconds, too fast for a client to leave in the
-    middle of one or for a stream to outlast a deadline."""
+    middle of one or for a stream to outlast a deadline. Continuous batching: every engine step
+    takes that much longer, so every stream's tokens come that far apart."""
     from engines.genai_runner import GenAIRunner
 
-    generate = GenAIRunner.generate
+    def slowed(generate):
+        def slowed_generate(self, *args, **kwargs):
+            for item in generate(self, *args, **kwargs):
+                time.sleep(delay_s)
+                yield item
 
-    def slowed(self, *args, **kwargs):
-        for item in generate(self, *args, **kwargs):
+        return slowed_generate
+
+    GenAIRunner.generate = slowed(GenAIRunner.generate)  # type: ignore[method-assign]
+    with contextlib.suppress(ImportError):
+        from engines.openvino_genai_runner import OVGenAIBatchEngine, OVGenAIRunner
+
+        OVGenAIRunner.generate = slowed(OVGenAIRunner.generate)  # type: ignore[method-assign]
+        step = OVGenAIBatchEngine.step
+
+        def slowed_step(self):
             time.sleep(delay_s)
-            yield item
+            step(self)
 
-    GenAIRunner.generate = slowed  # type: ignore[method-assign]
+        OVGenAIBatchEngine.step = slowed_step  # type: ignore[method-assign]
 
 
 if __name__ == "__main__":  # python -m tests.support.serve TOKEN_DELAY_S ARTIFACT [serve's arguments]

@@ -1,8 +1,9 @@
 """Build a genuinely tiny causal-LM artifact: random-weight Llama (2 layers, width 64, context 256), a
 byte-level BPE tokenizer trained on CPython's own docs, a chat template (tests.support.models), converted
 by onnxruntime-genai's builder, wrapped in a manifest that passes verification. Offline, about 20 s.
+With --openvino, the same model exported as OpenVINO GenAI's stateful IR instead (a few seconds).
 
-    python -m tests.support.tiny_llm OUT_DIR     (from the repository root)
+    python -m tests.support.tiny_llm OUT_DIR [--openvino]     (from the repository root)
 """
 
 from __future__ import annotations
@@ -14,7 +15,26 @@ import tempfile
 from pathlib import Path
 
 
-def write_manifest(artifact: Path) -> None:
+GENAI_ENGINE = {
+    "format": "onnxruntime-genai",
+    "dir": "genai",
+    "precision": "fp32",
+    "task": "causal_lm",
+    "tokenizer": "genai",
+    "providers": ["CPUExecutionProvider"],
+}
+OPENVINO_ENGINE = {
+    "format": "openvino-genai",
+    "dir": "ov",
+    "precision": "fp32",
+    "inference_precision": "f32",
+    "kv_cache_precision": "f32",
+    "task": "causal_lm",
+    "tokenizer": "ov",
+}
+
+
+def write_manifest(artifact: Path, engine: dict | None = None) -> None:
     from engines.artifact import MANIFEST, SCHEMA_VERSION, file_table, seal
 
     manifest = {
@@ -23,14 +43,7 @@ def write_manifest(artifact: Path) -> None:
         "parent_id": None,
         "recipe": {"name": "tiny_llm", "resolved": {"serve": {"max_queue": 8}}},
         "model": {"source": "random LlamaConfig (tests)", "task": "causal_lm"},
-        "engine": {
-            "format": "onnxruntime-genai",
-            "dir": "genai",
-            "precision": "fp32",
-            "task": "causal_lm",
-            "tokenizer": "genai",
-            "providers": ["CPUExecutionProvider"],
-        },
+        "engine": engine or GENAI_ENGINE,
         "gate": {"passed": True, "checks": []},
         "verdict": "passed",
         "files": file_table(artifact),
@@ -68,5 +81,18 @@ def build(out: Path) -> Path:
     return artifact
 
 
+def build_openvino(out: Path) -> Path:
+    """The same tiny Llama as OpenVINO GenAI's stateful IR (engines.openvino_genai_build), FP32."""
+    from engines.openvino_genai_build import export_stateful_lm
+    from tests.support.models import tiny_llama_folder
+
+    artifact = Path(out)
+    with tempfile.TemporaryDirectory() as tmp:
+        source = tiny_llama_folder(Path(tmp) / "src", max_positions=256)
+        export_stateful_lm(source, artifact / "ov")
+    write_manifest(artifact, OPENVINO_ENGINE)
+    return artifact
+
+
 if __name__ == "__main__":
-    build(Path(sys.argv[1]))
+    (build_openvino if "--openvino" in sys.argv[2:] else build)(Path(sys.argv[1]))

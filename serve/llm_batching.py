@@ -1,0 +1,262 @@
+"""Continuous batching for causal LMs: one engine shared by every request, one thread driving it.
+
+The engine (engines.openvino_genai_runner.OVGenAIBatchEngine, OpenVINO GenAI's continuous-batching
+pipeline) does the scheduling: which prompts to prefill, in what chunks, beside which running decodes.
+This module only decides what enters the engine and carries tokens out of it:
+
+- Admission knows the KV cache. A request enters the engine only when the blocks it may need at its
+  longest (prompt + max_tokens) fit beside those reserved by the sequences already running, and fewer
+  than --max-num-seqs are running. So the engine never has to preempt a running stream for a new one:
+  a stream already going keeps its blocks to the end. Requests that do not fit yet wait here, in
+  arrival order, up to --max-queue of them (429 past that); one that could never fit was refused
+  with a 400 before it got here (GenerativeModel.check_fits).
+- Cancellation is immediate: a request whose client left, hit a stop string or timed out is cancelled
+  in the engine before the next step, which frees its sequence and KV blocks there.
+- After every step each running request's new tokens are decoded and posted to its own asyncio queue,
+  the same events the one-at-a-time service posts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import threading
+import time
+from dataclasses import dataclass
+
+from serve.errors import busy, unavailable
+from serve.llm import Generation, observe_end, observe_token
+
+log = logging.getLogger("serve")
+
+
+@dataclass
+class Sequence:
+    """One request: its events queue, what it reserved in the KV cache, and its text so far."""
+
+    generation: Generation
+    prompt_ids: list[int]
+    sampling: object  # engines.genai_runner.Sampling
+    blocks: int  # KV blocks reserved for it at its longest
+    post: object  # posts an event to the request's queue from this thread
+    handle: object = None  # the engine's GenerationHandle once admitted
+    ids: list[int] | None = None
+    emitted: str = ""
+
+    def push(self, *event) -> None:
+        self.post(self.generation.events.put_nowait, event)  # type: ignore[operator]
+
+
+class PrefixCacheCounter:
+    """Prefix-cache hits as the engine's cache would find them: whole KV blocks of a prompt whose
+    content and everything before it match blocks an earlier prompt filled, remembered most recently
+    used first for as many blocks as the cache holds. OpenVINO GenAI does not report its own hits,
+    so this is the server's count of what was there to reuse."""
+
+    def __init__(self, block_tokens: int, capacity_blocks: int):
+        self.block_tokens, self.capacity = block_tokens, capacity_blocks
+        self.blocks: collections.OrderedDict[int, None] = collections.OrderedDict()
+
+    def lookup(self, prompt_ids: list[int]) -> int:
+        """Tokens of this prompt found in the cache; the prompt's blocks are remembered after it."""
+        hits, chain, missed = 0, 0, False
+        for start in range(0, len(prompt_ids) - self.block_tokens + 1, self.block_tokens):
+            chain = hash((chain, tuple(prompt_ids[start : start + self.block_tokens])))
+            if not missed and chain in self.blocks:
+                hits += self.block_tokens
+            else:
+                missed = True
+            self.blocks[chain] = None
+            self.blocks.move_to_end(chain)
+        while len(self.blocks) > self.capacity:
+            self.blocks.popitem(last=False)
+        return hits
+
+
+class ContinuousBatchingService:
+    """The GenerationService interface (submit, stop) over an engine that batches continuously."""
+
+    def __init__(self, model, max_queue: int, metrics=None):
+        self.model, self.engine = model, model.runner
+        self.max_queue = max_queue
+        self.metrics = metrics
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: dict[int, Sequence] = {}
+        self.starting: list[Sequence] = []  # admitted, not yet handed to the engine
+        self.reserved = 0  # KV blocks reserved by the admitted and running sequences
+        self.ids = itertools.count()
+        self.wakeup = threading.Condition()
+        self.closing = False
+        self.cancelled = False  # a sequence was cancelled since the last step
+        self.prefixes = (
+            PrefixCacheCounter(self.engine.block_tokens, self.engine.num_blocks)
+            if self.engine.settings.prefix_caching
+            else None
+        )
+        self.thread = threading.Thread(target=self.loop, name="generate-batch", daemon=True)
+        self.thread.start()
+
+    @property
+    def pending(self) -> int:
+        return len(self.waiting) + len(self.starting) + len(self.running)
+
+    # --- on the event loop -------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], sampling) -> Generation:
+        if self.closing:
+            raise unavailable("the model is not accepting requests")
+        loop = asyncio.get_running_loop()
+        generation = Generation(asyncio.Queue())
+        blocks = self.engine.blocks_for(len(prompt_ids) + sampling.max_new_tokens)
+        sequence = Sequence(generation, prompt_ids, sampling, blocks, loop.call_soon_threadsafe)
+        with self.wakeup:
+            # Admitted here, not later in the scheduling thread, so that what is refused does not depend
+            # on how far that thread has got: a request that fits now is admitted, one that must wait
+            # takes a place in the queue, and with every place taken it is a 429.
+            self.admit()
+            if self.waiting or not self.fits(sequence):
+                if len(self.waiting) >= self.max_queue:
+                    raise busy()
+                self.waiting.append(sequence)
+            else:
+                self.reserve(sequence)
+            self.wakeup.notify()
+        return generation
+
+    async def stop(self) -> None:
+        """Drain: let waiting and running generations finish, then end the scheduling thread."""
+        with self.wakeup:
+            self.closing = True
+            self.wakeup.notify()
+        while self.thread.is_alive():
+            await asyncio.sleep(0.05)
+
+    # --- in the scheduling thread ------------------------------------------------------------------
+
+    def loop(self) -> None:
+        while True:
+            with self.wakeup:
+                self.admit()
+                starting, self.starting = self.starting, []
+                if not starting and not self.running and not self.cancelled:
+                    if self.closing and not self.waiting:
+                        return
+                    self.observe()
+                    self.wakeup.wait(timeout=1.0)
+                    continue
+            for sequence in starting:
+                self.start(sequence)
+            self.cancel_abandoned()
+            try:
+                # A step also after the last sequence was cancelled: that is when the engine frees its blocks.
+                if self.engine.has_work() or self.cancelled:
+                    self.cancelled = False
+                    self.engine.step()
+            except Exception as exc:  # the engine failed: every running request gets the error
+                log.error("generation step failed", exc_info=exc)
+                self.fail_running(exc)
+                continue
+            self.deliver()
+            self.observe()
+
+    def fits(self, sequence: Sequence) -> bool:
+        """Whether it can enter the engine beside what is there, never preempting a running stream."""
+        taken = len(self.running) + len(self.starting)
+        return taken < self.engine.settings.max_num_seqs and self.reserved + sequence.blocks <= self.engine.num_blocks
+
+    def reserve(self, sequence: Sequence) -> None:
+        self.reserved += sequence.blocks
+        self.starting.append(sequence)
+
+    def admit(self) -> None:
+        """Admit waiting requests, oldest first, while they fit (called with the lock held)."""
+        while self.waiting:
+            sequence = self.waiting[0]
+            if sequence.generation.cancel.is_set():  # gone while it waited
+                self.waiting.popleft()
+                sequence.push("end", "cancelled")
+                continue
+            if not self.fits(sequence):
+                return  # first come, first served: later requests wait behind this one
+            self.reserve(self.waiting.popleft())
+
+    def start(self, sequence: Sequence) -> None:
+        """Hand an admitted request to the engine (its blocks are already reserved)."""
+        if sequence.generation.cancel.is_set():
+            return self.release(sequence, "cancelled")
+        request_id = next(self.ids)
+        try:
+            sequence.handle = self.engine.add(request_id, sequence.prompt_ids, sequence.sampling)
+        except Exception as exc:
+            sequence.push("error", exc)
+            return self.release(sequence, None)
+        sequence.ids = []
+        self.running[request_id] = sequence
+        if self.metrics:
+            self.metrics.request_queue_time.observe(time.perf_counter() - sequence.generation.started)
+            if self.prefixes is not None:
+                self.metrics.prefix_queries.inc(len(sequence.prompt_ids))
+                self.metrics.prefix_hits.inc(self.prefixes.lookup(sequence.prompt_ids))
+
+    def cancel_abandoned(self) -> None:
+        """Cancel in the engine every request nobody waits for any more; the next step frees its blocks."""
+        for request_id, sequence in list(self.running.items()):
+            if sequence.generation.cancel.is_set():
+                sequence.handle.cancel()  # type: ignore[attr-defined]
+                self.cancelled = True
+                self.finish(request_id, "cancelled")
+
+    def deliver(self) -> None:
+        """Hand each running request the tokens of the last step, as text pieces."""
+        for request_id, sequence in list(self.running.items()):
+            try:
+                new, done = self.engine.read(sequence.handle)
+            except Exception as exc:
+                sequence.push("error", exc)
+                self.finish(request_id, None)
+                continue
+            for token in new:
+                self.emit(sequence, token)
+            if done:
+                observe_end(self.metrics, sequence.generation)
+                length = sequence.generation.tokens >= sequence.sampling.max_new_tokens  # type: ignore[attr-defined]
+                self.finish(request_id, "length" if length else "stop")
+
+    def emit(self, sequence: Sequence, token: int) -> None:
+        assert sequence.ids is not None
+        sequence.ids.append(token)
+        text = self.engine.decode(sequence.ids)
+        # Hold back an incomplete UTF-8 sequence (the decoder shows it as U+FFFD) until the token that
+        # completes it arrives.
+        piece = "" if text.endswith("\ufffd") else text[len(sequence.emitted) :]
+        sequence.emitted += piece
+        observe_token(self.metrics, sequence.generation)
+        sequence.push("token", piece)
+
+    def finish(self, request_id: int, reason: str | None) -> None:
+        self.release(self.running.pop(request_id), reason)
+
+    def release(self, sequence: Sequence, reason: str | None) -> None:
+        with self.wakeup:
+            self.reserved -= sequence.blocks
+        if reason is not None:
+            sequence.push("end", reason)
+
+    def fail_running(self, exc: Exception) -> None:
+        for request_id, sequence in list(self.running.items()):
+            sequence.handle.cancel()  # type: ignore[attr-defined]
+            sequence.push("error", exc)
+            self.finish(request_id, None)
+
+    def observe(self) -> None:
+        if not self.metrics:
+            return
+        self.metrics.running.set(len(self.running) + len(self.starting))
+        self.metrics.waiting.set(len(self.waiting))
+        self.metrics.queue_depth.set(len(self.waiting))
+        # The engine's figure is as of its last step; with no sequence left in it, no block is in use
+        # (it does not step when idle, so it would go on reporting the last sequence's blocks).
+        busy = self.running or self.engine.has_work()
+        self.metrics.kv_cache_usage.set(self.engine.cache_usage() if busy else 0.0)
