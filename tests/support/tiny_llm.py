@@ -14,7 +14,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-
 GENAI_ENGINE = {
     "format": "onnxruntime-genai",
     "dir": "genai",
