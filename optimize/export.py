@@ -1,5 +1,5 @@
-"""`python -m optimize.export ARTIFACT --bundle DIR [--ort-format]`: a self-contained folder for an edge
-device or a laptop.
+"""`python -m optimize.export ARTIFACT --bundle DIR [--ort-format | --tensorrt-rtx]`: a self-contained
+folder for an edge device or a laptop.
 
 The bundle runs with only its runtime installed: onnxruntime, tokenizers and numpy for a sentence
 encoder (openvino instead of onnxruntime for an OpenVINO one), onnxruntime-genai and numpy for a
@@ -9,7 +9,9 @@ run.py checks the bundle with before loading, `requirements.txt` pinning the ver
 evaluated with, and a manifest with every file's sha256 (so `python -m optimize.verify DIR` checks a
 bundle too). `--ort-format` converts an encoder's ONNX graph to ONNX Runtime's ORT format for mobile
 and minimal builds and keeps the reduced operator set (`model.required_operators.config`) that such a
-build is made from.
+build is made from. `--tensorrt-rtx` bundles an engine=tensorrt_rtx artifact's plan instead of its
+ONNX graph, for an RTX-class GPU: run.py runs it with tensorrt-rtx and cuda-python (the bundle
+carries the plan runner, engines/tensorrt_rtx_runner.py) and refuses with one line elsewhere.
 
 OpenVINO GenAI causal LMs, image classifiers and simulated-quantization checkpoints are refused with
 one line (`python -m serve` runs the OpenVINO GenAI ones).
@@ -32,23 +34,32 @@ from pathlib import Path
 
 import engines.artifact as checker
 from engines.artifact import VERIFY_KEY_ENV, ArtifactError
-from engines.formats import ONNXRUNTIME, ONNXRUNTIME_GENAI, OPENVINO
+from engines.formats import ONNXRUNTIME, ONNXRUNTIME_GENAI, OPENVINO, TENSORRT_RTX
 from optimize import EXIT_BAD_INPUT
 from optimize.artifact import publish, scratch_for, staging, write_manifest
 from optimize.errors import ArgumentParser, RecipeError
 
 RUN_SCRIPT = Path(__file__).resolve().parent / "assets" / "bundle" / "run.py"
 CHECKER = Path(checker.__file__).resolve()
+PLAN_RUNNER = CHECKER.parent / "tensorrt_rtx_runner.py"  # numpy and the standard library until a plan loads
 ORT_FILE, OPERATORS_FILE = "model.ort", "model.required_operators.config"
 # The packages run.py imports, by engine format: what the bundle needs and nothing else.
 RUNTIME_PACKAGES = {
     ONNXRUNTIME: ("onnxruntime", "tokenizers", "numpy"),
     OPENVINO: ("openvino", "tokenizers", "numpy"),
     ONNXRUNTIME_GENAI: ("onnxruntime-genai", "numpy"),  # its tokenizer is its own
+    TENSORRT_RTX: ("tensorrt-rtx", "cuda-python", "tokenizers", "numpy"),
 }
+# cuda.bindings.runtime (what the plan runner imports) is in cuda-python from 12.6.
+UNPINNED_FLOOR = {"cuda-python": ">=12.6"}
 # What run.py does with each engine format: the task it takes.
-TASKS = {ONNXRUNTIME: "sentence_embedding", OPENVINO: "sentence_embedding", ONNXRUNTIME_GENAI: "causal_lm"}
-BUNDLE_FILES = ("run.py", "artifact.py", "requirements.txt")
+TASKS = {
+    ONNXRUNTIME: "sentence_embedding",
+    OPENVINO: "sentence_embedding",
+    ONNXRUNTIME_GENAI: "causal_lm",
+    TENSORRT_RTX: "sentence_embedding",
+}
+BUNDLE_FILES = ("run.py", "artifact.py", "requirements.txt", PLAN_RUNNER.name)
 
 
 def main(argv: list[str]) -> int:
@@ -60,12 +71,19 @@ def main(argv: list[str]) -> int:
         action="store_true",
         help="convert the ONNX graph to ORT format and keep its reduced operator set (mobile / minimal builds)",
     )
+    parser.add_argument(
+        "--tensorrt-rtx",
+        action="store_true",
+        help="bundle the artifact's TensorRT-RTX plan (engine=tensorrt_rtx) for an RTX-class GPU instead of its ONNX",
+    )
     parser.add_argument("--key", help=f"HMAC key file to check the artifact's signature (default: ${VERIFY_KEY_ENV})")
     parser.add_argument("--require-signature", action="store_true", help="refuse an unsigned artifact")
     parser.add_argument("--allow-failed-gate", action="store_true", help="bundle an artifact whose gate failed")
     args = parser.parse_args(argv)
     try:
         source = checked_source(args.artifact, args.key, args.require_signature, args.allow_failed_gate)
+        if args.tensorrt_rtx:
+            source = with_plan_engine(args.artifact, source, args.ort_format)
         check_bundle_destination(args.bundle, args.artifact)
         manifest = write_bundle(args.artifact, source, args.bundle, args.ort_format)
     except (RecipeError, ArtifactError) as exc:
@@ -116,6 +134,25 @@ def checked_source(root: Path, key_file: str | None, require_signature: bool, al
     return manifest
 
 
+def with_plan_engine(root: Path, source: dict, ort_format: bool) -> dict:
+    """The manifest with its engine block replaced by the plan's (engine.plan, which engine=tensorrt_rtx
+    writes beside the ONNX graph it was built from); what was measured on what is kept with it."""
+    if ort_format:
+        raise RecipeError("--tensorrt-rtx and --ort-format choose different model files: give one")
+    engine = source["engine"]
+    plan = engine.get("plan") if engine.get("format") == ONNXRUNTIME else None
+    if engine.get("format") == TENSORRT_RTX:
+        plan = engine.get("plan") or {"file": engine.get("file")}
+    listed = {entry["path"] for entry in source["files"]}
+    if not isinstance(plan, dict) or plan.get("file") not in listed:
+        raise RecipeError(f"{root}: the artifact has no TensorRT-RTX plan (build one with engine=tensorrt_rtx)")
+    if engine.get("task") != TASKS[TENSORRT_RTX] or not engine.get("tokenizer"):
+        raise RecipeError(f"{root}: a TensorRT-RTX bundle carries a sentence encoder with its tokenizer")
+    checker.contained(root, plan["file"], "engine.plan.file")
+    kept = {k: engine[k] for k in ("task", "max_length", "tokenizer", "precision") if k in engine}
+    return {**source, "engine": {"format": TENSORRT_RTX, "file": plan["file"], **kept, "plan": plan}}
+
+
 def check_bundle_destination(bundle: Path, artifact: Path) -> None:
     if os.path.islink(bundle) or (bundle.exists() and not bundle.is_dir()):
         raise RecipeError(f"--bundle {bundle} is a file or a link, not a folder; refusing to write it")
@@ -148,6 +185,8 @@ def write_bundle(root: Path, source: dict, bundle: Path, ort_format: bool) -> di
         )
         shutil.copyfile(RUN_SCRIPT, stage / "run.py")
         shutil.copyfile(CHECKER, stage / "artifact.py")
+        if engine["format"] == TENSORRT_RTX:
+            shutil.copyfile(PLAN_RUNNER, stage / PLAN_RUNNER.name)
         manifest = write_manifest(stage, bundle_manifest(source, engine, requirements, ort_format))
         publish(stage, bundle)
     return manifest
@@ -186,7 +225,11 @@ def bundle_manifest(source: dict, engine: dict, requirements: list[str], ort_for
     model_format = (
         "ort"
         if ort_format
-        else {OPENVINO: "openvino-ir", ONNXRUNTIME_GENAI: "onnxruntime-genai"}.get(engine["format"], "onnx")
+        else {
+            OPENVINO: "openvino-ir",
+            ONNXRUNTIME_GENAI: "onnxruntime-genai",
+            TENSORRT_RTX: "tensorrt-rtx-plan",
+        }.get(engine["format"], "onnx")
     )
     body["engine"] = engine
     body["bundle"] = {
@@ -202,8 +245,13 @@ def bundle_manifest(source: dict, engine: dict, requirements: list[str], ort_for
 
 
 def pinned_requirements(manifest: dict, fmt: str) -> list[str]:
-    packages = (manifest.get("environment") or {}).get("packages") or {}
-    return [f"{name}=={packages[name]}" if packages.get(name) else name for name in RUNTIME_PACKAGES[fmt]]
+    packages = dict((manifest.get("environment") or {}).get("packages") or {})
+    if fmt == TENSORRT_RTX:  # a plan loads only with the TensorRT-RTX it was built with
+        packages["tensorrt-rtx"] = (manifest["engine"].get("plan") or {}).get("tensorrt_rtx")
+    return [
+        f"{name}=={packages[name]}" if packages.get(name) else name + UNPINNED_FLOOR.get(name, "")
+        for name in RUNTIME_PACKAGES[fmt]
+    ]
 
 
 @contextlib.contextmanager

@@ -4,7 +4,9 @@ A sentence-encoder bundle embeds the texts; a causal-LM bundle (ONNX Runtime Gen
 text as a prompt, greedily, up to --max-tokens new tokens, as the server does with temperature 0.
 
 It needs only its runtime: onnxruntime (openvino for an OpenVINO bundle), tokenizers and numpy, or
-onnxruntime-genai and numpy for a causal LM; requirements.txt pins the versions the model was
+onnxruntime-genai and numpy for a causal LM, or for a TensorRT-RTX plan tensorrt-rtx, cuda-python,
+tokenizers, numpy and an RTX-class NVIDIA GPU (elsewhere it refuses with one line naming what is
+missing); requirements.txt pins the versions the model was
 evaluated with. Before anything is loaded, every file is checked against manifest.json by
 artifact.py, the checker the pipeline and its server use (copied here and itself listed in the
 manifest), or by the installed project's own when this Python has the project. Texts are
@@ -169,8 +171,33 @@ def openvino_model(path: Path, engine: dict, threads: int):
     return run
 
 
+def tensorrt_rtx_model(path: Path):
+    """A TensorRT-RTX plan on an RTX-class GPU, run by the bundle's tensorrt_rtx_runner.py (checked with
+    every other file, and loaded by its path like the checker)."""
+    runner_file = HERE / "tensorrt_rtx_runner.py"
+    spec = importlib.util.spec_from_file_location("bundle_tensorrt_rtx_runner", runner_file)
+    if spec is None or spec.loader is None or not runner_file.is_file():
+        fail(f"{HERE}: tensorrt_rtx_runner.py (the plan runner) is missing; refused")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    try:
+        runner = module.RtxPlanRunner(path)
+    except module.Unavailable as exc:
+        fail(str(exc))
+
+    def run(feed: dict[str, np.ndarray]) -> np.ndarray:
+        try:
+            return runner(feed)[OUTPUT]
+        except ValueError as exc:  # a batch or text outside every optimization profile of the plan
+            fail(f"{exc} (try a smaller --batch-size)")
+
+    return run
+
+
 def load_model(engine: dict, threads: int):
     path = HERE / engine["file"]
+    if engine.get("format") == "tensorrt-rtx":
+        return tensorrt_rtx_model(path)
     if engine.get("format") == "openvino":
         return openvino_model(path, engine, threads)
     return onnxruntime_model(path, threads)
