@@ -1,0 +1,302 @@
+"""Served causal-LM load: closed-loop streaming clients against real HTTP servers on loopback.
+
+    .venv/bin/python -m benchmarks.serve_llm_load ARTIFACT [--json out.json] [--markdown out.md]
+
+For each server (this project's `python -m serve` with continuous batching, the same server one
+generation at a time as it was before, and peers where they install), at 1, 4 and 16 concurrent
+clients: every client sends its requests one after another (closed loop), each a distinct 64-token
+prompt cut from held-out CPython docs (the cpython_docs evaluation split), streamed, max_tokens 64,
+greedy. Reported per level: aggregate output tokens/s (completion tokens of all requests over the
+level's wall time), TTFT p50/p95/p99 (request sent to first text chunk) and inter-token latency
+p50/p95 (gaps between text chunks). Then:
+
+- shared prefix: 16 concurrent requests sharing a 256-token system prompt (one request with it first,
+  as a deployment's fixed system prompt would be warm), prefix caching on against off;
+- churn: three rounds of 16 clients where half close their stream after the first token: the server's
+  sequences in flight read from /metrics right after the closes, and its resident memory after
+  each round.
+
+Prompts are sent as token ids (the artifact's tokenizer), so every server sees the same tokens.
+Requests and time are bounded (--requests-per-level, --timeout-s). The machine block names the CPU;
+`other_cpu_share` is the share of all CPUs used by anything but this benchmark and its servers while
+they ran (the machine may be shared).
+
+The load itself (closed-loop streaming clients, the figures they measure, a server process on
+loopback) is optimize/evaluate/served.py, which a served-latency gate uses too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from optimize.evaluate.served import ServedServer, drive, drive_async
+
+LEVELS = (1, 4, 16)
+
+
+# --- prompts ---------------------------------------------------------------------------------------
+
+
+def held_out_prompts(tokenize, count: int, tokens: int, prefix_tokens: int) -> tuple[list[list[int]], list[int]]:
+    """Distinct `tokens`-token prompts, one per held-out paragraph long enough, and a system prompt of
+    `prefix_tokens` tokens from the paragraphs after them (so no prompt repeats it)."""
+    import calibration
+
+    texts = calibration.load("cpython_docs", "evaluation", 100, 1).items
+    encoded = [ids for ids in map(tokenize, texts) if len(ids) >= tokens]
+    if len(encoded) < count + 1:
+        raise SystemExit(f"error: only {len(encoded)} held-out paragraphs have {tokens} tokens; {count + 1} needed")
+    system = [t for ids in encoded[count:] for t in ids][:prefix_tokens]
+    return [ids[:tokens] for ids in encoded[:count]], system
+
+
+def artifact_tokenizer(artifact: Path):
+    """The artifact's Hugging Face tokenizer.json (both GenAI engines' folders carry one)."""
+    from tokenizers import Tokenizer
+
+    found = sorted(artifact.rglob("tokenizer.json"))
+    if not found:
+        raise SystemExit(f"error: {artifact} has no tokenizer.json")
+    tokenizer = Tokenizer.from_file(str(found[0]))
+    return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+
+
+# --- servers ---------------------------------------------------------------------------------------
+
+
+def serve_command(artifact: Path, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "serve", str(artifact), "--port", "0", "--allow-failed-gate", *flags]
+
+
+def llamacpp_command(python: str, gguf: Path, threads: int) -> list[str]:
+    """llama-cpp-python's OpenAI-compatible server (one llama.cpp context, requests in turn)."""
+    port = free_port()
+    return [python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "--n_threads", str(threads), "--n_ctx", "2048", "--verbose", "False"]  # fmt: skip
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric(url: str, name: str) -> float:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+# --- scenarios -------------------------------------------------------------------------------------
+
+
+def warm(server: ServedServer, model: str, prompt: list[int]) -> None:
+    asyncio.run(drive_async(server.url, model, [prompt], 1, 1, 8, 120))
+
+
+def levels(server: ServedServer, model: str, prompts, args) -> list[dict]:
+    rows = []
+    for clients in args.levels:
+        per_client = max(1, args.requests_per_level // clients)
+        row = drive(server.url, model, prompts, clients, per_client, args.new_tokens, args.timeout_s)
+        rows.append(row)
+        print(f"  {server.name}: {clients:>2} clients {row['tokens_per_s']} tok/s, TTFT p95 {row['ttft_p95_ms']} ms")
+    return rows
+
+
+def shared_prefix(server: ServedServer, model: str, system: list[int], questions, args) -> dict:
+    warm(server, model, system + questions[-1])  # the system prompt is warm, as in a deployment
+    prompts = [system + q for q in questions[:16]]
+    return drive(server.url, model, prompts, 16, 1, args.new_tokens, args.timeout_s)
+
+
+def churn(server: ServedServer, model: str, prompts, args) -> dict:
+    """Three rounds of 16 clients, half leaving after their first token."""
+    rounds = []
+    for _ in range(3):
+        results, _ = asyncio.run(
+            drive_async(server.url, model, prompts, 16, 1, args.new_tokens, args.timeout_s, leave_share=0.5)
+        )
+        time.sleep(0.5)
+        rounds.append(
+            {"rss_mb": round(server.rss_mb(), 1), "running_after": metric(server.url, "serve_num_requests_running")}
+        )
+
+    # how fast a departure shows: 16 streams, half leave after their first token, /metrics right then
+    async def probe():
+        task = asyncio.create_task(
+            drive_async(server.url, model, prompts, 16, 1, args.new_tokens, args.timeout_s, leave_share=0.5)
+        )
+        await asyncio.sleep(0)
+        peak, low = 0.0, None
+        while not task.done():
+            running = await asyncio.to_thread(metric, server.url, "serve_num_requests_running")
+            peak = max(peak, running)
+            if peak >= 8:  # once the 16 streams are in, the lowest count seen while the rest still stream
+                low = running if low is None else min(low, running)
+            await asyncio.sleep(0.05)
+        await task
+        return peak, low
+
+    peak, low = asyncio.run(probe())
+    growth = (rounds[-1]["rss_mb"] - rounds[0]["rss_mb"]) / rounds[0]["rss_mb"]
+    return {"rounds": rounds, "rss_growth": round(growth, 3), "running_peak": peak, "running_low_while_streaming": low}
+
+
+# --- the run ---------------------------------------------------------------------------------------
+
+
+def start(name: str, command: list[str], ready_path: str = "/v2/health/ready") -> tuple[ServedServer | None, str]:
+    server = ServedServer(name, command, ready_path)
+    try:
+        server.wait_ready()
+        return server, ""
+    except RuntimeError as exc:
+        server.stop()
+        return None, f"{name} did not start: {exc}"
+
+
+def run(args) -> dict:
+    from optimize.environment import benchmark_machine
+
+    manifest = json.loads((args.artifact / "manifest.json").read_text())
+    model = (manifest.get("recipe") or {}).get("name") or args.artifact.name
+    tokenize = artifact_tokenizer(args.artifact)
+    count = max(args.requests_per_level, 17)
+    prompts, system = held_out_prompts(tokenize, count, args.prompt_tokens, args.prefix_tokens)
+    report: dict = {"machine": benchmark_machine(("openvino", "openvino-genai", "onnxruntime-genai")), "notes": []}
+    report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    variants = [
+        ("serve, continuous batching", serve_command(args.artifact, "--max-num-seqs", "16")),
+        ("serve, one at a time (before)", serve_command(args.artifact, "--max-num-seqs", "1")),
+    ]
+    if args.llamacpp_python and Path(args.llamacpp_python).exists():
+        from benchmarks.peers_lm import shipped_gguf
+
+        variants.append(("llama.cpp server (Q4_1 GGUF)", llamacpp_command(args.llamacpp_python, shipped_gguf(), 2)))
+    else:
+        report["notes"].append(f"llama.cpp: no llama-cpp-python[server] venv at {args.llamacpp_python!r}")
+    report["notes"] += [
+        "vLLM CPU: not measured in this run (its CPU wheel and torch 2.13 CPU were not installed here)",
+        "OpenVINO GenAI: its samples serve no HTTP (OpenVINO Model Server is a separate C++ server, not on "
+        "PyPI); 'serve, continuous batching' is that engine's ContinuousBatchingPipeline driven directly",
+    ]
+    own, start_wall, start_busy = 0.0, time.monotonic(), busy_cpu_seconds()
+    report["servers"] = {}
+    for name, command in variants:
+        server, why = start(name, command, "/v2/health/ready" if "serve" in name else "/v1/models")
+        if server is None:
+            report["notes"].append(why)
+            print(why)
+            continue
+        try:
+            warm(server, model, prompts[-1])
+            entry: dict = {"levels": levels(server, model, prompts, args)}
+            if name.startswith("serve, continuous"):
+                entry["churn"] = churn(server, model, prompts, args)
+        finally:
+            own += server.cpu_seconds()
+            server.stop()
+        report["servers"][name] = entry
+    report["shared_prefix"] = {}
+    for caching in ("--prefix-caching", "--no-prefix-caching"):
+        server, why = start(f"serve {caching}", serve_command(args.artifact, "--max-num-seqs", "16", caching))
+        if server is None:
+            report["notes"].append(why)
+            continue
+        try:
+            report["shared_prefix"][caching.strip("-")] = shared_prefix(server, model, system, prompts, args)
+        finally:
+            own += server.cpu_seconds()
+            server.stop()
+    wall = time.monotonic() - start_wall
+    others = busy_cpu_seconds() - start_busy - own - own_cpu_seconds()
+    report["machine"]["other_cpu_share"] = round(max(0.0, others / (wall * (os.cpu_count() or 1))), 2)
+    return report
+
+
+def busy_cpu_seconds() -> float:
+    import psutil
+
+    t = psutil.cpu_times()
+    return sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+
+
+def own_cpu_seconds() -> float:
+    import psutil
+
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [
+        f"{m['date']}, {m['cpu']}, {m['cores']} cores, other_cpu_share {m['other_cpu_share']}",
+        "",
+        "| Server | Clients | Output tok/s | TTFT p50 / p95 / p99 ms | ITL p50 / p95 ms | Failed |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, entry in report["servers"].items():
+        for r in entry["levels"]:
+            lines.append(
+                f"| {name} | {r['clients']} | {r['tokens_per_s']} | {r['ttft_p50_ms']} / {r['ttft_p95_ms']} / "
+                f"{r['ttft_p99_ms']} | {r['itl_p50_ms']} / {r['itl_p95_ms']} | {r['failed']} |"
+            )
+    for name, r in report["shared_prefix"].items():
+        lines.append(
+            f"| shared 256-token prefix, {name} | 16 | {r['tokens_per_s']} | {r['ttft_p50_ms']} / "
+            f"{r['ttft_p95_ms']} / {r['ttft_p99_ms']} | {r['itl_p50_ms']} / {r['itl_p95_ms']} | {r['failed']} |"
+        )
+    for name, entry in report["servers"].items():
+        if "churn" in entry:
+            c = entry["churn"]
+            rss = ", ".join(str(r["rss_mb"]) for r in c["rounds"])
+            lines += ["", f"{name}, churn (16 clients, half leave after the first token): RSS after each of 3 rounds "
+                      f"{rss} MB (growth {c['rss_growth']:+.1%}); sequences in flight: peak {c['running_peak']:.0f}, "
+                      f"lowest while the rest streamed {c['running_low_while_streaming']}"]  # fmt: skip
+    lines += ["", *(f"- {n}" for n in report["notes"])]
+    return "\n".join(lines)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("artifact", type=Path, help="a causal-LM artifact (OpenVINO GenAI for continuous batching)")
+    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=list(LEVELS))
+    p.add_argument("--requests-per-level", type=int, default=32, help="requests per level (split over clients)")
+    p.add_argument("--prompt-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prefix-tokens", type=int, default=256)
+    p.add_argument("--timeout-s", type=float, default=120)
+    p.add_argument("--llamacpp-python", default=os.environ.get("PEERS_LLAMACPP_PYTHON", ""))
+    p.add_argument("--json", type=Path)
+    p.add_argument("--markdown", type=Path)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if not (args.artifact / "manifest.json").is_file():
+        raise SystemExit(f"error: {args.artifact} has no manifest.json")
+    report = run(args)
+    table = markdown(report)
+    print(table)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,225 @@
+"""Served latency: closed-loop streaming clients against a real server on loopback, and what they
+measured (aggregate output tokens/s, time to first token and inter-token latency percentiles).
+
+Used by benchmarks/serve_llm_load.py and by a served-latency gate: `served_load(artifact, ...)` starts
+`python -m serve ARTIFACT` on 127.0.0.1 (a free port), drives `clients` concurrent streams with the
+given prompts (token ids), stops the server and returns the figures. Clients are an httpx AsyncClient
+in this process, one asyncio loop; requests and time are bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # where `python -m serve` is found
+PORT_LINE = re.compile(r"running on http://127\.0\.0\.1:(\d+)")
+
+
+@dataclass
+class Result:
+    """One request as its client saw it."""
+
+    ttft_s: float | None = None
+    gaps_s: list[float] = field(default_factory=list)
+    tokens: int = 0
+    status: int = 0
+    error: str = ""
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+async def one_request(
+    client, url: str, model: str, prompt_ids: list[int], new_tokens: int, leave_after_first: bool = False
+) -> Result:
+    """One streamed completion; TTFT and gaps are taken at text chunks (the usage chunk has none)."""
+    payload = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    result, start, last = Result(), time.perf_counter(), 0.0
+    chunks = 0
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=payload) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                result.error = (await response.aread()).decode(errors="replace")[:200]
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                choices = chunk.get("choices") or []
+                if not (choices and choices[0].get("text")):
+                    continue
+                now = time.perf_counter()
+                chunks += 1
+                if result.ttft_s is None:
+                    result.ttft_s = now - start
+                else:
+                    result.gaps_s.append(now - last)
+                last = now
+                if leave_after_first:
+                    break
+    except Exception as exc:  # counted, not raised: one failed request must not end the run
+        result.error = f"{type(exc).__name__}: {exc}"[:200]
+    result.tokens = result.tokens or chunks
+    return result
+
+
+async def drive_async(url, model, prompts, clients, per_client, new_tokens, timeout_s, leave_share=0.0):
+    import httpx
+
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+
+        async def closed_loop(index: int) -> list[Result]:
+            out = []
+            for k in range(per_client):
+                prompt = prompts[(index * per_client + k) % len(prompts)]
+                leave = index < round(clients * leave_share)
+                out.append(await one_request(client, url, model, prompt, new_tokens, leave))
+            return out
+
+        start = time.perf_counter()
+        per = await asyncio.wait_for(asyncio.gather(*(closed_loop(i) for i in range(clients))), timeout_s * 4)
+        wall = time.perf_counter() - start
+    return [r for rs in per for r in rs], wall
+
+
+def drive(url: str, model: str, prompts, clients: int, per_client: int, new_tokens: int, timeout_s: float = 120):
+    """Closed-loop load: `clients` concurrent streams, each sending `per_client` requests in turn.
+    Returns the figures a report (or a gate) reads."""
+    results, wall = asyncio.run(drive_async(url, model, prompts, clients, per_client, new_tokens, timeout_s))
+    return summarize(results, wall, clients)
+
+
+def summarize(results: list[Result], wall: float, clients: int) -> dict:
+    ok = [r for r in results if r.status == 200 and not r.error]  # an answer with no text (EOS first) is ok
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    gaps = [g for r in ok for g in r.gaps_s]
+    tokens = sum(r.tokens for r in ok)
+    ms = lambda v: None if v is None else round(v * 1e3, 1)  # noqa: E731
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error or str(r.status) for r in results if r not in ok})[:3],
+        "output_tokens": tokens,
+        "wall_s": round(wall, 2),
+        "tokens_per_s": round(tokens / wall, 1) if wall else None,
+        "ttft_p50_ms": ms(percentile(ttft, 50)),
+        "ttft_p95_ms": ms(percentile(ttft, 95)),
+        "ttft_p99_ms": ms(percentile(ttft, 99)),
+        "itl_p50_ms": ms(percentile(gaps, 50)),
+        "itl_p95_ms": ms(percentile(gaps, 95)),
+    }
+
+
+class ServedServer:
+    """A server process on loopback; the port from its startup line, ready once `ready_path` answers."""
+
+    def __init__(self, name: str, command: list[str], ready_path: str, env: dict | None = None):
+        self.name, self.ready_path = name, ready_path
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env={**os.environ, **(env or {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.port: int | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line.rstrip())
+            match = PORT_LINE.search(line)
+            if match and self.port is None:
+                self.port = int(match.group(1))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"exited with {self.proc.returncode}: {' | '.join(self.lines[-3:])}")
+            if self.port:
+                with contextlib.suppress(httpx.HTTPError):
+                    if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
+                        return
+            time.sleep(0.2)
+        raise RuntimeError(f"not ready after {timeout:.0f} s")
+
+    def rss_mb(self) -> float:
+        import psutil
+
+        proc = psutil.Process(self.proc.pid)
+        return sum(p.memory_info().rss for p in [proc, *proc.children(recursive=True)]) / 2**20
+
+    def cpu_seconds(self) -> float:
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(self.proc.pid)
+            return sum(sum(p.cpu_times()[:2]) for p in [proc, *proc.children(recursive=True)])
+        return 0.0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def served_load(
+    artifact: Path,
+    prompts: list[list[int]],
+    clients: int,
+    requests_per_client: int = 2,
+    new_tokens: int = 64,
+    flags: tuple[str, ...] = (),
+    timeout_s: float = 120,
+) -> dict:
+    """Start the real server on the artifact, warm it with one request, drive the load, stop it.
+    The artifact need not have passed its gate yet (the gate is what this measures for)."""
+    manifest = json.loads((Path(artifact) / "manifest.json").read_text())
+    model = (manifest.get("recipe") or {}).get("name") or Path(artifact).name
+    command = [sys.executable, "-m", "serve", str(artifact), "--port", "0", "--allow-failed-gate", "--allow-modified"]
+    server = ServedServer("serve", [*command, *flags], "/v2/health/ready")
+    try:
+        server.wait_ready()
+        asyncio.run(drive_async(server.url, model, prompts[-1:], 1, 1, 8, timeout_s))
+        return drive(server.url, model, prompts, clients, requests_per_client, new_tokens, timeout_s)
+    finally:
+        server.stop()
