@@ -16,6 +16,12 @@ carries the plan runner, engines/tensorrt_rtx_runner.py) and refuses with one li
 OpenVINO GenAI causal LMs, image classifiers and simulated-quantization checkpoints are refused with
 one line (`python -m serve` runs the OpenVINO GenAI ones).
 
+`python -m optimize.export ARTIFACT --to vllm DIR` writes a folder `vllm serve DIR` loads: the
+Hugging Face checkpoint a causal LM's engine=modelopt_checkpoint exported (safetensors weights,
+config.json with modelopt's quantization_config, hf_quant_config.json), its generation config and
+the artifact's tokenizer, plus optimize_export.json naming the artifact, what was measured and each
+file's sha256. Other engines hold no checkpoint vLLM reads and are refused with one line.
+
 Exit 0 with the bundle written; 2 when the artifact is refused (not an artifact, changed files, a bad
 signature, a failed gate without --allow-failed-gate, a model the bundle cannot carry) or the
 destination cannot be used: one line `error: ...`, nothing written.
@@ -26,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
+import json
 import logging
 import os
 import shutil
@@ -34,7 +41,7 @@ from pathlib import Path
 
 import engines.artifact as checker
 from engines.artifact import VERIFY_KEY_ENV, ArtifactError
-from engines.formats import ONNXRUNTIME, ONNXRUNTIME_GENAI, OPENVINO, TENSORRT_RTX
+from engines.formats import MODELOPT_TORCH, ONNXRUNTIME, ONNXRUNTIME_GENAI, OPENVINO, TENSORRT_RTX
 from optimize import EXIT_BAD_INPUT
 from optimize.artifact import publish, scratch_for, staging, write_manifest
 from optimize.errors import ArgumentParser, RecipeError
@@ -65,7 +72,13 @@ BUNDLE_FILES = ("run.py", "artifact.py", "requirements.txt", PLAN_RUNNER.name)
 def main(argv: list[str]) -> int:
     parser = ArgumentParser(prog="python -m optimize.export", description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", type=Path)
-    parser.add_argument("--bundle", type=Path, required=True, help="the folder to write (new, or empty)")
+    parser.add_argument("--bundle", type=Path, help="the folder to write (new, or empty)")
+    parser.add_argument(
+        "--to",
+        nargs=2,
+        metavar=("FORMAT", "DIR"),
+        help="write the model for another server instead of a bundle: --to vllm DIR (a new, or empty, folder)",
+    )
     parser.add_argument(
         "--ort-format",
         action="store_true",
@@ -80,6 +93,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--require-signature", action="store_true", help="refuse an unsigned artifact")
     parser.add_argument("--allow-failed-gate", action="store_true", help="bundle an artifact whose gate failed")
     args = parser.parse_args(argv)
+    if (args.bundle is None) == (args.to is None):
+        parser.error("give one of --bundle DIR or --to vllm DIR")
+    if args.to is not None:
+        return export_to(args)
     try:
         source = checked_source(args.artifact, args.key, args.require_signature, args.allow_failed_gate)
         if args.tensorrt_rtx:
@@ -99,6 +116,111 @@ def main(argv: list[str]) -> int:
         f"needs {needs}; run: python {args.bundle / 'run.py'} TEXT"
     )
     return 0
+
+
+def export_to(args) -> int:
+    """--to FORMAT DIR: the artifact's model as another server reads it (vllm only)."""
+    target, dest = args.to[0], Path(args.to[1])
+    try:
+        if target != "vllm":
+            raise RecipeError(f"--to {target}: the formats written are: vllm")
+        source = checked_manifest(args.artifact, args.key, args.require_signature, args.allow_failed_gate)
+        check_bundle_destination(dest, args.artifact, "--to vllm")
+        written = write_vllm(args.artifact, source, dest)
+    except (RecipeError, ArtifactError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except OSError as exc:
+        print(f"error: --to vllm {dest}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    size_mb = sum(f["bytes"] for f in written["files"]) / 2**20
+    print(
+        f"vllm: {dest} ({len(written['files'])} files, {size_mb:.1f} MB, {written['quantization']}); "
+        f"serve: vllm serve {dest}"
+    )
+    return 0
+
+
+def checked_manifest(root: Path, key_file: str | None, require_signature: bool, allow_failed_gate: bool) -> dict:
+    """The artifact's manifest after the checker found every file as recorded and its gate passed."""
+    key_file = key_file or os.environ.get(VERIFY_KEY_ENV)
+    try:
+        key = checker.read_key(key_file) if key_file else None
+        problems = checker.verify(root, key, require_signature)
+        manifest = checker.read_manifest(root)
+    except OSError as exc:
+        raise RecipeError(f"{root}: {exc.strerror or exc}") from None
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise RecipeError(f"{root} does not match its manifest: {problems[0]}{more}; refused")
+    if "bundle" in manifest:
+        raise RecipeError(f"{root} is a bundle; export the artifact it was made from")
+    if (manifest.get("gate") or {}).get("passed") is not True and not allow_failed_gate:
+        raise RecipeError(f"{root}: the gate did not pass; refusing to export it (--allow-failed-gate overrides)")
+    return manifest
+
+
+HF_EXPORT = "hf_export"  # where engine=modelopt_checkpoint writes modelopt's Hugging Face checkpoint
+VLLM_SERVES = ("config.json", "hf_quant_config.json", "generation_config.json")
+
+
+def vllm_files(root: Path, source: dict) -> dict[str, str]:
+    """{path in the vLLM folder: path in the artifact}: the checkpoint's config and weights, the tokenizer."""
+    engine = source.get("engine") or {}
+    if engine.get("format") != MODELOPT_TORCH or engine.get("task") != "causal_lm":
+        raise RecipeError(
+            f"{root}: a {engine.get('format')!r} {engine.get('task')!r} engine holds no checkpoint vLLM loads "
+            "(--to vllm exports causal LMs quantized by modelopt with engine=modelopt_checkpoint)"
+        )
+    folder = f"{str(engine.get('dir') or '').strip('/')}/{HF_EXPORT}"
+    listed = [entry["path"] for entry in source["files"]]
+    weights = [p for p in listed if p.startswith(folder + "/") and p.endswith(".safetensors")]
+    if f"{folder}/config.json" not in listed or not weights:
+        exported = ((source.get("stages") or {}).get("engine") or {}).get("hf_export", "not recorded")
+        raise RecipeError(f"{root}: the artifact has no Hugging Face checkpoint in {folder} (hf_export: {exported})")
+    tokenizer = str(engine.get("tokenizer") or "").strip("/")
+    tokenizer_files = [p for p in listed if tokenizer and p.startswith(tokenizer + "/") and p.count("/") == 1]
+    if not any(p.endswith("/tokenizer.json") for p in tokenizer_files):
+        raise RecipeError(f"{root}: the manifest's engine names no tokenizer with a tokenizer.json; cannot export it")
+    wanted = {p.rsplit("/", 1)[1]: p for p in tokenizer_files}
+    for path in listed:
+        name = path[len(folder) + 1 :] if path.startswith(folder + "/") else None
+        if (
+            name
+            and "/" not in name
+            and (name in VLLM_SERVES or name.endswith((".safetensors", ".safetensors.index.json")))
+        ):
+            wanted[name] = path  # the checkpoint's own config wins over a tokenizer file of the same name
+    for path in wanted.values():
+        checker.check_regular_file(checker.contained(root, path, "files[].path"), path)
+    return wanted
+
+
+def write_vllm(root: Path, source: dict, dest: Path) -> dict:
+    """The folder, built beside `dest` and renamed into place when complete."""
+    files = vllm_files(root, source)
+    config = checker.parse_json((root / files["config.json"]).read_bytes())
+    quantization = (config.get("quantization_config") or {}) if isinstance(config, dict) else {}
+    with staging(dest) as stage:
+        for name, path in sorted(files.items()):
+            shutil.copyfile(root / path, stage / name)
+        table = checker.file_table(stage)
+        written = {
+            "to": "vllm",
+            "source_id": source.get("id"),
+            "source_digest": source[checker.INTEGRITY]["digest"],
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "quantization": quantization.get("quant_algo") or quantization.get("quant_method") or "none",
+            "quant_method": quantization.get("quant_method"),
+            # What the gate judged: modelopt's simulated numerics on the pipeline's machine, not vLLM's kernels.
+            "measured": {"engine": source["engine"].get("format"), "simulated": source["engine"].get("simulated")},
+            "metrics": (source.get("metrics") or {}).get("candidate"),
+            "serve": f"vllm serve {dest}",
+            "files": table,
+        }
+        (stage / "optimize_export.json").write_text(json.dumps(written, indent=2) + "\n")
+        publish(stage, dest)
+    return written
 
 
 def checked_source(root: Path, key_file: str | None, require_signature: bool, allow_failed_gate: bool) -> dict:
@@ -153,14 +275,14 @@ def with_plan_engine(root: Path, source: dict, ort_format: bool) -> dict:
     return {**source, "engine": {"format": TENSORRT_RTX, "file": plan["file"], **kept, "plan": plan}}
 
 
-def check_bundle_destination(bundle: Path, artifact: Path) -> None:
+def check_bundle_destination(bundle: Path, artifact: Path, option: str = "--bundle") -> None:
     if os.path.islink(bundle) or (bundle.exists() and not bundle.is_dir()):
-        raise RecipeError(f"--bundle {bundle} is a file or a link, not a folder; refusing to write it")
+        raise RecipeError(f"{option} {bundle} is a file or a link, not a folder; refusing to write it")
     if bundle.is_dir() and any(bundle.iterdir()):
-        raise RecipeError(f"--bundle {bundle} already exists and is not empty")
+        raise RecipeError(f"{option} {bundle} already exists and is not empty")
     target, source = bundle.resolve(), artifact.resolve()
     if target == source or source in target.parents:
-        raise RecipeError(f"--bundle {bundle} is inside the artifact; the artifact would no longer match its manifest")
+        raise RecipeError(f"{option} {bundle} is inside the artifact; the artifact would no longer match its manifest")
 
 
 def write_bundle(root: Path, source: dict, bundle: Path, ort_format: bool) -> dict:
