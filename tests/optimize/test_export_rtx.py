@@ -41,6 +41,14 @@ def python(*args) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True)
 
 
+def test_the_minilm_fp16_preset_builds_its_plan(rtx_artifact):
+    manifest = json.loads((rtx_artifact / "manifest.json").read_text())
+    plan = manifest["engine"]["plan"]
+    assert manifest["engine"]["precision"] == "fp16" and manifest["stages"]["quantize"]["method"] == "ort_fp16"
+    assert plan["profiles"][1]["input_ids"][2] == [4, 32]  # batch 4, model.max_length
+    assert manifest["metrics"]["candidate"]["fidelity"]["cosine_min"] > 0.999
+
+
 def test_the_plan_bundle_carries_the_plan_and_its_runner(rtx_artifact, tmp_path):
     bundle = tmp_path / "rtx-bundle"
     proc = python("-m", "optimize.export", rtx_artifact, "--bundle", bundle, "--tensorrt-rtx")
