@@ -180,11 +180,13 @@ def run(args) -> dict:
         ("serve, continuous batching", serve_command(args.artifact, "--max-num-seqs", "16")),
         ("serve, one at a time (before)", serve_command(args.artifact, "--max-num-seqs", "1")),
     ]
-    if args.llamacpp_python and Path(args.llamacpp_python).exists():
+    variants = [v for v, key in zip(variants, ("batching", "before")) if key in args.servers]
+    llamacpp = args.llamacpp_python and Path(args.llamacpp_python).exists()
+    if "llamacpp" in args.servers and llamacpp:
         from benchmarks.peers_lm import shipped_gguf
 
         variants.append(("llama.cpp server (Q4_1 GGUF)", llamacpp_command(args.llamacpp_python, shipped_gguf(), 2)))
-    else:
+    elif "llamacpp" in args.servers:
         report["notes"].append(f"llama.cpp: no llama-cpp-python[server] venv at {args.llamacpp_python!r}")
     report["notes"] += [
         "vLLM CPU: not measured in this run (its CPU wheel and torch 2.13 CPU were not installed here)",
@@ -209,7 +211,7 @@ def run(args) -> dict:
             server.stop()
         report["servers"][name] = entry
     report["shared_prefix"] = {}
-    for caching in ("--prefix-caching", "--no-prefix-caching"):
+    for caching in ("--prefix-caching", "--no-prefix-caching") if "batching" in args.servers else ():
         server, why = start(f"serve {caching}", serve_command(args.artifact, "--max-num-seqs", "16", caching))
         if server is None:
             report["notes"].append(why)
@@ -278,6 +280,12 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prefix-tokens", type=int, default=256)
     p.add_argument("--timeout-s", type=float, default=120)
+    p.add_argument(
+        "--servers",
+        type=lambda text: text.split(","),
+        default=["batching", "before", "llamacpp"],
+        help="which to run, of batching,before,llamacpp (the shared-prefix scenario runs with batching)",
+    )
     p.add_argument("--llamacpp-python", default=os.environ.get("PEERS_LLAMACPP_PYTHON", ""))
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
