@@ -175,3 +175,22 @@ def test_one_at_a_time_on_request(tiny_ov_llm_artifact):
         r = httpx.post(server.url + "/v1/completions", json=body("def main():", 8), timeout=30)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 8
         assert metric_value(metrics(server), "serve_num_requests_running") == 0
+
+
+def test_chat_and_seeded_sampling_in_the_batch(tiny_ov_llm_artifact):
+    import openai
+
+    with running_server(tiny_ov_llm_artifact, "--max-tokens", "16") as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "What is Python?"}]
+        reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
+        deltas = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in deltas if c.choices)
+        assert streamed == reply.choices[0].message.content
+        seeded = [
+            client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0.8, seed=3)
+            .choices[0]
+            .message.content
+            for _ in range(2)
+        ]
+        assert seeded[0] == seeded[1]
