@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import sqlite3
 import tempfile
@@ -240,6 +241,13 @@ def params_of(manifest: dict) -> dict[str, str]:
     return params
 
 
+def metric_key(name: str) -> str:
+    """A name MLflow accepts (alphanumerics, _ - . / and spaces): a per-point check such as
+    `min_speedup[batch=32]` becomes `min_speedup.batch_32`; anything else odd becomes `_`."""
+    name = name.replace("[", ".").replace("]", "").replace("=", "_")
+    return re.sub(r"[^A-Za-z0-9_./ -]", "_", name)
+
+
 def metrics_of(manifest: dict) -> dict[str, float]:
     """Every number the evaluation measured (baseline.* and candidate.*), and each gate check's value,
     threshold and outcome (gate.NAME.value / .threshold / .passed as 1 or 0)."""
@@ -247,13 +255,14 @@ def metrics_of(manifest: dict) -> dict[str, float]:
     for side in ("baseline", "candidate"):
         for key, value in flatten(manifest["metrics"].get(side) or {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                metrics[f"{side}.{key}"] = float(value)
+                metrics[metric_key(f"{side}.{key}")] = float(value)
     for check in manifest["gate"]["checks"]:
+        name = metric_key(f"gate.{check['name']}")
         if check["value"] is not None:
-            metrics[f"gate.{check['name']}.value"] = float(check["value"])
+            metrics[f"{name}.value"] = float(check["value"])
         if check["threshold"] is not None:
-            metrics[f"gate.{check['name']}.threshold"] = float(check["threshold"])
-        metrics[f"gate.{check['name']}.passed"] = 1.0 if check["passed"] else 0.0
+            metrics[f"{name}.threshold"] = float(check["threshold"])
+        metrics[f"{name}.passed"] = 1.0 if check["passed"] else 0.0
     metrics["gate.passed"] = 1.0 if manifest["gate"]["passed"] else 0.0
     return metrics
 

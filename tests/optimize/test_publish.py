@@ -427,3 +427,26 @@ def test_an_unsupported_tracking_uri_is_refused_before_the_run(tmp_path):
         proc = run_optimize("publish=mlflow", f"publish.tracking_uri={uri}", f"output_dir={tmp_path / 'out'}")
         one_error_line(proc, fragment)
         assert not (tmp_path / "out").exists()
+
+
+def test_per_point_gate_checks_are_metric_names_mlflow_accepts(tmp_path):
+    """A workload's checks are named per point (`min_speedup[batch=32]`); MLflow refuses [, ] and =."""
+    from mlflow.entities import Metric
+
+    from optimize.publish.mlflow_registry import metrics_of
+
+    checks = [
+        {"name": "min_speedup[batch=32]", "value": 2.5, "threshold": 1.5, "passed": True},
+        {"name": "min_decode_speedup[shape=1024x128]", "value": None, "threshold": 4.0, "passed": False},
+    ]
+    manifest = {
+        "metrics": {"baseline": {}, "candidate": {"requests": {"1024x128": {"ttft_ms": 80.0}}}},
+        "gate": {"passed": False, "checks": checks},
+    }
+    metrics = metrics_of(manifest)
+    assert metrics["gate.min_speedup.batch_32.value"] == 2.5
+    assert metrics["gate.min_decode_speedup.shape_1024x128.passed"] == 0.0
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.create_run(client.create_experiment("names"))
+    client.log_batch(run.info.run_id, metrics=[Metric(k, v, 0, 0) for k, v in metrics.items()])
+    assert set(client.get_run(run.info.run_id).data.metrics) == set(metrics)
