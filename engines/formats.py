@@ -17,6 +17,7 @@ MODELOPT_TORCH = "modelopt-torch"
 OPENVINO = "openvino"
 OPENVINO_GENAI = "openvino-genai"
 TENSORRT_RTX = "tensorrt-rtx"
+TORCH_CUDA = "torch-cuda"
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ FORMATS: dict[str, EngineFormat] = {
         ),
         # A plan built ahead of time for RTX-class GPUs; loading it refuses elsewhere, naming what is missing.
         EngineFormat(TENSORRT_RTX, "engines.tensorrt_rtx_runner:load_rtx_runner", ("tensorrt_rtx",), "encoder"),
+        # The pipeline's PyTorch model on one NVIDIA GPU (bf16, FP8 or INT4 Linears); measured, not served.
+        EngineFormat(TORCH_CUDA, "engines.torch_cuda_runner:load_torch_cuda_runner", ("torch",), None),
     )
 }
 

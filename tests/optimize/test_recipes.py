@@ -49,6 +49,11 @@ def expected_refusal(name: str) -> str | None:
         if importlib.util.find_spec("tensorrt") is None:
             return "engine.params.tensorrt=true needs CUDA and TensorRT: the tensorrt package is not installed"
         return None
+    if name == "smollm2_bf16_gpu":
+        from engines.torch_cuda_runner import cuda_missing
+
+        missing = cuda_missing("bf16")
+        return f"engine.method=torch_cuda needs {missing}" if missing else None
     raise AssertionError(f"{name} looks like a GPU preset: spell out its refusal in expected_refusal()")
 
 
