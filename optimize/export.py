@@ -141,7 +141,9 @@ def export_to(args) -> int:
     return 0
 
 
-def checked_manifest(root: Path, key_file: str | None, require_signature: bool, allow_failed_gate: bool) -> dict:
+def checked_manifest(
+    root: Path, key_file: str | None, require_signature: bool, allow_failed_gate: bool, action: str = "export"
+) -> dict:
     """The artifact's manifest after the checker found every file as recorded and its gate passed."""
     key_file = key_file or os.environ.get(VERIFY_KEY_ENV)
     try:
@@ -154,9 +156,9 @@ def checked_manifest(root: Path, key_file: str | None, require_signature: bool, 
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise RecipeError(f"{root} does not match its manifest: {problems[0]}{more}; refused")
     if "bundle" in manifest:
-        raise RecipeError(f"{root} is a bundle; export the artifact it was made from")
+        raise RecipeError(f"{root} is already a bundle; export the artifact it was made from")
     if (manifest.get("gate") or {}).get("passed") is not True and not allow_failed_gate:
-        raise RecipeError(f"{root}: the gate did not pass; refusing to export it (--allow-failed-gate overrides)")
+        raise RecipeError(f"{root}: the gate did not pass; refusing to {action} it (--allow-failed-gate overrides)")
     return manifest
 
 
@@ -226,21 +228,7 @@ def write_vllm(root: Path, source: dict, dest: Path) -> dict:
 def checked_source(root: Path, key_file: str | None, require_signature: bool, allow_failed_gate: bool) -> dict:
     """The artifact's manifest, after the one checker found every file as recorded; then what a bundle
     can carry: a sentence encoder on ONNX Runtime or OpenVINO, a causal LM on ONNX Runtime GenAI."""
-    key_file = key_file or os.environ.get(VERIFY_KEY_ENV)
-    try:
-        key = checker.read_key(key_file) if key_file else None
-        problems = checker.verify(root, key, require_signature)
-        manifest = checker.read_manifest(root)
-    except OSError as exc:
-        raise RecipeError(f"{root}: {exc.strerror or exc}") from None
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise RecipeError(f"{root} does not match its manifest: {problems[0]}{more}; refused")
-    if "bundle" in manifest:
-        raise RecipeError(f"{root} is already a bundle; export the artifact it was made from")
-    gate = manifest.get("gate") or {}
-    if gate.get("passed") is not True and not allow_failed_gate:
-        raise RecipeError(f"{root}: the gate did not pass; refusing to bundle it (--allow-failed-gate overrides)")
+    manifest = checked_manifest(root, key_file, require_signature, allow_failed_gate, action="bundle")
     engine = manifest.get("engine") or {}
     fmt, task = engine.get("format"), engine.get("task")
     if fmt not in RUNTIME_PACKAGES:
