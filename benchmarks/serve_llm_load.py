@@ -38,6 +38,7 @@ from pathlib import Path
 from optimize.evaluate.served import ServedServer, drive, drive_async
 
 LEVELS = (1, 4, 16)
+LLAMACPP_PORT = 18431  # llama-cpp-python's server logs no port line to read: it is given one
 
 
 # --- prompts ---------------------------------------------------------------------------------------
@@ -64,7 +65,7 @@ def artifact_tokenizer(artifact: Path):
     if not found:
         raise SystemExit(f"error: {artifact} has no tokenizer.json")
     tokenizer = Tokenizer.from_file(str(found[0]))
-    return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+    return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), tokenizer.decode
 
 
 # --- servers ---------------------------------------------------------------------------------------
@@ -74,19 +75,10 @@ def serve_command(artifact: Path, *flags: str) -> list[str]:
     return [sys.executable, "-m", "serve", str(artifact), "--port", "0", "--allow-failed-gate", *flags]
 
 
-def llamacpp_command(python: str, gguf: Path, threads: int) -> list[str]:
+def llamacpp_command(python: str, gguf: Path, threads: int, port: int) -> list[str]:
     """llama-cpp-python's OpenAI-compatible server (one llama.cpp context, requests in turn)."""
-    port = free_port()
     return [python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "--n_threads", str(threads), "--n_ctx", "2048", "--verbose", "False"]  # fmt: skip
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def metric(url: str, name: str) -> float:
@@ -100,7 +92,7 @@ def metric(url: str, name: str) -> float:
 # --- scenarios -------------------------------------------------------------------------------------
 
 
-def warm(server: ServedServer, model: str, prompt: list[int]) -> None:
+def warm(server: ServedServer, model: str, prompt) -> None:
     asyncio.run(drive_async(server.url, model, [prompt], 1, 1, 8, 120))
 
 
@@ -157,7 +149,7 @@ def churn(server: ServedServer, model: str, prompts, args) -> dict:
 
 
 def start(name: str, command: list[str], ready_path: str = "/v2/health/ready") -> tuple[ServedServer | None, str]:
-    server = ServedServer(name, command, ready_path)
+    server = ServedServer(name, command, ready_path, port=LLAMACPP_PORT if name.startswith("llama.cpp") else None)
     try:
         server.wait_ready()
         return server, ""
@@ -171,7 +163,7 @@ def run(args) -> dict:
 
     manifest = json.loads((args.artifact / "manifest.json").read_text())
     model = (manifest.get("recipe") or {}).get("name") or args.artifact.name
-    tokenize = artifact_tokenizer(args.artifact)
+    tokenize, detokenize = artifact_tokenizer(args.artifact)
     count = max(args.requests_per_level, 17)
     prompts, system = held_out_prompts(tokenize, count, args.prompt_tokens, args.prefix_tokens)
     report: dict = {"machine": benchmark_machine(("openvino", "openvino-genai", "onnxruntime-genai")), "notes": []}
@@ -185,7 +177,8 @@ def run(args) -> dict:
     if "llamacpp" in args.servers and llamacpp:
         from benchmarks.peers_lm import shipped_gguf
 
-        variants.append(("llama.cpp server (Q4_1 GGUF)", llamacpp_command(args.llamacpp_python, shipped_gguf(), 2)))
+        command = llamacpp_command(args.llamacpp_python, shipped_gguf(), 2, LLAMACPP_PORT)
+        variants.append(("llama.cpp server (Q4_1 GGUF)", command))
     elif "llamacpp" in args.servers:
         report["notes"].append(f"llama.cpp: no llama-cpp-python[server] venv at {args.llamacpp_python!r}")
     report["notes"] += [
@@ -202,8 +195,11 @@ def run(args) -> dict:
             print(why)
             continue
         try:
-            warm(server, model, prompts[-1])
-            entry: dict = {"levels": levels(server, model, prompts, args)}
+            # llama-cpp-python's server takes text prompts only: the same tokens decoded (they encode back
+            # to the same ids with SmolLM2's tokenizer, up to merges at the cut)
+            sent = [detokenize(p) for p in prompts] if name.startswith("llama.cpp") else prompts
+            warm(server, model, sent[-1])
+            entry: dict = {"levels": levels(server, model, sent, args)}
             if name.startswith("serve, continuous"):
                 entry["churn"] = churn(server, model, prompts, args)
         finally:

@@ -139,7 +139,9 @@ def summarize(results: list[Result], wall: float, clients: int) -> dict:
 class ServedServer:
     """A server process on loopback; the port from its startup line, ready once `ready_path` answers."""
 
-    def __init__(self, name: str, command: list[str], ready_path: str, env: dict | None = None):
+    def __init__(
+        self, name: str, command: list[str], ready_path: str, env: dict | None = None, port: int | None = None
+    ):
         self.name, self.ready_path = name, ready_path
         self.lines: list[str] = []
         self.proc = subprocess.Popen(
@@ -150,7 +152,7 @@ class ServedServer:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        self.port: int | None = None
+        self.port: int | None = port  # known when the command names it; else read from the startup line
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
