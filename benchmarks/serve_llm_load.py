@@ -189,7 +189,7 @@ def run(args) -> dict:
     own, start_wall, start_busy = 0.0, time.monotonic(), busy_cpu_seconds()
     report["servers"] = {}
     for name, command in variants:
-        server, why = start(name, command, "/v2/health/ready" if "serve" in name else "/v1/models")
+        server, why = start(name, command, "/v2/health/ready" if name.startswith("serve") else "/v1/models")
         if server is None:
             report["notes"].append(why)
             print(why)
