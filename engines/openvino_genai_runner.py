@@ -15,6 +15,7 @@ cache in u8, and an artifact measured as FP32 must run as FP32. Torch-free: serv
 
 from __future__ import annotations
 
+import abc
 import json
 import queue
 import threading
@@ -61,7 +62,7 @@ class _TokenStreamer:
         return Streamer()
 
 
-class _OVGenAIText:
+class _OVGenAIText(abc.ABC):
     """What both OpenVINO GenAI engines share: the model's limits and EOS ids, its tokenizer and chat
     template, and the generation settings of a request. A subclass sets dir and tokenizer and says
     where the engine's default generation config comes from."""
@@ -76,8 +77,9 @@ class _OVGenAIText:
         self.vocab_size = int(config.get("vocab_size") or 0)
         return config
 
+    @abc.abstractmethod
     def default_config(self):
-        raise NotImplementedError
+        """The engine's own default GenerationConfig, which generation_config() starts from."""
 
     def _eos_ids(self, config: dict) -> set[int]:
         ids: set[int] = set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import numpy as np
 
@@ -162,21 +163,8 @@ class TorchLM:
     def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
         """Greedy `generate` with its KV cache for exactly new_tokens: perf_counter() at each new token."""
         import torch
-        from transformers.generation.streamers import BaseStreamer
 
-        class Stamps(BaseStreamer):
-            def __init__(self):
-                self.times, self.prompt_seen = [], False
-
-            def put(self, value):
-                if self.prompt_seen:  # the first put is the prompt itself
-                    self.times.append(time.perf_counter())
-                self.prompt_seen = True
-
-            def end(self):
-                pass
-
-        stamps = Stamps()
+        stamps = token_stamps()
         ids = torch.as_tensor(np.asarray(prompt_ids, dtype=np.int64))[None]
         with torch.inference_mode():
             self.model.generate(
@@ -228,3 +216,24 @@ def torch_weight_bytes(model) -> WeightBytes:
         else:
             per_token += size
     return WeightBytes(per_token, stored, sorted(gathered), "torch parameters")
+
+
+def token_stamps(before_stamp: Callable[[], Any] = lambda: None):
+    """A transformers streamer that records perf_counter() at each new token (`before_stamp` runs
+    first: a GPU runner synchronises there so the stamp follows the token's kernels)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        def __init__(self):
+            self.times, self.prompt_seen = [], False
+
+        def put(self, value):
+            if self.prompt_seen:  # the first put is the prompt itself
+                before_stamp()
+                self.times.append(time.perf_counter())
+            self.prompt_seen = True
+
+        def end(self):
+            pass
+
+    return Stamps()

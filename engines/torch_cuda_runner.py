@@ -9,7 +9,6 @@ The artifact holds the bf16 weights; the FP8/INT4 weights are rebuilt from them 
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import numpy as np
@@ -111,22 +110,10 @@ class CudaLM(TorchLM):
     def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
         """perf_counter() at each new token, taken after the GPU has finished it."""
         import torch
-        from transformers.generation.streamers import BaseStreamer
 
-        class Stamps(BaseStreamer):
-            def __init__(self):
-                self.times, self.prompt_seen = [], False
+        from engines.pytorch_runner import token_stamps
 
-            def put(self, value):
-                if self.prompt_seen:  # the first put is the prompt itself
-                    torch.cuda.synchronize()
-                    self.times.append(time.perf_counter())
-                self.prompt_seen = True
-
-            def end(self):
-                pass
-
-        stamps = Stamps()
+        stamps = token_stamps(torch.cuda.synchronize)
         self._generate(prompt_ids, new_tokens, stamps)
         return stamps.times
 
