@@ -327,4 +327,4 @@ def remove_overlap(calibration: TextSet, evaluation: TextSet, policy: str) -> Te
 
 
 # Sources in their own modules register themselves on import (their heavy imports stay inside functions).
-from calibration import files, images, media, synthetic  # noqa: E402,F401
+from calibration import files, images, labeled, media, synthetic  # noqa: E402,F401

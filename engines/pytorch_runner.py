@@ -17,6 +17,15 @@ from engines.weights import WeightBytes
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 ENCODER_INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
+# The transformers Auto class that loads a Hugging Face model of each task (the tasks a hub id or a
+# model folder can be given for).
+HF_AUTO_CLASSES = {
+    "sentence_embedding": "AutoModel",
+    "causal_lm": "AutoModelForCausalLM",
+    "text_classification": "AutoModelForSequenceClassification",
+    "token_classification": "AutoModelForTokenClassification",
+}
+LOGITS_TASKS = ("text_classification", "token_classification")
 
 
 def read_pooling(model_dir: Path) -> dict:
@@ -59,6 +68,27 @@ def sentence_embedding_module(model, pooling: dict):
     return SentenceEmbedding().eval()
 
 
+def logits_module(model):
+    """Wrap a Hugging Face classifier (sequence or token) so it takes the encoder's three inputs
+    positionally and returns its logits; segment ids go only to a model whose forward takes them."""
+    import inspect
+
+    import torch
+
+    takes_segments = "token_type_ids" in inspect.signature(model.forward).parameters
+
+    class Logits(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.classifier = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            segments = {"token_type_ids": token_type_ids} if takes_segments else {}
+            return self.classifier(input_ids=input_ids, attention_mask=attention_mask, **segments).logits
+
+    return Logits().eval()
+
+
 class TorchRunner:
     """Calls a module whose forward takes the named inputs positionally and returns a tuple."""
 
@@ -95,7 +125,7 @@ def load_hf_model(
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # keep stderr for messages a user must read
-    auto = {"sentence_embedding": transformers.AutoModel, "causal_lm": transformers.AutoModelForCausalLM}[task]
+    auto = getattr(transformers, HF_AUTO_CLASSES[task])
     kwargs = dict(dtype=torch.float32, trust_remote_code=trust_remote_code, revision=revision)
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
@@ -118,6 +148,8 @@ def load_pytorch_runner(root: Path, engine: dict, threads: int = 0, spinning: bo
     if task == "sentence_embedding":
         module = sentence_embedding_module(model, engine.get("pooling") or read_pooling(model_dir))
         return TorchRunner(module, ENCODER_INPUTS, ["last_hidden_state", "sentence_embedding"], threads)
+    if task in LOGITS_TASKS:
+        return TorchRunner(logits_module(model), ENCODER_INPUTS, ["logits"], threads)
     raise ValueError(f"no PyTorch runner for task {task!r}")
 
 

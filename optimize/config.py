@@ -77,6 +77,7 @@ class DataConfig:
     image: ImageOptions = field(default_factory=ImageOptions)
     audio: AudioOptions = field(default_factory=AudioOptions)
     field: str = "text"  # jsonl field holding the text
+    label_field: Optional[str] = None  # labeled: the column of labels (default "label"); NER: one tag per word
     count: int = 64
     seed: int = 0
     min_chars: int = 200
@@ -125,6 +126,10 @@ class GateConfig:
     max_peak_memory_mb: Optional[float] = None
     max_accuracy_drop: Optional[float] = None  # classifiers: top-1 accuracy drop vs baseline, in points
     min_accuracy: Optional[float] = None  # classifiers: candidate top-1 accuracy (0..1)
+    # Labeled classifiers (text_classification: macro-F1; token_classification: entity F1), in points;
+    # the report gives each drop's paired bootstrap interval and says when the set cannot resolve it.
+    max_f1_drop: Optional[float] = None
+    min_prediction_agreement: Optional[float] = None  # share of predictions equal to the baseline's (0..1)
     # Maps (segmentation, text detection) binarized at evaluate.task_params.mask_threshold, vs baseline:
     min_mask_iou: Optional[float] = None  # IoU pooled over the evaluation set (0..1)
     min_mask_agreement: Optional[float] = None  # share of pixels on the same side of the threshold
@@ -134,6 +139,14 @@ class GateConfig:
     # (every point of workload.requests); null: the first request of the workload.
     request_shape: Optional[str] = None
     max_lm_eval_drop: Optional[float] = None  # causal LMs: largest lm-eval accuracy drop, in points
+    # Causal LMs, served: the real server (python -m serve) started on the candidate on loopback and
+    # driven by served_concurrency closed-loop streaming clients; the figures are what the clients saw.
+    max_served_ttft_p95_ms: Optional[float] = None  # time to first token, p95 over every request
+    min_served_tokens_per_s: Optional[float] = None  # output tokens/s of all clients together
+    served_concurrency: Optional[int] = None  # clients at once; null: workload.concurrency
+    served_prompt_tokens: Optional[int] = None  # null: the workload's first request shape
+    served_output_tokens: Optional[int] = None
+    served_requests_per_client: int = 2  # each client sends this many requests, one after another
     min_distill_recovery: Optional[float] = None  # prune+distill: share of the pruning perplexity loss won back (0..1)
 
 

@@ -158,6 +158,7 @@ def load_data(data_cfg) -> TextSet:
             data_cfg.seed,
             path=data_cfg.path,
             field=data_cfg.field,
+            label_field=data_cfg.get("label_field"),
             min_chars=data_cfg.min_chars,
             dataset_split=data_cfg.get("dataset_split"),
             shape=data_cfg.get("shape"),

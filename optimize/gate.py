@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 from optimize.evaluate.benchmark import BUSY_SHARE
+from optimize.evaluate.labeled import interval_note
 from optimize.workload import ALL, Workload
 
 
@@ -35,6 +36,10 @@ class CheckSpec:
     # shape, `all` or null (per="request"); a check of `all` is made once per workload point.
     selector: Optional[str] = None
     per: str = ""
+    note: Optional[Callable[[dict], str]] = None  # candidate -> what the report adds (an interval)
+    # Where the share of the CPUs other processes used while this figure was timed is kept (the
+    # served load's own); empty: the evaluation's timing.
+    busy_path: tuple[str, ...] = ()
 
 
 def _dig(metrics: Any, *keys) -> Any:
@@ -43,6 +48,15 @@ def _dig(metrics: Any, *keys) -> Any:
             return None
         metrics = metrics[key]
     return metrics
+
+
+def _served(candidate: dict, key: str) -> Any:
+    """A figure of the served load (optimize/tasks/lm_served.py); not measured when any of its requests
+    failed, so the check fails instead of judging only the requests that succeeded."""
+    served = _dig(candidate, "served")
+    if not isinstance(served, dict) or served.get("failed"):
+        return None
+    return served.get(key)
 
 
 def _decode_speedup(candidate: dict, shape: Optional[str]) -> Any:
@@ -103,6 +117,22 @@ CHECKS = (
         lambda b, c, point: _dig(c, "accuracy_drop_points"),
         operator.le,
         "<=",
+        note=lambda c: interval_note(c, "accuracy_drop_points"),
+    ),
+    CheckSpec(
+        "max_f1_drop",
+        "F1 drop (points; macro-F1, or entity F1 for NER)",
+        lambda b, c, point: _dig(c, "f1_drop_points"),
+        operator.le,
+        "<=",
+        note=lambda c: interval_note(c, "f1_drop_points"),
+    ),
+    CheckSpec(
+        "min_prediction_agreement",
+        "predictions equal to the baseline's (share)",
+        lambda b, c, point: _dig(c, "prediction_agreement"),
+        operator.ge,
+        ">=",
     ),
     CheckSpec(
         "min_mask_iou",
@@ -135,6 +165,24 @@ CHECKS = (
         True,
         "request_shape",
         "request",
+    ),
+    CheckSpec(
+        "max_served_ttft_p95_ms",
+        "served time to first token p95 (ms)",
+        lambda b, c, point: _served(c, "ttft_p95_ms"),
+        operator.le,
+        "<=",
+        True,
+        busy_path=("served", "other_cpu_share"),
+    ),
+    CheckSpec(
+        "min_served_tokens_per_s",
+        "served output tok/s, all clients",
+        lambda b, c, point: _served(c, "tokens_per_s"),
+        operator.ge,
+        ">=",
+        True,
+        busy_path=("served", "other_cpu_share"),
     ),
     CheckSpec(
         "max_lm_eval_drop",
@@ -188,9 +236,11 @@ def judge(baseline: dict, candidate: dict, thresholds: dict, workload: Optional[
                 checks.append(Check(name, metric, None, spec.comparison, threshold, False, "not measured"))
                 continue
             share = _dig(candidate, "timing", "points", point) if point is not None else None
+            share = _dig(candidate, *spec.busy_path) if spec.busy_path else share
             share = busy if share is None else share
             untrusted = spec.timed and share > BUSY_SHARE
             note = f"untrusted: other processes used {share:.0%} of the CPUs while timing" if untrusted else ""
+            note = note or (spec.note(candidate) if spec.note else "")
             passed = not untrusted and bool(spec.passes(value, threshold))
             checks.append(Check(name, metric, float(value), spec.comparison, threshold, passed, note))
     return Verdict(all(c.passed for c in checks), tuple(checks))

@@ -14,7 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
-from engines.pytorch_runner import PICKLE_SUFFIXES
+from engines.pytorch_runner import HF_AUTO_CLASSES, PICKLE_SUFFIXES
 from optimize import tasks
 from optimize.context import SourceModel
 from optimize.errors import RecipeError
@@ -164,9 +164,9 @@ def load(cfg) -> SourceModel:
     own = tasks.get(cfg.task).load_source(cfg, path)  # tasks whose models are not Hugging Face ones
     if own is not None:
         return own
-    if cfg.task not in ("sentence_embedding", "causal_lm"):
+    if cfg.task not in HF_AUTO_CLASSES:
         raise RecipeError(
-            f"model.task={cfg.task} needs an ONNX source; Hugging Face models support sentence_embedding and causal_lm"
+            f"model.task={cfg.task} needs an ONNX source; Hugging Face models support {', '.join(HF_AUTO_CLASSES)}"
         )
     return _load_hf(cfg, kind, path)
 

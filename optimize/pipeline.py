@@ -21,6 +21,7 @@ from optimize.evaluate.harness import Subject
 from optimize.models import load as load_source
 from optimize.models import resolve as resolve_source
 from optimize.models import source_hash
+from optimize.tasks import lm_served
 from optimize.workload import Workload
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ def plan(cfg, run_dir: Path) -> Plan:
             f"workload.batches has {largest}, more than the {cfg.evaluate.data.count} evaluation samples "
             "(evaluate.data.count)"
         )
+    lm_served.check_plan(cfg, the_workload)
     if cfg.evaluate.overlap not in ("error", "drop"):
         raise RecipeError(f"evaluate.overlap={cfg.evaluate.overlap} (use error or drop)")
     resolve_source(cfg.model)
@@ -117,6 +119,8 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
             ctx.evaluation_data()
         source = ctx.source = load_source(cfg.model)
         _prepare_tokenizer(cfg, ctx, source, stage)
+        if hasattr(task, "check_source"):  # a task that checks the model against its data (a classifier's labels)
+            task.check_source(ctx)
         if ctx.encoder is None and hasattr(task, "encoder"):  # tasks whose inputs are not text bring their own
             ctx.encoder = task.encoder(ctx)
         if ctx.encoder is None and source.onnx_path is not None:  # an ONNX file that takes tensors
@@ -142,6 +146,9 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         metrics["threads"] = _threads(ctx.threads)
         metrics["workload"] = the_plan.workload.record()
         verdict = gate.judge(metrics["baseline"], metrics["candidate"], recipe_dict(cfg.gate), the_plan.workload)
+        if lm_served.asked(cfg.gate):
+            draft = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started, stage)
+            verdict = _judge_served(cfg, ctx, stage, draft, the_plan.workload)
         manifest = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started, stage)
         ci_report.write_into(stage, manifest, the_plan.final_dir)  # listed in the manifest like every file
         manifest = artifact.write_manifest(stage, manifest)
@@ -150,6 +157,18 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
 
 
 @contextlib.contextmanager
+def _judge_served(cfg, ctx: Context, stage: Path, draft: dict, the_workload: Workload) -> gate.Verdict:
+    """Serve the staged candidate, drive the served load, and judge again with what its clients saw.
+    The server reads the artifact as it will ship, so the manifest (the verdict so far) is written
+    first; the final one replaces it."""
+    artifact.write_manifest(stage, draft)
+    metrics = draft["metrics"]
+    served = lm_served.measure(stage, ctx, lm_served.settings(cfg, the_workload))
+    metrics["candidate"]["served"] = served
+    metrics["table"] = [*metrics.get("table", []), *lm_served.table_rows(served)]
+    return gate.judge(metrics["baseline"], metrics["candidate"], recipe_dict(cfg.gate), the_workload)
+
+
 def _temp_inside(scratch: Path):
     """tempfile's default folder set to `scratch` for the run, then restored."""
     previous = tempfile.tempdir

@@ -47,7 +47,14 @@ class Method:
     input_format: InputFormat = "onnx"
     # An engine that builds its own ONNX-side candidates (the race): no ONNX-side method may follow it.
     builds_candidates: bool = False
-    tasks: tuple[str, ...] = ("sentence_embedding", "causal_lm", "image_classification", "generic")
+    tasks: tuple[str, ...] = (
+        "sentence_embedding",
+        "causal_lm",
+        "image_classification",
+        "text_classification",
+        "token_classification",
+        "generic",
+    )
     summary: str = ""
 
 

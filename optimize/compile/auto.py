@@ -165,6 +165,7 @@ class Entry:
     fidelity: dict = field(default_factory=dict)
     latency: dict = field(default_factory=dict)
     metrics: dict = field(default_factory=dict)  # causal LMs: perplexity, lm-eval, generation speed
+    scores: dict = field(default_factory=dict)  # a task's own gated figures (classifiers: labeled accuracy)
     accuracy_checks: list = field(default_factory=list)
     passed: Optional[bool] = None
     outcome: str = ""
@@ -191,6 +192,7 @@ class Entry:
             "accuracy_checks": self.accuracy_checks,
             "passed_accuracy": self.passed,
             "metrics": self.metrics,
+            "scores": self.scores,
             "kernels": self.kernels(),
             "columns": self.columns(),
             "slower_than_baseline_at": self.slower_than_baseline_at,
@@ -226,7 +228,7 @@ def _fmt(value, digits: int = 4) -> str:
     needs_calibration=True,
     input_format="torch",
     builds_candidates=True,
-    tasks=("sentence_embedding", "generic", "causal_lm"),
+    tasks=("sentence_embedding", "generic", "causal_lm", "text_classification", "token_classification"),
 )
 def engine_race(model, cfg: EngineRaceConfig, ctx):
     """Race ONNX Runtime and OpenVINO candidates on this machine; ship the fastest over the recipe's
@@ -414,9 +416,10 @@ def _score(entries: list[Entry], ctx, workload) -> dict:
     batches = harness.batches_of(inputs, harness.FIDELITY_BATCH)
     reference = harness.run_all(baseline, batches)
     for entry in entries:
-        entry.fidelity = harness.fidelity_of(
-            reference, harness.run_all(runners[entry.name], batches), task.fidelity_output, ctx.cfg.evaluate.top_k
-        )
+        outputs = harness.run_all(runners[entry.name], batches)
+        entry.fidelity = harness.fidelity_of(reference, outputs, task.fidelity_output, ctx.cfg.evaluate.top_k)
+        if hasattr(task, "race_scores"):  # classifiers: labeled accuracy, the figures their gate reads
+            entry.scores = task.race_scores(reference, outputs, ctx)
     race_cfg = ctx.cfg.engine.params
     baseline_p50 = {}
     for batch_size in workload.batch_sizes_timed(list(ctx.cfg.evaluate.batch_sizes)):
@@ -477,7 +480,7 @@ def _choose(entries: list[Entry], ctx, workload, baseline_p50: dict) -> Entry:
     return pick(
         entries,
         ctx,
-        measured=lambda e: {"fidelity": e.fidelity},
+        measured=lambda e: {"fidelity": e.fidelity, **e.scores},
         cost=lambda e: e.cost if e.cost is not None else e.latency[points[0].key]["p50_ms"],
         error=lambda e: -e.fidelity.get("cosine_min", 0.0),
         cost_words=words,

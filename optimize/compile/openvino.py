@@ -70,7 +70,7 @@ class OpenVINOConfig:
     "openvino",
     OpenVINOConfig,
     input_format="torch",
-    tasks=("sentence_embedding", "image_classification", "generic"),
+    tasks=("sentence_embedding", "image_classification", "text_classification", "token_classification", "generic"),
 )
 def openvino_engine(model, cfg: OpenVINOConfig, ctx):
     """OpenVINO IR on the CPU: FP32, bf16 inference precision, or NNCF post-training INT8."""
