@@ -156,7 +156,6 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
     return manifest, the_plan.final_dir
 
 
-@contextlib.contextmanager
 def _judge_served(cfg, ctx: Context, stage: Path, draft: dict, the_workload: Workload) -> gate.Verdict:
     """Serve the staged candidate, drive the served load, and judge again with what its clients saw.
     The server reads the artifact as it will ship, so the manifest (the verdict so far) is written
@@ -169,6 +168,7 @@ def _judge_served(cfg, ctx: Context, stage: Path, draft: dict, the_workload: Wor
     return gate.judge(metrics["baseline"], metrics["candidate"], recipe_dict(cfg.gate), the_workload)
 
 
+@contextlib.contextmanager
 def _temp_inside(scratch: Path):
     """tempfile's default folder set to `scratch` for the run, then restored."""
     previous = tempfile.tempdir

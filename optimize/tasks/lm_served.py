@@ -1,0 +1,106 @@
+"""Served latency in the gate: a causal LM judged on what clients of the real server measure.
+
+A recipe that sets `gate.max_served_ttft_p95_ms` or `gate.min_served_tokens_per_s` has, after the
+in-process evaluation, `python -m serve` started on the candidate artifact (on 127.0.0.1, with the
+serve settings the artifact records) and driven by `gate.served_concurrency` closed-loop streaming
+clients, each sending `gate.served_requests_per_client` requests of held-out prompts. What they
+measured is the candidate's `served` block, which the gate's served checks read. The load is the one
+benchmarks/serve_llm_load.py drives (optimize/evaluate/served.py).
+
+Like every timed check these fail as untrusted when other processes took more than a quarter of the
+CPUs while the load ran; a request that failed (a 4xx or 5xx, a stream cut short) leaves the figures
+unmeasured, so the checks fail rather than judge the requests that happened to succeed.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from optimize.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+SERVED_THRESHOLDS = ("max_served_ttft_p95_ms", "min_served_tokens_per_s")
+
+
+@dataclass(frozen=True)
+class ServedLoad:
+    clients: int
+    prompt_tokens: int
+    output_tokens: int
+    requests_per_client: int
+
+    @property
+    def key(self) -> str:
+        return f"{self.clients} clients, {self.prompt_tokens}x{self.output_tokens}"
+
+
+def asked(gate) -> bool:
+    return any(gate.get(key) is not None for key in SERVED_THRESHOLDS)
+
+
+def _whole(gate, key: str, default: int) -> int:
+    value = gate.get(key)
+    value = default if value is None else value
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise RecipeError(f"gate.{key}={value}: give a whole number of at least 1")
+    return value
+
+
+def settings(cfg, workload) -> ServedLoad:
+    """The load the served checks are measured under: the gate's served_* keys, else the workload's
+    concurrency and first request shape."""
+    first = workload.requests[0]
+    return ServedLoad(
+        clients=_whole(cfg.gate, "served_concurrency", workload.concurrency),
+        prompt_tokens=_whole(cfg.gate, "served_prompt_tokens", first.prompt),
+        output_tokens=_whole(cfg.gate, "served_output_tokens", first.output),
+        requests_per_client=_whole(cfg.gate, "served_requests_per_client", 2),
+    )
+
+
+def check_plan(cfg, workload) -> None:
+    """Refuse at plan time what cannot be measured: served checks on a task serve does not stream, or
+    with timing turned off."""
+    if not asked(cfg.gate):
+        return
+    key = next(k for k in SERVED_THRESHOLDS if cfg.gate.get(k) is not None)
+    if cfg.model.task != "causal_lm":
+        task = cfg.model.task
+        raise RecipeError(f"gate.{key}: served latency is measured for causal LMs (model.task=causal_lm), not {task}")
+    if not cfg.evaluate.latency:
+        raise RecipeError(f"gate.{key}: served latency is a timing, and evaluate.latency=false turns timing off")
+    settings(cfg, workload)
+
+
+def measure(stage: Path, ctx, load: ServedLoad) -> dict:
+    """Serve the staged artifact (its manifest written), drive the load, return what the clients saw,
+    with the share of the CPUs other processes used meanwhile."""
+    from optimize.evaluate.benchmark import OtherCpuUse
+    from optimize.evaluate.served import served_load
+    from optimize.tasks.causal_lm import Tokens, prompts_of
+
+    prompts = prompts_of(Tokens(ctx), ctx.evaluation_data().items, load.prompt_tokens)
+    flags = ("--threads", str(ctx.threads)) if ctx.threads else ()
+    log.info("served load: %s, %d requests per client", load.key, load.requests_per_client)
+    with OtherCpuUse() as others:
+        figures = served_load(stage, prompts, load.clients, load.requests_per_client, load.output_tokens, flags)
+    return {
+        **figures,
+        "prompt_tokens": load.prompt_tokens,
+        "requested_tokens": load.output_tokens,
+        "other_cpu_share": round(others.share, 3),
+    }
+
+
+def table_rows(served: dict) -> list[list[str]]:
+    """End-of-run table rows: [metric, baseline, candidate, note]."""
+    at = f"{served['clients']} clients, {served['prompt_tokens']}x{served['requested_tokens']}"
+    failed = f"{served['failed']} of {served['requests']} requests failed" if served.get("failed") else ""
+    rows = [["served output tok/s (all clients)", "", str(served.get("tokens_per_s")), failed or at]]
+    for pct in ("p50", "p95"):
+        rows.append([f"served time to first token {pct} ms", "", str(served.get(f"ttft_{pct}_ms")), at])
+    rows.append(["served inter-token latency p95 ms", "", str(served.get("itl_p95_ms")), at])
+    return rows

@@ -1,0 +1,87 @@
+"""The served-latency gate: the real server started on the candidate artifact, real streaming clients,
+the checks judging what they measured (tiny random Llama, ONNX Runtime GenAI INT4)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.optimize.test_causal_lm import TINY_OVERRIDES
+from tests.support.cli import one_error_line, run_optimize
+from tests.support.models import tiny_llama_folder
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tmp_path_factory) -> Path:
+    return tiny_llama_folder(tmp_path_factory.mktemp("tiny_llm") / "src")
+
+
+def base_overrides(tiny_llm: Path, tmp_path: Path) -> list[str]:
+    return [
+        f"model.source={tiny_llm}",
+        *TINY_OVERRIDES,
+        "evaluate.task_params.lm_eval_tasks=[]",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+
+
+def test_a_served_threshold_too_tight_fails_the_run_on_what_the_clients_measured(tiny_llm, tmp_path):
+    out = tmp_path / "artifact"
+    proc = run_optimize(
+        *base_overrides(tiny_llm, tmp_path),
+        "gate.max_served_ttft_p95_ms=0.001",  # no server answers in a microsecond
+        "gate.min_served_tokens_per_s=0.001",
+        "gate.served_concurrency=4",
+        "gate.served_output_tokens=6",
+        f"output_dir={out}",
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    served = manifest["metrics"]["candidate"]["served"]
+    assert served["clients"] == 4 and served["requests"] == 8 and served["failed"] == 0
+    assert served["prompt_tokens"] == 16 and served["requested_tokens"] == 6  # the workload's prompt, the gate's output
+    assert 0 < served["output_tokens"] <= 8 * 6
+    assert served["ttft_p95_ms"] >= served["ttft_p50_ms"] > 0
+    checks = {c["name"]: c for c in manifest["gate"]["checks"]}
+    ttft = checks["max_served_ttft_p95_ms"]
+    assert ttft["value"] == served["ttft_p95_ms"] and ttft["passed"] is False
+    rate = checks["min_served_tokens_per_s"]
+    assert rate["value"] == served["tokens_per_s"] > 0
+    # Passes on its number unless other processes took the CPUs while the load ran (then: untrusted).
+    assert rate["passed"] is (served["other_cpu_share"] <= 0.25)
+    assert manifest["verdict"] == "failed"
+    assert "served time to first token p95 ms" in proc.stdout
+    # The final manifest replaced the draft the server read, and the artifact still verifies.
+    from engines.artifact import verify
+
+    assert verify(out, None, False) == []
+
+
+def test_served_checks_are_refused_where_they_cannot_be_measured(tiny_llm, tmp_path):
+    proc = run_optimize("recipe=minilm_int8_cpu", "gate.max_served_ttft_p95_ms=500", f"output_dir={tmp_path / 'a'}")
+    one_error_line(proc, "gate.max_served_ttft_p95_ms", "causal LMs", "sentence_embedding")
+    proc = run_optimize(
+        *base_overrides(tiny_llm, tmp_path), "gate.min_served_tokens_per_s=5", "gate.served_concurrency=0",
+        f"output_dir={tmp_path / 'b'}",
+    )  # fmt: skip
+    one_error_line(proc, "gate.served_concurrency=0", "at least 1")
+    proc = run_optimize(
+        *base_overrides(tiny_llm, tmp_path), "gate.min_served_tokens_per_s=5", "evaluate.latency=false",
+        f"output_dir={tmp_path / 'c'}",
+    )  # fmt: skip
+    one_error_line(proc, "gate.min_served_tokens_per_s", "evaluate.latency=false")
+    assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_a_failed_request_leaves_the_served_figures_unmeasured():
+    from optimize.gate import judge
+
+    served = {"failed": 1, "requests": 8, "ttft_p95_ms": 5.0, "tokens_per_s": 90.0, "other_cpu_share": 0.0}
+    verdict = judge({}, {"served": served}, {"max_served_ttft_p95_ms": 100.0})
+    (check,) = verdict.checks
+    assert check.value is None and check.note == "not measured" and not verdict.passed
+    busy = {**served, "failed": 0, "other_cpu_share": 0.4}
+    (check,) = judge({}, {"served": busy, "timing": {"other_cpu_share": 0.0}}, {"max_served_ttft_p95_ms": 100.0}).checks
+    assert check.passed is False and "untrusted" in check.note  # the load's own share, not the evaluation's
