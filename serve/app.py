@@ -51,6 +51,10 @@ def load_model_for(state: ServeState):
         from serve.encoder import EncoderModel
 
         return EncoderModel(state.root, state.engine, threads, spinning=state.config.ort_spinning)
+    if serves == "encoder" and state.task in ("text_classification", "token_classification"):
+        from serve.classifier import ClassifierModel  # logits, named by the artifact's labels.json
+
+        return ClassifierModel(state.root, state.engine, threads, spinning=state.config.ort_spinning)
     if serves == "encoder" and state.engine.get("inputs") and not state.engine.get("tokenizer"):
         from serve.tensors import TensorModel  # any model that takes tensors: images, audio, ...
 
@@ -330,7 +334,7 @@ def create_app(
     load_model: Callable = load_model_for,
 ) -> Starlette:
     from engines.artifact import read_manifest
-    from serve import kserve_routes, openai_routes
+    from serve import kserve_routes, openai_routes, predict_routes
 
     root = Path(root)
     state = ServeState(
@@ -339,6 +343,7 @@ def create_app(
     routes = [
         *kserve_routes.routes(),
         *openai_routes.routes(),
+        *predict_routes.routes(),
         Route("/metrics", metrics_route),
         Route("/openapi.json", openapi_route),
     ]

@@ -73,13 +73,23 @@ def accuracy_drop_interval(base_correct: np.ndarray, cand_correct: np.ndarray, *
     return paired_bootstrap(lambda rows: 100 * diff[rows].mean(), len(diff), **kw)
 
 
+def macro_f1(labels: np.ndarray, predicted: np.ndarray, classes: int) -> float:
+    """scikit-learn's macro-F1 (zero_division=0) from the confusion counts, over the classes that
+    occur in labels or predictions: bincount instead of f1_score, so 1,000 resamples take
+    milliseconds (the tests hold it equal to scikit-learn's)."""
+    confusion = np.bincount(labels * classes + predicted, minlength=classes * classes).reshape(classes, classes)
+    true_positive = np.diag(confusion).astype(np.float64)
+    gold, pred = confusion.sum(1), confusion.sum(0)
+    present = (gold + pred) > 0
+    f1 = np.divide(2 * true_positive, gold + pred, out=np.zeros_like(true_positive), where=present)
+    return float(f1[present].mean())
+
+
 def macro_f1_drop_interval(labels: np.ndarray, base: np.ndarray, cand: np.ndarray, **kw) -> dict:
-    from sklearn.metrics import f1_score
+    classes = int(max(labels.max(), base.max(), cand.max())) + 1
 
     def drop(rows):
-        b = f1_score(labels[rows], base[rows], average="macro", zero_division=0)
-        c = f1_score(labels[rows], cand[rows], average="macro", zero_division=0)
-        return 100 * (b - c)
+        return 100 * (macro_f1(labels[rows], base[rows], classes) - macro_f1(labels[rows], cand[rows], classes))
 
     return paired_bootstrap(drop, len(labels), **kw)
 

@@ -1,0 +1,57 @@
+"""/predict, shaped like Text Embeddings Inference's classification route, which users already call:
+
+    POST /predict {"inputs": "text"}            -> [{"label": "torch", "score": 0.97}, ...]
+    POST /predict {"inputs": ["a", "b"]}        -> [[{"label": ..., "score": ...}, ...], [...]]
+
+Every label comes back with its softmax score, highest first (`raw_scores: true`: the logits
+instead). A text longer than the model takes is refused with 422 unless `truncate: true`, as TEI
+does. Sentence pairs (TEI's [["a", "b"]]) are not taken: the classifiers here are single-text ones.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.routing import Route
+
+from serve.body import arriving, read_body
+from serve.errors import bad_request
+from serve.jsonbody import FastJSONResponse
+from serve.protocol import get_bool, json_object
+from serve.state import state_of
+
+
+def routes() -> list[Route]:
+    return [Route("/predict", predict, methods=["POST"])]
+
+
+def parse_inputs(data: dict, max_inputs: int) -> tuple[list[str], bool]:
+    """(texts, whether one text was sent, not a list)."""
+    raw = data.get("inputs")
+    if isinstance(raw, str):
+        return [raw], True
+    if isinstance(raw, list) and raw and all(isinstance(x, str) for x in raw):
+        if len(raw) > max_inputs:
+            raise bad_request(f"'inputs' has {len(raw)} texts; at most {max_inputs} per request", param="inputs")
+        return raw, False
+    raise bad_request("'inputs' must be a string or a non-empty list of strings", param="inputs")
+
+
+async def predict(request: Request) -> FastJSONResponse:
+    from serve.kserve_routes import run_encoder
+
+    state = state_of(request)
+    if state.task != "text_classification":
+        raise bad_request(
+            f"model {state.name!r} is a {state.task} model; /predict serves text classifiers "
+            "(KServe v2 /v2/models/{name}/infer serves every encoder's tensors)"
+        )
+    with arriving(state.batcher):
+        data = json_object(await read_body(request, state.config.max_request_bytes))
+        texts, single = parse_inputs(data, state.config.max_inputs)
+        raw_scores, truncate = get_bool(data, "raw_scores"), get_bool(data, "truncate")
+        state.require_ready()
+        item = state.model.from_texts_checked(texts, truncate)
+    state.metrics.prompt_tokens.inc(int(item.inputs["attention_mask"].sum()))
+    logits = (await run_encoder(state, item))["logits"]
+    rows = state.model.predictions(logits, raw_scores)
+    return FastJSONResponse(rows[0] if single else rows)
