@@ -181,3 +181,211 @@ class GenAIRunner:
 def load_genai_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> GenAIRunner:
     """Runner from an engine block: {'format': 'onnxruntime-genai', 'dir': SUBDIR, ...}."""
     return GenAIRunner(genai_dir(Path(root), engine), threads=threads, providers=engine.get("providers"))
+
+
+# --- many generations at once: onnxruntime-genai's Engine --------------------------------------------
+
+# What onnxruntime-genai 0.18's Engine does with a model built without PagedAttention (every CPU
+# build: its builder makes PagedAttention models for CUDA and WebGPU only): static batching. Up to
+# this many requests start together in one batch and run until its longest ends; a request added
+# meanwhile waits for the batch to end; a cancelled request's row stays in the batch, computed until
+# then. Its static scheduler cuts batches at 4 whatever `engine.static_batching.max_batch_size` says
+# (measured: 8 requests with that set to 8 ran as two batches of 4). Continuous batching, a paged KV
+# cache and prefix caching are its dynamic path, which needs a PagedAttention model.
+GENAI_STATIC_BATCH = 4
+# How long an idle static engine waits for more requests before starting a batch with fewer than it
+# holds: clients that finished together come back a few milliseconds apart, and a batch started with
+# one of them makes the rest wait for that whole generation.
+GENAI_BATCH_GATHER_S = 0.005
+
+
+@dataclass
+class GenAIRequestHandle:
+    """One request in the Engine: its tokens since the last read, whether its turn ended, and why."""
+
+    request: Any  # og.Request; None for a request that runs alone through a Generator
+    turn_id: int
+    session_tokens: int  # prompt + new tokens: the KV rows its batch allocates for it
+    tokens: list[int]
+    finished: bool = False
+    cancelled: bool = False
+    error: str | None = None
+    alone: Iterator[tuple[int, str]] | None = None  # GenAIRunner.generate() of a request run alone
+
+    def cancel(self) -> None:
+        """Ends the turn at the engine's next step (called from the thread that steps the engine)."""
+        if not self.finished and not self.cancelled:
+            self.cancelled = True
+            if self.request is not None:
+                self.request.cancel_turn(self.turn_id)
+
+
+class GenAIBatchEngine(GenAIRunner):
+    """Many generations at once through onnxruntime-genai's own Engine: requests are added with
+    add(), the caller drives step(), and each request's handle gives back the tokens of that step.
+    The engine schedules; with a CPU model that means static batches (GENAI_STATIC_BATCH): the
+    service admits a new batch only when the engine holds none (`static_batches`).
+
+    The KV cache of a static batch is one block of batch size x its longest session (prompt +
+    max_tokens), so blocks here are single tokens: `num_blocks` tokens of KV fit in
+    settings.kv_cache_bytes, and a batch of n requests holds n x its longest."""
+
+    static_batches = True
+    gather_s = GENAI_BATCH_GATHER_S
+
+    def __init__(self, model_dir: str | Path, settings, threads: int = 0):
+        # settings: engines.openvino_genai_runner.BatchSettings (not imported: that module imports this one)
+        from dataclasses import replace
+
+        super().__init__(model_dir, threads=threads)
+        self._engine: Any = None  # made by the thread that steps it (see `engine`)
+        self.asked = settings
+        # What the engine honours: its batch size, no prefix caching (it has none without PagedAttention).
+        self.settings = replace(
+            settings, max_num_seqs=min(settings.max_num_seqs, GENAI_STATIC_BATCH), prefix_caching=False
+        )
+        self.block_tokens = 1
+        self.kv_token_bytes = self.kv_shape().bytes_per_token(1)
+        self.num_blocks = max(1, settings.kv_cache_bytes // self.kv_token_bytes)
+        self.kv_cache_bytes = self.num_blocks * self.kv_token_bytes
+        self.handles: dict[int, GenAIRequestHandle] = {}  # by id() of the og.Request each event names
+        self.batch: list[int] = []  # session tokens of the requests of the current (or last) batch
+        # Requests in the engine whose turn has not ended: a plain count, read from the event loop's thread.
+        self.in_flight = 0
+        self.flags = self.og.EngineEventFlags
+
+    @property
+    def engine(self):
+        """The og.Engine, made on first use: it answers only the thread that created it ("Engine
+        operations must be called from the Engine owner thread"), which must be the one that steps it."""
+        if self._engine is None:
+            self._engine = self.og.Engine(self.model)
+            self.events = self._engine.create_event_buffer(4 * GENAI_STATIC_BATCH)
+        return self._engine
+
+    def blocks_for(self, tokens: int) -> int:
+        return tokens
+
+    def text_stream(self):
+        """A streaming detokenizer for one request (decode(token) -> the text it completes). Decoding
+        the whole id list instead would lose the text after an invalid byte: og's Tokenizer.decode
+        stops there (the tiny test model's sampled ids showed it)."""
+        return self.tokenizer.create_stream()
+
+    def runs_alone(self, sampling: Sampling) -> bool:
+        """Whether a request needs a batch of its own: a seeded sampled one. The static Engine takes no
+        seed per request ("A per-turn seed requires an Engine configured for dynamic batching"), so it
+        runs through a Generator as it would one at a time, and gives the same text for the same seed."""
+        return sampling.temperature > 0 and sampling.seed is not None
+
+    def batch_blocks(self, blocks: list[int]) -> int:
+        """KV blocks a static batch of these sequences allocates: every row as long as its longest."""
+        return len(blocks) * max(blocks, default=0)
+
+    def add(self, request_id: int, prompt_ids: list[int], sampling: Sampling) -> GenAIRequestHandle:
+        """Queue a generation in the engine; returns its handle. request_id is the service's (the
+        engine names requests by their object)."""
+        session = min(self.context_length, len(prompt_ids) + sampling.max_new_tokens)
+        if self.runs_alone(sampling):
+            handle = GenAIRequestHandle(None, 0, session, [])
+            handle.alone = self.generate(prompt_ids, sampling, lambda: handle.cancelled)
+            self.handles[id(handle)] = handle
+            self.begin(session)
+            return handle
+        options = self.og.RequestOptions()
+        options.set_max_session_tokens(session)  # the KV rows its batch allocates (the config's 8192 otherwise)
+        request = self.engine.create_request(options=options)
+        turn = self.og.TurnOptions(request)
+        self.turn_options(turn, sampling)
+        turn_id = request.begin_turn(np.asarray(prompt_ids, dtype=np.int32), turn)
+        handle = GenAIRequestHandle(request, turn_id, session, [])
+        self.handles[id(request)] = handle
+        self.begin(session)
+        return handle
+
+    def begin(self, session_tokens: int) -> None:
+        if not self.in_flight:  # the engine holds no batch: this request starts the next one
+            self.batch = []
+        self.batch.append(session_tokens)
+        self.in_flight += 1
+
+    def turn_options(self, turn, sampling: Sampling) -> None:
+        turn.set_max_generated_tokens(sampling.max_new_tokens)
+        turn.set_do_sample(sampling.temperature > 0)
+        if sampling.temperature > 0:  # OpenAI semantics: temperature and top_p only, top-k cuts nothing
+            turn.set_temperature(sampling.temperature)
+            turn.set_top_p(sampling.top_p)
+            turn.set_top_k(0)
+            if sampling.seed is not None:
+                turn.set_seed(sampling.seed)
+
+    def step(self) -> None:
+        """One engine run: each event's token goes to its request's handle (or one token of a
+        request that runs alone: the service gives it a batch of its own)."""
+        for handle in [h for h in self.handles.values() if h.alone is not None and not h.finished]:
+            self.step_alone(handle)
+        token_flag, finished_flag, failed_flag = (
+            int(f.value) for f in (self.flags.TOKEN, self.flags.TURN_FINISHED, self.flags.FAILED)
+        )
+        for event in self.engine.run(self.events):
+            handle = self.handles.get(id(event.request))
+            if handle is None:
+                continue
+            flags = int(event.flags.value)
+            if flags & token_flag and int(event.token) not in self.eos_token_ids:
+                handle.tokens.append(int(event.token))
+            if flags & failed_flag:
+                handle.error = f"onnxruntime-genai failed the request: {event.error_code.name}"
+            if flags & (finished_flag | failed_flag) and not handle.finished:
+                handle.finished = True
+                self.in_flight -= 1
+                if handle.cancelled:  # nobody reads it any more
+                    self.close(handle)
+
+    def step_alone(self, handle: GenAIRequestHandle) -> None:
+        assert handle.alone is not None
+        try:
+            token, _ = next(handle.alone)
+            handle.tokens.append(token)
+        except StopIteration:
+            self.finish_alone(handle)
+        except Exception as exc:
+            handle.error = f"onnxruntime-genai failed the request: {exc}"
+            self.finish_alone(handle)
+
+    def finish_alone(self, handle: GenAIRequestHandle) -> None:
+        handle.finished = True
+        self.in_flight -= 1
+        if handle.cancelled:
+            self.close(handle)
+
+    def close(self, handle: GenAIRequestHandle) -> None:
+        if handle.request is None:
+            self.handles.pop(id(handle), None)
+            return
+        self.handles.pop(id(handle.request), None)
+        handle.request.close()
+
+    def has_work(self) -> bool:
+        alone = any(h.alone is not None and not h.finished for h in self.handles.values())
+        return alone or bool(self.engine.has_pending_requests())
+
+    def cache_usage(self) -> float:
+        """Fraction of the KV-cache budget the batch holds (0..1); it keeps its rows until it ends."""
+        return min(1.0, self.batch_blocks(self.batch) / self.num_blocks) if self.in_flight else 0.0
+
+    def read(self, handle: GenAIRequestHandle) -> tuple[list[int], bool]:
+        """The tokens a handle produced since the last read (EOS left out), and whether it is done."""
+        if handle.error:
+            self.close(handle)
+            raise RuntimeError(handle.error)
+        new, handle.tokens = handle.tokens, []
+        if handle.finished:
+            self.close(handle)
+        return new, handle.finished
+
+
+def load_genai_batch_engine(root: Path, engine: dict, settings, threads: int = 0) -> GenAIBatchEngine:
+    """The batching engine of an {"format": "onnxruntime-genai", ...} artifact (what serve runs when it
+    takes several requests at once); settings: engines.openvino_genai_runner.BatchSettings."""
+    return GenAIBatchEngine(genai_dir(Path(root), engine), settings, threads=threads)

@@ -1,13 +1,15 @@
 """Causal LMs: prompt limits, the generation service, tokens streamed back.
 
-Two ways to generate, chosen by what the engine can do:
+Two ways to generate, chosen by --max-num-seqs:
 
-- OpenVINO GenAI artifacts (with --max-num-seqs > 1, the default): the engine's own continuous-batching
-  pipeline, one for all requests, driven by one scheduling thread (serve/llm_batching.py). Requests
-  join and leave the running batch at every step; the KV cache is paged and its size bounds admission.
-- Otherwise (ONNX Runtime GenAI artifacts, whose Generator this server drives batches only
-  statically, or --max-num-seqs 1): one generation at a time in a dedicated thread (ONNX Runtime
-  GenAI releases the GIL while it decodes).
+- Above 1 (the default): the engine's own scheduler, one engine for all requests, driven by one
+  scheduling thread (serve/llm_batching.py). OpenVINO GenAI artifacts run its continuous-batching
+  pipeline: requests join and leave the running batch at every step, the KV cache is paged and its
+  size bounds admission. ONNX Runtime GenAI artifacts run its Engine, which on a CPU model batches
+  statically: up to 4 requests start together and the next batch starts when that one has ended
+  (engines.genai_runner.GenAIBatchEngine says why).
+- 1: one generation at a time in a dedicated thread, through the runner the pipeline measured (both
+  engines release the GIL while they decode).
 
 Either way each token is handed to the event loop as it is produced, which is what makes
 `stream: true` real streaming, and requests wait in a bounded queue: a full queue answers 429 at once.
@@ -30,6 +32,12 @@ from serve.protocol import GenerationRequest
 # ONNX Runtime GenAI's random_seed is a signed 32-bit integer whose -1 means "seed from the clock",
 # so negative seeds are refused there; OpenVINO GenAI's rng_seed is an unsigned 64-bit integer.
 SEED_RANGES = {"onnxruntime-genai": (0, 2**31 - 1), "openvino-genai": (0, 2**64 - 1)}
+# The batching engine of each format that has one: module, loader (root, engine block, settings, threads)
+# and its extra arguments (OpenVINO's threads must not spin: they would take the event loop's cores).
+BATCH_ENGINES: dict[str, tuple[str, str, dict]] = {
+    "openvino-genai": ("engines.openvino_genai_runner", "load_ov_genai_batch_engine", {"spinning": False}),
+    "onnxruntime-genai": ("engines.genai_runner", "load_genai_batch_engine", {}),
+}
 
 
 class GenerativeModel:
@@ -48,12 +56,10 @@ class GenerativeModel:
 
         self.format = str(engine.get("format"))
         self.seed_range = SEED_RANGES.get(self.format, SEED_RANGES["onnxruntime-genai"])
-        self.batching = self.format == "openvino-genai" and batch is not None and batch.max_num_seqs > 1
+        self.batching = self.format in BATCH_ENGINES and batch is not None and batch.max_num_seqs > 1
         if self.batching:
-            from engines.openvino_genai_runner import load_ov_genai_batch_engine
-
-            # An OVGenAIBatchEngine: only the continuous-batching pipeline is compiled, not LLMPipeline too.
-            self.runner: Any = load_ov_genai_batch_engine(root, engine, batch, threads=threads, spinning=False)
+            # Only the batching engine is loaded (for OpenVINO GenAI: not LLMPipeline too).
+            self.runner: Any = load_batch_engine(self.format, root, engine, batch, threads)
         else:
             self.runner = cast(Any, load_engine(root, engine, threads=threads))  # a GenAIRunner or OVGenAIRunner
         self.context_length = self.runner.context_length
@@ -64,20 +70,17 @@ class GenerativeModel:
 
     def describe(self) -> str:
         """How generations are run, for the startup line."""
+        r = self.runner
+        if self.batching and self.format == "onnxruntime-genai":
+            return describe_genai_static(r)
         if self.batching:
-            r = self.runner
             return (
                 f"continuous batching in OpenVINO GenAI's scheduler: up to {r.settings.max_num_seqs} sequences, "
                 f"KV cache {r.kv_cache_bytes / 2**20:.1f} MiB ({r.num_blocks} blocks of {r.block_tokens} tokens), "
                 f"{r.settings.max_batched_tokens} tokens per step, prefix caching "
                 f"{'on' if r.settings.prefix_caching else 'off'}"
             )
-        if self.format == "openvino-genai":
-            return "one generation at a time (--max-num-seqs 1)"
-        return (
-            "one generation at a time (ONNX Runtime GenAI: this server drives its Generator, which batches "
-            "only statically; no continuous batching)"
-        )
+        return "one generation at a time (--max-num-seqs 1)"
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
@@ -121,13 +124,19 @@ class GenerativeModel:
     def check_fits(self, prompt_length: int, new_tokens: int) -> None:
         """A request whose prompt and new tokens cannot fit the whole KV cache can never run: 400."""
         needed = self.runner.blocks_for(prompt_length + new_tokens)
-        if needed > self.runner.num_blocks:
+        if needed <= self.runner.num_blocks:
+            return
+        asked = f"prompt ({prompt_length} tokens) + max_tokens ({new_tokens})"
+        if self.runner.block_tokens == 1:  # a cache counted in tokens (ONNX Runtime GenAI's static batches)
             raise bad_request(
-                f"prompt ({prompt_length} tokens) + max_tokens ({new_tokens}) need {needed} KV-cache blocks of "
-                f"{self.runner.block_tokens} tokens; this server's KV cache holds {self.runner.num_blocks} "
-                f"({self.cache_tokens} tokens, --kv-cache-gb)",
+                f"{asked} need {needed} tokens of KV cache; this server's holds {self.cache_tokens} (--kv-cache-gb)",
                 param="max_tokens",
             )
+        raise bad_request(
+            f"{asked} need {needed} KV-cache blocks of {self.runner.block_tokens} tokens; this server's KV cache "
+            f"holds {self.runner.num_blocks} ({self.cache_tokens} tokens, --kv-cache-gb)",
+            param="max_tokens",
+        )
 
     def sampling(self, request: GenerationRequest, budget: int):
         """The engine's sampling settings; a seed outside the range the engine takes is a 400."""
@@ -139,6 +148,33 @@ class GenerativeModel:
                 f"'seed' must be between {low} and {high} for this model, got {request.seed}", param="seed"
             )
         return Sampling(budget, request.temperature, request.top_p, request.seed)
+
+
+def load_batch_engine(fmt: str, root: Path, engine: dict, batch, threads: int):
+    import importlib
+
+    module, loader, extra = BATCH_ENGINES[fmt]
+    return getattr(importlib.import_module(module), loader)(root, engine, batch, threads=threads, **extra)
+
+
+def describe_genai_static(r) -> str:
+    """The startup line of ONNX Runtime GenAI's Engine: what it batches, and each setting it cannot honour."""
+    asked = r.asked.max_num_seqs
+    clamp = (
+        f" (--max-num-seqs {asked} asked: its static batches hold {r.settings.max_num_seqs})"
+        if asked > r.settings.max_num_seqs
+        else ""
+    )
+    return (
+        f"static batching in ONNX Runtime GenAI's Engine, not continuous: up to {r.settings.max_num_seqs} sequences "
+        f"start together{clamp} and the next batch starts when the longest has ended, so a request that arrives "
+        f"meanwhile waits and a cancelled sequence is computed until its batch ends; KV cache "
+        f"{r.kv_cache_bytes / 2**20:.1f} MiB ({r.num_blocks} tokens; a batch takes its size x its longest prompt + "
+        f"max_tokens); --max-batched-tokens not applied (a batch's prompts are prefilled whole); prefix caching "
+        f"off; a seeded sampled request runs alone (the static Engine takes no seed per request). ONNX Runtime "
+        f"GenAI batches continuously (paged KV cache, prefix caching) only with a "
+        f"PagedAttention model, which its builder makes for CUDA and WebGPU, not for CPU"
+    )
 
 
 @dataclass

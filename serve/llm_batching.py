@@ -1,8 +1,9 @@
 """Continuous batching for causal LMs: one engine shared by every request, one thread driving it.
 
-The engine (engines.openvino_genai_runner.OVGenAIBatchEngine, OpenVINO GenAI's continuous-batching
-pipeline) does the scheduling: which prompts to prefill, in what chunks, beside which running decodes.
-This module only decides what enters the engine and carries tokens out of it:
+The engine does the scheduling: engines.openvino_genai_runner.OVGenAIBatchEngine (OpenVINO GenAI's
+continuous-batching pipeline: which prompts to prefill, in what chunks, beside which running decodes)
+or engines.genai_runner.GenAIBatchEngine (ONNX Runtime GenAI's Engine, which on a CPU model runs
+static batches). This module only decides what enters the engine and carries tokens out of it:
 
 - Admission knows the KV cache. A request enters the engine only when the blocks it may need at its
   longest (prompt + max_tokens) fit beside those reserved by the sequences already running, and fewer
@@ -10,8 +11,13 @@ This module only decides what enters the engine and carries tokens out of it:
   a stream already going keeps its blocks to the end. Requests that do not fit yet wait here, in
   arrival order, up to --max-queue of them (429 past that); one that could never fit was refused
   with a 400 before it got here (GenerativeModel.check_fits).
+- An engine that batches statically (`static_batches`) takes no request into a batch once it runs: the
+  next batch is admitted when the engine holds none, sized by what it allocates (every row as long as
+  the batch's longest), after waiting a moment (the engine's `gather_s`) for requests that arrive
+  together, so that they share one batch instead of waiting for each other.
 - Cancellation is immediate: a request whose client left, hit a stop string or timed out is cancelled
-  in the engine before the next step, which frees its sequence and KV blocks there.
+  in the engine before the next step, which frees its sequence and KV blocks there (a static batch
+  keeps computing its row until the batch ends; the request is gone from the server's counts at once).
 - After every step each running request's new tokens are decoded and posted to its own asyncio queue,
   the same events the one-at-a-time service posts.
 """
@@ -44,6 +50,7 @@ class Sequence:
     handle: object = None  # the engine's GenerationHandle once admitted
     ids: list[int] | None = None
     emitted: str = ""
+    text_stream: object = None  # the engine's streaming detokenizer, where it has one
 
     def push(self, *event) -> None:
         self.post(self.generation.events.put_nowait, event)  # type: ignore[operator]
@@ -90,6 +97,7 @@ class ContinuousBatchingService:
         self.wakeup = threading.Condition()
         self.closing = False
         self.cancelled = False  # a sequence was cancelled since the last step
+        self.static = bool(getattr(self.engine, "static_batches", False))
         self.prefixes = (
             PrefixCacheCounter(self.engine.block_tokens, self.engine.num_blocks)
             if self.engine.settings.prefix_caching
@@ -139,6 +147,8 @@ class ContinuousBatchingService:
         while True:
             with self.wakeup:
                 self.admit()
+                if self.static and self.starting:
+                    self.gather()
                 starting, self.starting = self.starting, []
                 if not starting and not self.running and not self.cancelled:
                     if self.closing and not self.waiting:
@@ -164,7 +174,27 @@ class ContinuousBatchingService:
     def fits(self, sequence: Sequence) -> bool:
         """Whether it can enter the engine beside what is there, never preempting a running stream."""
         taken = len(self.running) + len(self.starting)
-        return taken < self.engine.settings.max_num_seqs and self.reserved + sequence.blocks <= self.engine.num_blocks
+        if taken >= self.engine.settings.max_num_seqs:
+            return False
+        if self.static:  # only into the batch being formed, while the engine holds none
+            if self.starting and any(self.engine.runs_alone(s.sampling) for s in (*self.starting, sequence)):
+                return False
+            blocks = [s.blocks for s in self.starting] + [sequence.blocks]
+            idle = not self.running and not self.engine.in_flight
+            return idle and self.engine.batch_blocks(blocks) <= self.engine.num_blocks
+        return self.reserved + sequence.blocks <= self.engine.num_blocks
+
+    def gather(self) -> None:
+        """Before a static batch starts short of full, wait up to the engine's gather_s for more
+        (called with the lock held; submit() notifies)."""
+        deadline = time.perf_counter() + self.engine.gather_s
+        alone = self.engine.runs_alone(self.starting[0].sampling)
+        while not alone and len(self.starting) < self.engine.settings.max_num_seqs:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                return
+            self.wakeup.wait(timeout=left)
+            self.admit()
 
     def reserve(self, sequence: Sequence) -> None:
         self.reserved += sequence.blocks
@@ -193,6 +223,8 @@ class ContinuousBatchingService:
             sequence.push("error", exc)
             return self.release(sequence, None)
         sequence.ids = []
+        if hasattr(self.engine, "text_stream"):
+            sequence.text_stream = self.engine.text_stream()
         self.running[request_id] = sequence
         if self.metrics:
             self.metrics.request_queue_time.observe(time.perf_counter() - sequence.generation.started)
@@ -227,10 +259,15 @@ class ContinuousBatchingService:
     def emit(self, sequence: Sequence, token: int) -> None:
         assert sequence.ids is not None
         sequence.ids.append(token)
+        if sequence.text_stream is not None:
+            return self.push_piece(sequence, sequence.text_stream.decode(token))  # type: ignore[attr-defined]
         text = self.engine.decode(sequence.ids)
         # Hold back an incomplete UTF-8 sequence (the decoder shows it as U+FFFD) until the token that
         # completes it arrives.
         piece = "" if text.endswith("\ufffd") else text[len(sequence.emitted) :]
+        self.push_piece(sequence, piece)
+
+    def push_piece(self, sequence: Sequence, piece: str) -> None:
         sequence.emitted += piece
         observe_token(self.metrics, sequence.generation)
         sequence.push("token", piece)

@@ -154,6 +154,15 @@ def slow_generation(delay_s: float) -> None:
         return slowed_generate
 
     GenAIRunner.generate = slowed(GenAIRunner.generate)  # type: ignore[method-assign]
+    from engines.genai_runner import GenAIBatchEngine
+
+    genai_step = GenAIBatchEngine.step
+
+    def slowed_genai_step(self):
+        time.sleep(delay_s)
+        genai_step(self)
+
+    GenAIBatchEngine.step = slowed_genai_step  # type: ignore[method-assign]
     with contextlib.suppress(ImportError):
         from engines.openvino_genai_runner import OVGenAIBatchEngine, OVGenAIRunner
 
