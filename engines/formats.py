@@ -18,6 +18,7 @@ OPENVINO = "openvino"
 OPENVINO_GENAI = "openvino-genai"
 TENSORRT_RTX = "tensorrt-rtx"
 TORCH_CUDA = "torch-cuda"
+COMPRESSED_TENSORS = "compressed-tensors"
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ FORMATS: dict[str, EngineFormat] = {
         EngineFormat(TENSORRT_RTX, "engines.tensorrt_rtx_runner:load_rtx_runner", ("tensorrt_rtx",), "encoder"),
         # The pipeline's PyTorch model on one NVIDIA GPU (bf16, FP8 or INT4 Linears); measured, not served.
         EngineFormat(TORCH_CUDA, "engines.torch_cuda_runner:load_torch_cuda_runner", ("torch",), None),
+        # A compressed-tensors checkpoint measured in PyTorch (simulated integer numerics); vLLM serves it
+        # (python -m optimize.export --to vllm), serve/ does not.
+        EngineFormat(COMPRESSED_TENSORS, "engines.compressed_tensors_runner:load_ct_runner", ("torch",), None),
     )
 }
 

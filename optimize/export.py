@@ -16,11 +16,12 @@ carries the plan runner, engines/tensorrt_rtx_runner.py) and refuses with one li
 OpenVINO GenAI causal LMs, image classifiers and simulated-quantization checkpoints are refused with
 one line (`python -m serve` runs the OpenVINO GenAI ones).
 
-`python -m optimize.export ARTIFACT --to vllm DIR` writes a folder `vllm serve DIR` loads: the
-Hugging Face checkpoint a causal LM's engine=modelopt_checkpoint exported (safetensors weights,
-config.json with modelopt's quantization_config, hf_quant_config.json), its generation config and
-the artifact's tokenizer, plus optimize_export.json naming the artifact, what was measured and each
-file's sha256. Other engines hold no checkpoint vLLM reads and are refused with one line.
+`python -m optimize.export ARTIFACT --to vllm DIR` writes a folder `vllm serve DIR` loads: a causal
+LM's Hugging Face checkpoint (engine=compressed_tensors_checkpoint: INT8 W8A8 or INT4 W4A16 weights
+vLLM serves on CPU and GPU; engine=modelopt_checkpoint: modelopt's FP8 export), its generation config
+and the artifact's tokenizer, plus optimize_export.json naming the artifact, what was measured and
+each file's sha256 (optimize/export_vllm.py). Other engines hold no checkpoint vLLM reads and are
+refused with one line.
 
 Exit 0 with the bundle written; 2 when the artifact is refused (not an artifact, changed files, a bad
 signature, a failed gate without --allow-failed-gate, a model the bundle cannot carry) or the
@@ -32,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import io
-import json
 import logging
 import os
 import shutil
@@ -41,10 +41,11 @@ from pathlib import Path
 
 import engines.artifact as checker
 from engines.artifact import VERIFY_KEY_ENV, ArtifactError
-from engines.formats import MODELOPT_TORCH, ONNXRUNTIME, ONNXRUNTIME_GENAI, OPENVINO, TENSORRT_RTX
+from engines.formats import ONNXRUNTIME, ONNXRUNTIME_GENAI, OPENVINO, TENSORRT_RTX
 from optimize import EXIT_BAD_INPUT
 from optimize.artifact import publish, scratch_for, staging, write_manifest
 from optimize.errors import ArgumentParser, RecipeError
+from optimize.export_vllm import write_vllm
 
 RUN_SCRIPT = Path(__file__).resolve().parent / "assets" / "bundle" / "run.py"
 CHECKER = Path(checker.__file__).resolve()
@@ -160,69 +161,6 @@ def checked_manifest(
     if (manifest.get("gate") or {}).get("passed") is not True and not allow_failed_gate:
         raise RecipeError(f"{root}: the gate did not pass; refusing to {action} it (--allow-failed-gate overrides)")
     return manifest
-
-
-HF_EXPORT = "hf_export"  # where engine=modelopt_checkpoint writes modelopt's Hugging Face checkpoint
-VLLM_SERVES = ("config.json", "hf_quant_config.json", "generation_config.json")
-
-
-def vllm_files(root: Path, source: dict) -> dict[str, str]:
-    """{path in the vLLM folder: path in the artifact}: the checkpoint's config and weights, the tokenizer."""
-    engine = source.get("engine") or {}
-    if engine.get("format") != MODELOPT_TORCH or engine.get("task") != "causal_lm":
-        raise RecipeError(
-            f"{root}: a {engine.get('format')!r} {engine.get('task')!r} engine holds no checkpoint vLLM loads "
-            "(--to vllm exports causal LMs quantized by modelopt with engine=modelopt_checkpoint)"
-        )
-    folder = f"{str(engine.get('dir') or '').strip('/')}/{HF_EXPORT}"
-    listed = [entry["path"] for entry in source["files"]]
-    weights = [p for p in listed if p.startswith(folder + "/") and p.endswith(".safetensors")]
-    if f"{folder}/config.json" not in listed or not weights:
-        exported = ((source.get("stages") or {}).get("engine") or {}).get("hf_export", "not recorded")
-        raise RecipeError(f"{root}: the artifact has no Hugging Face checkpoint in {folder} (hf_export: {exported})")
-    tokenizer = str(engine.get("tokenizer") or "").strip("/")
-    tokenizer_files = [p for p in listed if tokenizer and p.startswith(tokenizer + "/") and p.count("/") == 1]
-    if not any(p.endswith("/tokenizer.json") for p in tokenizer_files):
-        raise RecipeError(f"{root}: the manifest's engine names no tokenizer with a tokenizer.json; cannot export it")
-    wanted = {p.rsplit("/", 1)[1]: p for p in tokenizer_files}
-    for path in listed:
-        name = path[len(folder) + 1 :] if path.startswith(folder + "/") else None
-        if (
-            name
-            and "/" not in name
-            and (name in VLLM_SERVES or name.endswith((".safetensors", ".safetensors.index.json")))
-        ):
-            wanted[name] = path  # the checkpoint's own config wins over a tokenizer file of the same name
-    for path in wanted.values():
-        checker.check_regular_file(checker.contained(root, path, "files[].path"), path)
-    return wanted
-
-
-def write_vllm(root: Path, source: dict, dest: Path) -> dict:
-    """The folder, built beside `dest` and renamed into place when complete."""
-    files = vllm_files(root, source)
-    config = checker.parse_json((root / files["config.json"]).read_bytes())
-    quantization = (config.get("quantization_config") or {}) if isinstance(config, dict) else {}
-    with staging(dest) as stage:
-        for name, path in sorted(files.items()):
-            shutil.copyfile(root / path, stage / name)
-        table = checker.file_table(stage)
-        written = {
-            "to": "vllm",
-            "source_id": source.get("id"),
-            "source_digest": source[checker.INTEGRITY]["digest"],
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "quantization": quantization.get("quant_algo") or quantization.get("quant_method") or "none",
-            "quant_method": quantization.get("quant_method"),
-            # What the gate judged: modelopt's simulated numerics on the pipeline's machine, not vLLM's kernels.
-            "measured": {"engine": source["engine"].get("format"), "simulated": source["engine"].get("simulated")},
-            "metrics": (source.get("metrics") or {}).get("candidate"),
-            "serve": f"vllm serve {dest}",
-            "files": table,
-        }
-        (stage / "optimize_export.json").write_text(json.dumps(written, indent=2) + "\n")
-        publish(stage, dest)
-    return written
 
 
 def checked_source(root: Path, key_file: str | None, require_signature: bool, allow_failed_gate: bool) -> dict:
