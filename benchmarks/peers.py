@@ -12,10 +12,13 @@ In one process, on the same tokenized texts, block-alternating (optimize.benchma
   (transformer model type, calibrated on the calibration split), all from the unfused ONNX export.
 
 Reported per runner: min / mean cosine of the sentence embedding against PyTorch, p50 per batch size,
-ratio over PyTorch and over the best peer (the fastest peer whose min cosine >= 0.99).
+ratio over PyTorch and over the best peer (the fastest peer whose min cosine >= 0.99), and the
+weighted p50 over the batch sizes (the artifact's recipe's workload weights, or --weights) with its
+ratio over the best eligible peer's.
 
     .venv/bin/python benchmarks/peers.py --artifact DIR [--texts 64] [--calibration 100]
-        [--batch-sizes 1,32] [--threads 0] [--json OUT] [--markdown [PATH]] [--optimum-python PY]
+        [--batch-sizes 1,32] [--weights 1:0.5,32:0.5] [--threads 0] [--json OUT] [--markdown [PATH]]
+        [--optimum-python PY]
 
 The Optimum side venv (about 1 GB; torch pinned to the CPU build):
 
@@ -367,6 +370,37 @@ def ratios(entries: list[Entry], batch_sizes: list[str], min_cosine: float = MIN
     return result
 
 
+def workload_weights(artifact: Path, batch_sizes: list[str], given: str | None) -> dict[str, float]:
+    """The weights of the weighted cost: --weights "1:0.7,32:0.3", else the artifact's own workload
+    (its recipe's `workload.batches`, as its race weighed them), else equal; kept to the batch sizes
+    timed here and summing to 1."""
+    from engines.artifact import read_manifest
+
+    if given:
+        pairs = (item.split(":") for item in given.split(","))
+        weights = {b.strip(): float(w) for b, w in pairs}
+    else:
+        recorded = ((read_manifest(artifact).get("metrics") or {}).get("workload") or {}).get("batches") or {}
+        weights = {str(b): float(w) for b, w in recorded.items()}
+    weights = {b: w for b, w in weights.items() if b in batch_sizes and w > 0} or {b: 1.0 for b in batch_sizes}
+    total = sum(weights.values())
+    return {b: w / total for b, w in weights.items()}
+
+
+def weighted(entries: list[Entry], weights: dict[str, float], min_cosine: float = MIN_PEER_COSINE) -> dict:
+    """Each runner's weighted p50 (ms per call over the workload's mix of batch sizes) and its ratio
+    over the best eligible peer's weighted p50 (> 1 means faster)."""
+    cost = {e.name: sum(w * e.p50_ms[b] for b, w in weights.items()) for e in entries}
+    eligible = [e for e in entries if e.role == "peer" and e.fidelity["cosine_min"] >= min_cosine]
+    best = min(eligible, key=lambda e: cost[e.name]) if eligible else None
+    return {
+        "weights": weights,
+        "best_peer": best.name if best else None,
+        "cost_ms": cost,
+        "over_best_peer": {n: (cost[best.name] / c if best else None) for n, c in cost.items()},
+    }
+
+
 # ---------------------------------------------------------------------------------------------
 # report
 # ---------------------------------------------------------------------------------------------
@@ -377,17 +411,22 @@ def environment(notes: dict) -> dict:
     return {**benchmark_machine(packages), "optimum_venv_packages": notes.get("optimum_versions") or {}}
 
 
-def markdown(entries: list[Entry], batch_sizes: list[str], table: dict, latency: dict, env: dict, notes: dict) -> str:
+def markdown(
+    entries: list[Entry], batch_sizes: list[str], table: dict, latency: dict, env: dict, notes: dict, mix: dict
+) -> str:
     def num(x, fmt):
         return "n/a" if x is None else format(x, fmt)
 
     head = ["runner", "built with", "min cos", "mean cos"]
     head += [f"p50 ms b{b}" for b in batch_sizes] + [f"x PyTorch b{b}" for b in batch_sizes]
-    head += [f"x best peer b{b}" for b in batch_sizes]
+    head += [f"x best peer b{b}" for b in batch_sizes] + ["weighted p50 ms", "x best peer weighted"]
     lines = [
         f"CPU: {env['cpu']} ({env['cores']} cores; {', '.join(env['flags'])}); date {env['date']}",
         "other_cpu_share: " + ", ".join(f"b{b} {latency[b]['other_cpu_share']:.3f}" for b in batch_sizes),
-        "best peer (fastest with min cos >= 0.99): " + ", ".join(f"b{b} {table[b]['best_peer']}" for b in batch_sizes),
+        "best peer (fastest with min cos >= 0.99): "
+        + ", ".join(f"b{b} {table[b]['best_peer']}" for b in batch_sizes)
+        + f", weighted {mix['best_peer']}",
+        "weighted p50: " + ", ".join(f"batch {b} x {w:.2f}" for b, w in mix["weights"].items()),
         "packages: " + ", ".join(f"{k} {v}" for k, v in env["packages"].items()),
         "",
         "| " + " | ".join(head) + " |",
@@ -398,6 +437,7 @@ def markdown(entries: list[Entry], batch_sizes: list[str], table: dict, latency:
         row += [f"{e.p50_ms[b]:.2f}" for b in batch_sizes]
         row += [num(table[b]["over_pytorch"][e.name], ".2f") for b in batch_sizes]
         row += [num(table[b]["over_best_peer"][e.name], ".2f") for b in batch_sizes]
+        row += [f"{mix['cost_ms'][e.name]:.2f}", num(mix["over_best_peer"][e.name], ".2f")]
         lines.append("| " + " | ".join(row) + " |")
     if env["optimum_venv_packages"]:
         lines.append("\nOptimum venv: " + ", ".join(f"{k} {v}" for k, v in env["optimum_venv_packages"].items()))
@@ -413,6 +453,9 @@ def parse_args(argv=None):
     parser.add_argument("--texts", type=int, default=64, help="evaluation paragraphs (cpython_docs)")
     parser.add_argument("--calibration", type=int, default=100, help="calibration paragraphs for NNCF")
     parser.add_argument("--batch-sizes", default="1,32")
+    parser.add_argument(
+        "--weights", default=None, help="weighted cost's mix, \"1:0.7,32:0.3\" (default: the artifact's workload)"
+    )
     parser.add_argument("--threads", type=int, default=0, help="0: each runtime's default")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=30)
@@ -445,7 +488,8 @@ def main(argv=None) -> dict:
         }
     keys = [str(b) for b in batch_sizes]
     table, env = ratios(entries, keys), environment(notes)
-    report = markdown(entries, keys, table, latency, env, notes)
+    mix = weighted(entries, workload_weights(args.artifact, keys, args.weights))
+    report = markdown(entries, keys, table, latency, env, notes, mix)
     print(report)
     if args.markdown and args.markdown != "-":
         Path(args.markdown).write_text(report + "\n")
@@ -453,6 +497,7 @@ def main(argv=None) -> dict:
         "environment": env,
         "notes": notes,
         "ratios": table,
+        "weighted": mix,
         "latency": latency,
         "runners": [
             {"name": e.name, "role": e.role, "recipe": e.recipe, "fidelity": e.fidelity, "p50_ms": e.p50_ms}

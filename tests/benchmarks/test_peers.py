@@ -51,6 +51,28 @@ def test_ratios_pick_the_fastest_peer_that_keeps_fidelity():
     assert table["1"]["over_best_peer"]["good"] == pytest.approx(1.0)
 
 
+def test_the_weighted_cost_follows_the_workload_and_can_pick_another_best_peer(tmp_path):
+    entries = [
+        entry("torch", "baseline", 20.0, 1.0),
+        entry("ours", "artifact", 5.0, 0.995),
+        entry("fast at 1", "peer", 4.0, 1.0),
+        entry("fast at 32", "peer", 6.0, 1.0),
+    ]
+    entries[2].p50_ms["32"] = 200.0  # 4 ms at batch 1, but the slowest at batch 32
+    mix = peers.weighted(entries, {"1": 0.5, "32": 0.5})
+    assert mix["best_peer"] == "fast at 32"  # 0.5 * 6 + 0.5 * 120 = 63 ms against 102 ms
+    assert mix["cost_ms"]["ours"] == pytest.approx(52.5)
+    assert mix["over_best_peer"]["ours"] == pytest.approx(63.0 / 52.5)
+    from optimize.artifact import write_manifest
+
+    root = tmp_path / "a"
+    root.mkdir()
+    write_manifest(root, {"engine": {}, "metrics": {"workload": {"batches": {"1": 0.7, "32": 0.3, "8": 1.0}}}})
+    weights = peers.workload_weights(root, ["1", "32"], None)  # batch 8 is not timed here: left out
+    assert weights == pytest.approx({"1": 0.7, "32": 0.3})
+    assert peers.workload_weights(root, ["1", "32"], "1:1,32:3") == pytest.approx({"1": 0.25, "32": 0.75})
+
+
 def test_no_eligible_peer_gives_no_ratio():
     entries = [
         entry("torch", "baseline", 20.0, 1.0),
@@ -128,5 +150,7 @@ def test_a_tiny_race_runs_and_its_ratios_match_the_timings(tmp_path):
         stats[best]["p50_ms"] / stats[peers.ARTIFACT]["p50_ms"]
     )
     env = peers.environment({"skipped": {}})
-    report = peers.markdown(entries, ["1"], table, {"1": latency}, env, {"skipped": {}})
+    mix = peers.weighted(entries, peers.workload_weights(artifact, ["1"], None))
+    assert mix["weights"] == {"1": 1.0} and mix["best_peer"] == best  # one batch size: the plain ranking
+    report = peers.markdown(entries, ["1"], table, {"1": latency}, env, {"skipped": {}}, mix)
     assert report.count("\n| ") == len(entries) + 1 and env["cpu"] in report
