@@ -8,6 +8,7 @@ import logging
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +25,7 @@ def build(
     command = [
         sys.executable,
         "-m",
-        "onnxruntime_genai.models.builder",
+        "engines.genai_build",  # the builder, reading transformers-5 configs (builder_config below)
         "-i",
         str(source_dir),
         "-m",
@@ -38,8 +39,12 @@ def build(
         "-c",
         str(cache),
     ]
-    if options:
-        command += ["--extra_options", *options]
+    if not any(o.startswith("windowed_kv_cache=") for o in options):
+        # Sliding-window layers keep a full-length cache, as transformers does: the bounded ring the
+        # builder makes by default refuses a prompt longer than the window appended in one call
+        # ("total_sequence_length must equal past_sequence_length + kv_sequence_length").
+        options = [*options, "windowed_kv_cache=false"]
+    command += ["--extra_options", *options]
     log.info("GenAI builder: %s", " ".join(command[3:]))
     logfile = out.parent / "builder.log"
     with open(logfile, "w") as f:
@@ -74,3 +79,55 @@ def _summarize(names: list[str]) -> list[str]:
         re.sub(r"/model/", "", n).strip("/").replace("/MatMul", "").replace("_Q4", "").replace("_Q8", "") for n in names
     ]
     return list(dict.fromkeys(kinds))
+
+
+# ---------------------------------------------------------------- the builder, on transformers-5 configs
+
+# The builder (onnxruntime-genai 0.18) reads the rope settings as transformers 4 wrote them: one flat
+# rope_parameters with rope_type (and "type" for Phi-3's LongRoPE), Gemma 3's local theta as
+# rope_local_base_freq. Transformers 5 nests Gemma 3's per layer type ({"full_attention": {...},
+# "sliding_attention": {...}}) and drops rope_local_base_freq, so the builder stopped with
+# KeyError: 'rope_type'. The config it loads is re-standardized by transformers from any config.json
+# we write, so the adaptation happens on the loaded config, in the builder's own process.
+
+
+def builder_config(config: Any) -> Any:
+    """The loaded config with the fields the builder reads (in place; returns it)."""
+    rope = getattr(config, "rope_parameters", None)
+    if isinstance(rope, dict) and "rope_type" not in rope:
+        full, sliding = rope.get("full_attention"), rope.get("sliding_attention")
+        if isinstance(full, dict):  # per layer type: the global layers' settings are the model's
+            rope.update({k: v for k, v in full.items() if k not in rope})
+        if isinstance(sliding, dict) and "rope_theta" in sliding:
+            config.rope_local_base_freq = sliding["rope_theta"]
+        rope.setdefault("rope_type", "default")
+    if isinstance(rope, dict):
+        rope.setdefault("type", rope["rope_type"])
+        if "rope_theta" in rope and getattr(config, "rope_theta", None) is None:
+            config.rope_theta = rope["rope_theta"]
+    if getattr(config, "sliding_window", None) and getattr(config, "layer_types", None) is None:
+        # Mistral: a window and no layer types means every layer slides (as transformers runs it); the
+        # builder reads the window per layer from layer_types and made every layer full otherwise.
+        config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+    if getattr(config, "model_type", None) == "phi3" and (rope or {}).get("rope_type") != "longrope":
+        # The builder takes original != max positions for LongRoPE; without LongRoPE transformers
+        # ignores original_max_position_embeddings, so making them equal changes nothing else.
+        config.original_max_position_embeddings = config.max_position_embeddings
+    return config
+
+
+def _run_builder() -> None:
+    """python -m engines.genai_build ARGS: the builder's command line, on configs adapted as above."""
+    import runpy
+
+    from transformers import AutoConfig
+
+    # The class itself, not the name: transformers' lazy module sets its names again on later imports.
+    # This process runs only the builder.
+    load = AutoConfig.from_pretrained
+    AutoConfig.from_pretrained = lambda *args, **kwargs: builder_config(load(*args, **kwargs))  # type: ignore[method-assign]
+    runpy.run_module("onnxruntime_genai.models.builder", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    _run_builder()

@@ -72,6 +72,8 @@ def _wrapper(model, layers: int):
     # transformers 5.x renamed past_key_values to cache (the old name still works, with a warning)
     cache_kwarg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
+    window, layer_types = sliding_layers(model.config)
+
     class StatefulLM(torch.nn.Module):
         def __init__(self):
             super().__init__()
@@ -90,7 +92,7 @@ def _wrapper(model, layers: int):
             past_len = ones_kv.sum(dim=1, keepdim=True) - torch.ones_like(input_ids).sum(dim=1, keepdim=True)
             q_pos = past_len + torch.cumsum(torch.ones_like(input_ids), dim=1) - 1  # [B, Q]: K-Q..K-1
             visible = (kv_pos[:, None, None, :] <= q_pos[:, None, :, None]) & (attention_mask[:, None, None, :] > 0)
-            mask = torch.where(visible, torch.tensor(0.0), torch.tensor(MASK_MIN))
+            mask = _masks(visible, q_pos, kv_pos, window, layer_types)
             out = self.lm(
                 input_ids=input_ids,
                 attention_mask=mask,
@@ -107,15 +109,55 @@ def _wrapper(model, layers: int):
     return StatefulLM().eval()
 
 
+def sliding_layers(config) -> tuple[Optional[int], Optional[list]]:
+    """(window, layer types) of a decoder with sliding-window layers, else (None, None): Gemma 2/3 and
+    Qwen name each layer's kind in layer_types; Mistral has a window and no layer types (every layer
+    slides, as transformers runs it)."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    window = getattr(text, "sliding_window", None)
+    types = getattr(text, "layer_types", None)
+    if not window or (types is not None and "sliding_attention" not in types):
+        return None, None
+    return int(window), list(types) if types is not None else None
+
+
+def _masks(visible, q_pos, kv_pos, window: Optional[int], layer_types: Optional[list]):
+    """The additive mask(s) the decoder is given: one for causal attention, or with sliding-window
+    layers the masks per layer kind (a 4D mask given to transformers is used as it is, so a window
+    it would have applied must be in the mask itself). A query at position q sees keys k with
+    q - k < window, transformers' definition. Positions are tensors ([B, Q] and [B, K]), so the
+    trace keeps them dynamic."""
+    import torch
+
+    def additive(allowed):
+        return torch.where(allowed, torch.tensor(0.0), torch.tensor(MASK_MIN))
+
+    if window is None:
+        return additive(visible)
+    sliding = additive(visible & (q_pos[:, None, :, None] - kv_pos[:, None, None, :] < window))
+    if layer_types is None:
+        return sliding
+    return {"full_attention": additive(visible), "sliding_attention": sliding}
+
+
 def _load_fp32(hf_folder: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(str(hf_folder), dtype=torch.float32, attn_implementation="sdpa")
-    except (OSError, ValueError) as exc:
-        raise ExportError(f"cannot load a causal LM from {hf_folder}: {str(exc).splitlines()[0]}") from None
-    return model.eval()
+    # SDPA where the architecture has it; eager where it does not (Gemma 2: its attention soft-capping)
+    for attention in ("sdpa", "eager"):
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(hf_folder), dtype=torch.float32, attn_implementation=attention
+            )
+            return model.eval()
+        except ValueError as exc:
+            if attention == "sdpa" and "attention implementation" in str(exc):
+                continue
+            raise ExportError(f"cannot load a causal LM from {hf_folder}: {str(exc).splitlines()[0]}") from None
+        except OSError as exc:
+            raise ExportError(f"cannot load a causal LM from {hf_folder}: {str(exc).splitlines()[0]}") from None
+    raise AssertionError("unreachable")
 
 
 def convert_decoder(model):

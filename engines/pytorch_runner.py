@@ -132,8 +132,13 @@ def load_hf_model(
     else:
         kwargs["use_safetensors"] = None if allow_pickle else True
     # SDPA is PyTorch's fastest CPU attention: an eager-attention baseline would inflate speedups.
-    kwargs["attn_implementation"] = "sdpa"
-    return auto.from_pretrained(source, **kwargs).eval()
+    # Eager only where transformers has no SDPA path for the architecture (Gemma 2: soft-capping).
+    try:
+        return auto.from_pretrained(source, **kwargs, attn_implementation="sdpa").eval()
+    except ValueError as exc:
+        if "scaled_dot_product_attention" not in str(exc):
+            raise
+        return auto.from_pretrained(source, **kwargs, attn_implementation="eager").eval()
 
 
 def load_pytorch_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> TorchRunner:

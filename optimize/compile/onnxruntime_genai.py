@@ -69,6 +69,7 @@ def onnxruntime_genai_engine(model, cfg: GenAIConfig, ctx):
     """Build an ONNX Runtime GenAI decoder with KV cache (weight-only INT4/INT8 via MatMulNBits)."""
     if model.kind != "torch":
         raise RecipeError("engine.method=onnxruntime_genai needs a Hugging Face causal LM")
+    _refuse_architecture(model)
     try:
         import onnxruntime_genai  # noqa: F401
     except ImportError:
@@ -116,3 +117,12 @@ def _source_folder(model, ctx) -> Path:
 
 def _provider(name: str) -> str:
     return {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}.get(name, name)
+
+
+def _refuse_architecture(model) -> None:
+    """The architecture table (engines/lm_archs.py) before any conversion: one line, exit 2."""
+    from engines.lm_archs import refusal
+
+    reason = refusal("onnxruntime_genai", model.module.config)
+    if reason:
+        raise RecipeError(f"engine.method=onnxruntime_genai: {reason}")

@@ -97,6 +97,7 @@ def openvino_genai_engine(model, cfg: OVGenAIConfig, ctx):
     """OpenVINO GenAI: stateful IR with KV cache, NNCF weight-only INT4/INT8, LLMPipeline decoding."""
     if model.kind != "torch":
         raise RecipeError("engine.method=openvino_genai needs a Hugging Face causal LM")
+    _refuse_architecture(model)
     from engines.openvino_genai_build import (
         CompressionError,
         ExportError,
@@ -207,3 +208,12 @@ def _source_folder(model, ctx) -> Path:
         if path.suffix in (".json", ".jinja", ".txt", ".model") and path.name != "config.json":
             shutil.copy2(path, folder / path.name)
     return folder
+
+
+def _refuse_architecture(model) -> None:
+    """The architecture table (engines/lm_archs.py) before any conversion: one line, exit 2."""
+    from engines.lm_archs import refusal
+
+    reason = refusal("openvino_genai", model.module.config)
+    if reason:
+        raise RecipeError(f"engine.method=openvino_genai: {reason}")

@@ -1,0 +1,164 @@
+"""Write a Hugging Face causal LM as a GGUF file laid out the way llama.cpp's converter
+(convert_hf_to_gguf.py) lays one out, with the `gguf` package: llama.cpp's tensor names, its
+metadata keys, Llama's Q/K rows permuted for its rotary layout, Gemma's norm weights stored as
+1 + w, the BPE vocabulary, merges and chat template in the tokenizer keys.
+
+Quantization: the `gguf` package quantizes Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 itself but only
+dequantizes K-quants, so Q4_K is written here (q4_k_blocks: llama.cpp's block layout, a plain
+min/max fit per 32-value sub-block rather than its search). As in llama.cpp's mixes, a tensor whose
+rows do not fill whole blocks (a K-quant needs 256 values a row) falls back to Q8_0, and norms and
+biases stay F32.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+# transformers model_type -> (gguf MODEL_ARCH name, general.architecture). Mistral is written as
+# llama.cpp writes it: architecture "llama", the name saying "mistral".
+GGUF_ARCH = {
+    "llama": ("LLAMA", "llama"),
+    "mistral": ("LLAMA", "llama"),
+    "qwen2": ("QWEN2", "qwen2"),
+    "qwen3": ("QWEN3", "qwen3"),
+    "gemma2": ("GEMMA2", "gemma2"),
+    "gemma3_text": ("GEMMA3", "gemma3"),
+    "phi3": ("PHI3", "phi3"),
+}
+QK_K = 256
+
+
+def write_gguf(folder: Path, out: Path, qtype: str = "Q8_0", architecture: str | None = None) -> Path:
+    """The model in `folder` (safetensors, config, tokenizer.json) as a GGUF file at `out`.
+    `architecture` overrides general.architecture (to write a file of an architecture nobody reads)."""
+    import gguf
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    arch_name, gguf_arch = GGUF_ARCH[config.model_type]
+    arch = architecture or gguf_arch
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    writer = gguf.GGUFWriter(str(out), arch)
+    writer.add_name(f"tiny-{config.model_type}")
+    _write_hparams(writer, config)
+    _write_tokenizer(writer, folder, config)
+    names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch_name), config.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        base, _, suffix = hf_name.rpartition(".")
+        name = names.get_name(base)
+        if name is None:
+            raise ValueError(f"no GGUF name for {hf_name}")
+        data = _as_stored(tensor.numpy(), name, config, gguf_arch)
+        _add_tensor(writer, f"{name}.{suffix}", data, qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def _write_hparams(writer, config) -> None:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = config.rope_parameters or {}
+    theta = (rope.get("full_attention") or rope).get("rope_theta", 10000.0)
+    writer.add_rope_freq_base(float(theta))
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(int(config.sliding_window))
+    writer.add_file_type(1)
+
+
+def _write_tokenizer(writer, folder: Path, config) -> None:
+    """A byte-level BPE vocabulary as llama.cpp writes one (tokenizer model "gpt2")."""
+    spec = json.loads((Path(folder) / "tokenizer.json").read_text())
+    vocab = spec["model"]["vocab"]
+    tokens = [token for token, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    special = {t["content"] for t in spec.get("added_tokens", [])}
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3: control, 1: normal
+    merges = spec["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_bos_token_id(config.bos_token_id)
+    writer.add_eos_token_id(config.eos_token_id)
+    writer.add_pad_token_id(config.pad_token_id)
+    tokenizer_config = json.loads((Path(folder) / "tokenizer_config.json").read_text())
+    template = tokenizer_config.get("chat_template")
+    if template is None and (Path(folder) / "chat_template.jinja").is_file():
+        template = (Path(folder) / "chat_template.jinja").read_text()
+    if template:
+        writer.add_chat_template(template)
+
+
+def _as_stored(data: np.ndarray, name: str, config, arch: str) -> np.ndarray:
+    """What llama.cpp's converter stores for a tensor: Llama's Q/K rows permuted for its rotary
+    layout (interleaved pairs), Gemma's RMSNorm weights as 1 + w (its norm multiplies by 1 + w)."""
+    if arch == "llama" and (name.endswith("attn_q") or name.endswith("attn_k")):
+        heads = config.num_attention_heads if name.endswith("attn_q") else config.num_key_value_heads
+        data = data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+    if arch.startswith("gemma") and name.endswith("norm"):
+        data = data + 1
+    return np.ascontiguousarray(data, dtype=np.float32)
+
+
+def _add_tensor(writer, name: str, data: np.ndarray, qtype: str) -> None:
+    import gguf
+
+    if data.ndim < 2 or qtype == "F32":
+        writer.add_tensor(name, data)
+        return
+    if qtype == "F16":
+        writer.add_tensor(name, data.astype(np.float16))
+        return
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    block = gguf.GGML_QUANT_SIZES[kind][0]
+    if data.shape[-1] % block:
+        kind, qtype = gguf.GGMLQuantizationType.Q8_0, "Q8_0"  # llama.cpp's fallback for rows that do not fit
+    packed = q4_k_blocks(data) if qtype == "Q4_K" else gguf.quants.quantize(data, kind)
+    writer.add_tensor(name, packed, raw_dtype=kind)
+
+
+def q4_k_blocks(data: np.ndarray) -> np.ndarray:
+    """Q4_K, llama.cpp's block_q4_K: per 256 values an f16 scale d and min dmin, 8 sub-blocks of 32
+    with 6-bit scale and min (packed in 12 bytes), 4-bit values; x = d * sc * q - dmin * m."""
+    rows = data.reshape(-1, QK_K).astype(np.float32)
+    sub = rows.reshape(len(rows), 8, 32)
+    low = np.minimum(sub.min(axis=-1), 0.0)  # the offset is a min <= 0, as llama.cpp's
+    scale = (sub.max(axis=-1) - low) / 15.0
+    d = np.maximum(scale.max(axis=-1), 1e-12) / 63.0
+    dmin = np.maximum((-low).max(axis=-1), 1e-12) / 63.0
+    d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
+    sc = np.clip(np.rint(scale / d16.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(-low / dmin16.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    step = (d16.astype(np.float32)[:, None] * sc)[..., None]
+    offset = (dmin16.astype(np.float32)[:, None] * mn)[..., None]
+    q = np.clip(np.rint((sub + offset) / np.where(step > 0, step, 1.0)), 0, 15).astype(np.uint8)
+    packed_scales = np.concatenate(
+        [
+            sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
+            mn[:, :4] | ((mn[:, 4:] >> 4) << 6),
+            (sc[:, 4:] & 0x0F) | ((mn[:, 4:] & 0x0F) << 4),
+        ],
+        axis=-1,
+    ).astype(np.uint8)
+    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(len(rows), 128)  # sub-block 2j low nibbles, 2j+1 high
+    blocks = np.concatenate(
+        [d16[:, None].view(np.uint8), dmin16[:, None].view(np.uint8), packed_scales, qs], axis=-1
+    ).astype(np.uint8)
+    return blocks.reshape(*data.shape[:-1], data.shape[-1] // QK_K * 144)
