@@ -322,8 +322,8 @@ class GenAIBatchEngine(GenAIRunner):
     def step(self) -> None:
         """One engine run: each event's token goes to its request's handle (or one token of a
         request that runs alone: the service gives it a batch of its own)."""
-        for handle in [h for h in self.handles.values() if h.alone is not None and not h.finished]:
-            self.step_alone(handle)
+        for alone in [h for h in self.handles.values() if h.alone is not None and not h.finished]:
+            self.step_alone(alone)
         token_flag, finished_flag, failed_flag = (
             int(f.value) for f in (self.flags.TOKEN, self.flags.TURN_FINISHED, self.flags.FAILED)
         )
