@@ -56,8 +56,19 @@ def resolve(cfg) -> tuple[str, Path | None]:
         return kind, path
     looks_local = source.startswith(("pkg://", "/", ".", "~")) or path.suffix in (".onnx", ".gguf", *PICKLE_SUFFIXES)
     if looks_local or not _HUB_ID.match(source):
-        raise RecipeError(f"model.source={source}: no such file or directory")
+        raise RecipeError(f"model.source={source}: no such file or directory{_how_to_train(path)}")
     return "hub", None
+
+
+# Models the project trains itself into the cache (none installs offline), and the command that does.
+TRAINED_IN_CACHE = {"classifiers/minilm_docstrings": "python -m optimize.train_classifier"}
+
+
+def _how_to_train(path: Path) -> str:
+    for name, command in TRAINED_IN_CACHE.items():
+        if path == cache_root() / name:
+            return f" (this model is trained on this machine: run {command} first, a few minutes on 2 cores)"
+    return ""
 
 
 def _classify_local(path: Path, cfg) -> str:
