@@ -44,9 +44,21 @@ def text_config(config: Any) -> Any:
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
+def causal_lm_classes(config: Any) -> list[str]:
+    """The config's architectures; a config built in memory (a model loaded from a GGUF file) names
+    none, and then the causal-LM class transformers maps its model_type to stands for it."""
+    classes = list(getattr(config, "architectures", None) or [])
+    if not classes:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        mapped = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(getattr(config, "model_type", ""))
+        classes = [mapped] if isinstance(mapped, str) else []
+    return classes
+
+
 def describe(config: Any) -> str:
     """'qwen2 (Qwen2ForCausalLM)': how messages name a model's architecture."""
-    classes = getattr(config, "architectures", None) or []
+    classes = causal_lm_classes(config)
     return f"{config.model_type} ({classes[0]})" if classes else str(config.model_type)
 
 
@@ -57,7 +69,7 @@ def refusal(engine: str, config: Any) -> Optional[str]:
 
 
 def _genai(config: Any) -> Optional[str]:
-    classes = getattr(config, "architectures", None) or []
+    classes = causal_lm_classes(config)
     if not classes or classes[0] not in GENAI_CLASSES:
         return f"ONNX Runtime GenAI's builder has no graph for {describe(config)}"
     return None
