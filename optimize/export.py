@@ -60,13 +60,15 @@ RUNTIME_PACKAGES = {
 }
 # cuda.bindings.runtime (what the plan runner imports) is in cuda-python from 12.6.
 UNPINNED_FLOOR = {"cuda-python": ">=12.6"}
-# What run.py does with each engine format: the task it takes.
+# What run.py does with each engine format: the tasks it takes (a text classifier's bundle prints
+# each text's labels and scores, named from the artifact's labels.json).
 TASKS = {
-    ONNXRUNTIME: "sentence_embedding",
-    OPENVINO: "sentence_embedding",
-    ONNXRUNTIME_GENAI: "causal_lm",
-    TENSORRT_RTX: "sentence_embedding",
+    ONNXRUNTIME: ("sentence_embedding", "text_classification"),
+    OPENVINO: ("sentence_embedding", "text_classification"),
+    ONNXRUNTIME_GENAI: ("causal_lm",),
+    TENSORRT_RTX: ("sentence_embedding",),
 }
+LABELS_FILE = "labels.json"
 BUNDLE_FILES = ("run.py", "artifact.py", "requirements.txt", PLAN_RUNNER.name)
 
 
@@ -174,8 +176,9 @@ def checked_source(root: Path, key_file: str | None, require_signature: bool, al
             f"{root}: a {fmt!r} engine cannot be bundled (bundles carry onnxruntime and openvino sentence "
             f"encoders and onnxruntime-genai causal LMs; serve the others with python -m serve)"
         )
-    if task != TASKS[fmt]:
-        raise RecipeError(f"{root}: a {task!r} model on {fmt} cannot be bundled (run.py runs {TASKS[fmt]} there)")
+    if task not in TASKS[fmt]:
+        runs = " and ".join(TASKS[fmt])
+        raise RecipeError(f"{root}: a {task!r} model on {fmt} cannot be bundled (run.py runs {runs} there)")
     needed = ("dir",) if fmt == ONNXRUNTIME_GENAI else ("file", "tokenizer")
     if not all(engine.get(key) for key in needed):
         raise RecipeError(f"{root}: the manifest's engine names no {' or '.join(needed)}; cannot bundle it")
@@ -194,7 +197,7 @@ def with_plan_engine(root: Path, source: dict, ort_format: bool) -> dict:
     listed = {entry["path"] for entry in source["files"]}
     if not isinstance(plan, dict) or plan.get("file") not in listed:
         raise RecipeError(f"{root}: the artifact has no TensorRT-RTX plan (build one with engine=tensorrt_rtx)")
-    if engine.get("task") != TASKS[TENSORRT_RTX] or not engine.get("tokenizer"):
+    if engine.get("task") not in TASKS[TENSORRT_RTX] or not engine.get("tokenizer"):
         raise RecipeError(f"{root}: a TensorRT-RTX bundle carries a sentence encoder with its tokenizer")
     checker.contained(root, plan["file"], "engine.plan.file")
     kept = {k: engine[k] for k in ("task", "max_length", "tokenizer", "precision") if k in engine}
@@ -247,7 +250,7 @@ def runtime_files(root: Path, source: dict) -> list[str]:
     folders = [engine[key].strip("/") for key in ("dir", "tokenizer") if engine.get(key)]
     if any(folder in ("", ".") for folder in folders):
         return listed  # the engine reads the whole artifact folder
-    wanted = set(folders)
+    wanted = set(folders) | {LABELS_FILE}  # a classifier's label names, when the artifact has them
     if engine.get("file"):
         graph = str(engine["file"])
         wanted.add(graph)

@@ -1,7 +1,9 @@
 """Run this bundle: `python run.py "some text" "more text"` (no text: one per line on stdin).
 
-A sentence-encoder bundle embeds the texts; a causal-LM bundle (ONNX Runtime GenAI) continues each
-text as a prompt, greedily, up to --max-tokens new tokens, as the server does with temperature 0.
+A sentence-encoder bundle embeds the texts; a text-classifier bundle prints each text's labels with
+their softmax scores, highest first (as the server's /predict answers); a causal-LM bundle (ONNX
+Runtime GenAI) continues each text as a prompt, greedily, up to --max-tokens new tokens, as the
+server does with temperature 0.
 
 It needs only its runtime: onnxruntime (openvino for an OpenVINO bundle), tokenizers and numpy, or
 onnxruntime-genai and numpy for a causal LM, or for a TensorRT-RTX plan tensorrt-rtx, cuda-python,
@@ -50,6 +52,8 @@ import numpy as np  # noqa: E402
 
 HERE = Path(_HERE)
 OUTPUT = "sentence_embedding"
+OUTPUTS = {"sentence_embedding": OUTPUT, "text_classification": "logits"}  # what each task's graph returns
+ENCODERS = tuple(OUTPUTS)
 DTYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
 MAX_THREADS = 1024  # past this a runtime's thread option overflows or exhausts the machine
 
@@ -129,7 +133,7 @@ class Tokens:
         }
 
 
-def onnxruntime_model(path: Path, threads: int):
+def onnxruntime_model(path: Path, threads: int, output: str = OUTPUT):
     """ONNX Runtime on the CPU, all graph optimizations (an ORT-format file loads the same way)."""
     import onnxruntime as ort
 
@@ -141,12 +145,12 @@ def onnxruntime_model(path: Path, threads: int):
     inputs = [(i.name, DTYPES.get(i.type, np.int64)) for i in session.get_inputs()]
 
     def run(feed: dict[str, np.ndarray]) -> np.ndarray:
-        return session.run([OUTPUT], {name: feed[name].astype(dtype) for name, dtype in inputs})[0]
+        return session.run([output], {name: feed[name].astype(dtype) for name, dtype in inputs})[0]
 
     return run
 
 
-def openvino_model(path: Path, engine: dict, threads: int):
+def openvino_model(path: Path, engine: dict, threads: int, output_name: str = OUTPUT):
     """OpenVINO on the CPU with the precision the artifact was evaluated in (never the plugin's default,
     which is bf16 on CPUs that have it)."""
     import openvino as ov
@@ -162,7 +166,7 @@ def openvino_model(path: Path, engine: dict, threads: int):
     request = compiled.create_infer_request()
     # The ONNX tensor names survive conversion as port names (sorted first when a port has several).
     inputs = [(sorted(p.get_names())[0], p) for p in compiled.inputs]
-    output = next(p for p in compiled.outputs if OUTPUT in p.get_names())
+    output = next(p for p in compiled.outputs if output_name in p.get_names())
 
     def run(feed: dict[str, np.ndarray]) -> np.ndarray:
         arrays = {name: np.ascontiguousarray(feed[name], dtype=p.get_element_type().to_dtype()) for name, p in inputs}
@@ -198,9 +202,10 @@ def load_model(engine: dict, threads: int):
     path = HERE / engine["file"]
     if engine.get("format") == "tensorrt-rtx":
         return tensorrt_rtx_model(path)
+    output = OUTPUTS.get(engine.get("task"), OUTPUT)
     if engine.get("format") == "openvino":
-        return openvino_model(path, engine, threads)
-    return onnxruntime_model(path, threads)
+        return openvino_model(path, engine, threads, output)
+    return onnxruntime_model(path, threads, output)
 
 
 def read_texts(args) -> list[str]:
@@ -233,6 +238,20 @@ def embed(texts: list[str], manifest: dict, threads: int, batch_size: int) -> np
     # padding does not change an embedding.
     parts = [model(tokens(texts[i : i + batch_size])) for i in range(0, len(texts), batch_size)]
     return np.concatenate(parts).astype(np.float32)
+
+
+def classify(texts: list[str], manifest: dict, threads: int, batch_size: int, parse_json) -> list[list[dict]]:
+    """Per text every label with its softmax score, highest first (what the server's /predict answers)."""
+    try:
+        id2label = parse_json((HERE / "labels.json").read_bytes())["id2label"]
+        labels = [str(id2label[str(i)]) for i in range(len(id2label))]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        reason = " ".join(str(exc).split())[:200] or type(exc).__name__
+        fail(f"{HERE}/labels.json: not the classifier's labels ({reason})")
+    logits = embed(texts, manifest, threads, batch_size).astype(np.float64)
+    scores = np.exp(logits - logits.max(axis=1, keepdims=True))
+    scores /= scores.sum(axis=1, keepdims=True)
+    return [[{"label": labels[i], "score": float(row[i])} for i in np.argsort(-row, kind="stable")] for row in scores]
 
 
 def context_length(folder: Path, parse_json) -> int:
@@ -302,8 +321,8 @@ class Output:
             fail(f"--output {path}: cannot write in {path.parent} ({exc.strerror or exc})")
         self.path, self.tmp, self.file = path, Path(tmp), os.fdopen(fd, "wb")
 
-    def commit(self, results: list[str] | np.ndarray) -> None:
-        """Embeddings as a float32 .npy array, continuations as a .json list of strings."""
+    def commit(self, results: list | np.ndarray) -> None:
+        """Embeddings as a float32 .npy array, continuations (or a classifier's labels) as .json."""
         try:
             with self.file:
                 if isinstance(results, np.ndarray):
@@ -322,7 +341,7 @@ class Output:
 
 def check_engine(engine: dict, task: str) -> None:
     """The engine fields run.py reads, so a manifest without them is one line, not a KeyError."""
-    if task == "sentence_embedding" and not isinstance(engine.get("file"), str):
+    if task in ENCODERS and not isinstance(engine.get("file"), str):
         fail(f"{HERE}: the manifest's engine names no model file; refused")
     max_length = engine.get("max_length")
     if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 1):
@@ -358,25 +377,27 @@ def main(argv: list[str]) -> int:
     manifest = checked_manifest(checker, args.key, args.require_signature)
     engine = manifest.get("engine") or {}
     task = engine.get("task")
-    if task not in ("sentence_embedding", "causal_lm"):
-        fail(f"{HERE}: this bundle's model is a {task!r}; run.py embeds text or continues prompts only")
+    if task not in (*ENCODERS, "causal_lm"):
+        fail(f"{HERE}: this bundle's model is a {task!r}; run.py embeds, classifies or continues text only")
     check_engine(engine, task)
     suffix = ".npy" if task == "sentence_embedding" else ".json"
     output = Output(args.output, suffix) if args.output is not None else None
     try:
         texts = read_texts(args)
-        results: list[str] | np.ndarray = (
-            generate(texts, manifest, args.threads, args.max_tokens, checker.parse_json)
-            if task == "causal_lm"
-            else embed(texts, manifest, args.threads, args.batch_size)
-        )
+        results: list | np.ndarray
+        if task == "causal_lm":
+            results = generate(texts, manifest, args.threads, args.max_tokens, checker.parse_json)
+        elif task == "text_classification":
+            results = classify(texts, manifest, args.threads, args.batch_size, checker.parse_json)
+        else:
+            results = embed(texts, manifest, args.threads, args.batch_size)
         if output is not None:
             output.commit(results)
     finally:
         if output is not None:
             output.discard()
     for value in [] if output is not None else results:
-        print(json.dumps(value if isinstance(value, str) else value.tolist()))
+        print(json.dumps(value.tolist() if isinstance(value, np.ndarray) else value))
     return 0
 
 
