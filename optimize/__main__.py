@@ -45,8 +45,15 @@ LAUNCHER_PLUGINS = (
     "joblib and submitit come with pip install 'optimize[sweeps]'; Ray needs pip install hydra-ray-launcher"
 )
 # `+key` may add keys only inside these free-form sections; anywhere else the key must be in the schema.
-# model.inputs is keyed by the model's input names; each entry is still typed (InputSpec).
-FREE_FORM = ("evaluate.task_params.", "model.inputs.", "hydra.")
+# model.inputs is keyed by the model's input names; each entry is still typed (InputSpec). The race's
+# per-candidate maps are keyed by candidate names, which its config checks (EngineRaceConfig.validate).
+FREE_FORM = (
+    "evaluate.task_params.",
+    "model.inputs.",
+    "hydra.",
+    "engine.params.candidate_budget_s.",
+    "engine.params.candidate_params.",
+)
 log = logging.getLogger("optimize")
 
 

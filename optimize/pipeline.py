@@ -128,6 +128,9 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
 
             ctx.encoder = TensorEncoder.for_onnx(source.onnx_path, recipe_dict(cfg.model.inputs), ctx.threads)
             ctx.record("inputs", ctx.encoder.record())
+            from optimize.inputs import plan_time_refusals
+
+            plan_time_refusals(ctx, the_plan.stages, source.onnx_path)
         if hasattr(task, "check_workload"):  # a task whose workload depends on the model (LM context)
             task.check_workload(ctx, the_plan.workload)
         model = _initial_model(source)

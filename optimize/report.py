@@ -126,7 +126,10 @@ def environment_lines(manifest: dict) -> list[str]:
         from optimize.evaluate.kernels import describe_int8
 
         lines.append(describe_int8(probe))
-    kernels = (stages.get("quantize") or {}).get("kernels")
+    quantize = stages.get("quantize") or {}
+    if quantize.get("op_types_from") == "graph":  # the method's op types were not set: say which it took
+        lines.append(f"quantized op types: {', '.join(quantize['op_types'])} (the graph's weighted ops)")
+    kernels = quantize.get("kernels")
     if kernels:
         lines.append(
             f"weighted nodes running INT8 kernels: {kernels['int8']}, float: {kernels['float']} "
@@ -140,7 +143,10 @@ def render(manifest: dict, path) -> str:
     race = (manifest.get("stages") or {}).get("engine") or {}
     parts = [f"recipe {manifest['recipe']['name']}: {manifest['model']['source']}"]
     if race.get("method") == "auto":
-        parts += [f"engine race ({race['seconds']:.0f} s; won on {race['won_on']}):", _table(race_rows(race)), ""]
+        parts += [f"engine race ({race['seconds']:.0f} s; won on {race['won_on']}):"]
+        if race.get("fewer_than_asked"):  # said before the table that names the winner
+            parts += [f"NOTE: {race['fewer_than_asked']}"]
+        parts += [_table(race_rows(race)), ""]
     parts += [
         _table(metrics_rows(manifest["metrics"])),
         f"(threads: {threads.get('requested')}, cpu count {threads.get('cpu_count')}; "

@@ -104,6 +104,31 @@ DEFAULT_CANDIDATES = {
 }
 
 
+# A candidate's build budget when the recipe sets none: this many seconds per 100M parameters (embedding
+# included: a large vocabulary lengthens every export and every calibration pass), at least the minimum.
+# The one race-wide 300 s this replaces built SmolLM2-135M's four LM candidates, and one of a 262k-token
+# vocabulary model's (about 270M parameters), whose builds each took several times longer.
+BUDGET_S_PER_100M_PARAMS = 120.0
+MIN_CANDIDATE_BUDGET_S = 150.0
+
+
+def scaled_budget_s(model) -> float:
+    """The default build budget of one candidate for this model (an ONNX graph counts its weights)."""
+    return max(MIN_CANDIDATE_BUDGET_S, BUDGET_S_PER_100M_PARAMS * parameter_count(model) / 1e8)
+
+
+def parameter_count(model) -> int:
+    if getattr(model, "module", None) is not None and hasattr(model.module, "parameters"):
+        return sum(p.numel() for p in model.module.parameters())
+    if getattr(model, "onnx_path", None) is not None:
+        import numpy as np
+        import onnx
+
+        graph = onnx.load(str(model.onnx_path), load_external_data=False).graph
+        return sum(int(np.prod(i.dims)) for i in graph.initializer)
+    return 0
+
+
 def default_candidates(task: str) -> list[str]:
     return list(DEFAULT_CANDIDATES.get(task, DEFAULT_CANDIDATES["default"]))
 
@@ -122,7 +147,13 @@ class EngineRaceConfig:
     # Parameters merged into a candidate's methods, by candidate name:
     # {openvino_int8: {engine: {smooth_quant_alpha: 0.5}}, ort_int8_dynamic: {quantize: {max_fp32_nodes: 4}}}
     candidate_params: Dict[str, Any] = field(default_factory=dict)
-    time_budget_s: float = 300.0  # building stops when this is spent; candidates not built are recorded
+    # Building stops when the race's budget is spent; candidates not built are recorded and the report
+    # says so before the winner. null: the sum of the candidates' budgets (candidate_budget_s).
+    time_budget_s: Optional[float] = None
+    # Seconds each candidate's build may take, by name ("default" for the rest). null: scaled by the
+    # model (BUDGET_S_PER_100M_PARAMS, at least MIN_CANDIDATE_BUDGET_S): a 262k-token vocabulary
+    # makes every build of a small model several times longer.
+    candidate_budget_s: Dict[str, float] = field(default_factory=dict)
     timing_repeats: int = 16  # timed calls per candidate and batch size (fewer when slow)
     cache: bool = True  # reuse candidates built before with the same content hash
 
@@ -138,8 +169,18 @@ class EngineRaceConfig:
         for name, params in self.candidate_params.items():
             if not isinstance(params, dict) or set(params) - {"engine", "quantize"}:
                 raise RecipeError(f"engine.params.candidate_params.{name} takes engine: and quantize: sections")
-        if self.time_budget_s <= 0 or self.timing_repeats < 1:
+        if (self.time_budget_s is not None and self.time_budget_s <= 0) or self.timing_repeats < 1:
             raise RecipeError("engine.params.time_budget_s and timing_repeats must be positive")
+        stray = set(self.candidate_budget_s) - set(self.candidates or CANDIDATES) - {"default"}
+        if stray:
+            raise RecipeError(f"engine.params.candidate_budget_s names {sorted(stray)}, which are not candidates")
+        if any(not isinstance(v, (int, float)) or v <= 0 for v in self.candidate_budget_s.values()):
+            raise RecipeError("engine.params.candidate_budget_s: every budget must be a positive number of seconds")
+
+    def budget_of(self, name: str, model) -> float:
+        """Seconds candidate `name` may take: the recipe's, else scaled by the model's size."""
+        given = self.candidate_budget_s.get(name, self.candidate_budget_s.get("default"))
+        return float(given) if given is not None else scaled_budget_s(model)
 
     def spec(self, name: str) -> Candidate:
         base, extra = CANDIDATES[name], self.candidate_params.get(name) or {}
@@ -171,6 +212,10 @@ class Entry:
     outcome: str = ""
     slower_than_baseline_at: list = field(default_factory=list)  # workload points (set by race.pick)
     cost: Optional[float] = None  # the weighted cost over the workload's points (several points only)
+    budget_s: float = 0.0  # the seconds its build may take (EngineRaceConfig.budget_of)
+    refused: bool = False  # its engine cannot take the model (refused at plan time)
+    budget_cut: bool = False  # not built: the race's build budget was spent before it started
+    over_budget: bool = False  # built, but took longer than budget_s
 
     def kernels(self) -> Optional[dict]:
         """INT8 and float weighted nodes: from the quantize record (ONNX Runtime) or the OpenVINO op counts."""
@@ -186,6 +231,8 @@ class Entry:
             "precision": self.model.precision if self.model else None,
             "cached": self.cached,
             "build_s": round(self.build_s, 1),
+            "budget_s": round(self.budget_s, 1),
+            "over_budget": self.over_budget,
             "size_mb": self.size_mb,
             "fidelity": self.fidelity,
             "latency": self.latency,
@@ -201,7 +248,17 @@ class Entry:
         }
 
     def columns(self) -> dict:
-        """What the report shows of this candidate (the task's own figures)."""
+        """What the report shows of this candidate: its build time, then the task's own figures."""
+        return {"build s": self.build_words(), **self.figures()}
+
+    def build_words(self) -> str:
+        if self.model is None:
+            return "-"
+        if self.cached:
+            return "cached"
+        return f"{self.build_s:.0f}" + (f" (over {self.budget_s:.0f})" if self.over_budget else "")
+
+    def figures(self) -> dict:
         if self.metrics:
             from optimize.compile import race_lm
 
@@ -240,16 +297,24 @@ def engine_race(model, cfg: EngineRaceConfig, ctx):
     lm = model.task == "causal_lm"
     exported = model if lm else _export_once(model, ctx)  # decoders are built from the module itself
     entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates or default_candidates(model.task)]
+    if lm:
+        _refuse_at_plan_time(entries, model)
+    budget = _Budget(cfg, entries, model)
     key_base = _identity(model, ctx)
     with _progress(len(entries)) as bar:
         for entry in entries:
             bar.set_description(f"race: building {entry.name}")
-            if time.monotonic() - started > cfg.time_budget_s:
-                entry.outcome = f"not built: the race's time budget ({cfg.time_budget_s:.0f} s) was spent"
+            if entry.refused:
+                pass
+            elif budget.spent():
+                entry.outcome = f"not built: {budget.describe()} was spent before it started"
+                entry.budget_cut = True
             else:
                 _build(entry, exported, ctx, key_base if cfg.cache else None)
+                budget.note(entry)
             bar.update(1)
     built = [e for e in entries if e.model is not None]
+    _say_if_fewer(entries, built)
     if not built:
         raise RecipeError(
             "engine.method=auto: no candidate could be built here: "
@@ -266,11 +331,89 @@ def engine_race(model, cfg: EngineRaceConfig, ctx):
     export = ctx.stage_records.pop("export", None)
     ctx.stage_records.update(winner.records)  # the winner's own engine (and quantize) records
     winner_engine = ctx.stage_records.pop("engine", None)
-    ctx.record(
-        "engine",
-        _race_record(ctx, workload, entries, winner, baseline, export, winner_engine, time.monotonic() - started),
-    )
+    record = _race_record(ctx, workload, entries, winner, baseline, export, winner_engine, time.monotonic() - started)
+    record.update(budget=budget.record(entries), fewer_than_asked=fewer_than_asked(entries))
+    ctx.record("engine", record)
     return winner.model
+
+
+# ---------------------------------------------------------------- planning and the budget
+
+
+def _refuse_at_plan_time(entries: list[Entry], model) -> None:
+    """Candidates whose engine cannot take the model's architecture (engines/lm_archs.py), refused in
+    one line each before anything is built."""
+    from engines import lm_archs
+
+    config = getattr(model.module, "config", None)
+    if config is None:
+        return
+    for entry in entries:
+        reason = lm_archs.refusal(entry.spec.engine, config)
+        if reason:
+            entry.refused = True
+            entry.outcome = f"refused at plan time: {reason}"
+            log.info("race: %s refused at plan time: %s", entry.name, reason)
+
+
+class _Budget:
+    """The race's build budget: the recipe's time_budget_s, or the sum of the candidates' own budgets
+    (candidate_budget_s, else scaled by the model's size). Counted from the first build; a candidate
+    starts only while some is left (a build in progress is not stopped: the runtimes build in this
+    process), and one that took longer than its own budget is said in its record."""
+
+    def __init__(self, cfg: EngineRaceConfig, entries: list[Entry], model):
+        for entry in entries:
+            entry.budget_s = cfg.budget_of(entry.name, model)
+        self.per_candidate = cfg.time_budget_s is None
+        planned = [e for e in entries if not e.refused]
+        self.total_s = cfg.time_budget_s if cfg.time_budget_s is not None else sum(e.budget_s for e in planned)
+        self.started = time.monotonic()
+
+    def spent(self) -> bool:
+        return time.monotonic() - self.started > self.total_s
+
+    def describe(self) -> str:
+        kind = "the sum of the candidates' budgets" if self.per_candidate else "engine.params.time_budget_s"
+        return f"the race's build budget ({self.total_s:.0f} s, {kind})"
+
+    def note(self, entry: Entry) -> None:
+        if entry.model is not None and not entry.cached and entry.build_s > entry.budget_s:
+            entry.over_budget = True
+            log.warning(
+                "race: %s took %.0f s to build, over its %.0f s budget", entry.name, entry.build_s, entry.budget_s
+            )
+
+    def record(self, entries: list[Entry]) -> dict:
+        return {
+            "total_s": round(self.total_s, 1),
+            "from": "candidate budgets" if self.per_candidate else "time_budget_s",
+            "per_candidate_s": {e.name: round(e.budget_s, 1) for e in entries},
+            "build_s": {e.name: round(e.build_s, 1) for e in entries if e.model is not None},
+            "cut": [e.name for e in entries if e.budget_cut],
+            "over_budget": [e.name for e in entries if e.over_budget],
+        }
+
+
+def fewer_than_asked(entries: list[Entry]) -> Optional[str]:
+    """One line when the winner is chosen from fewer candidates than the recipe asked for, naming why."""
+    built = [e for e in entries if e.model is not None]
+    if len(built) == len(entries):
+        return None
+    missing = [e for e in entries if e.model is None]
+    reasons = {
+        "cut by the build budget": [e.name for e in missing if e.budget_cut],
+        "refused at plan time": [e.name for e in missing if e.refused],
+        "failed to build": [e.name for e in missing if not e.budget_cut and not e.refused],
+    }
+    said = "; ".join(f"{why}: {', '.join(names)}" for why, names in reasons.items() if names)
+    return f"the winner is chosen from {len(built)} of the {len(entries)} candidates asked for ({said})"
+
+
+def _say_if_fewer(entries: list[Entry], built: list[Entry]) -> None:
+    line = fewer_than_asked(entries)
+    if line and built:
+        log.warning("race: %s", line)
 
 
 # ---------------------------------------------------------------- building

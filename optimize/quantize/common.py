@@ -125,6 +125,50 @@ def constants_to_initializers(path: Path, out: Path) -> Path:
     return target
 
 
+# The op types ONNX Runtime's INT8 quantizers turn into INT8 kernels when their weight is a constant.
+WEIGHTED_OPS = ("MatMul", "Gemm", "Conv")
+
+
+def weighted_ops(path: Path) -> dict[str, int]:
+    """{op type: count} of the graph's MatMul, Gemm and Conv nodes whose weight (input 1) is a constant:
+    an initializer or a Constant node's output (as paddle2onnx writes weights)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    constants = {i.name for i in graph.initializer} | {
+        n.output[0] for n in graph.node if n.op_type == "Constant" and n.output
+    }
+    counts: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type in WEIGHTED_OPS and len(node.input) > 1 and node.input[1] in constants:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def resolve_op_types(given: list[str] | None, path: Path) -> tuple[list[str], str]:
+    """The op types a method quantizes: the recipe's, else the weighted ones the graph has (in
+    WEIGHTED_OPS order); and which of the two it was, for the record."""
+    if given is not None:
+        return list(given), "recipe"
+    found = weighted_ops(path)
+    return [op for op in WEIGHTED_OPS if op in found] or list(WEIGHTED_OPS), "graph"
+
+
+def op_types_refusal(method: str, given: list[str] | None, path: Path) -> str | None:
+    """Known before quantizing: the recipe's op_types match none of the graph's weighted nodes."""
+    if given is None:
+        return None
+    found = weighted_ops(path)
+    if not found or set(given) & set(found):
+        return None
+    has = ", ".join(f"{n} {op}" for op, n in found.items())
+    return (
+        f"quantize.method={method} cannot apply to this model: quantize.params.op_types=[{', '.join(given)}] "
+        f"matches none of the graph's weighted nodes ({has}): drop op_types to quantize the graph's own "
+        f"({', '.join(found)}) or name them"
+    )
+
+
 def refuse_if_nothing_quantized(path: Path, source: Path, method: str, op_types: list[str] | None) -> dict:
     """The quantized graph's kernel counts; a graph where the method found nothing to quantize is
     refused with one line saying what the method looks for and what the graph has."""

@@ -15,6 +15,7 @@ from optimize.quantize.common import (
     quant_type,
     refuse_if_nothing_quantized,
     require_onnx,
+    resolve_op_types,
     workdir,
 )
 from optimize.quantize.sensitivity import sensitivity_fallback
@@ -37,7 +38,8 @@ class OrtInt8DynamicConfig:
     # saturates); null picks it from the CPU.
     reduce_range: Optional[bool] = None
     weight_type: str = "int8"  # int8 | uint8
-    op_types: List[str] = field(default_factory=lambda: ["MatMul", "Gemm"])
+    # null: the weighted op types the graph has (MatMul, Gemm, Conv with constant weights), recorded
+    op_types: Optional[List[str]] = None
     nodes_to_exclude: List[str] = field(default_factory=list)
     # Sensitivity fallback: keep the nodes whose quantization hurts most in FP32 until the worst
     # calibration sample reaches this cosine against FP32 (null: quantize every node).
@@ -69,7 +71,8 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
         from engines.ort_fusion import pack_attention_qkv
 
         source, packed = pack_attention_qkv(source, out / "packed.onnx")
-    cfg = dataclasses.replace(cfg, op_types=list(cfg.op_types) + (["Attention"] if packed else []))
+    op_types, chosen_by = resolve_op_types(cfg.op_types, source)
+    cfg = dataclasses.replace(cfg, op_types=op_types + (["Attention"] if packed else []))
 
     def quantize(excluded: list[str]) -> Path:
         path = out / "model.onnx"
@@ -104,6 +107,8 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
             "fp32_nodes": fp32_nodes,
             "calibration_min_cosine": score,
             "packed_attention": packed,
+            "op_types": cfg.op_types,
+            "op_types_from": chosen_by,
             "kernels": kernels,
         },
     )

@@ -63,10 +63,17 @@ def test_symbolic_spatial_dims_are_never_guessed_and_the_advice_runs_as_written(
             "add '++model.inputs.x.shape=[N,3,64,64]' with your sizes in place of 64",
         ],
     )
-    # Copied from the line as a shell reads it, the override gets the run past that refusal and
-    # the probe (64 is a multiple of the detector's stride), on to the method's own refusal.
+    # Copied from the line as a shell reads it, the override gets the run past that refusal, on to the
+    # method's own (op types that match none of the graph's weighted nodes).
     (quoted,) = re.findall(r"add ('[^']*')", line)
-    refuse(tmp_path / "b", *DETECTOR, *RANDOM_DYNAMIC, *shlex.split(quoted), fragments=["cannot apply"])
+    refuse(
+        tmp_path / "b",
+        *DETECTOR,
+        *RANDOM_DYNAMIC,
+        *shlex.split(quoted),
+        "quantize.params.op_types=[MatMul,Gemm]",
+        fragments=["cannot apply"],
+    )
 
 
 @pytest.mark.parametrize(
@@ -105,6 +112,7 @@ def test_a_method_with_nothing_to_quantize_says_so(tmp_path):
         "calibration=random",
         "quantize=ort_int8_dynamic",
         "quantize.params.fallback_min_cosine=null",
+        "quantize.params.op_types=[MatMul,Gemm]",  # the default is the graph's own: Conv
         "+model.inputs.x.shape=[N,3,64,64]",
         fragments=["quantize.method=ort_int8_dynamic cannot apply", "MatMul, Gemm", "62 Conv", "op_types"],
     )

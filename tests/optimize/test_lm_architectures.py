@@ -61,11 +61,16 @@ GENAI_DISAGREES = {
 }
 
 
+# Llama's FP32 build is checked in test_causal_lm.py (test_genai_scores_match_pytorch); the builds that
+# disagree are slow-marked, so the default run spends its builder minutes on the ones that hold.
 @pytest.mark.parametrize(
     "arch",
     [
-        pytest.param(a, marks=pytest.mark.xfail(strict=True, reason=GENAI_DISAGREES[a])) if a in GENAI_DISAGREES else a
+        pytest.param(a, marks=[pytest.mark.slow, pytest.mark.xfail(strict=True, reason=GENAI_DISAGREES[a])])
+        if a in GENAI_DISAGREES
+        else a
         for a in ARCHITECTURES
+        if a != "llama"
     ],
 )
 def test_genai_fp32_scores_like_transformers(arch, folders, tmp_path):
@@ -106,9 +111,10 @@ def test_openvino_genai_fp32_scores_like_transformers(arch, folders, tmp_path):
 # Q8_0 (the gguf package quantizes it) and Q4_K (written here: gguf only dequantizes K-quants).
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
-def test_gguf_files_load_as_the_model_they_came_from(arch, qtype, folders, tmp_path):
+def test_gguf_files_load_as_the_model_they_came_from(arch, qtype, folders, tmp_path, monkeypatch):
     """The pipeline's loader dequantizes the GGUF file to the architecture it was written from, with the
     tokenizer and chat template the file carries, and the folder the builders read keeps them."""
+    monkeypatch.setenv("OPTIMIZE_CACHE", str(tmp_path / "cache"))  # the converted folder goes there
     import torch
     from omegaconf import OmegaConf
 

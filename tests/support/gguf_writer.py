@@ -5,9 +5,9 @@ metadata keys, Llama's Q/K rows permuted for its rotary layout, Gemma's norm wei
 
 Quantization: the `gguf` package quantizes Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 itself but only
 dequantizes K-quants, so Q4_K is written here (q4_k_blocks: llama.cpp's block layout, a plain
-min/max fit per 32-value sub-block rather than its search). As in llama.cpp's mixes, a tensor whose
-rows do not fill whole blocks (a K-quant needs 256 values a row) falls back to Q8_0, and norms and
-biases stay F32.
+min/max fit per 32-value sub-block rather than its search). As llama.cpp does, a tensor whose rows
+do not fill whole K-quant super-blocks (256 values) falls back (Q4_K to Q5_0, Q6_K to Q8_0), and
+norms and biases stay F32.
 """
 
 from __future__ import annotations
@@ -128,8 +128,9 @@ def _add_tensor(writer, name: str, data: np.ndarray, qtype: str) -> None:
         return
     kind = getattr(gguf.GGMLQuantizationType, qtype)
     block = gguf.GGML_QUANT_SIZES[kind][0]
-    if data.shape[-1] % block:
-        kind, qtype = gguf.GGMLQuantizationType.Q8_0, "Q8_0"  # llama.cpp's fallback for rows that do not fit
+    if data.shape[-1] % block:  # llama.cpp's fallback for rows a K-quant super-block does not fit
+        qtype = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}.get(qtype, "Q8_0")
+        kind = getattr(gguf.GGMLQuantizationType, qtype)
     packed = q4_k_blocks(data) if qtype == "Q4_K" else gguf.quants.quantize(data, kind)
     writer.add_tensor(name, packed, raw_dtype=kind)
 
