@@ -32,8 +32,7 @@ class CompressedCheckpointConfig:
 )
 def compressed_tensors_checkpoint(model, cfg: CompressedCheckpointConfig, ctx):
     """Pack and save the compressed-tensors quantized module as a Hugging Face checkpoint (vLLM's format)."""
-    config = getattr(model.module, "quantization_config", None) if model.kind == "torch" else None
-    if config is None or not hasattr(config, "config_groups"):
+    if model.kind != "torch" or not _is_quantized(model.module):
         raise RecipeError("engine.method=compressed_tensors_checkpoint needs a ct_* quantize method before it")
     out = ctx.scratch / "compressed_tensors_engine"
     folder = out / ENGINE_DIR
@@ -43,16 +42,21 @@ def compressed_tensors_checkpoint(model, cfg: CompressedCheckpointConfig, ctx):
     return model.with_engine(out, engine, precision=model.precision)
 
 
+def _is_quantized(module) -> bool:
+    """A compressed-tensors scheme is attached to at least one layer (what the ct_* methods leave)."""
+    return any(getattr(m, "quantization_scheme", None) is not None for m in module.modules())
+
+
 def save_compressed(module, folder: Path) -> dict:
-    """compressed-tensors' save path (ModelCompressor: compress in memory, save_pretrained, write the
-    quantization_config into config.json) on a copy, so the module the stage was given stays simulated."""
+    """compressed-tensors' save path on a copy, so the module the stage was given stays simulated:
+    ModelCompressor rebuilds the quantization config from the schemes on the layers, packs the weights
+    in memory, and writes the config into config.json after save_pretrained."""
     import copy
 
     import compressed_tensors
     from compressed_tensors.compressors.model_compressors.model_compressor import ModelCompressor
 
     packed = copy.deepcopy(module)
-    del packed.quantization_config  # the compressor rebuilds it from the schemes on the Linears
     compressor = ModelCompressor.from_pretrained_model(packed)
     compressor.compress_model(packed)
     folder.mkdir(parents=True, exist_ok=True)

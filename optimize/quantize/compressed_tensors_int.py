@@ -112,7 +112,6 @@ def quantize(model, cfg, ctx, name: str):
         raise RecipeError(f"quantize.method={name}: no Linear layer is left to quantize (quantize.params.ignore)")
     for layer_name, layer in quantized.items():
         _set_weight_qparams(layer_name, layer)
-    module.quantization_config = config  # the engine writes it into the checkpoint's config.json
     precision = name.removeprefix("ct_")
     layers = quantized_linears(module, quantized)
     ctx.record(

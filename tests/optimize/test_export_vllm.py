@@ -161,6 +161,21 @@ def test_w4a16_folder_packs_int4_groups_of_the_source_weights(tiny_source, tmp_p
     assert torch.equal(nibbles, expected.to(nibbles.dtype))
 
 
+def test_the_checkpoint_engine_needs_a_compressed_tensors_method_before_it(tiny_source, tmp_path):
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is not installed (the [vllm] extra)")
+    out = tmp_path / "artifact"
+    proc = run_optimize(
+        "recipe=smollm2_int8_vllm",
+        "quantize=none",
+        f"model.source={tiny_source}",
+        *TINY_RUN,
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    one_error_line(proc, "engine.method=compressed_tensors_checkpoint needs a ct_* quantize method before it")
+    assert not out.exists()
+
+
 def test_refusals_are_one_line_and_write_nothing(w8a8_artifact, w8a8_dir, minilm_artifact, tmp_path):
     one_error_line(export(w8a8_artifact, "--to", "onnx", tmp_path / "a"), "--to onnx: the formats written are: vllm")
     one_error_line(export(w8a8_artifact), "give one of --bundle DIR or --to vllm DIR")
