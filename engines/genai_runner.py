@@ -193,10 +193,11 @@ def load_genai_runner(root: Path, engine: dict, threads: int = 0, spinning: bool
 # (measured: 8 requests with that set to 8 ran as two batches of 4). Continuous batching, a paged KV
 # cache and prefix caching are its dynamic path, which needs a PagedAttention model.
 GENAI_STATIC_BATCH = 4
-# How long an idle static engine waits for more requests before starting a batch with fewer than it
-# holds: clients that finished together come back a few milliseconds apart, and a batch started with
-# one of them makes the rest wait for that whole generation.
-GENAI_BATCH_GATHER_S = 0.005
+# How long an idle static engine may wait for more requests before starting a batch: clients that
+# finished together come back a little apart (tens of milliseconds on a loaded 2-core machine), and a
+# batch started with one of them makes the rest wait for that whole generation. The service waits only
+# for as many as the last batch had, so a lone client is not kept waiting.
+GENAI_BATCH_GATHER_S = 0.05
 
 
 @dataclass

@@ -13,8 +13,9 @@ static batches). This module only decides what enters the engine and carries tok
   with a 400 before it got here (GenerativeModel.check_fits).
 - An engine that batches statically (`static_batches`) takes no request into a batch once it runs: the
   next batch is admitted when the engine holds none, sized by what it allocates (every row as long as
-  the batch's longest), after waiting a moment (the engine's `gather_s`) for requests that arrive
-  together, so that they share one batch instead of waiting for each other.
+  the batch's longest), after waiting a moment (at most the engine's `gather_s`) for as many
+  requests as the last batch had: clients that finished together come back a little apart, and
+  should share the next batch instead of waiting a whole generation for each other.
 - Cancellation is immediate: a request whose client left, hit a stop string or timed out is cancelled
   in the engine before the next step, which frees its sequence and KV blocks there (a static batch
   keeps computing its row until the batch ends; the request is gone from the server's counts at once).
@@ -98,6 +99,7 @@ class ContinuousBatchingService:
         self.closing = False
         self.cancelled = False  # a sequence was cancelled since the last step
         self.static = bool(getattr(self.engine, "static_batches", False))
+        self.last_batch = 0  # requests the last static batch started with
         self.prefixes = (
             PrefixCacheCounter(self.engine.block_tokens, self.engine.num_blocks)
             if self.engine.settings.prefix_caching
@@ -149,6 +151,7 @@ class ContinuousBatchingService:
                 self.admit()
                 if self.static and self.starting:
                     self.gather()
+                    self.last_batch = len(self.starting)
                 starting, self.starting = self.starting, []
                 if not starting and not self.running and not self.cancelled:
                     if self.closing and not self.waiting:
@@ -185,11 +188,15 @@ class ContinuousBatchingService:
         return self.reserved + sequence.blocks <= self.engine.num_blocks
 
     def gather(self) -> None:
-        """Before a static batch starts short of full, wait up to the engine's gather_s for more
-        (called with the lock held; submit() notifies)."""
+        """Before a static batch starts, wait up to the engine's gather_s until it has as many
+        requests as the last one had (a full batch the first time): one client alone is not kept
+        waiting, clients that come back together share a batch (called with the lock held; submit()
+        notifies)."""
         deadline = time.perf_counter() + self.engine.gather_s
+        full = self.engine.settings.max_num_seqs
+        target = min(self.last_batch or full, full)
         alone = self.engine.runs_alone(self.starting[0].sampling)
-        while not alone and len(self.starting) < self.engine.settings.max_num_seqs:
+        while not alone and len(self.starting) < target:
             left = deadline - time.perf_counter()
             if left <= 0:
                 return
