@@ -111,7 +111,10 @@ def test_a_race_cut_by_its_budget_says_so_before_the_winner(tmp_path):
     assert race["budget"]["cut"] == ["openvino_genai_int8", "openvino_genai_int4_g32"]
     assert race["budget"]["over_budget"] == ["ort_genai_int4"] and race["budget"]["total_s"] == 3
     assert race["fewer_than_asked"].startswith("the winner is chosen from 1 of the 3 candidates")
-    note = proc.stdout.index("NOTE: the winner is chosen from 1 of the 3")
-    assert note < proc.stdout.index("won:") and "build s" in proc.stdout
+    # Said before the winner is: in the log as the builds end, and in the report above the race table.
+    said = "the winner is chosen from 1 of the 3 candidates asked for (cut by the build budget"
+    assert proc.stdout.index(said) < proc.stdout.index("won:")
+    report = proc.stdout[proc.stdout.index("engine race (") :]
+    assert report.index(f"NOTE: {said}") < report.index("won:") and "build s" in report
     by_name = {c["name"]: c for c in race["candidates"]}
     assert by_name["openvino_genai_int8"]["outcome"].startswith("not built: the race's build budget (3 s")
