@@ -299,8 +299,8 @@ def engine_race(model, cfg: EngineRaceConfig, ctx):
     entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates or default_candidates(model.task)]
     if lm:
         _refuse_at_plan_time(entries, model)
-    budget = _Budget(cfg, entries, model)
     key_base = _identity(model, ctx)
+    budget = _Budget(cfg, entries, model)  # its clock starts here, at the first build
     with _progress(len(entries)) as bar:
         for entry in entries:
             bar.set_description(f"race: building {entry.name}")
