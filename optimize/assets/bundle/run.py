@@ -202,7 +202,7 @@ def load_model(engine: dict, threads: int):
     path = HERE / engine["file"]
     if engine.get("format") == "tensorrt-rtx":
         return tensorrt_rtx_model(path)
-    output = OUTPUTS.get(engine.get("task"), OUTPUT)
+    output = OUTPUTS.get(str(engine.get("task")), OUTPUT)
     if engine.get("format") == "openvino":
         return openvino_model(path, engine, threads, output)
     return onnxruntime_model(path, threads, output)
