@@ -173,6 +173,12 @@ class ContinuousBatchingService:
                 continue
             self.deliver()
             self.observe()
+            # The engines' step() holds the GIL for the whole step (measured: a Python thread beside
+            # OpenVINO GenAI's step() runs only between steps). Without this the event loop, woken by
+            # the tokens just posted, waits for the next step to end before it sends them: one decode
+            # step added to every token's latency, the first one's included. Releasing the GIL here
+            # lets it send them first.
+            time.sleep(0)
 
     def fits(self, sequence: Sequence) -> bool:
         """Whether it can enter the engine beside what is there, never preempting a running stream."""
