@@ -28,7 +28,6 @@ def build(tmp_path_factory, name: str, model: Path, data: Path, *extra: str) -> 
         "evaluate.data.source=labeled",
         f"evaluate.data.path={data}",
         "evaluate.data.min_chars=1",
-        "calibration.source=cpython_docs",
         "calibration.count=8",
         "evaluate.latency=false",
         "evaluate.memory=false",
@@ -47,7 +46,17 @@ def text_artifact(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("text_model")
     model = tiny_classifiers.tiny_text_classifier(folder / "model")
     data = tiny_classifiers.write_jsonl(tiny_classifiers.topic_examples(), folder / "topics.jsonl")
-    return build(tmp_path_factory, "text", model, data, "model.task=text_classification", "evaluate.data.count=32")
+    return build(
+        tmp_path_factory,
+        "text",
+        model,
+        data,
+        "model.task=text_classification",
+        "evaluate.data.count=32",
+        "calibration.source=labeled",  # the other split of the same file: never the evaluation's texts
+        f"calibration.path={data}",
+        "calibration.min_chars=1",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +145,7 @@ def test_token_classifier_serves_per_token_logits_on_kserve_only(tmp_path_factor
         "evaluate.data.field=tokens",
         "evaluate.data.label_field=tags",
         "evaluate.data.count=16",
+        "calibration.source=cpython_docs",  # plain text calibrates a token classifier
     )
     name = json.loads((artifact / "manifest.json").read_text())["recipe"]["name"]
     with running_server(artifact) as server:
