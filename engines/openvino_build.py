@@ -138,10 +138,10 @@ def nncf_int8(
 def nncf_int8_with_accuracy_control(
     xml_or_model,
     calibration_batches: list[dict[str, np.ndarray]],
-    validation_batches: list[dict[str, np.ndarray]],
-    validate_fn: Callable[[object, Iterable[dict]], float],
+    validation_batches: list,
+    validate_fn: Callable[[object, Iterable], float | tuple[float, list[float]]],
     max_drop: float,
-    out_dir: str | Path,
+    out_dir: Optional[str | Path],
     *,
     preset: str = "mixed",
     model_type: Optional[str] = "transformer",
@@ -151,15 +151,21 @@ def nncf_int8_with_accuracy_control(
     ignored_scope: Optional[dict] = None,
     target_device: str = "CPU",
     max_iterations: Optional[int] = None,
-) -> Path:
+    ranking_subset_size: Optional[int] = None,
+    intermediate_model_dir: Optional[str | Path] = None,
+):
     """INT8 like nncf_int8, then NNCF reverts quantized layers to FP32, most harmful first, until the
     metric is within `max_drop` (absolute) of the FP32 model's.
 
-    `validate_fn(compiled_model, validation_batches) -> float` scores a compiled OpenVINO model
-    (higher is better). NNCF also calls it per sample to rank layers, so it must score a single
-    batch too. `max_iterations` bounds how many reverts NNCF tries (None: NNCF's default, no bound).
-    When max_drop cannot be reached NNCF only logs it and returns what it has (possibly every layer
-    reverted), so the caller must measure the result, as the gate does.
+    `validate_fn(compiled_model, validation_items)` scores a compiled OpenVINO model (higher is
+    better) and returns the score, or (score, one value per item): with the values NNCF ranks layers
+    on the `ranking_subset_size` items the quantization hurt most (None: NNCF's default); without
+    them it calls validate_fn on single items. NNCF compiles every model it scores in f32.
+    `max_iterations` bounds how many reverts NNCF tries (None: NNCF's default, no bound).
+    `intermediate_model_dir` receives NNCF's fully quantized model (intermediate_model.xml), before
+    any revert. When max_drop cannot be reached NNCF only logs it and returns what it has (possibly
+    every layer reverted), so the caller must measure the result, as the gate does. Returns
+    out_dir/model.xml, or the ov.Model itself when out_dir is None.
     """
     no_telemetry()
     import nncf
@@ -169,9 +175,12 @@ def nncf_int8_with_accuracy_control(
         preset, model_type, subset_size, fast_bias_correction, smooth_quant_alpha, ignored_scope, target_device
     )
     advanced = settings.pop("advanced")
-    restorer = (
-        AdvancedAccuracyRestorerParameters(max_num_iterations=max_iterations) if max_iterations is not None else None
+    restorer = AdvancedAccuracyRestorerParameters(
+        ranking_subset_size=ranking_subset_size,
+        intermediate_model_dir=str(intermediate_model_dir) if intermediate_model_dir is not None else None,
     )
+    if max_iterations is not None:
+        restorer.max_num_iterations = max_iterations
     quantized = nncf.quantize_with_accuracy_control(
         _read(xml_or_model),
         nncf.Dataset(calibration_batches),
@@ -183,7 +192,7 @@ def nncf_int8_with_accuracy_control(
         advanced_quantization_parameters=advanced,
         advanced_accuracy_restorer_parameters=restorer,
     )
-    return save_ir(quantized, out_dir)
+    return save_ir(quantized, out_dir) if out_dir is not None else quantized
 
 
 def count_ops(xml_or_model) -> dict[str, int]:
@@ -195,17 +204,23 @@ def count_ops(xml_or_model) -> dict[str, int]:
     return counts
 
 
+def weighted_node_precision(xml_or_model) -> dict[str, bool]:
+    """{node name: runs INT8} over MatMuls and convolutions: INT8 when an input comes through a
+    FakeQuantize (activations) or from an 8-bit constant (weights NNCF stored compressed)."""
+    return {
+        op.get_friendly_name(): any(
+            _is_int8_input(op.input_value(i).get_node(), depth=4) for i in range(op.get_input_size())
+        )
+        for op in _read(xml_or_model).get_ops()
+        if op.get_type_name() in ("MatMul", "Convolution")
+    }
+
+
 def int8_node_counts(xml_or_model) -> dict:
-    """{'int8': n, 'float': m, 'by_op': {...}} over MatMuls and convolutions: INT8 when an input comes
-    through a FakeQuantize (activations) or from an 8-bit constant (weights NNCF stored compressed)."""
-    int8 = floating = 0
-    for op in _read(xml_or_model).get_ops():
-        if op.get_type_name() not in ("MatMul", "Convolution"):
-            continue
-        if any(_is_int8_input(op.input_value(i).get_node(), depth=4) for i in range(op.get_input_size())):
-            int8 += 1
-        else:
-            floating += 1
+    """{'int8': n, 'float': m, 'by_op': {...}} over MatMuls and convolutions (weighted_node_precision)."""
+    precision = weighted_node_precision(xml_or_model)
+    int8 = sum(precision.values())
+    floating = len(precision) - int8
     return {
         "int8": int8,
         "float": floating,

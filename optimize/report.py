@@ -100,6 +100,8 @@ def race_rows(race: dict) -> list[list[str]]:
     for c in race["candidates"]:
         kernels, cells = c.get("kernels") or {}, c.get("columns") or {}
         nodes = f"{kernels['int8']}/{kernels['float']}" if kernels else "-"
+        if "reverted" in kernels:  # layers an accuracy search put back to float
+            nodes += f" ({kernels['reverted']} reverted)"
         rows.append(
             [
                 c["name"],
