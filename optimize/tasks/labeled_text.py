@@ -181,8 +181,7 @@ def report_rows(base: dict, cand: dict) -> list[list[str]]:
                 f"[{interval['low']:.2f}, {interval['high']:.2f}]",
             ]
         )
-        note = labeled["resolution"][key]["note"]
-        if note:
-            rows.append([f"  {note}", "", "", ""])
+        if labeled["resolution"][key]["resolves_threshold"] is False:  # the gate check's note says why
+            rows.append(["  (the set is too small to resolve this threshold)", "", "", ""])
     rows.append(["predictions equal to the baseline's", "", f"{cand['prediction_agreement']:.4f}", ""])
     return rows
