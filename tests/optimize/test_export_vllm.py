@@ -213,10 +213,11 @@ class Server:
     """`vllm serve FOLDER` on a free loopback port, its log in `log`; stopped on exit."""
 
     def __init__(self, folder: Path, log: Path):
-        from optimize.export_vllm import serve_command
+        from optimize.export_vllm import serve_command, serving_dtype
 
         self.folder, self.log, self.port = folder, log, free_port()
-        self.command = serve_command(VLLM_PYTHON, folder, self.port, max_model_len=256)
+        dtype = serving_dtype(json.loads((folder / "optimize_export.json").read_text())["quantization"])
+        self.command = serve_command(VLLM_PYTHON, folder, self.port, max_model_len=256, dtype=dtype)
         self.base_url = f"http://127.0.0.1:{self.port}/v1"
 
     def __enter__(self) -> "Server":
