@@ -310,3 +310,32 @@ def test_the_lm_race_ranks_by_weighted_request_time_over_the_declared_shapes():
     assert {"TTFT ms 1024x128", "decode tok/s 1024x128", "request ms 1024x128"} <= set(entries[0].columns())
     name, entries = race(requests[:1])  # the old race: one 64-token prompt, 64 tokens
     assert name == "fast_decode" and entries[1].outcome == "lost: 1.40x the winner's generation time"
+
+
+def test_under_concurrent_load_the_race_says_when_its_winner_cannot_batch_continuously():
+    from optimize.compile import race_lm
+
+    base = {"requests": {"64x64": {"request_ms": 3000.0}}}
+
+    def race(concurrency):
+        # ONNX Runtime GenAI answers one request sooner; OpenVINO GenAI batches continuously.
+        entries = [_lm("ort_fast", 500.0, 0.0), _lm("ov_batching", 600.0, 0.0)]
+        entries[1].spec = auto.CANDIDATES["openvino_genai_int4"]
+        cfg = OmegaConf.create(
+            {
+                "gate": {"max_ppl_increase_pct": 15.0, "request_shape": None},
+                "evaluate": {"batch_sizes": [1], "task_params": {"prompt_tokens": 64, "new_tokens": 64}},
+                "workload": {"requests": None, "concurrency": concurrency},
+            }
+        )
+        winner = race_lm.choose(entries, SimpleNamespace(cfg=cfg), workload.resolve(cfg), base)
+        return winner, entries
+
+    winner, entries = race(16)
+    assert winner.name == "ort_fast"  # timed one request at a time, it is the faster answer
+    assert "serves static batches of at most 4; under workload.concurrency=16 ov_batching" in winner.outcome
+    assert "gate.max_served_ttft_p95_ms" in winner.outcome
+    assert entries[0].columns()["serves concurrent requests"] == "static batches of at most 4"
+    assert entries[1].columns()["serves concurrent requests"] == "continuous batching"
+    winner, _ = race(1)
+    assert "concurrency" not in winner.outcome  # one request at a time: nothing to say
