@@ -346,7 +346,9 @@ def plan_time_refusals(ctx, stages, onnx_path: Path) -> None:
     nothing sets, text data for tensor inputs, op_types that match none of the graph's weighted nodes),
     in one message, so a new user fixes them in one round instead of one per run."""
     encoder, cfg = ctx.encoder, ctx.cfg
-    needs_calibration = any(m.needs_calibration for m, _ in stages)
+    # The race builds what it can: a candidate that cannot calibrate on this data is recorded as not
+    # built (its outcome says why), so text calibration is refused here only for a stage that needs it.
+    needs_calibration = any(m.needs_calibration and not m.builds_candidates for m, _ in stages)
     calibration = ctx.calibration() if needs_calibration else None
     random_data = cfg.evaluate.inputs == "random" or (calibration is not None and calibration.source == "random")
     problems: list[str] = []
