@@ -23,6 +23,8 @@ from optimize.errors import RecipeError
 log = logging.getLogger(__name__)
 
 SERVED_THRESHOLDS = ("max_served_ttft_p95_ms", "min_served_tokens_per_s")
+# The gate keys that shape the served load (not thresholds: nothing is checked against them).
+SERVED_SETTINGS = ("served_concurrency", "served_prompt_tokens", "served_output_tokens", "served_requests_per_client")
 
 
 @dataclass(frozen=True)

@@ -72,8 +72,9 @@ def test_every_gate_threshold_in_the_schema_has_a_check():
     from dataclasses import fields
 
     from optimize.config import GateConfig
+    from optimize.tasks.lm_served import SERVED_SETTINGS
 
-    selectors = {"speedup_batch_size", "latency_batch_size", "request_shape"}
+    selectors = {"speedup_batch_size", "latency_batch_size", "request_shape", *SERVED_SETTINGS}
     assert {f.name for f in fields(GateConfig)} - selectors == gate_keys()
 
 
