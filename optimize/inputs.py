@@ -348,7 +348,11 @@ def plan_time_refusals(ctx, stages, onnx_path: Path) -> None:
     encoder, cfg = ctx.encoder, ctx.cfg
     # The race builds what it can: a candidate that cannot calibrate on this data is recorded as not
     # built (its outcome says why), so text calibration is refused here only for a stage that needs it.
-    needs_calibration = any(m.needs_calibration and not m.builds_candidates for m, _ in stages)
+    # A method's config may say it reads no calibration with these settings (uses_calibration()).
+    needs_calibration = any(
+        m.needs_calibration and not m.builds_candidates and getattr(c, "uses_calibration", lambda: True)()
+        for m, c in stages
+    )
     calibration = ctx.calibration() if needs_calibration else None
     random_data = cfg.evaluate.inputs == "random" or (calibration is not None and calibration.source == "random")
     problems: list[str] = []

@@ -150,7 +150,11 @@ def resolve_op_types(given: list[str] | None, path: Path) -> tuple[list[str], st
     WEIGHTED_OPS order); and which of the two it was, for the record."""
     if given is not None:
         return list(given), "recipe"
-    found = weighted_ops(path)
+    found = set(weighted_ops(path))
+    if "Gemm" in found:
+        # ONNX Runtime's quantizers rewrite a Gemm into MatMul + Add and then quantize the MatMul only
+        # if MatMul is asked for (measured: [Gemm] alone left a Linear model FP32).
+        found.add("MatMul")
     return [op for op in WEIGHTED_OPS if op in found] or list(WEIGHTED_OPS), "graph"
 
 

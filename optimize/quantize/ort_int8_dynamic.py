@@ -50,6 +50,10 @@ class OrtInt8DynamicConfig:
     # Measured on MiniLM at batch 32 (AVX-512 VNNI): 3.5x PyTorch against 3.0x with Attention left FP32.
     quantize_attention: bool = False
 
+    def uses_calibration(self) -> bool:
+        """Only the sensitivity fallback reads calibration samples (plan-time checks ask)."""
+        return self.fallback_min_cosine is not None
+
     def validate(self):
         if self.weight_type not in ("int8", "uint8"):
             raise RecipeError(f"quantize.params.weight_type={self.weight_type} (use int8 or uint8)")

@@ -66,6 +66,7 @@ def test_every_plan_time_refusal_comes_in_one_message(conv_onnx, tmp_path):
         *COMMON,
         "evaluate.inputs=random",
         "quantize.params.op_types=[MatMul,Gemm]",
+        "quantize.params.fallback_min_cosine=0.995",  # the sensitivity fallback reads calibration samples
         f"output_dir={tmp_path / 'out'}",
         f"hydra.run.dir={tmp_path / 'run'}",
     )
