@@ -11,6 +11,7 @@ accuracy cannot tell a classifier from a constant) each exit 2.
 
 from __future__ import annotations
 
+import abc
 import json
 from dataclasses import dataclass, field
 
@@ -76,7 +77,7 @@ def _few(values: list, limit: int = 8) -> str:
 
 
 @dataclass
-class LabeledTextTask(Task):
+class LabeledTextTask(Task, abc.ABC):
     """A Hugging Face classifier over token ids: baseline PyTorch FP32 logits, judged on labeled data."""
 
     input_names: tuple[str, ...] = ENCODER_INPUTS
@@ -150,13 +151,14 @@ class LabeledTextTask(Task):
         compared = self.compare(reference["logits"], outputs["logits"], ctx)
         return dict(compared["candidate"], labeled=compared["labeled"])
 
+    @abc.abstractmethod
     def compare(self, base_logits: np.ndarray, cand_logits: np.ndarray, ctx) -> dict:
-        raise NotImplementedError
+        """The labeled figures of both sides and the candidate's drops (the subclass's metrics)."""
 
+    @abc.abstractmethod
     def gold_ids(self, ctx) -> np.ndarray:
         """The evaluation labels as the model's ids (NER: every word's tag, sentence after sentence),
         checked against the model's id2label."""
-        raise NotImplementedError
 
 
 def report_rows(base: dict, cand: dict) -> list[list[str]]:
