@@ -107,6 +107,18 @@ def test_predict_refuses_what_tei_refuses(text_server):
     assert httpx.post(url, json={"inputs": long_text, "truncate": True}, timeout=30).status_code == 200
     for body in ({"inputs": []}, {"inputs": 3}, {"text": "x"}, {"inputs": "x", "raw_scores": "yes"}):
         assert httpx.post(url, json=body, timeout=30).status_code == 400, body
+    hostile = (
+        b"\xff\xfe{}",  # not UTF-8
+        b'{"inputs": "\\ud800"}',  # a lone surrogate
+        b'{"inputs": ' + b"9" * 5000 + b"}",  # an integer of 5,000 digits
+        b'{"inputs": ["a", 1]}',
+        b'{"inputs": [["a"]]}',
+        b"[]",
+        b"",
+    )
+    for raw in hostile:
+        reply = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=30)
+        assert reply.status_code == 400 and reply.json()["error"]["message"], raw[:40]
 
 
 def test_kserve_v2_serves_the_logits_through_tritonclient(text_server, text_artifact):
