@@ -14,7 +14,6 @@ minilm_cls_int8_cpu looks for it.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -22,6 +21,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from optimize.errors import ArgumentParser
 
 DEFAULT_NAME = "classifiers/minilm_docstrings"  # optimize.models.TRAINED_IN_CACHE names it too
 
@@ -158,13 +159,21 @@ def save(model, tokenizer, out_dir: Path, trained: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", type=Path, nargs="?", default=None)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--budget-s", type=float, default=None, help="stop training (and save) after this many seconds")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: all cores)")
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: give at least 1")
+    if args.budget_s is not None and not args.budget_s > 0:
+        parser.error(f"--budget-s {args.budget_s}: give a positive number of seconds")
+    if args.threads < 0:
+        parser.error(f"--threads {args.threads}: give 0 (all cores) or more")
+    if args.out_dir is not None and args.out_dir.exists() and not args.out_dir.is_dir():
+        parser.error(f"{args.out_dir} exists and is not a folder")
     if args.threads:
         import torch
 
