@@ -49,6 +49,13 @@ class Model:
     # What later stages and the report need from earlier ones, typed rather than left on a blackboard:
     kept_layers: list[int] | None = None  # the source layers a prune stage kept (distill maps them)
     layer_precision: dict = field(default_factory=dict)  # {precision: {count, nodes}} of the weights
+    # What the stage that returned this model did (the manifest's `stages` block): a method returns
+    # its record with its result, and the pipeline files it under the stage's name.
+    record: dict = field(default_factory=dict)
+    # Files the stages ask the artifact to ship ({relative path: file}), kept across stages.
+    files: dict[str, Path] = field(default_factory=dict)
+    # Additions a stage makes to the evaluation's metrics before the gate judges them.
+    metric_hooks: tuple[Callable[[dict], None], ...] = ()
 
     @property
     def onnx_path(self) -> Path | None:
@@ -65,6 +72,11 @@ class Model:
             engine={"format": formats.ONNXRUNTIME, "file": path.name, "providers": ["CPUExecutionProvider"]},
             precision=precision or self.precision,
         )
+
+    def recorded(self, info: dict, files: dict[str, Path] | None = None, metric_hook=None) -> "Model":
+        """This model with what its stage did: the record, files to ship, a metric hook."""
+        hooks = (*self.metric_hooks, metric_hook) if metric_hook else self.metric_hooks
+        return dataclasses.replace(self, record=info, files={**self.files, **(files or {})}, metric_hooks=hooks)
 
     def with_engine(self, engine_dir: Path, engine: dict, precision: str) -> "Model":
         return dataclasses.replace(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import shutil
 import tempfile
@@ -137,12 +138,15 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         for method, method_cfg in order(the_plan.stages):
             log.info("%s: %s", method.stage, method.name)
             model = method.fn(model, method_cfg, ctx)
+            if model.record:
+                ctx.stage_records[method.stage] = model.record
+                model = dataclasses.replace(model, record={})
         engine = _install_engine(model, stage, cfg)
-        _ship_extra_files(ctx, stage)
+        _ship_extra_files({**ctx.extra_files, **model.files}, stage)
         baseline = _baseline(ctx, source, task)
         candidate = _candidate(stage, engine, ctx, model.layer_precision)
         metrics, eval_data = task.evaluate(baseline, candidate, ctx)
-        for hook in ctx.metric_hooks:
+        for hook in (*ctx.metric_hooks, *model.metric_hooks):
             hook(metrics)
         metrics["baseline"].update(engine=baseline.engine["format"], precision="fp32")
         metrics["candidate"].update(engine=engine["format"], precision=engine["precision"])
@@ -225,8 +229,8 @@ def _install_engine(model: Model, stage: Path, cfg) -> dict:
     return engine
 
 
-def _ship_extra_files(ctx: Context, stage: Path) -> None:
-    for relative, path in ctx.extra_files.items():
+def _ship_extra_files(files: dict[str, Path], stage: Path) -> None:
+    for relative, path in files.items():
         dest = stage / relative
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, dest)
