@@ -22,7 +22,7 @@ server runs it and as the pipeline times its candidates (engines/runner_process.
 
 Reported per runner: held-out perplexity (2,048 tokens, windows of 512), time to first token p50 and
 decode tok/s p50 of greedy generation (64-token prompts, 64 new tokens, all runners interleaved by
-optimize.tasks.causal_lm.speed), ratios over PyTorch and over the best peer (the fastest decode among
+optimize.evaluate.generation.speed), ratios over PyTorch and over the best peer (the fastest decode among
 peers whose perplexity is within the bar: +15% over PyTorch FP32, the recipe's gate), weight files on
 disk, the CPU, the share of the CPUs other processes used while timing, package versions.
 
@@ -75,7 +75,7 @@ class Entry:
     recipe: str
     size_mb: float | None = None
     perplexity: float | None = None
-    generation: dict = field(default_factory=dict)  # optimize.tasks.causal_lm.speed's entry
+    generation: dict = field(default_factory=dict)  # optimize.evaluate.generation.speed's entry
     note: str = ""
     # (root, engine block): timed in a worker process with only that runtime loaded, as the pipeline
     # times its candidates (engines/runner_process.py); None: timed through `runner`.
@@ -93,10 +93,10 @@ def evaluation_texts(count: int = 64, seed: int = 1) -> list[str]:
 
 
 def artifact_tokens(artifact: Path, engine: dict | None = None):
-    """optimize.tasks.causal_lm.Tokens over the artifact's tokenizer: the ids the pipeline scored."""
+    """optimize.evaluate.generation.Tokens over the artifact's tokenizer: the ids the pipeline scored."""
     from engines.artifact import read_manifest
     from engines.text import TextEncoder
-    from optimize.tasks.causal_lm import Tokens
+    from optimize.evaluate.generation import Tokens
 
     engine = engine or read_manifest(artifact)["engine"]
     encoder = TextEncoder(artifact / (engine.get("tokenizer") or "tokenizer"), engine.get("max_length") or 512)
@@ -338,7 +338,7 @@ def ids_sha256(ids: list[int]) -> str:
 
 
 def measure_perplexity(entries: list[Entry], ids: list[int], window: int) -> None:
-    from optimize.tasks.causal_lm import perplexity
+    from optimize.evaluate.generation import perplexity
 
     for entry in entries:
         entry.perplexity = perplexity(entry.runner, ids, window)
@@ -353,7 +353,7 @@ def measure_speed(
     first, so during timing this process holds only PyTorch."""
     from engines.runner_process import RunnerProcess
     from optimize.evaluate.benchmark import OtherCpuUse
-    from optimize.tasks.causal_lm import speed
+    from optimize.evaluate.generation import speed
 
     with contextlib.ExitStack() as stack:
         timed = {}

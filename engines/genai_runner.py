@@ -141,7 +141,7 @@ class GenAIRunner:
         config = json.loads((self.dir / "genai_config.json").read_text())
         return self.dir / config["model"]["decoder"].get("filename", "model.onnx")
 
-    # Scoring and timing, used by the pipeline's causal-LM evaluation (optimize/tasks/causal_lm.py).
+    # Scoring and timing, used by the pipeline's causal-LM evaluation (optimize/evaluate/generation.py).
 
     def _generator(self, max_length: int, min_length: int = 0):
         params = self.og.GeneratorParams(self.model)

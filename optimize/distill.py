@@ -182,7 +182,7 @@ class Batches:
 
         texts = ctx.calibration().items
         if task == "causal_lm":
-            from optimize.tasks.causal_lm import Tokens
+            from optimize.evaluate.generation import Tokens
 
             ids = Tokens(ctx)("\n\n".join(texts))
             windows = len(ids) // cfg.seq_len
@@ -330,7 +330,8 @@ class LogitObjective(Objective):
         """Held-out perplexity of the pruned-only student (the middle column of the report), scored
         on the same tokens the evaluation uses; a hook adds the row and the recovery figure."""
         from engines.pytorch_runner import TorchLM
-        from optimize.tasks.causal_lm import Tokens, eval_config, perplexity
+        from optimize.evaluate.generation import Tokens, perplexity
+        from optimize.tasks.causal_lm import eval_config
 
         cfg = eval_config(ctx)
         tokens = Tokens(ctx)

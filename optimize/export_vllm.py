@@ -13,7 +13,7 @@ and optimize_export.json naming the artifact, what was measured (the engine, and
 perplexity with the tokens and window it was computed on) and each file's sha256.
 
 `served_perplexity` scores token ids through a running server's OpenAI completions API (echo with
-logprobs), window by window as the pipeline does (optimize/tasks/causal_lm.py: perplexity): the
+logprobs), window by window as the pipeline does (optimize/evaluate/generation.py: perplexity): the
 figure benchmarks/vllm_perplexity.py compares with the artifact's own.
 """
 
@@ -159,7 +159,7 @@ def perplexity_ids(root: Path, manifest: dict) -> tuple[list[int], int]:
 
     from engines.text import TextEncoder
     from optimize.context import Context
-    from optimize.tasks.causal_lm import Tokens
+    from optimize.evaluate.generation import Tokens
 
     recorded = (manifest.get("evaluation") or {}).get("perplexity") or {}
     if not recorded.get("sha256"):

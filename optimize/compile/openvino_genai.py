@@ -184,7 +184,7 @@ def _calibration_batches(ctx, cfg: OVGenAIConfig) -> list[dict]:
     """Model inputs from the recipe's calibration text: each text's first max_tokens tokens as one
     sequence (tokenized by the artifact's own tokenizer)."""
     from engines.openvino_genai_build import calibration_inputs
-    from optimize.tasks.causal_lm import Tokens
+    from optimize.evaluate.generation import Tokens
 
     tokens = Tokens(ctx)
     texts = ctx.calibration().items[: cfg.calibration_samples]

@@ -27,7 +27,8 @@ def score(entries: list, ctx, workload) -> dict:
     from engines import load_engine
     from engines.pytorch_runner import TorchLM
     from engines.runner_process import RunnerProcess
-    from optimize.tasks.causal_lm import Tokens, eval_config, perplexity, request_ms, timed_requests
+    from optimize.evaluate.generation import Tokens, perplexity, request_ms, timed_requests
+    from optimize.tasks.causal_lm import eval_config
 
     cfg, tokens, data = eval_config(ctx), Tokens(ctx), ctx.evaluation_data()
     ids = tokens("\n\n".join(data.items))[: cfg.perplexity_tokens]
@@ -73,7 +74,7 @@ def score(entries: list, ctx, workload) -> dict:
 
 def _at(run: dict, name: str, output: int) -> dict:
     """One candidate's figures at one request shape."""
-    from optimize.tasks.causal_lm import request_ms
+    from optimize.evaluate.generation import request_ms
 
     result, base = run["runs"][name], run["runs"]["baseline"]
     return {
@@ -87,7 +88,7 @@ def _at(run: dict, name: str, output: int) -> dict:
 
 def generation_ms(result: dict, new_tokens: int) -> float:
     """Milliseconds to answer: first token, then the rest at the median decode speed."""
-    from optimize.tasks.causal_lm import request_ms
+    from optimize.evaluate.generation import request_ms
 
     return request_ms(result, new_tokens)
 

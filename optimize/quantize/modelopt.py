@@ -133,7 +133,7 @@ def quantize(model, cfg: ModeloptConfig, ctx, name: str, cfg_name: str):
 def _calibration_batches(ctx, cfg: ModeloptConfig) -> list:
     import torch
 
-    from optimize.tasks.causal_lm import Tokens
+    from optimize.evaluate.generation import Tokens
 
     tokens = Tokens(ctx)
     texts = ctx.calibration().items[: cfg.calibration_samples]

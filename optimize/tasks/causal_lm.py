@@ -1,4 +1,4 @@
-"""Causal language models: the task, the GGUF -> safetensors cache, and the evaluation.
+"""Causal language models: the task and its evaluation.
 
 Baseline and candidate are measured in the same process, on the same token ids (tokenized once by
 the artifact's tokenizer):
@@ -8,7 +8,8 @@ the artifact's tokenizer):
 - time to first token and decode tokens/s (p50/p95 over runs) of greedy generation: PyTorch FP32
   `generate` against the artifact's engine, runs interleaved so machine noise hits both alike.
 
-Options live in `evaluate.task_params` (see LLMEvalConfig).
+Options live in `evaluate.task_params` (see LLMEvalConfig). The tokenizer, perplexity and timing
+helpers are in optimize/evaluate/generation.py; the table rows in causal_lm_rows.py.
 """
 
 from __future__ import annotations
@@ -16,16 +17,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, cast
 
-import numpy as np
-
 from optimize.errors import RecipeError
-from optimize.evaluate.roofline import NOT_KNOWN
+from optimize.evaluate.generation import Tokens, perplexity, prompts_of, request_ms, timed_requests
 from optimize.tasks import register_task
 from optimize.tasks.base import Task
+from optimize.tasks.causal_lm_rows import fmt, table_rows
 from optimize.tasks.lm_harness import LOCAL_TASK, greedy_ids, lm_eval_scores
 
 log = logging.getLogger(__name__)
@@ -119,112 +118,6 @@ register_task(CausalLM())
 # ---------------------------------------------------------------- evaluation
 
 
-class Tokens:
-    """The artifact's own tokenizer (tokenizers library), without truncation or padding."""
-
-    def __init__(self, ctx):
-        if ctx.encoder is None:
-            raise RecipeError("model.task=causal_lm needs a tokenizer in the model folder")
-        import copy
-
-        self.tokenizer = copy.deepcopy(ctx.encoder.tokenizer)
-        self.tokenizer.no_truncation()
-        self.tokenizer.no_padding()
-
-    def __call__(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(list(ids))
-
-
-def perplexity(runner, ids: list[int], window: int) -> float:
-    """exp(mean negative log-likelihood) over consecutive windows of the token stream."""
-    logprobs = [
-        runner.log_likelihood(ids[i : i + window])
-        for i in range(0, len(ids) - 1, window)
-        if len(ids[i : i + window]) > 1
-    ]
-    return float(np.exp(-np.concatenate(logprobs).mean()))
-
-
-def percentiles(values) -> dict:
-    return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95))}
-
-
-# Untimed tokens each runner generates right before each timed run. Runtimes keep their worker
-# threads spinning for a while after a call (ONNX Runtime's pool, OpenMP's, TBB's); timed right after
-# another runtime, a runner shares the 2 cores with those threads. A short untimed generation first
-# lets them go idle and wakes the runner's own.
-SETTLE_TOKENS = 8
-
-
-def speed(runners: dict, prompts: list[list[int]], new_tokens: int, warmup: int, runs: int) -> dict:
-    """TTFT and decode tokens/s per runner over `runs` timed generations (after `warmup`), interleaved
-    and in alternating order, each after an untimed settling generation (SETTLE_TOKENS). Decode speed
-    of a run = (n - 1) / (time of token n - time of token 1). The p95 of tokens/s is the slow tail:
-    the 5th percentile of per-run tokens/s."""
-    samples: dict[str, dict[str, list[float]]] = {name: {"ttft_ms": [], "tok_s": []} for name in runners}
-    names = list(runners)
-    for i in range(warmup + runs):
-        prompt = prompts[i % len(prompts)]
-        for name in names if i % 2 == 0 else names[::-1]:
-            runners[name].timed_stream(prompts[(i + 1) % len(prompts)], SETTLE_TOKENS)
-            start = time.perf_counter()
-            stamps = runners[name].timed_stream(prompt, new_tokens)
-            if i >= warmup:
-                samples[name]["ttft_ms"].append((stamps[0] - start) * 1000)
-                samples[name]["tok_s"].append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-    return {
-        name: {
-            "ttft_ms": percentiles(s["ttft_ms"]),
-            "decode_tok_s": {"p50": float(np.percentile(s["tok_s"], 50)), "p95": float(np.percentile(s["tok_s"], 5))},
-            "runs": runs,
-            "new_tokens": new_tokens,
-            "prompt_tokens": len(prompts[0]),
-        }
-        for name, s in samples.items()
-    }
-
-
-def prompts_of(tokens: Tokens, items: list[str], length: int) -> list[list[int]]:
-    """Prompts of exactly `length` tokens from the evaluation text: the start of each item that long,
-    else (a long prompt, longer than any paragraph) consecutive pieces of the items joined."""
-    per_item = [ids[:length] for ids in map(tokens, items) if len(ids) >= length]
-    if per_item:
-        return per_item
-    joined = tokens("\n\n".join(items))
-    if len(joined) < length:
-        raise RecipeError(
-            f"workload.requests: a {length}-token prompt needs more evaluation text than the "
-            f"{len(joined)} tokens there are: raise evaluate.data.count"
-        )
-    return [joined[i : i + length] for i in range(0, len(joined) - length + 1, length)]
-
-
-def timed_requests(runners: dict, tokens: Tokens, items: list[str], requests, warmup: int, runs: int) -> dict:
-    """{shape key: the quietest speed() run of that request shape (timed again while other
-    processes took more than benchmark.RETIME_SHARE of the CPUs), with other_cpu_share, retimes}."""
-    from optimize.evaluate.benchmark import OtherCpuUse, quietest
-
-    def once(prompts: list[list[int]], output: int) -> dict:
-        with OtherCpuUse() as others:
-            result = speed(runners, prompts, output, warmup, runs)
-        return {"runs": result, "other_cpu_share": others.share}
-
-    timed = {}
-    for request in requests:
-        prompts = prompts_of(tokens, items, request.prompt)
-        log.info("greedy generation %s: %d runs per side", request.key, runs)
-        timed[request.key] = quietest(lambda: once(prompts, request.output))  # noqa: B023
-    return timed
-
-
-def request_ms(result: dict, new_tokens: int) -> float:
-    """Milliseconds to answer: first token, then the rest at the median decode speed."""
-    return result["ttft_ms"]["p50"] + (new_tokens - 1) / result["decode_tok_s"]["p50"] * 1000
-
-
 def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
     from engines.pytorch_runner import TorchLM
     from optimize import workload
@@ -257,33 +150,6 @@ def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
     metrics["candidate"]["layer_precision"] = candidate.layer_precision
     metrics["table"] = table_rows(metrics)
     return metrics, described
-
-
-def _layers_in_words(nodes: list[str]) -> str:
-    """['layers.0/attn/qkv_proj', 'layers.3/attn/qkv_proj', 'lm_head'] -> 'attn/qkv_proj 0,3; lm_head'."""
-    import re
-
-    by_kind: dict[str, list[str | None]] = {}
-    for node in nodes:
-        match = re.match(r".*layers\.(\d+|\*)/(.*)", node)
-        kind, layer = (match.group(2), match.group(1)) if match else (node, None)
-        by_kind.setdefault(kind, []).append(layer)
-    parts = [kind if layers == [None] else f"{kind} {_ranges(layers)}" for kind, layers in by_kind.items()]
-    return "; ".join(parts)
-
-
-def _ranges(layers: list) -> str:
-    """['0', '1', '2', '6'] -> '0-2,6'."""
-    if not all(layer and layer.isdigit() for layer in layers):
-        return ",".join(layer for layer in layers if layer)
-    numbers = sorted(int(layer) for layer in layers)
-    spans: list[list[int]] = []
-    for n in numbers:
-        if spans and n == spans[-1][1] + 1:
-            spans[-1][1] = n
-        else:
-            spans.append([n, n])
-    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in spans)
 
 
 def _perplexity_metrics(metrics, base, cand, tokens, items, cfg, described) -> None:
@@ -369,154 +235,6 @@ def _roofline_metrics(metrics, base, cand, cfg, threads: int) -> None:
         "roofline: %.1f GB/s read (%d threads); bound %s / %s tok/s",
         bandwidth["bandwidth_gb_s"],
         threads,
-        _fmt(metrics["baseline"]["roofline"]["bound_tok_s"], 1),
-        _fmt(metrics["candidate"]["roofline"]["bound_tok_s"], 1),
+        fmt(metrics["baseline"]["roofline"]["bound_tok_s"], 1),
+        fmt(metrics["candidate"]["roofline"]["bound_tok_s"], 1),
     )
-
-
-def _roofline_rows(b: dict, c: dict) -> list[list[str]]:
-    rb, rc = b.get("roofline"), c.get("roofline")
-    if not rb or not rc:
-        return []
-
-    def mb(r, key):
-        return NOT_KNOWN if r.get(key) is None else f"{r[key] / 1e6:.1f}"
-
-    def ratio(key, fmt):
-        return fmt(rc[key] / rb[key]) if rb.get(key) and rc.get(key) is not None else ""
-
-    rows = [
-        [
-            "weights read per token MB",
-            mb(rb, "weight_bytes_per_token"),
-            mb(rc, "weight_bytes_per_token"),
-            ratio("weight_bytes_per_token", lambda x: f"{x:.2f}x"),
-        ],
-        [
-            f"KV cache read per token MB ({rc['context_tokens']} tokens)",
-            mb(rb, "kv_bytes_per_token"),
-            mb(rc, "kv_bytes_per_token"),
-            "",
-        ],
-        [
-            "memory read bandwidth GB/s (measured)",
-            _fmt(rb["bandwidth_gb_s"], 1),
-            _fmt(rc["bandwidth_gb_s"], 1),
-            f"{rc['bandwidth']['threads']} threads, others {rc['bandwidth']['other_cpu_share']:.0%} CPU",
-        ],
-        [
-            "roofline bound decode tok/s",
-            _fmt_known(rb["bound_tok_s"], 1),
-            _fmt_known(rc["bound_tok_s"], 1),
-            ratio("bound_tok_s", lambda x: f"{x:.2f}x"),
-        ],
-    ]
-    if rb.get("share") is not None or rc.get("share") is not None:
-        rows.append(["decode p50 share of bound", _pct(rb), _pct(rc), _limit(rc)])
-    return rows
-
-
-# At or above this share of the bandwidth bound, decode is taken to be limited by memory reads.
-MEMORY_BOUND_SHARE = 0.5
-
-
-def _limit(r: dict) -> str:
-    """What the measured share says limits the candidate's decode."""
-    if r.get("share") is None:
-        return ""
-    if r["share"] >= MEMORY_BOUND_SHARE:
-        return "memory-bound: reading the weights and KV cache limits decode"
-    return "not memory-bound: compute and per-token overhead limit decode"
-
-
-def _fmt_known(value, digits=2) -> str:
-    return NOT_KNOWN if value is None else f"{value:.{digits}f}"
-
-
-def _pct(r: dict) -> str:
-    if r.get("share") is not None:
-        return f"{r['share']:.0%}"
-    return NOT_KNOWN if r.get("bound_tok_s") is None else "-"
-
-
-def _fmt(value, digits=2) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _shape_rows(base: dict, cand: dict, shapes: list[str]) -> list[list[str]]:
-    """Every request shape of the workload: request time, then TTFT and decode p50 of the shapes
-    after the first (whose rows come before, with their p95s)."""
-    rows = []
-    for i, shape in enumerate(shapes):
-        b, c = base[shape], cand[shape]
-        rows.append([f"request time p50 ms ({shape})", _fmt(b["request_ms"], 0), _fmt(c["request_ms"], 0), ""])
-        rows[-1][3] = f"{b['request_ms'] / c['request_ms']:.2f}x"
-        if i == 0:
-            continue
-        bg, cg = b["generation"], c["generation"]
-        rows.append(
-            [f"time to first token p50 ms ({shape})", _fmt(bg["ttft_ms"]["p50"]), _fmt(cg["ttft_ms"]["p50"]), ""]
-        )
-        rows[-1][3] = f"{c['ttft_speedup']:.2f}x"
-        rows.append(
-            [
-                f"decode tok/s p50 ({shape})",
-                _fmt(bg["decode_tok_s"]["p50"], 1),
-                _fmt(cg["decode_tok_s"]["p50"], 1),
-                f"{c['decode_speedup']:.2f}x",
-            ]
-        )
-    return rows
-
-
-def table_rows(metrics: dict) -> list[list[str]]:
-    """Rows for the end-of-run table: [metric, baseline, candidate, ratio]."""
-    b, c = metrics["baseline"], metrics["candidate"]
-    rows = [
-        [
-            "perplexity (held-out)",
-            _fmt(b["perplexity"], 3),
-            _fmt(c["perplexity"], 3),
-            f"{c['perplexity_increase_pct']:+.1f}%",
-        ]
-    ]
-    for task, acc in c.get("lm_eval", {}).items():
-        rows.append(
-            [
-                f"lm-eval {task} acc",
-                _fmt(b["lm_eval"][task], 4),
-                _fmt(acc, 4),
-                f"{(acc - b['lm_eval'][task]) * 100:+.1f} pts",
-            ]
-        )
-    if "generation" in c:
-        bg, cg = b["generation"], c["generation"]
-        shapes = list(c.get("requests") or {})
-        at = f" ({shapes[0]})" if len(shapes) > 1 else ""  # several shapes: the rows say which
-        for pct in ("p50", "p95"):
-            rows.append(
-                [
-                    f"time to first token {pct} ms{at}",
-                    _fmt(bg["ttft_ms"][pct]),
-                    _fmt(cg["ttft_ms"][pct]),
-                    f"{bg['ttft_ms'][pct] / cg['ttft_ms'][pct]:.2f}x" if pct == "p50" else "",
-                ]
-            )
-        for pct in ("p50", "p95"):
-            rows.append(
-                [
-                    f"decode tok/s {pct}{at}",
-                    _fmt(bg["decode_tok_s"][pct], 1),
-                    _fmt(cg["decode_tok_s"][pct], 1),
-                    f"{cg['decode_tok_s'][pct] / bg['decode_tok_s'][pct]:.2f}x" if pct == "p50" else "",
-                ]
-            )
-        if shapes[1:]:
-            rows += _shape_rows(b["requests"], c["requests"], shapes)
-    else:
-        rows.append(["decode speed", "-", "-", c.get("speed_note", "not measured")])
-    rows += _roofline_rows(b, c)
-    for precision, info in c.get("layer_precision", {}).items():
-        rows.append([f"weights kept at {precision}", "", f"{info['count']} nodes", _layers_in_words(info["nodes"])])
-    rows.append(["greedy sample", repr(b["sample"]["continuation"][:40]), repr(c["sample"]["continuation"][:40]), ""])
-    return rows

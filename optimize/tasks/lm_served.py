@@ -81,8 +81,8 @@ def measure(stage: Path, ctx, load: ServedLoad) -> dict:
     """Serve the staged artifact (its manifest written), drive the load, return what the clients saw,
     with the share of the CPUs other processes used meanwhile."""
     from optimize.evaluate.benchmark import OtherCpuUse
+    from optimize.evaluate.generation import Tokens, prompts_of
     from optimize.evaluate.served import served_load
-    from optimize.tasks.causal_lm import Tokens, prompts_of
 
     prompts = prompts_of(Tokens(ctx), ctx.evaluation_data().items, load.prompt_tokens)
     flags = ("--threads", str(ctx.threads)) if ctx.threads else ()

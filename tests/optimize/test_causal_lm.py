@@ -107,7 +107,7 @@ def test_timed_stream_and_greedy_agree(tiny_torch, tiny_genai_fp32):
 
 
 def test_speed_harness_reports_percentiles(tiny_torch, tiny_genai_fp32):
-    from optimize.tasks.causal_lm import speed
+    from optimize.evaluate.generation import speed
 
     prompts = [tiny_genai_fp32.encode("while loops repeat")]
     result = speed({"baseline": tiny_torch, "candidate": tiny_genai_fp32}, prompts, 5, warmup=1, runs=3)
@@ -119,7 +119,7 @@ def test_speed_harness_reports_percentiles(tiny_torch, tiny_genai_fp32):
 
 
 def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
-    from optimize.tasks.causal_lm import perplexity
+    from optimize.evaluate.generation import perplexity
 
     class Uniform:
         def log_likelihood(self, ids, start=1):

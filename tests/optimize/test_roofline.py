@@ -247,7 +247,7 @@ def _metrics(with_base_roofline: bool):
 
 
 def test_report_rows():
-    from optimize.tasks.causal_lm import table_rows
+    from optimize.tasks.causal_lm_rows import table_rows
 
     rows = {r[0]: r[1:] for r in table_rows(_metrics(True))}
     assert rows["weights read per token MB"] == ["540.0", "90.0", "0.17x"]

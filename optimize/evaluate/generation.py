@@ -1,0 +1,124 @@
+"""Greedy generation measured and scored: the artifact's tokenizer, perplexity over token windows,
+time to first token and decode tokens/s (p50/p95 over interleaved runs), and the prompts of a
+workload's request shapes cut from the evaluation text.
+
+Used by the causal-LM task's evaluation (optimize/tasks/causal_lm.py), the engine race's LM scoring
+and the stages that need the evaluation's token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from optimize.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+
+class Tokens:
+    """The artifact's own tokenizer (tokenizers library), without truncation or padding."""
+
+    def __init__(self, ctx):
+        if ctx.encoder is None:
+            raise RecipeError("model.task=causal_lm needs a tokenizer in the model folder")
+        import copy
+
+        self.tokenizer = copy.deepcopy(ctx.encoder.tokenizer)
+        self.tokenizer.no_truncation()
+        self.tokenizer.no_padding()
+
+    def __call__(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids))
+
+
+def perplexity(runner, ids: list[int], window: int) -> float:
+    """exp(mean negative log-likelihood) over consecutive windows of the token stream."""
+    logprobs = [
+        runner.log_likelihood(ids[i : i + window])
+        for i in range(0, len(ids) - 1, window)
+        if len(ids[i : i + window]) > 1
+    ]
+    return float(np.exp(-np.concatenate(logprobs).mean()))
+
+
+def percentiles(values) -> dict:
+    return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95))}
+
+
+# Untimed tokens each runner generates right before each timed run. Runtimes keep their worker
+# threads spinning for a while after a call (ONNX Runtime's pool, OpenMP's, TBB's); timed right after
+# another runtime, a runner shares the 2 cores with those threads. A short untimed generation first
+# lets them go idle and wakes the runner's own.
+SETTLE_TOKENS = 8
+
+
+def speed(runners: dict, prompts: list[list[int]], new_tokens: int, warmup: int, runs: int) -> dict:
+    """TTFT and decode tokens/s per runner over `runs` timed generations (after `warmup`), interleaved
+    and in alternating order, each after an untimed settling generation (SETTLE_TOKENS). Decode speed
+    of a run = (n - 1) / (time of token n - time of token 1). The p95 of tokens/s is the slow tail:
+    the 5th percentile of per-run tokens/s."""
+    samples: dict[str, dict[str, list[float]]] = {name: {"ttft_ms": [], "tok_s": []} for name in runners}
+    names = list(runners)
+    for i in range(warmup + runs):
+        prompt = prompts[i % len(prompts)]
+        for name in names if i % 2 == 0 else names[::-1]:
+            runners[name].timed_stream(prompts[(i + 1) % len(prompts)], SETTLE_TOKENS)
+            start = time.perf_counter()
+            stamps = runners[name].timed_stream(prompt, new_tokens)
+            if i >= warmup:
+                samples[name]["ttft_ms"].append((stamps[0] - start) * 1000)
+                samples[name]["tok_s"].append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+    return {
+        name: {
+            "ttft_ms": percentiles(s["ttft_ms"]),
+            "decode_tok_s": {"p50": float(np.percentile(s["tok_s"], 50)), "p95": float(np.percentile(s["tok_s"], 5))},
+            "runs": runs,
+            "new_tokens": new_tokens,
+            "prompt_tokens": len(prompts[0]),
+        }
+        for name, s in samples.items()
+    }
+
+
+def prompts_of(tokens: Tokens, items: list[str], length: int) -> list[list[int]]:
+    """Prompts of exactly `length` tokens from the evaluation text: the start of each item that long,
+    else (a long prompt, longer than any paragraph) consecutive pieces of the items joined."""
+    per_item = [ids[:length] for ids in map(tokens, items) if len(ids) >= length]
+    if per_item:
+        return per_item
+    joined = tokens("\n\n".join(items))
+    if len(joined) < length:
+        raise RecipeError(
+            f"workload.requests: a {length}-token prompt needs more evaluation text than the "
+            f"{len(joined)} tokens there are: raise evaluate.data.count"
+        )
+    return [joined[i : i + length] for i in range(0, len(joined) - length + 1, length)]
+
+
+def timed_requests(runners: dict, tokens: Tokens, items: list[str], requests, warmup: int, runs: int) -> dict:
+    """{shape key: the quietest speed() run of that request shape (timed again while other
+    processes took more than benchmark.RETIME_SHARE of the CPUs), with other_cpu_share, retimes}."""
+    from optimize.evaluate.benchmark import OtherCpuUse, quietest
+
+    def once(prompts: list[list[int]], output: int) -> dict:
+        with OtherCpuUse() as others:
+            result = speed(runners, prompts, output, warmup, runs)
+        return {"runs": result, "other_cpu_share": others.share}
+
+    timed = {}
+    for request in requests:
+        prompts = prompts_of(tokens, items, request.prompt)
+        log.info("greedy generation %s: %d runs per side", request.key, runs)
+        timed[request.key] = quietest(lambda: once(prompts, request.output))  # noqa: B023
+    return timed
+
+
+def request_ms(result: dict, new_tokens: int) -> float:
+    """Milliseconds to answer: first token, then the rest at the median decode speed."""
+    return result["ttft_ms"]["p50"] + (new_tokens - 1) / result["decode_tok_s"]["p50"] * 1000
