@@ -18,6 +18,7 @@ from tests.support.cli import ROOT, one_error_line
         (["--budget-s", "-5"], "--budget-s -5.0: give a positive number of seconds"),
         (["--budget-s", "nan"], "--budget-s nan"),
         (["--threads", "-2"], "--threads -2"),
+        (["--trained-layers", "0"], "--trained-layers 0: give at least 1"),
         (["--budget-s", "x"], "invalid float value"),
     ],
 )
