@@ -21,12 +21,14 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m optimize recipe=minilm_int8_cpu
 
-# The linter and formatter, the import contracts ([tool.importlinter]) and the type checker (pyproject.toml).
+# The linter and formatter, the import contracts ([tool.importlinter]), the type checker (pyproject.toml)
+# and the tables in docs/ made from the code (python -m optimize.docs_tables rewrites them).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
+	$(PY) -m optimize.docs_tables --check
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q

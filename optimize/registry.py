@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import pkgutil
 import typing
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ def register(stage: str, name: str, config_cls: type, **info) -> Callable:
         key = (stage, name)
         if key in _METHODS:
             raise ValueError(f"method {stage}={name} registered twice")
-        summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+        summary = " ".join(inspect.getdoc(fn).split("\n\n")[0].split()) if fn.__doc__ else ""  # first paragraph
         _METHODS[key] = Method(stage, name, config_cls, fn, summary=summary, **info)
         return fn
 

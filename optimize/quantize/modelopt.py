@@ -78,12 +78,13 @@ class NvFp4Config(ModeloptConfig):
 def _register(name: str, cfg_name: str, needs_cuda: bool):
     config_cls = NvFp4Config if needs_cuda else ModeloptConfig
 
-    @register("quantize", name, config_cls, needs_calibration=True, input_format="torch", tasks=("causal_lm",))
     def method(model, cfg, ctx):
         return quantize(model, cfg, ctx, name, cfg_name)
 
-    method.__doc__ = f"nvidia-modelopt {cfg_name} (simulated quantization on CPU)"
-    return method
+    method.__doc__ = f"nvidia-modelopt {cfg_name} (simulated quantization on CPU)"  # before register reads it
+    return register("quantize", name, config_cls, needs_calibration=True, input_format="torch", tasks=("causal_lm",))(
+        method
+    )
 
 
 def _import_modelopt():

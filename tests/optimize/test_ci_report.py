@@ -163,4 +163,4 @@ def test_the_github_actions_example_runs_a_recipe_uploads_the_artifact_and_fails
     outputs = set(re.findall(r"steps\.optimize\.outputs\.(\w+)", yaml.safe_dump(later)))
     assert outputs <= {"verdict", "artifact", "manifest_id", "speedup", "decode_speedup", "size_ratio", "cosine_min"}
     assert optimize_step["id"] == "optimize"
-    assert "examples/github-actions/optimize.yml" in (ROOT / "README.md").read_text()
+    assert "examples/github-actions/optimize.yml" in (ROOT / "docs" / "ci.md").read_text()

@@ -1,0 +1,182 @@
+"""`python -m optimize.docs_tables [--check]`: the tables in docs/ that are made from the code.
+
+- `methods`: every registered method (optimize/registry.py), with its stage, what it takes, the tasks
+  it applies to and its summary (the first paragraph of its docstring);
+- `gate`: every threshold of the gate's schema (GateConfig in optimize/config.py), with what its check
+  reads and how it compares (optimize/gate.py's CHECKS);
+- `race`: the engine race's candidates, what each is built with and which races run it by default.
+
+Each table sits in a docs/*.md file between two marker comments:
+
+    <!-- generated:NAME (python -m optimize.docs_tables) -->
+    | ... |
+    <!-- end generated:NAME -->
+
+Without `--check` the tables are rewritten in place. With `--check` (`make lint` runs it) nothing is
+written, and the exit code is 1 with one line per table that is stale, missing or unknown.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+from optimize.errors import ArgumentParser
+
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+COMMAND = "python -m optimize.docs_tables"
+BLOCK = re.compile(r"(<!-- generated:([\w-]+) .*?-->\n)(.*?)(<!-- end generated:\2 -->)", re.DOTALL)
+
+
+def _cell(text: Any) -> str:
+    return str(text).replace("|", "\\|")
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _value(value: Any) -> str:
+    """A parameter value as a recipe writes it (YAML flow style)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_value(v) for v in value) + "]"
+    return str(value)
+
+
+def _params(params: dict) -> str:
+    return ", ".join(f"{k}: {_value(v)}" for k, v in params.items())
+
+
+def methods_table() -> str:
+    from optimize import registry
+
+    every_task = {f.name: f.default for f in dataclasses.fields(registry.Method)}["tasks"]
+    inputs = {"torch": "PyTorch module", "onnx": "ONNX graph"}
+    methods = sorted(registry.all_methods(), key=lambda m: (registry.STAGES.index(m.stage), m.name))
+    rows = [
+        [
+            m.stage,
+            f"`{m.name}`",
+            inputs[m.input_format],
+            "yes" if m.needs_calibration else "",
+            "every task" if set(m.tasks) == set(every_task) else ", ".join(m.tasks),
+            m.summary,
+        ]
+        for m in methods
+    ]
+    return _table(["stage", "method", "input", "calibration", "tasks", "what it does"], rows)
+
+
+def gate_table() -> str:
+    from optimize.config import GateConfig
+    from optimize.evaluate.benchmark import BUSY_SHARE
+    from optimize.gate import CHECKS
+
+    specs = {spec.threshold_key: spec for spec in CHECKS}
+    schema = [f.name for f in dataclasses.fields(GateConfig)]
+    unknown = sorted(set(specs) - set(schema))
+    if unknown:
+        raise ValueError(f"optimize/gate.py checks {unknown}, which GateConfig (optimize/config.py) does not have")
+    points = {"batch": "a batch size or `all`", "request": "a request shape, `all` or null (the first)"}
+    rows = [
+        [
+            f"`gate.{key}`",
+            specs[key].metric,
+            f"value {specs[key].comparison} threshold",
+            f"`gate.{specs[key].selector}`: {points[specs[key].per]}" if specs[key].selector else "",
+            "yes" if specs[key].timed else "",
+        ]
+        for key in schema
+        if key in specs
+    ]
+    note = (
+        f"\nA timed check fails as untrusted when other processes used more than {BUSY_SHARE:.0%} of the CPUs"
+        " while its figure was measured.\n"
+    )
+    return _table(["threshold", "what the check reads", "passes when", "checked at", "timed"], rows) + note
+
+
+def race_table() -> str:
+    from optimize.compile.auto import CANDIDATES, DEFAULT_CANDIDATES
+
+    def default_for(name: str) -> str:
+        races = [task for task, names in DEFAULT_CANDIDATES.items() if name in names]
+        own = ", ".join(f"`{t}`" for t in DEFAULT_CANDIDATES if t != "default")
+        return ", ".join(f"every task but {own}" if t == "default" else f"`{t}`" for t in races) or "when named"
+
+    rows = [
+        [
+            f"`{name}`",
+            f"`{c.engine}`",
+            _params(c.engine_params),
+            f"`{c.quantize}`" if c.quantize else "",
+            _params(c.quantize_params),
+            default_for(name),
+        ]
+        for name, c in CANDIDATES.items()
+    ]
+    return _table(["candidate", "engine", "engine params", "quantize", "quantize params", "raced by default"], rows)
+
+
+TABLES: dict[str, Callable[[], str]] = {"methods": methods_table, "gate": gate_table, "race": race_table}
+
+
+def update(docs: Path = DOCS) -> tuple[dict[Path, str], list[str]]:
+    """Every docs/*.md file whose tables differ from the code, with its new text; and the problems,
+    one line each (a stale, missing or unknown table)."""
+    rendered = {name: render() for name, render in TABLES.items()}
+    changed: dict[Path, str] = {}
+    problems: list[str] = []
+    seen: set[str] = set()
+    for path in sorted(docs.glob("*.md")):
+        text = path.read_text()
+
+        def replace(match: re.Match, path: Path = path) -> str:
+            name = match.group(2)
+            if name not in rendered:
+                problems.append(f"{path}: unknown generated table {name!r} (known: {', '.join(TABLES)})")
+                return match.group(0)
+            seen.add(name)
+            if match.group(3) != rendered[name]:
+                problems.append(f"{path}: the {name!r} table is stale; run {COMMAND}")
+            return match.group(1) + rendered[name] + match.group(4)
+
+        new = BLOCK.sub(replace, text)
+        if new != text:
+            changed[path] = new
+    problems += [
+        f"{docs}: no generated {name!r} table (its markers are missing)" for name in TABLES if name not in seen
+    ]
+    return changed, problems
+
+
+def main(argv: list[str]) -> int:
+    parser = ArgumentParser(prog=COMMAND, description="Rewrite the tables in docs/ that are made from the code.")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 naming each stale table")
+    parser.add_argument("--docs", type=Path, default=DOCS, help="the folder of .md files (default: docs/)")
+    args = parser.parse_args(argv)
+    changed, problems = update(args.docs)
+    if args.check:
+        for line in problems:
+            print(line, file=sys.stderr)
+        return 1 if problems else 0
+    for path, text in changed.items():
+        path.write_text(text)
+        print(f"rewrote {path}")
+    missing = [line for line in problems if "is stale" not in line]
+    for line in missing:
+        print(line, file=sys.stderr)
+    return 1 if missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

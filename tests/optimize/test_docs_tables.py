@@ -1,0 +1,91 @@
+"""The tables in docs/ made from the code: current ones pass the check `make lint` runs, a stale, missing
+or unknown one fails it by name, and a rewrite makes a stale one current again."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+
+import pytest
+
+from optimize import docs_tables, registry
+
+
+@pytest.fixture
+def docs(tmp_path):
+    folder = tmp_path / "docs"
+    shutil.copytree(docs_tables.DOCS, folder)
+    return folder
+
+
+def test_the_docs_tables_are_current_as_make_lint_checks_them():
+    proc = subprocess.run(
+        [sys.executable, "-m", "optimize.docs_tables", "--check"], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == proc.stderr == ""
+
+
+def test_every_table_is_in_docs_once_with_every_method_threshold_and_candidate():
+    from optimize.compile.auto import CANDIDATES
+    from optimize.gate import gate_keys
+
+    text = "".join(p.read_text() for p in docs_tables.DOCS.glob("*.md"))
+    for name in docs_tables.TABLES:
+        assert text.count(f"<!-- generated:{name} ") == 1 and text.count(f"<!-- end generated:{name} -->") == 1
+    assert all(f"| `{m.name}` |" in text for m in registry.all_methods())
+    assert all(f"| `gate.{key}` |" in text for key in gate_keys())
+    assert all(f"| `{name}` |" in text for name in CANDIDATES)
+
+
+def test_a_stale_table_fails_the_check_by_name_and_a_rewrite_makes_it_current(docs, capsys):
+    gate = docs / "gate.md"
+    gate.write_text(gate.read_text().replace("| `gate.min_cosine` |", "| `gate.min_cosine_renamed` |"))
+    assert docs_tables.main(["--check", "--docs", str(docs)]) == 1
+    assert capsys.readouterr().err.strip() == f"{gate}: the 'gate' table is stale; run python -m optimize.docs_tables"
+    assert "min_cosine_renamed" in gate.read_text()  # --check writes nothing
+
+    assert docs_tables.main(["--docs", str(docs)]) == 0
+    assert capsys.readouterr().out.strip() == f"rewrote {gate}"
+    assert "min_cosine_renamed" not in gate.read_text()
+    assert docs_tables.main(["--check", "--docs", str(docs)]) == 0
+    assert all((docs / p.name).read_text() == p.read_text() for p in docs_tables.DOCS.glob("*.md"))
+
+
+def test_a_method_added_to_the_code_makes_the_methods_table_stale(docs, monkeypatch, capsys):
+    @dataclass
+    class DocConfig:
+        bits: int = 8
+
+    def doc_method(model, cfg, ctx):
+        """Adds nothing: a method the docs have not heard of."""
+        return model
+
+    method = registry.Method("quantize", "tmp_doc_method", DocConfig, doc_method, summary="Adds nothing.")
+    registry.all_methods()  # every real method is registered before this one
+    monkeypatch.setitem(registry._METHODS, ("quantize", "tmp_doc_method"), method)
+    assert docs_tables.main(["--check", "--docs", str(docs)]) == 1
+    assert "the 'methods' table is stale" in capsys.readouterr().err
+    assert docs_tables.main(["--docs", str(docs)]) == 0
+    row = "| quantize | `tmp_doc_method` | ONNX graph |  | every task | Adds nothing. |"
+    assert row in (docs / "recipes.md").read_text()
+
+
+def test_a_missing_or_unknown_table_is_named(docs, capsys):
+    race = docs / "race.md"
+    markers = ("<!-- generated:race (python -m optimize.docs_tables) -->\n", "<!-- end generated:race -->\n")
+    race.write_text(race.read_text().replace(markers[0], "").replace(markers[1], ""))
+    assert docs_tables.main(["--check", "--docs", str(docs)]) == 1
+    err = capsys.readouterr().err
+    assert f"{docs}: no generated 'race' table (its markers are missing)" in err
+    # A rewrite cannot fix a table it cannot find: it says so and fails too.
+    assert docs_tables.main(["--docs", str(docs)]) == 1
+    assert "no generated 'race' table" in capsys.readouterr().err
+
+    (docs / "extra.md").write_text("<!-- generated:nonsense (x) -->\n| a |\n<!-- end generated:nonsense -->\n")
+    assert docs_tables.main(["--check", "--docs", str(docs)]) == 1
+    assert f"{docs / 'extra.md'}: unknown generated table 'nonsense' (known: methods, gate, race)" in (
+        capsys.readouterr().err
+    )
