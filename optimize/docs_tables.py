@@ -57,9 +57,9 @@ def _params(params: dict) -> str:
 
 
 def methods_table() -> str:
-    from optimize import registry
+    from optimize import registry, tasks
 
-    every_task = {f.name: f.default for f in dataclasses.fields(registry.Method)}["tasks"]
+    every_task = set(tasks.names())
     inputs = {"torch": "PyTorch module", "onnx": "ONNX graph"}
     methods = sorted(registry.all_methods(), key=lambda m: (registry.STAGES.index(m.stage), m.name))
     rows = [
@@ -68,7 +68,7 @@ def methods_table() -> str:
             f"`{m.name}`",
             inputs[m.input_format],
             "yes" if m.needs_calibration else "",
-            "every task" if set(m.tasks) == set(every_task) else ", ".join(m.tasks),
+            "every task" if set(m.tasks) >= every_task else ", ".join(m.tasks),
             m.summary,
         ]
         for m in methods
@@ -105,12 +105,19 @@ def gate_table() -> str:
     return _table(["threshold", "what the check reads", "passes when", "checked at", "timed"], rows) + note
 
 
-def race_table() -> str:
+def race_candidates() -> tuple[dict, dict]:
+    """The race's candidates by name, and the default candidate names by task ("default": the rest)."""
     from optimize.compile.auto import CANDIDATES, DEFAULT_CANDIDATES
 
+    return CANDIDATES, DEFAULT_CANDIDATES
+
+
+def race_table() -> str:
+    candidates, defaults = race_candidates()
+
     def default_for(name: str) -> str:
-        races = [task for task, names in DEFAULT_CANDIDATES.items() if name in names]
-        own = ", ".join(f"`{t}`" for t in DEFAULT_CANDIDATES if t != "default")
+        races = [task for task, names in defaults.items() if name in names]
+        own = ", ".join(f"`{t}`" for t in defaults if t != "default")
         return ", ".join(f"every task but {own}" if t == "default" else f"`{t}`" for t in races) or "when named"
 
     rows = [
@@ -122,7 +129,7 @@ def race_table() -> str:
             _params(c.quantize_params),
             default_for(name),
         ]
-        for name, c in CANDIDATES.items()
+        for name, c in candidates.items()
     ]
     return _table(["candidate", "engine", "engine params", "quantize", "quantize params", "raced by default"], rows)
 

@@ -73,7 +73,8 @@ def register(stage: str, name: str, config_cls: type, **info) -> Callable:
         key = (stage, name)
         if key in _METHODS:
             raise ValueError(f"method {stage}={name} registered twice")
-        summary = " ".join(inspect.getdoc(fn).split("\n\n")[0].split()) if fn.__doc__ else ""  # first paragraph
+        doc = inspect.getdoc(fn)
+        summary = " ".join(doc.split("\n\n")[0].split()) if doc else ""  # the docstring's first paragraph
         _METHODS[key] = Method(stage, name, config_cls, fn, summary=summary, **info)
         return fn
 
