@@ -38,7 +38,7 @@ class LLMEvalConfig:
       task_params: {perplexity_tokens: 2048, new_tokens: 64, lm_eval_tasks: [cpython_next_sentence]}
     """
 
-    perplexity_tokens: int = 2048  # held-out tokens scored (the README figures use 2,048)
+    perplexity_tokens: int = 2048  # held-out tokens scored (the figures in docs/ use 2,048)
     perplexity_window: int = 512  # tokens per forward pass; each window starts without context
     prompt_tokens: int = 64  # prompt length for the speed runs (when workload.requests is not set)
     new_tokens: int = 64  # tokens generated per speed run (EOS cannot stop a run early); same

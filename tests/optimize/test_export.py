@@ -375,7 +375,7 @@ def test_modules_planted_in_a_bundle_never_run(bundles, bundle_python, tmp_path)
         (planted / f"{name}.py").write_text(f"open({str(tmp_path / ('ran-' + name))!r}, 'w').close()\n")
     project_python = Path(sys.executable)
     runs = [
-        (bundle_python, tmp_path, None),  # the README's command: no -I
+        (bundle_python, tmp_path, None),  # docs/bundles.md's command: no -I
         (bundle_python, planted, {**os.environ, "PYTHONPATH": "."}),  # from inside, the folder on PYTHONPATH
         (project_python, tmp_path, None),  # with the project installed
     ]

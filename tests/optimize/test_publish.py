@@ -341,7 +341,7 @@ def test_sqlite_uris_sqlalchemy_cannot_open_are_refused_at_once(artifact_copy, t
 
 
 def test_a_publish_failure_at_the_end_of_a_run_is_exit_2_and_names_the_run_after_its_own_model(tmp_path):
-    """The README's bring-your-own-model command (model.source=..., no recipe=) with publish=mlflow
+    """docs/own-model.md's bring-your-own-model command (model.source=..., no recipe=) with publish=mlflow
     whose default store (beside the artifact) is a file that is no database: the run is made, the
     publish refused in one line with exit 2 (not 1, the failed gate's code), the artifact kept; and the
     artifact claims neither the default recipe's name nor its model's hub id."""
