@@ -68,7 +68,7 @@ def methods_table() -> str:
             f"`{m.name}`",
             inputs[m.input_format],
             "yes" if m.needs_calibration else "",
-            "every task" if set(m.tasks) >= every_task else ", ".join(m.tasks),
+            "every task" if m.tasks is None or set(m.tasks) >= every_task else ", ".join(m.tasks),
             m.summary,
         ]
         for m in methods
