@@ -49,7 +49,7 @@ def plan(cfg, run_dir: Path) -> Plan:
             continue
         method = registry.get(stage, section.method)
         params = recipe_dict(section.params)
-        if cfg.model.task not in method.tasks:
+        if not method.supports(cfg.model.task):
             raise RecipeError(f"{stage}.method={method.name} does not support model.task={cfg.model.task}")
         stages.append((method, registry.build_config(method, dict(params))))
     _refuse_after_candidates(stages)
@@ -142,7 +142,7 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
                 ctx.stage_records[method.stage] = model.record
                 model = dataclasses.replace(model, record={})
         engine = _install_engine(model, stage, cfg)
-        _ship_extra_files({**ctx.extra_files, **model.files}, stage)
+        _ship_extra_files({**ctx.extra_files, **task.files(ctx), **model.files}, stage)
         baseline = _baseline(ctx, source, task)
         candidate = _candidate(stage, engine, ctx, model.layer_precision)
         metrics, eval_data = task.evaluate(baseline, candidate, ctx)

@@ -13,8 +13,8 @@ The dataclass lets the whole recipe be checked before any weights load: an unkno
 parameter is a RecipeError naming the key. It is also the Hydra schema of `<stage>.params`
 (see `store_schemas`), so every parameter can be overridden on the command line.
 
-Where methods live: every module of the `optimize.quantize` and `optimize.compile` packages, and
-the prune and distill modules. A new method is one new file in its package (found by
+Where methods live: every module of the `optimize.quantize`, `optimize.compile` and
+`optimize.distill` packages, and the prune module. A new method is one new file in its package (found by
 `load_plugins`) plus one YAML in recipes/<stage>/.
 """
 
@@ -32,9 +32,9 @@ from optimize.errors import RecipeError
 
 STAGES = ("prune", "distill", "quantize", "engine")
 InputFormat = Literal["torch", "onnx"]
-# Every module of these packages registers methods when imported; so do these two modules.
-METHOD_PACKAGES = ("optimize.compile", "optimize.quantize")
-METHOD_MODULES = ("optimize.prune", "optimize.distill")
+# Every module of these packages registers methods when imported; so does this module.
+METHOD_PACKAGES = ("optimize.compile", "optimize.distill", "optimize.quantize")
+METHOD_MODULES = ("optimize.prune",)
 
 
 @dataclass(frozen=True)
@@ -48,15 +48,12 @@ class Method:
     input_format: InputFormat = "onnx"
     # An engine that builds its own ONNX-side candidates (the race): no ONNX-side method may follow it.
     builds_candidates: bool = False
-    tasks: tuple[str, ...] = (
-        "sentence_embedding",
-        "causal_lm",
-        "image_classification",
-        "text_classification",
-        "token_classification",
-        "generic",
-    )
+    # The model.task values it supports; None: every task.
+    tasks: tuple[str, ...] | None = None
     summary: str = ""
+
+    def supports(self, task: str) -> bool:
+        return self.tasks is None or task in self.tasks
 
 
 _METHODS: dict[tuple[str, str], Method] = {}

@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, List, Optional, cast
 
+from engines.runners import CausalLMRunner, TimedGeneration
 from optimize.errors import RecipeError
 from optimize.evaluate.generation import Tokens, perplexity, prompts_of, request_ms, timed_requests
 from optimize.tasks import register_task
@@ -73,9 +74,20 @@ class CausalLM(Task):
     input_names: tuple[str, ...] = ("input_ids",)
     output_names: tuple[str, ...] = ("logits",)
     dynamic_axes: dict = field(default_factory=lambda: {"input_ids": {0: "batch", 1: "sequence"}})
+    distill_loss: str | None = "logits"
 
     def module(self, model, ctx):
         return _LogitsModule.wrap(model)
+
+    def training_samples(self, ctx, texts: list[str], seq_len: int) -> dict:
+        """Consecutive windows of `seq_len` tokens of the texts joined."""
+        import torch
+
+        ids = Tokens(ctx)("\n\n".join(texts))
+        windows = len(ids) // seq_len
+        if windows < 1:
+            raise RecipeError(f"the calibration text has {len(ids)} tokens, fewer than distill.params.seq_len")
+        return {"input_ids": torch.tensor(ids[: windows * seq_len]).reshape(windows, seq_len)}
 
     def evaluate(self, baseline, candidate, ctx) -> tuple[dict, dict]:
         return evaluate_causal_lm(baseline, candidate, ctx)
@@ -152,7 +164,15 @@ def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
     return metrics, described
 
 
-def _perplexity_metrics(metrics, base, cand, tokens, items, cfg, described) -> None:
+def _perplexity_metrics(
+    metrics: dict,
+    base: CausalLMRunner,
+    cand: CausalLMRunner,
+    tokens: Tokens,
+    items: list[str],
+    cfg: LLMEvalConfig,
+    described: dict,
+) -> None:
     ids = tokens("\n\n".join(items))[: cfg.perplexity_tokens]
     if len(ids) < cfg.perplexity_tokens:
         raise RecipeError(
@@ -170,7 +190,9 @@ def _perplexity_metrics(metrics, base, cand, tokens, items, cfg, described) -> N
     }
 
 
-def _sample_metrics(metrics, base, cand, tokens, cfg) -> None:
+def _sample_metrics(
+    metrics: dict, base: CausalLMRunner, cand: CausalLMRunner, tokens: Tokens, cfg: LLMEvalConfig
+) -> None:
     """One greedy continuation per side: a human-readable sanity check kept in the manifest."""
     prompt = tokens(cfg.sample_prompt)
     for side, runner in (("baseline", base), ("candidate", cand)):
@@ -180,7 +202,15 @@ def _sample_metrics(metrics, base, cand, tokens, cfg) -> None:
         }
 
 
-def _speed_metrics(metrics, base, cand, tokens, items, requests, evaluate_cfg) -> None:
+def _speed_metrics(
+    metrics: dict,
+    base: TimedGeneration,
+    cand: TimedGeneration,
+    tokens: Tokens,
+    items: list[str],
+    requests,
+    evaluate_cfg,
+) -> None:
     """Generation speed at every request shape of the workload; the first shape's figures are also the
     run's headline ones (generation, decode_speedup, ttft_speedup: what a one-shape recipe reports)."""
     timed = timed_requests(
@@ -208,7 +238,9 @@ def _speed_metrics(metrics, base, cand, tokens, items, requests, evaluate_cfg) -
     metrics["candidate"]["ttft_speedup"] = first["ttft_speedup"]
 
 
-def _roofline_metrics(metrics, base, cand, cfg, threads: int) -> None:
+def _roofline_metrics(
+    metrics: dict, base: CausalLMRunner, cand: CausalLMRunner, cfg: LLMEvalConfig, threads: int
+) -> None:
     """metrics[side]["roofline"]: weight and KV bytes read per decoded token, the memory read bandwidth
     measured now with the run's thread count, the bound it puts on decode tok/s, and the share of it
     the measured decode speed reaches (optimize/evaluate/roofline.py says what is counted)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import abc
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -106,14 +107,13 @@ class LabeledTextTask(Task, abc.ABC):
                 "(evaluate.data.source=labeled with a path, field and label_field)"
             )
         self.gold_ids(ctx)  # every refusal here, before minutes of export and quantization
-        self.ship_labels(ctx)
 
-    def ship_labels(self, ctx) -> None:
+    def files(self, ctx) -> dict[str, Path]:
         """labels.json in the artifact: what serve names its predictions with."""
         path = ctx.scratch / LABELS_FILE
         mapping = id2label_of(ctx.source.module)
         path.write_text(json.dumps({"task": self.name, "id2label": {str(k): v for k, v in mapping.items()}}, indent=2))
-        ctx.extra_files[LABELS_FILE] = path
+        return {LABELS_FILE: path}
 
     def thresholds(self, ctx) -> dict:
         from optimize.config import recipe_dict

@@ -20,6 +20,7 @@ class SentenceEmbedding(Task):
         }
     )
     fidelity_output: str | None = "sentence_embedding"
+    distill_loss: str | None = "embedding"
 
     def module(self, model, ctx):
         from engines.pytorch_runner import sentence_embedding_module

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from optimize import distill
+from optimize import tasks
+from optimize.distill import data, objectives, training
+from optimize.distill.logit_hidden_kd import logit_hidden_kd
+from optimize.distill.student import make_student
 from optimize.errors import RecipeError
 from optimize.registry import build_config, get
 from tests.support.cli import run_optimize
@@ -24,18 +27,18 @@ def run_distill(teacher, tmp_path, **params):
         get("distill", "logit_hidden_kd"),
         dict({"batch_size": 8, "seq_len": 16, "lr": 3e-3, "max_seconds": None}, **params),
     )
-    out = distill.logit_hidden_kd(torch_model(teacher), cfg, ctx)
-    return out, ctx.stage_records["distill"], ctx
+    out = logit_hidden_kd(torch_model(teacher), cfg, ctx)
+    return out, out.record, ctx
 
 
 def test_loss_goes_down_and_the_curve_ships(tmp_path):
     teacher = tiny_bert()
-    out, record, ctx = run_distill(teacher, tmp_path, student_layers=2, max_steps=30)
+    out, record, _ = run_distill(teacher, tmp_path, student_layers=2, max_steps=30)
     losses = record["loss_curve_summary"]
     assert losses["last5_mean"] < losses["first5_mean"] * 0.85
     assert len(out.module.encoder.layer) == 2 and len(teacher.encoder.layer) == 4
     assert record["layer_map"] == [0, 3]  # evenly spaced: the first and the last layer kept
-    assert ctx.extra_files["distill/loss_curve.png"].read_bytes()[:4] == b"\x89PNG"
+    assert out.files["distill/loss_curve.png"].read_bytes()[:4] == b"\x89PNG"
 
 
 def test_an_interrupted_run_resumes_from_its_checkpoint(tmp_path):
@@ -64,16 +67,16 @@ def test_causal_lm_logit_kd_goes_down(tmp_path):
     import torch
 
     teacher = tiny_llama()
-    student, layer_map = distill.make_student(
+    student, layer_map = make_student(
         teacher,
         teacher,
         build_config(get("distill", "logit_hidden_kd"), {"student_layers": 2}),
         FakeContext.for_torch(teacher, tmp_path),
     )
     cfg = build_config(get("distill", "logit_hidden_kd"), {"max_steps": 25, "lr": 3e-3, "max_seconds": None})
-    objective = distill.LogitObjective(teacher, student, layer_map, cfg)
+    objective = objectives.LogitObjective(teacher, student, layer_map, cfg)
     ids = torch.randint(0, 100, (32, 16), generator=torch.Generator().manual_seed(0))
-    run = distill.train(student, objective, distill.Batches({"input_ids": ids}, 8, 0), cfg, tmp_path / "ckpt")
+    run = training.train(student, objective, data.Batches({"input_ids": ids}, 8, 0), cfg, tmp_path / "ckpt")
     assert sum(run["losses"][-5:]) < sum(run["losses"][:5]) * 0.85
     assert (tmp_path / "ckpt" / "student.safetensors").is_file()  # tied LM head saved without pickle
 
@@ -111,7 +114,7 @@ def test_recovery_row_and_gate_for_original_pruned_and_distilled_perplexity():
         "candidate": {"perplexity": 14.0},
         "table": [["perplexity", "", "", ""]],
     }
-    distill.add_recovery(metrics, pruned=20.0)  # lost 10, won back 6
+    objectives.add_recovery(metrics, pruned=20.0)  # lost 10, won back 6
     assert metrics["candidate"]["distill_recovery"] == pytest.approx(0.6)
     assert metrics["table"][1][1:3] == ["10.000", "20.000 / 14.000"]
     verdict = gate.judge(metrics["baseline"], metrics["candidate"], {"min_distill_recovery": 0.5})
@@ -126,9 +129,9 @@ def test_cached_teacher_outputs_match_a_fresh_teacher_pass_on_any_batch(tmp_path
     teacher = tiny_bert()
     ctx = FakeContext.for_torch(teacher, tmp_path)
     cfg = build_config(get("distill", "logit_hidden_kd"), {"batch_size": 4, "seq_len": 16, "student_layers": 2})
-    student, layer_map = distill.make_student(teacher, teacher, cfg, ctx)
-    objective = distill.Objective.for_task("sentence_embedding", teacher, student, layer_map, cfg, ctx)
-    batches = distill.Batches.for_task("sentence_embedding", ctx, cfg)
+    student, layer_map = make_student(teacher, teacher, cfg, ctx)
+    objective = objectives.Objective.for_task(tasks.get("sentence_embedding"), teacher, student, layer_map, cfg, ctx)
+    batches = data.Batches.for_task(tasks.get("sentence_embedding"), ctx, cfg)
     objective.prepare(batches)
     batch = batches.batch(step=3)
     rows = batch.pop("rows")
@@ -138,7 +141,7 @@ def test_cached_teacher_outputs_match_a_fresh_teacher_pass_on_any_batch(tmp_path
     assert torch.allclose(
         objective.cached["hidden"][last][rows].float(), fresh.hidden_states[last], atol=1e-2, rtol=1e-3
     )
-    pooled = distill._pool(fresh.last_hidden_state, batch["attention_mask"], objective.pooling)
+    pooled = objectives._pool(fresh.last_hidden_state, batch["attention_mask"], objective.pooling)
     assert torch.allclose(objective.cached["embedding"][rows], pooled, atol=1e-5)
 
 
@@ -147,16 +150,16 @@ def test_the_learning_rate_warms_up_then_decays_to_zero_by_steps_or_seconds():
         get("distill", "logit_hidden_kd"),
         {"lr": 1e-3, "lr_schedule": "cosine", "warmup": 0.1, "max_steps": 100, "max_seconds": 50},
     )
-    rates = [distill.learning_rate(cfg, distill.progress(cfg, step, 0.0)) for step in range(100)]
+    rates = [training.learning_rate(cfg, training.progress(cfg, step, 0.0)) for step in range(100)]
     assert rates[0] < 2e-5 and max(rates) == pytest.approx(1e-3, rel=0.02)
     assert rates.index(max(rates)) in (9, 10) and rates[-1] < 1e-5
     assert all(a >= b for a, b in zip(rates[10:], rates[11:]))  # monotone after warm-up
     # wall time nearer its bound than steps: the schedule follows the seconds
-    assert distill.progress(cfg, 10, 40.0) == pytest.approx(0.8)
+    assert training.progress(cfg, 10, 40.0) == pytest.approx(0.8)
     linear = build_config(get("distill", "logit_hidden_kd"), {"lr": 1e-3, "lr_schedule": "linear", "max_seconds": None})
-    assert distill.learning_rate(linear, 0.5) == pytest.approx(5e-4)
+    assert training.learning_rate(linear, 0.5) == pytest.approx(5e-4)
     constant = build_config(get("distill", "logit_hidden_kd"), {"lr": 1e-3})
-    assert distill.learning_rate(constant, 0.99) == 1e-3
+    assert training.learning_rate(constant, 0.99) == 1e-3
 
 
 @pytest.mark.parametrize(
@@ -171,12 +174,12 @@ def test_matching_only_the_last_layer_caches_and_compares_only_it(tmp_path):
     teacher = tiny_bert()
     ctx = FakeContext.for_torch(teacher, tmp_path)
     cfg = build_config(get("distill", "logit_hidden_kd"), {"student_layers": 2, "hidden_layers": "last"})
-    student, layer_map = distill.make_student(teacher, teacher, cfg, ctx)
-    objective = distill.EmbeddingObjective(teacher, student, layer_map, cfg, ctx)
+    student, layer_map = make_student(teacher, teacher, cfg, ctx)
+    objective = objectives.EmbeddingObjective(teacher, student, layer_map, cfg, ctx)
     assert objective.matched_layers() == [(1, 3)]
-    objective.prepare(distill.Batches.for_task("sentence_embedding", ctx, cfg))
+    objective.prepare(data.Batches.for_task(tasks.get("sentence_embedding"), ctx, cfg))
     assert list(objective.cached["hidden"]) == [4]  # hidden_states[4]: the teacher's last layer output
-    every = distill.Objective(
+    every = objectives.Objective(
         teacher, student, layer_map, build_config(get("distill", "logit_hidden_kd"), {"student_layers": 2})
     )
     assert every.matched_layers() == [(0, 0), (1, 3)]
