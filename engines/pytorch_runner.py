@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -17,15 +18,6 @@ from engines.weights import WeightBytes
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 ENCODER_INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
-# The transformers Auto class that loads a Hugging Face model of each task (the tasks a hub id or a
-# model folder can be given for).
-HF_AUTO_CLASSES = {
-    "sentence_embedding": "AutoModel",
-    "causal_lm": "AutoModelForCausalLM",
-    "text_classification": "AutoModelForSequenceClassification",
-    "token_classification": "AutoModelForTokenClassification",
-}
-LOGITS_TASKS = ("text_classification", "token_classification")
 
 
 def read_pooling(model_dir: Path) -> dict:
@@ -89,6 +81,34 @@ def logits_module(model):
     return Logits().eval()
 
 
+@dataclass(frozen=True)
+class HFTask:
+    """What the engines need to know of a task whose models are Hugging Face ones."""
+
+    auto_class: str  # the transformers Auto class that loads its models
+    # The baseline runner from an engine block: (model, engine block, model folder) -> a module whose
+    # forward takes ENCODER_INPUTS and returns `outputs`; None: the task runs its own (TorchLM).
+    wrap: Callable[[Any, dict, Path], Any] | None = None
+    outputs: tuple[str, ...] = ()
+
+
+def _pooled(model, engine: dict, model_dir: Path):
+    return sentence_embedding_module(model, engine.get("pooling") or read_pooling(model_dir))
+
+
+def _logits(model, engine: dict, model_dir: Path):
+    return logits_module(model)
+
+
+# The tasks a hub id or a model folder can be given for.
+HF_TASKS = {
+    "sentence_embedding": HFTask("AutoModel", _pooled, ("last_hidden_state", "sentence_embedding")),
+    "causal_lm": HFTask("AutoModelForCausalLM"),
+    "text_classification": HFTask("AutoModelForSequenceClassification", _logits, ("logits",)),
+    "token_classification": HFTask("AutoModelForTokenClassification", _logits, ("logits",)),
+}
+
+
 class TorchRunner:
     """Calls a module whose forward takes the named inputs positionally and returns a tuple."""
 
@@ -125,7 +145,7 @@ def load_hf_model(
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # keep stderr for messages a user must read
-    auto = getattr(transformers, HF_AUTO_CLASSES[task])
+    auto = getattr(transformers, HF_TASKS[task].auto_class)
     kwargs = dict(dtype=torch.float32, trust_remote_code=trust_remote_code, revision=revision)
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
@@ -147,15 +167,13 @@ def load_pytorch_runner(root: Path, engine: dict, threads: int = 0, spinning: bo
     if not model_dir.is_absolute():
         model_dir = root / model_dir
     task = engine["task"]
+    hf_task = HF_TASKS.get(task)
+    if hf_task is None or hf_task.wrap is None:
+        raise ValueError(f"no PyTorch runner for task {task!r}")
     model = load_hf_model(
         str(model_dir), task, allow_pickle=engine.get("allow_pickle", False), gguf_file=engine.get("gguf_file")
     )
-    if task == "sentence_embedding":
-        module = sentence_embedding_module(model, engine.get("pooling") or read_pooling(model_dir))
-        return TorchRunner(module, ENCODER_INPUTS, ["last_hidden_state", "sentence_embedding"], threads)
-    if task in LOGITS_TASKS:
-        return TorchRunner(logits_module(model), ENCODER_INPUTS, ["logits"], threads)
-    raise ValueError(f"no PyTorch runner for task {task!r}")
+    return TorchRunner(hf_task.wrap(model, engine, model_dir), ENCODER_INPUTS, list(hf_task.outputs), threads)
 
 
 class TorchLM:

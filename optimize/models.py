@@ -14,7 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
-from engines.pytorch_runner import HF_AUTO_CLASSES, PICKLE_SUFFIXES
+from engines.pytorch_runner import HF_TASKS, PICKLE_SUFFIXES
 from optimize import tasks
 from optimize.context import SourceModel
 from optimize.errors import RecipeError
@@ -237,9 +237,9 @@ def load(cfg) -> SourceModel:
     own = tasks.get(cfg.task).load_source(cfg, path)  # tasks whose models are not Hugging Face ones
     if own is not None:
         return own
-    if cfg.task not in HF_AUTO_CLASSES:
+    if cfg.task not in HF_TASKS:
         raise RecipeError(
-            f"model.task={cfg.task} needs an ONNX source; Hugging Face models support {', '.join(HF_AUTO_CLASSES)}"
+            f"model.task={cfg.task} needs an ONNX source; Hugging Face models support {', '.join(HF_TASKS)}"
         )
     return _load_hf(cfg, kind, path)
 

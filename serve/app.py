@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib
 import logging
 import time
 from pathlib import Path
@@ -34,6 +35,15 @@ access_log = logging.getLogger("serve.access")  # one line per request, at debug
 OPEN_PATHS = ("/v2/health/", "/metrics")  # open without a key only when the operator says so
 
 
+# How serve answers the task an encoder engine's block names ("module:class", imported when it loads).
+ENCODER_HANDLERS = {
+    "sentence_embedding": "serve.encoder:EncoderModel",
+    "text_classification": "serve.classifier:ClassifierModel",  # logits, named by the artifact's labels.json
+    "token_classification": "serve.classifier:ClassifierModel",
+}
+TENSOR_HANDLER = "serve.tensors:TensorModel"  # any other model that takes tensors: images, audio, ...
+
+
 def load_model_for(state: ServeState):
     """Build the model object the engine block describes (runs in a worker thread)."""
     threads = state.config.ort_threads()
@@ -47,18 +57,13 @@ def load_model_for(state: ServeState):
         return GenerativeModel(
             state.root, state.engine, threads, cfg.max_prompt_tokens, cfg.max_tokens, batch_settings(cfg)
         )
-    if serves == "encoder" and state.task == "sentence_embedding":
-        from serve.encoder import EncoderModel
-
-        return EncoderModel(state.root, state.engine, threads, spinning=state.config.ort_spinning)
-    if serves == "encoder" and state.task in ("text_classification", "token_classification"):
-        from serve.classifier import ClassifierModel  # logits, named by the artifact's labels.json
-
-        return ClassifierModel(state.root, state.engine, threads, spinning=state.config.ort_spinning)
-    if serves == "encoder" and state.engine.get("inputs") and not state.engine.get("tokenizer"):
-        from serve.tensors import TensorModel  # any model that takes tensors: images, audio, ...
-
-        return TensorModel(state.root, state.engine, threads, spinning=state.config.ort_spinning)
+    handler = ENCODER_HANDLERS.get(state.task)
+    if handler is None and state.engine.get("inputs") and not state.engine.get("tokenizer"):
+        handler = TENSOR_HANDLER
+    if serves == "encoder" and handler is not None:
+        module, name = handler.split(":")
+        model_class = getattr(importlib.import_module(module), name)
+        return model_class(state.root, state.engine, threads, spinning=state.config.ort_spinning)
     raise ValueError(f"this server has no handler for task {state.task!r} on engine {state.engine.get('format')!r}")
 
 
@@ -91,11 +96,12 @@ async def load_in_background(state: ServeState) -> None:
 
 def start_serving(state: ServeState, model) -> None:
     cfg = state.config
-    if model.task == "causal_lm" and model.batching:
+    generates = not hasattr(model, "run_batch")  # a model that answers batches of items, or one that generates
+    if generates and model.batching:
         from serve.llm_batching import ContinuousBatchingService
 
         state.generator = ContinuousBatchingService(model, cfg.max_queue, state.metrics)
-    elif model.task == "causal_lm":
+    elif generates:
         from serve.llm import GenerationService
 
         state.generator = GenerationService(model, cfg.max_queue, state.metrics)
@@ -106,7 +112,7 @@ def start_serving(state: ServeState, model) -> None:
             model.run_batch, cfg.max_batch_size, cfg.max_queue_delay_s, cfg.max_queue, state.metrics, name=state.name
         )
         state.batcher.start()
-    how = f": {model.describe()}" if model.task == "causal_lm" else ""
+    how = f": {model.describe()}" if generates else ""
     log.info("serve: model %r (%s) ready%s", state.name, model.task, how)
     state.model = model
     state.metrics.ready.set(1)
