@@ -1,35 +1,27 @@
 """Engines: exporters and builders, each giving a Runner.
 
-A Runner is called on a batch of named numpy arrays and returns named numpy arrays. The same
-Runner is what the pipeline measures and what serve/ runs. This package imports on a CPU-only
-machine without torch: each engine imports its runtime inside the functions that need it.
+A Runner is called on a batch of named numpy arrays and returns named numpy arrays (the interfaces
+are written down in engines/runners.py). The same Runner is what the pipeline measures and what
+serve/ runs. This package imports on a CPU-only machine without torch: each engine imports its
+runtime inside the functions that need it.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
-
-import numpy as np
 
 from engines.artifact import ArtifactError, check_engine_paths, read_manifest
+from engines.runners import TensorRunner
 
 
-class Runner(Protocol):
-    input_names: list[str]
-    output_names: list[str]
-
-    def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
-
-
-def load(artifact_dir: str | Path, threads: int = 0, spinning: bool = True) -> Runner:
+def load(artifact_dir: str | Path, threads: int = 0, spinning: bool = True) -> TensorRunner:
     """Build the Runner an artifact's manifest describes (its `engine` block)."""
     root = Path(artifact_dir)
     engine = read_manifest(root).get("engine") or {}
     return load_engine(root, engine, threads=threads, spinning=spinning)
 
 
-def load_engine(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> Runner:
+def load_engine(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> TensorRunner:
     """The Runner of an engine block, through the engine table (engines/formats.py).
 
     `spinning=False` for servers: idle runtime threads sleep instead of busy-waiting. The block's paths

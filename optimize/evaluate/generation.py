@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Mapping
 
 import numpy as np
 
+from engines.runners import CausalLMRunner, TimedGeneration
 from optimize.errors import RecipeError
 
 log = logging.getLogger(__name__)
@@ -37,7 +39,7 @@ class Tokens:
         return self.tokenizer.decode(list(ids))
 
 
-def perplexity(runner, ids: list[int], window: int) -> float:
+def perplexity(runner: CausalLMRunner, ids: list[int], window: int) -> float:
     """exp(mean negative log-likelihood) over consecutive windows of the token stream."""
     logprobs = [
         runner.log_likelihood(ids[i : i + window])
@@ -58,7 +60,9 @@ def percentiles(values) -> dict:
 SETTLE_TOKENS = 8
 
 
-def speed(runners: dict, prompts: list[list[int]], new_tokens: int, warmup: int, runs: int) -> dict:
+def speed(
+    runners: Mapping[str, TimedGeneration], prompts: list[list[int]], new_tokens: int, warmup: int, runs: int
+) -> dict:
     """TTFT and decode tokens/s per runner over `runs` timed generations (after `warmup`), interleaved
     and in alternating order, each after an untimed settling generation (SETTLE_TOKENS). Decode speed
     of a run = (n - 1) / (time of token n - time of token 1). The p95 of tokens/s is the slow tail:
@@ -101,7 +105,9 @@ def prompts_of(tokens: Tokens, items: list[str], length: int) -> list[list[int]]
     return [joined[i : i + length] for i in range(0, len(joined) - length + 1, length)]
 
 
-def timed_requests(runners: dict, tokens: Tokens, items: list[str], requests, warmup: int, runs: int) -> dict:
+def timed_requests(
+    runners: Mapping[str, TimedGeneration], tokens: Tokens, items: list[str], requests, warmup: int, runs: int
+) -> dict:
     """{shape key: the quietest speed() run of that request shape (timed again while other
     processes took more than benchmark.RETIME_SHARE of the CPUs), with other_cpu_share, retimes}."""
     from optimize.evaluate.benchmark import OtherCpuUse, quietest

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from engines.runners import TensorRunner
 from optimize.evaluate import benchmark
 from optimize.evaluate.fidelity import embedding_fidelity, output_fidelity
 
@@ -24,7 +25,7 @@ class Subject:
     """One side of the comparison: what it is, how to run it, and how to rebuild it in a probe."""
 
     label: str
-    runner: object
+    runner: TensorRunner  # a causal LM's is a CausalLMRunner too (engines/runners.py)
     engine: dict  # engine block, loadable by engines.load_engine(root, engine)
     root: Path
     size_bytes: int
