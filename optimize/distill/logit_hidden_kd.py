@@ -30,6 +30,7 @@ def logit_hidden_kd(model: Model, cfg: DistillConfig, ctx: Context) -> Model:
 
     if model.kind != "torch":
         raise RecipeError("distill.method=logit_hidden_kd needs a PyTorch model (not an ONNX source)")
+    assert ctx.source is not None  # the pipeline loads the source before any stage runs
     torch.manual_seed(cfg.seed)
     teacher = ctx.source.module.eval()
     student, layer_map = make_student(model.module, teacher, cfg, ctx, model.kept_layers)

@@ -14,7 +14,7 @@ from typing import Mapping
 
 import numpy as np
 
-from engines.runners import CausalLMRunner, TimedGeneration
+from engines.runners import TimedGeneration
 from optimize.errors import RecipeError
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class Tokens:
         return self.tokenizer.decode(list(ids))
 
 
-def perplexity(runner: CausalLMRunner, ids: list[int], window: int) -> float:
+def perplexity(runner, ids: list[int], window: int) -> float:
     """exp(mean negative log-likelihood) over consecutive windows of the token stream."""
     logprobs = [
         runner.log_likelihood(ids[i : i + window])
