@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 EXTRAS := pipeline,demo,dev,vision,llm,serve,media,publish,sweeps
 
-.PHONY: demo test lint install clean
+.PHONY: demo test test-fast lint install clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# The unit tests (under 2 minutes on 2 cores): no recipe runs, engine builds or model loading
+# (tests marked slow, see tests/conftest.py). `make test` runs them all.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 clean:
 	rm -rf $(VENV) outputs multirun

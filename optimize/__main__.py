@@ -24,6 +24,7 @@ HYDRA_VERSION_BASE = "1.3"
 # Hydra's flags: those that run a sweep, those that mean "do not run a job here", and those that take a value.
 _MULTIRUN_FLAGS = {"-m", "--multirun"}
 _HELP_FLAGS = {"-h", "--help", "--hydra-help", "-i", "--info", "-sc", "--shell-completion"}
+_VERBOSE_FLAGS = {"-v", "--verbose"}
 _VALUED_FLAGS = {
     "-c",
     "--cfg",
@@ -193,8 +194,13 @@ def _one_line(exc: BaseException | None) -> str:
 
 
 def main() -> None:
+    from optimize import runlog
     from optimize.config import register_schema
 
+    # -v is this tool's flag, not Hydra's: the console shows every library line the run's log keeps.
+    verbose = bool(_VERBOSE_FLAGS & set(sys.argv[1:]))
+    sys.argv[1:] = [a for a in sys.argv[1:] if a not in _VERBOSE_FLAGS]
+    runlog.install(verbose)
     register_schema()
     precheck(sys.argv[1:])
     import hydra
@@ -233,15 +239,16 @@ def run_job(cfg) -> tuple[int, Path | None]:
     """Run one recipe: its exit code, and the artifact it wrote (None when nothing was written)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from optimize import ci_report, pipeline, report
+    from optimize import ci_report, pipeline, report, runlog
 
+    hydra_cfg = HydraConfig.get()
     # Libraries log at INFO on the root logger (ONNX Runtime's quantizer does, per node): keep their
-    # warnings, and this tool's own progress.
-    logging.getLogger().setLevel(logging.WARNING)
-    logging.getLogger("optimize").setLevel(logging.INFO)
+    # warnings (hydra.verbose: everything); the console shows what runlog lets through.
+    if hydra_cfg.verbose is not True:
+        logging.getLogger().setLevel(logging.WARNING)
+    runlog.start_job(verbose=bool(hydra_cfg.verbose))
     # SIGTERM (CI cancelling a job) unwinds like Ctrl-C, so the staging directory is removed.
     signal.signal(signal.SIGTERM, _interrupt)
-    hydra_cfg = HydraConfig.get()
     recipe = own_model_name(cfg, list(hydra_cfg.overrides.task)) or hydra_cfg.runtime.choices.get("recipe") or "custom"
     run_dir = Path(hydra_cfg.runtime.output_dir)
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from engines import formats, load_engine
-from optimize import artifact, ci_report, environment, gate, publish, registry, tasks, workload
+from optimize import artifact, ci_report, environment, gate, publish, registry, runlog, tasks, workload
 from optimize.config import recipe_dict
 from optimize.context import Context, Model, SourceModel
 from optimize.errors import RecipeError
@@ -158,6 +158,7 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
             verdict = _judge_served(cfg, ctx, stage, draft, the_plan.workload)
         manifest = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started, stage)
         ci_report.write_into(stage, manifest, the_plan.final_dir)  # listed in the manifest like every file
+        runlog.write_into(stage)
         manifest = artifact.write_manifest(stage, manifest)
         artifact.publish(stage, the_plan.final_dir)
     return manifest, the_plan.final_dir

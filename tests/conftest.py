@@ -11,17 +11,92 @@ import pytest
 
 from tests.support.cli import FAST_OVERRIDES, run_optimize
 
+# The fast tier (`make test-fast`: pytest -m "not slow") is the unit tests. Slow are the tests that run
+# the command line (`python -m optimize` starts Python, Hydra and torch, even for a refusal), build an
+# artifact or an engine, load a model or serve one. They are marked here by module (modules of
+# end-to-end tests) and by the fixtures that build artifacts (a test that takes one, directly or through
+# another fixture); a slow test elsewhere says so itself with @pytest.mark.slow.
+SLOW_DIRS = ("benchmarks",)
+SLOW_MODULES = {
+    "test_openvino_genai.py",
+    "test_artifact_identity.py",
+    "test_bad_inputs.py",
+    "test_byom_e2e.py",
+    "test_byom_failures.py",
+    "test_causal_lm.py",
+    "test_ci_report.py",
+    "test_classifier_e2e.py",
+    "test_cli.py",
+    "test_cli_fuzz.py",
+    "test_compare.py",
+    "test_entrypoint_fuzz_bundle.py",
+    "test_entrypoint_fuzz_publish.py",
+    "test_export.py",
+    "test_export_rtx.py",
+    "test_export_vllm.py",
+    "test_foreign_onnx.py",
+    "test_image_classification.py",
+    "test_lm_architectures.py",
+    "test_packaging.py",
+    "test_pipeline_e2e.py",
+    "test_publish.py",
+    "test_served_gate.py",
+    "test_sweep.py",
+    "test_tensorrt_rtx_pipeline.py",
+    "test_serve_bench.py",
+    "test_serve_classifier.py",
+    "test_serve_cli.py",
+    "test_serve_encoder.py",
+    "test_serve_hostile.py",
+    "test_serve_imports.py",
+    "test_serve_llm.py",
+    "test_serve_llm_batching.py",
+    "test_serve_llm_batching_ort.py",
+    "test_serve_llm_load.py",
+    "test_serve_openvino.py",
+    "test_serve_schema.py",
+    "test_serve_subprocess.py",
+}
+SLOW_FIXTURES = {
+    "minilm_run",
+    "failed_gate_run",
+    "openvino_artifact",
+    "tiny_llm_artifact",
+    "tiny_ov_llm_artifact",
+    "encoder_artifact",
+    "tensor_artifact",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.relative_to(Path(__file__).parent)
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if module.parts[0] in SLOW_DIRS or module.name in SLOW_MODULES or fixtures & SLOW_FIXTURES:
+            item.add_marker(pytest.mark.slow)
+
+
+@dataclass(frozen=True)
+class Run:
+    proc: subprocess.CompletedProcess  # what the console showed
+    artifact: Path
+
 
 @pytest.fixture(scope="session")
-def minilm_artifact(tmp_path_factory) -> Path:
-    """A real INT8 MiniLM artifact built by the pipeline (fast settings)."""
+def minilm_run(tmp_path_factory) -> Run:
+    """A real INT8 MiniLM artifact built by the pipeline (fast settings), and the run's console output."""
     workdir = tmp_path_factory.mktemp("minilm")
     out = workdir / "artifact"
     proc = run_optimize(
         "recipe=minilm_int8_cpu", *FAST_OVERRIDES, f"output_dir={out}", f"hydra.run.dir={workdir / 'run'}"
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    return Run(proc, out)
+
+
+@pytest.fixture(scope="session")
+def minilm_artifact(minilm_run: Run) -> Path:
+    return minilm_run.artifact
 
 
 @dataclass(frozen=True)

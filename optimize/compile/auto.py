@@ -668,7 +668,7 @@ def _race_record(
     if plot:
         ctx.extra_files["race/front.png"] = plot
     for entry in entries:
-        log.info("race: %-28s %s", entry.name, entry.outcome)
+        log.debug("race: %-28s %s", entry.name, entry.outcome)
     record = {
         "method": "auto",
         "winner": winner.name,

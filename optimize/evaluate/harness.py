@@ -99,7 +99,7 @@ def latency(
         )
         stats["speedup"] = stats["baseline"]["p50_ms"] / stats["candidate"]["p50_ms"]
         results[str(batch_size)] = stats
-        log.info(
+        log.debug(
             "batch %d: baseline p50 %.2f ms, candidate p50 %.2f ms, speedup %.2fx",
             batch_size,
             stats["baseline"]["p50_ms"],

@@ -121,7 +121,7 @@ def sensitivity_fallback(model, cfg, ctx, quantize, reduce_range: bool) -> tuple
     for node in ranked[: cfg.max_fp32_nodes]:
         fp32.append(node)
         best = score(quantize(fp32))
-        log.info("fallback: %d FP32 nodes, calibration min cosine %.5f", len(fp32), best)
+        log.debug("fallback: %d FP32 nodes, calibration min cosine %.5f", len(fp32), best)
         if best >= cfg.fallback_min_cosine:
             break
     return fp32, best

@@ -196,6 +196,7 @@ def test_ignored_scope_rejects_unknown_keys(tiny, tmp_path):
         nncf_int8(tiny["xml"], _token_batches(2), tmp_path, subset_size=2, ignored_scope={"nodes": ["fc1"]})
 
 
+@pytest.mark.slow
 def test_accuracy_control_keeps_the_metric_within_max_drop(tiny, tmp_path):
     from engines.openvino_build import nncf_int8_with_accuracy_control
 

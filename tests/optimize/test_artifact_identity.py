@@ -10,12 +10,14 @@ import shutil
 from engines.artifact import read_manifest
 from optimize import artifact
 from optimize.ci_report import JUNIT_XML, REPORT_MD
+from optimize.runlog import LOG_FILE
 
 
 def test_the_id_is_recomputed_from_the_recipe_the_source_and_the_engine_files(minilm_artifact, tmp_path):
     manifest = read_manifest(minilm_artifact)
-    built = tmp_path / "built"  # the artifact as it was when the id was taken: before manifest and reports
-    shutil.copytree(minilm_artifact, built, ignore=shutil.ignore_patterns("manifest.json", REPORT_MD, JUNIT_XML))
+    built = tmp_path / "built"  # the artifact as it was when the id was taken: before manifest, reports, log
+    ignored = shutil.ignore_patterns("manifest.json", REPORT_MD, JUNIT_XML, LOG_FILE)
+    shutil.copytree(minilm_artifact, built, ignore=ignored)
     recipe, source = manifest["recipe"]["resolved"], manifest["model"]["sha256"]
     assert artifact.content_id(recipe, source, built) == manifest["id"]
     # Where the outputs go is not identity; what the engine is, is.

@@ -63,6 +63,7 @@ def test_max_seconds_bounds_the_run(tmp_path):
     assert record["stopped_by"] == "max_seconds" and record["steps"] < 10_000
 
 
+@pytest.mark.slow
 def test_causal_lm_logit_kd_goes_down(tmp_path):
     import torch
 
@@ -91,6 +92,7 @@ def test_distill_without_a_student_is_a_recipe_error(tmp_path):
         run_distill(tiny_bert(), tmp_path, max_steps=1)
 
 
+@pytest.mark.slow
 def test_cli_bad_targets_exit_2_with_one_clear_line(tmp_path):
     common = [
         "recipe=minilm_prune_distill_int8",

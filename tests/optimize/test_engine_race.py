@@ -101,6 +101,7 @@ def _race(tmp_path, name: str, *overrides: str):
     return proc, out
 
 
+@pytest.mark.slow
 def test_race_end_to_end_ships_a_passing_candidate_and_reuses_its_cache(tmp_path):
     # A gate no INT8 candidate can pass (min cosine 0.9999): an FP32 candidate must ship.
     proc, out = _race(tmp_path, "strict", "gate.min_cosine=0.9999", "gate.min_mean_cosine=0.9999")
@@ -123,6 +124,7 @@ def test_race_end_to_end_ships_a_passing_candidate_and_reuses_its_cache(tmp_path
     assert next(c for c in race["candidates"] if c["name"] == race["winner"])["passed_accuracy"]
 
 
+@pytest.mark.slow
 def test_causal_lm_race_on_a_tiny_llama_ships_the_fastest_generation_within_the_perplexity_bar(tmp_path):
     pytest.importorskip("onnxruntime_genai")
     pytest.importorskip("openvino_genai")

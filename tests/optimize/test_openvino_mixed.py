@@ -126,6 +126,7 @@ def test_the_race_registers_it_in_its_default_set():
     assert registry.get("engine", "openvino_mixed").needs_calibration
 
 
+@pytest.mark.slow
 def test_the_race_builds_scores_and_reports_it_on_minilm(tmp_path):
     out = tmp_path / "artifact"
     proc = run_optimize(

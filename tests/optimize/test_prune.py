@@ -58,6 +58,7 @@ def test_structured_bert_shrinks_depth_heads_and_ffn_and_exports(tmp_path):
     assert onnx_out.shape == (2, 32) and np.isfinite(onnx_out).all()
 
 
+@pytest.mark.slow
 def test_structured_llama_drops_layers_and_ffn_and_saves(tmp_path):
     import torch
     from transformers import LlamaForCausalLM

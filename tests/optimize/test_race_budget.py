@@ -87,6 +87,7 @@ def test_nothing_is_said_when_every_candidate_was_built():
     assert auto.fewer_than_asked(entries) is None
 
 
+@pytest.mark.slow
 def test_a_race_cut_by_its_budget_says_so_before_the_winner(tmp_path):
     """A budget of 1 s per candidate: the first candidate builds (over budget), the others are cut, and
     the report's first words about the race say the winner came from one of three."""

@@ -96,6 +96,7 @@ def test_recipe_composes_and_plans(name, tmp_path):
     assert any(method.stage == "engine" for method, _ in plan.stages)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", GPU_RECIPES)
 def test_gpu_preset_refusal_is_one_line_on_the_command_line(name, tmp_path):
     refusal = expected_refusal(name)

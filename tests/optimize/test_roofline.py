@@ -267,6 +267,7 @@ def test_report_rows():
     assert unknown["decode p50 share of bound"][0] == "not known"
 
 
+@pytest.mark.slow
 def test_genai_and_torch_runners_tell_the_same_reads(tmp_path):
     """The tiny Llama (2 layers, 2 KV heads of 16, tied 512 x 64 embedding) built FP32 by the GenAI
     builder reads the torch parameters plus one row each of the rotary cos/sin caches."""
