@@ -33,6 +33,7 @@ def test_cpython_docs_text():
     assert all(isinstance(t, str) and len(t) >= 200 for t in data.items)
 
 
+@pytest.mark.slow
 def test_python_docstrings_are_real_prose_split_by_module():
     cal = calibration.load("python_docstrings", "calibration", 8, seed=0)
     assert all(isinstance(t, str) and len(t) >= 200 for t in cal.items)

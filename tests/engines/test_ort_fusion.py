@@ -22,6 +22,7 @@ def fused_bert(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_packed_attention_computes_the_same_and_quantizes_to_qattention(fused_bert, tmp_path):
     from onnxruntime.quantization import QuantType, quantize_dynamic
 

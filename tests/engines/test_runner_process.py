@@ -21,6 +21,7 @@ def tiny_genai(tmp_path_factory) -> tuple[Path, dict]:
     return root, {"format": "onnxruntime-genai", "dir": "genai", "providers": ["CPUExecutionProvider"]}
 
 
+@pytest.mark.slow
 def test_worker_streams_tokens_on_the_callers_clock(tiny_genai):
     from engines.runner_process import RunnerProcess
 

@@ -79,6 +79,7 @@ def test_bad_columns_are_one_data_error(tmp_path, rows, kw, fragment):
         labeled("evaluation", path=str(path), dataset_split="all", **kw)
 
 
+@pytest.mark.slow
 def test_package_docstrings_is_balanced_and_held_out_by_module():
     calib = calibration.load("package_docstrings", "calibration", 60, 0)
     evaluation = calibration.labeled.package_docstrings("evaluation")

@@ -26,6 +26,7 @@ def bert_outputs(module, texts=("a b c", "d e f g")):
         return module(**batch).last_hidden_state
 
 
+@pytest.mark.slow
 def test_structured_bert_shrinks_depth_heads_and_ffn_and_exports(tmp_path):
     import numpy as np
 
