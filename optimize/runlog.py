@@ -97,10 +97,6 @@ def install(verbose: bool) -> None:
     for name in LIBRARY_CONSOLES:
         if name not in sys.modules and _installed(name):
             sys.meta_path.insert(0, _AfterImport(name, _adopt_library_loggers))
-    if not verbose and _installed("rich"):
-        import rich
-
-        rich.reconfigure(file=_LogStream("rich"))
 
 
 def start_job(verbose: bool) -> None:
@@ -115,6 +111,10 @@ def start_job(verbose: bool) -> None:
     if RUN_LOG not in root.handlers:
         root.addHandler(RUN_LOG)
     _adopt_library_loggers()
+    if not _state["verbose"] and _installed("rich"):
+        import rich
+
+        rich.reconfigure(file=_LogStream("rich"))  # the global console, which libraries' progress bars use
     if not _state["first_job"]:
         RUN_LOG.lines.clear()
     _state["first_job"] = False
