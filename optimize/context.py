@@ -52,6 +52,9 @@ class Model:
     # What the stage that returned this model did (the manifest's `stages` block): a method returns
     # its record with its result, and the pipeline files it under the stage's name.
     record: dict = field(default_factory=dict)
+    # The records of the stages a method ran within its own, in the order they ran (the quantize
+    # method that set a TensorRT plan's precision, the race winner's quantize), filed before it.
+    inner_records: dict[str, dict] = field(default_factory=dict)
     # Files the stages ask the artifact to ship ({relative path: file}), kept across stages.
     files: dict[str, Path] = field(default_factory=dict)
     # Additions a stage makes to the evaluation's metrics before the gate judges them.
@@ -73,10 +76,32 @@ class Model:
             precision=precision or self.precision,
         )
 
-    def recorded(self, info: dict, files: dict[str, Path] | None = None, metric_hook=None) -> "Model":
-        """This model with what its stage did: the record, files to ship, a metric hook."""
+    def recorded(
+        self,
+        info: dict,
+        files: dict[str, Path] | None = None,
+        metric_hook: Callable[[dict], None] | None = None,
+        inner_records: dict[str, dict] | None = None,
+    ) -> "Model":
+        """This model with what its stage did: the record, files to ship, a metric hook, the records
+        of the stages it ran within."""
         hooks = (*self.metric_hooks, metric_hook) if metric_hook else self.metric_hooks
-        return dataclasses.replace(self, record=info, files={**self.files, **(files or {})}, metric_hooks=hooks)
+        return dataclasses.replace(
+            self,
+            record=info,
+            inner_records=inner_records or {},
+            files={**self.files, **(files or {})},
+            metric_hooks=hooks,
+        )
+
+    def file_into(self, records: dict, stage: str) -> "Model":
+        """File what this model's stage did into `records` ({stage: record}, the manifest's `stages`):
+        the records of the stages it ran within, then its own under `stage`. Returns the model
+        without them, as the next stage takes it."""
+        records.update(self.inner_records)
+        if self.record:
+            records[stage] = self.record
+        return dataclasses.replace(self, record={}, inner_records={})
 
     def with_engine(self, engine_dir: Path, engine: dict, precision: str) -> "Model":
         return dataclasses.replace(

@@ -107,7 +107,7 @@ def gate_table() -> str:
 
 def race_candidates() -> tuple[dict, dict]:
     """The race's candidates by name, and the default candidate names by task ("default": the rest)."""
-    from optimize.compile.auto import CANDIDATES, DEFAULT_CANDIDATES
+    from optimize.compile.race.candidates import CANDIDATES, DEFAULT_CANDIDATES
 
     return CANDIDATES, DEFAULT_CANDIDATES
 

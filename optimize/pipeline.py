@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import shutil
 import tempfile
@@ -137,10 +136,7 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         model = _initial_model(source)
         for method, method_cfg in order(the_plan.stages):
             log.info("%s: %s", method.stage, method.name)
-            model = method.fn(model, method_cfg, ctx)
-            if model.record:
-                ctx.stage_records[method.stage] = model.record
-                model = dataclasses.replace(model, record={})
+            model = method.fn(model, method_cfg, ctx).file_into(ctx.stage_records, method.stage)
         engine = _install_engine(model, stage, cfg)
         _ship_extra_files({**ctx.extra_files, **task.files(ctx), **model.files}, stage)
         baseline = _baseline(ctx, source, task)

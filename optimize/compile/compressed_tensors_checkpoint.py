@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines import formats
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.registry import register
 
@@ -30,16 +31,16 @@ class CompressedCheckpointConfig:
 @register(
     "engine", "compressed_tensors_checkpoint", CompressedCheckpointConfig, input_format="torch", tasks=("causal_lm",)
 )
-def compressed_tensors_checkpoint(model, cfg: CompressedCheckpointConfig, ctx):
+def compressed_tensors_checkpoint(model: Model, cfg: CompressedCheckpointConfig, ctx: Context) -> Model:
     """Pack and save the compressed-tensors quantized module as a Hugging Face checkpoint (vLLM's format)."""
     if model.kind != "torch" or not _is_quantized(model.module):
         raise RecipeError("engine.method=compressed_tensors_checkpoint needs a ct_* quantize method before it")
     out = ctx.scratch / "compressed_tensors_engine"
     folder = out / ENGINE_DIR
     written = save_compressed(model.module, folder)
-    ctx.record("engine", {"method": "compressed_tensors_checkpoint", **written})
     engine = {"format": formats.COMPRESSED_TENSORS, "dir": ENGINE_DIR, "simulated": True}
-    return model.with_engine(out, engine, precision=model.precision)
+    record = {"method": "compressed_tensors_checkpoint", **written}
+    return model.with_engine(out, engine, precision=model.precision).recorded(record)
 
 
 def _is_quantized(module) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engines import formats
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.quantize.modelopt import cuda_missing
 from optimize.registry import register
@@ -41,7 +42,7 @@ class CheckpointConfig:
 
 
 @register("engine", "modelopt_checkpoint", CheckpointConfig, input_format="torch", tasks=("causal_lm",))
-def modelopt_checkpoint(model, cfg: CheckpointConfig, ctx):
+def modelopt_checkpoint(model: Model, cfg: CheckpointConfig, ctx: Context) -> Model:
     """Save the modelopt-quantized module (state + weights) so the artifact reloads to what was measured."""
     if model.kind != "torch" or not _is_quantized(model.module):
         raise RecipeError("engine.method=modelopt_checkpoint needs a modelopt quantize method before it")
@@ -53,9 +54,9 @@ def modelopt_checkpoint(model, cfg: CheckpointConfig, ctx):
     model.module.config.to_json_file(str(folder / "config.json"))
     mto.save(model.module, str(folder / "modelopt.pth"))
     export = _export_hf(model.module, folder / "hf_export") if cfg.export_hf else "not requested"
-    ctx.record("engine", {"method": "modelopt_checkpoint", "hf_export": export})
     engine = {"format": formats.MODELOPT_TORCH, "dir": ENGINE_DIR, "simulated": True}
-    return model.with_engine(out, engine, precision=model.precision)
+    record = {"method": "modelopt_checkpoint", "hf_export": export}
+    return model.with_engine(out, engine, precision=model.precision).recorded(record)
 
 
 def _is_quantized(module) -> bool:

@@ -6,6 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from optimize import tasks
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.registry import register
 
@@ -30,7 +31,7 @@ class OnnxExportConfig:
 
 
 @register("engine", "onnx", OnnxExportConfig, input_format="torch")
-def onnx_engine(model, cfg: OnnxExportConfig, ctx):
+def onnx_engine(model: Model, cfg: OnnxExportConfig, ctx: Context) -> Model:
     """Export to ONNX (dynamo exporter), verified against PyTorch; runs on ONNX Runtime."""
     out = ctx.scratch / "onnx"
     out.mkdir(parents=True, exist_ok=True)
@@ -57,5 +58,5 @@ def onnx_engine(model, cfg: OnnxExportConfig, ctx):
         report = check_fidelity(reference, OrtRunner(path)(check_inputs), cfg.atol, cfg.min_cosine)
     except ExportMismatch as exc:
         raise RecipeError(str(exc)) from None
-    ctx.record("engine", {"method": "onnx", "opset": cfg.opset, "ort_fusions": fusions, "export_check": report})
-    return model.with_onnx(path)
+    record = {"method": "onnx", "opset": cfg.opset, "ort_fusions": fusions, "export_check": report}
+    return model.with_onnx(path).recorded(record)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from engines import formats
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.registry import register
 
@@ -65,7 +66,7 @@ class GenAIConfig:
 
 
 @register("engine", "onnxruntime_genai", GenAIConfig, input_format="torch", tasks=("causal_lm",))
-def onnxruntime_genai_engine(model, cfg: GenAIConfig, ctx):
+def onnxruntime_genai_engine(model: Model, cfg: GenAIConfig, ctx: Context) -> Model:
     """Build an ONNX Runtime GenAI decoder with KV cache (weight-only INT4/INT8 via MatMulNBits)."""
     if model.kind != "torch":
         raise RecipeError("engine.method=onnxruntime_genai needs a Hugging Face causal LM")
@@ -87,17 +88,15 @@ def onnxruntime_genai_engine(model, cfg: GenAIConfig, ctx):
     except BuildError as exc:
         raise RecipeError(str(exc)) from None
     layers = weight_precision(out / ENGINE_DIR / "model.onnx")
-    ctx.record(
-        "engine",
-        {
-            "method": "onnxruntime_genai",
-            "builder_options": cfg.builder_options(),
-            "precision": cfg.precision,
-            "layer_precision": layers,
-        },
-    )
+    record = {
+        "method": "onnxruntime_genai",
+        "builder_options": cfg.builder_options(),
+        "precision": cfg.precision,
+        "layer_precision": layers,
+    }
     engine = {"format": formats.ONNXRUNTIME_GENAI, "dir": ENGINE_DIR, "providers": [_provider(cfg.execution_provider)]}
-    return dataclasses.replace(model.with_engine(out, engine, precision=cfg.precision), layer_precision=layers)
+    built = model.with_engine(out, engine, precision=cfg.precision)
+    return dataclasses.replace(built, layer_precision=layers).recorded(record)
 
 
 def _source_folder(model, ctx) -> Path:

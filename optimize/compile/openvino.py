@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from engines import formats
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.registry import register
 
@@ -72,13 +73,12 @@ class OpenVINOConfig:
     input_format="torch",
     tasks=("sentence_embedding", "image_classification", "text_classification", "token_classification", "generic"),
 )
-def openvino_engine(model, cfg: OpenVINOConfig, ctx):
+def openvino_engine(model: Model, cfg: OpenVINOConfig, ctx: Context) -> Model:
     """OpenVINO IR on the CPU: FP32, bf16 inference precision, or NNCF post-training INT8."""
     from engines.openvino_build import nncf_int8, onnx_to_ir, ov_version
     from optimize.compile.onnx import OnnxExportConfig, onnx_engine
 
     exported = model if model.kind == "onnx" else onnx_engine(model, OnnxExportConfig(ort_fusions=cfg.ort_fusions), ctx)
-    export_record = ctx.stage_records.get("engine", {})
     out = ctx.scratch / "openvino_engine"
     shutil.rmtree(out, ignore_errors=True)
     xml = onnx_to_ir(exported.onnx_path, out / "fp32")
@@ -101,19 +101,16 @@ def openvino_engine(model, cfg: OpenVINOConfig, ctx):
     from engines.openvino_build import int8_node_counts
 
     ops, kernels = _op_counts(final / xml.name), int8_node_counts(final / xml.name)
-    ctx.record(
-        "engine",
-        {
-            "method": "openvino",
-            "precision": cfg.precision,
-            "openvino": ov_version(),
-            "performance_hint": cfg.performance_hint,
-            "onnx_export": export_record,
-            "ops": ops,
-            "kernels": kernels,
-            **({"nncf": _nncf_record(cfg)} if cfg.precision == "int8" else {}),
-        },
-    )
+    record = {
+        "method": "openvino",
+        "precision": cfg.precision,
+        "openvino": ov_version(),
+        "performance_hint": cfg.performance_hint,
+        "onnx_export": exported.record,  # empty when the model came as ONNX
+        "ops": ops,
+        "kernels": kernels,
+        **({"nncf": _nncf_record(cfg)} if cfg.precision == "int8" else {}),
+    }
     engine = {
         "format": formats.OPENVINO,
         "file": f"{ENGINE_DIR}/{xml.name}",
@@ -121,7 +118,7 @@ def openvino_engine(model, cfg: OpenVINOConfig, ctx):
         "performance_hint": cfg.performance_hint,
     }
     shutil.rmtree(out / "fp32", ignore_errors=True)
-    return model.with_engine(out, engine, precision=cfg.precision)
+    return model.with_engine(out, engine, precision=cfg.precision).recorded(record)
 
 
 def _calibration_batches(ctx, cfg: OpenVINOConfig) -> list[dict]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, List, Optional
 
 from engines import formats
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.registry import register
 
@@ -93,7 +94,7 @@ class OVGenAIConfig:
 
 
 @register("engine", "openvino_genai", OVGenAIConfig, input_format="torch", tasks=("causal_lm",), needs_calibration=True)
-def openvino_genai_engine(model, cfg: OVGenAIConfig, ctx):
+def openvino_genai_engine(model: Model, cfg: OVGenAIConfig, ctx: Context) -> Model:
     """OpenVINO GenAI: stateful IR with KV cache, NNCF weight-only INT4/INT8, LLMPipeline decoding."""
     if model.kind != "torch":
         raise RecipeError("engine.method=openvino_genai needs a Hugging Face causal LM")
@@ -153,11 +154,11 @@ def openvino_genai_engine(model, cfg: OVGenAIConfig, ctx):
     shutil.move(str(final), str(out / ENGINE_DIR))
     layers = weight_precision(out / ENGINE_DIR / xml.name)
     record["layer_precision"] = layers
-    ctx.record("engine", record)
     engine = {"format": formats.OPENVINO_GENAI, "dir": ENGINE_DIR, "inference_precision": cfg.inference_precision}
     if cfg.kv_cache_precision:
         engine["kv_cache_precision"] = cfg.kv_cache_precision
-    return dataclasses.replace(model.with_engine(out, engine, precision=cfg.precision), layer_precision=layers)
+    built = model.with_engine(out, engine, precision=cfg.precision)
+    return dataclasses.replace(built, layer_precision=layers).recorded(record)
 
 
 def _nncf_record(cfg: OVGenAIConfig, calibration_texts: int) -> dict:

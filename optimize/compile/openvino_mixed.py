@@ -23,6 +23,7 @@ from typing import Optional
 import numpy as np
 
 from engines import formats
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.registry import register
 
@@ -102,14 +103,13 @@ class OpenVINOMixedConfig:
     input_format="torch",
     tasks=("sentence_embedding", "image_classification", "generic"),
 )
-def openvino_mixed_engine(model, cfg: OpenVINOMixedConfig, ctx):
+def openvino_mixed_engine(model: Model, cfg: OpenVINOMixedConfig, ctx: Context) -> Model:
     """OpenVINO INT8 with the layers NNCF's accuracy control reverts kept in bf16 (f32 without bf16)."""
     from engines.openvino_build import onnx_to_ir
     from optimize.compile.onnx import OnnxExportConfig, onnx_engine
 
     output, bar, compute = _deciding_output(model.task), _bar(cfg, ctx), cfg.compute_precision()
     exported = model if model.kind == "onnx" else onnx_engine(model, OnnxExportConfig(ort_fusions=cfg.ort_fusions), ctx)
-    export_record = ctx.stage_records.get("engine", {})
     out = ctx.scratch / "openvino_mixed_engine"
     shutil.rmtree(out, ignore_errors=True)
     fp32 = onnx_to_ir(exported.onnx_path, out / "fp32")
@@ -119,12 +119,11 @@ def openvino_mixed_engine(model, cfg: OpenVINOMixedConfig, ctx):
     score = _score(xml, validation, output, cfg.metric)
     reverted = layers.get(compute, {}).get("count", 0)
     precision = f"int8+{compute}" if reverted else "int8"
-    _record(
-        ctx,
+    record = _record(
         cfg,
         xml,
         precision,
-        export_record,
+        exported.record,  # empty when the model came as ONNX
         control={
             "nncf": _nncf_version(),
             "metric": f"{cfg.metric} cosine of {output} to the FP32 IR (scored in f32)",
@@ -143,7 +142,8 @@ def openvino_mixed_engine(model, cfg: OpenVINOMixedConfig, ctx):
         "inference_precision": compute,
         "performance_hint": cfg.performance_hint,
     }
-    return dataclasses.replace(model.with_engine(out, engine, precision=precision), layer_precision=layers)
+    built = model.with_engine(out, engine, precision=precision)
+    return dataclasses.replace(built, layer_precision=layers).recorded(record)
 
 
 def _quantize(fp32: Path, calibration, validation, output: str, bar: float, cfg, out: Path) -> tuple[Path, dict]:
@@ -277,24 +277,10 @@ def _nncf_version() -> str:
     return metadata.version("nncf")
 
 
-def _record(ctx, cfg: OpenVINOMixedConfig, xml: Path, precision: str, export_record: dict, control: dict) -> None:
+def _record(cfg: OpenVINOMixedConfig, xml: Path, precision: str, export_record: dict, control: dict) -> dict:
     from engines.openvino_build import count_ops, int8_node_counts, ov_version
 
     counts = count_ops(xml)
-    ctx.record(
-        "engine",
-        {
-            "method": "openvino_mixed",
-            "precision": precision,
-            "inference_precision": cfg.compute_precision(),
-            "openvino": ov_version(),
-            "performance_hint": cfg.performance_hint,
-            "onnx_export": export_record,
-            "ops": {op: counts[op] for op in ("MatMul", "Convolution", "FakeQuantize") if op in counts},
-            "kernels": {**int8_node_counts(xml), "reverted": control["reverted"]},
-            "accuracy_control": {**control, "preset": cfg.preset, "model_type": cfg.model_type},
-        },
-    )
     if not control["reached"]:
         log.warning(
             "NNCF accuracy control stopped at %s cosine %.4f, below its bar %.4f",
@@ -302,3 +288,14 @@ def _record(ctx, cfg: OpenVINOMixedConfig, xml: Path, precision: str, export_rec
             control["score"],
             control["bar"],
         )
+    return {
+        "method": "openvino_mixed",
+        "precision": precision,
+        "inference_precision": cfg.compute_precision(),
+        "openvino": ov_version(),
+        "performance_hint": cfg.performance_hint,
+        "onnx_export": export_record,
+        "ops": {op: counts[op] for op in ("MatMul", "Convolution", "FakeQuantize") if op in counts},
+        "kernels": {**int8_node_counts(xml), "reverted": control["reverted"]},
+        "accuracy_control": {**control, "preset": cfg.preset, "model_type": cfg.model_type},
+    }

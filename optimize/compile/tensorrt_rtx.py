@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.registry import register
 
@@ -93,7 +94,7 @@ def _refuse_asymmetric_qdq(params: dict) -> None:
 @register(
     "engine", "tensorrt_rtx", TensorrtRtxConfig, input_format="torch", needs_calibration=True, builds_candidates=True
 )
-def tensorrt_rtx_engine(model, cfg: TensorrtRtxConfig, ctx):
+def tensorrt_rtx_engine(model: Model, cfg: TensorrtRtxConfig, ctx: Context) -> Model:
     """TensorRT-RTX plan (FP32, FP16 or Q/DQ INT8) built ahead of time from the checked ONNX export."""
     from engines.tensorrt_rtx_build import BuildRefused, build_plan, missing_module
     from optimize.compile.onnx import OnnxExportConfig, onnx_engine
@@ -103,9 +104,8 @@ def tensorrt_rtx_engine(model, cfg: TensorrtRtxConfig, ctx):
     missing = missing_module()
     if missing:
         raise RecipeError(f"engine.method=tensorrt_rtx needs {missing}")
-    onnx_model = onnx_engine(model, OnnxExportConfig(opset=cfg.opset, ort_fusions=False), ctx)
-    export_record = ctx.stage_records.get("engine", {})
-    onnx_model = _with_precision(onnx_model, cfg, ctx)
+    exported = onnx_engine(model, OnnxExportConfig(opset=cfg.opset, ort_fusions=False), ctx)
+    onnx_model = _with_precision(exported, cfg, ctx)
     out = ctx.scratch / "tensorrt_rtx"
     shutil.rmtree(out, ignore_errors=True)
     from engines.onnx_export import copy_onnx
@@ -119,20 +119,20 @@ def tensorrt_rtx_engine(model, cfg: TensorrtRtxConfig, ctx):
     except BuildRefused as exc:
         raise RecipeError(str(exc)) from None
     engine, measured = _engine_block(onnx_path, report, cfg)
-    ctx.record(
-        "engine",
-        {
-            "method": "tensorrt_rtx",
-            "precision": cfg.precision,
-            "export_check": export_record.get("export_check"),
-            "int32_dequantize_folded": folded,
-            "build": report,
-            "measured": measured,
-        },
-    )
-    if engine["format"] != "tensorrt-rtx":
-        ctx.metric_hooks.append(_unmeasured_latency(measured["latency"]))
-    return onnx_model.with_engine(out, engine, onnx_model.precision)
+    record = {
+        "method": "tensorrt_rtx",
+        "precision": cfg.precision,
+        "export_check": exported.record.get("export_check"),
+        "int32_dequantize_folded": folded,
+        "build": report,
+        "measured": measured,
+    }
+    # The stages run within this one, in the order they ran: the export (this record takes its
+    # place), then the quantize method that set the precision.
+    inner = {"engine": exported.record, **({"quantize": onnx_model.record} if onnx_model is not exported else {})}
+    hook = _unmeasured_latency(measured["latency"]) if engine["format"] != "tensorrt-rtx" else None
+    built = onnx_model.with_engine(out, engine, onnx_model.precision)
+    return built.recorded(record, metric_hook=hook, inner_records=inner)
 
 
 def precision_config(cfg: TensorrtRtxConfig):

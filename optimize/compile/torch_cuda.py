@@ -15,6 +15,7 @@ import shutil
 from dataclasses import dataclass
 
 from engines import formats
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.registry import register
 
@@ -55,7 +56,7 @@ class TorchCudaConfig:
 
 
 @register("engine", "torch_cuda", TorchCudaConfig, input_format="torch", tasks=TASKS)
-def torch_cuda_engine(model, cfg: TorchCudaConfig, ctx):
+def torch_cuda_engine(model: Model, cfg: TorchCudaConfig, ctx: Context) -> Model:
     """PyTorch on an NVIDIA GPU: bf16, FP8 (torch._scaled_mm) or INT4 weight-only, CUDA graphs."""
     if model.kind != "torch" or not hasattr(model.module, "save_pretrained"):
         raise RecipeError("engine.method=torch_cuda needs a Hugging Face model from the torch-side stages")
@@ -68,7 +69,6 @@ def torch_cuda_engine(model, cfg: TorchCudaConfig, ctx):
     model.module.save_pretrained(str(out / ENGINE_DIR))
     # The swap on a copy, here, so the manifest lists what the runner will swap (same rules, same shapes).
     _, swapped = prepare(copy.deepcopy(model.module), cfg.precision, cfg.group_size)
-    ctx.record("engine", {"method": "torch_cuda", "compile": cfg.compile, **swapped})
     engine = {
         "format": formats.TORCH_CUDA,
         "model_dir": ENGINE_DIR,
@@ -79,4 +79,5 @@ def torch_cuda_engine(model, cfg: TorchCudaConfig, ctx):
     }
     if ctx.source.task == "sentence_embedding":
         engine["pooling"] = ctx.pooling
-    return model.with_engine(out, engine, precision=cfg.precision)
+    record = {"method": "torch_cuda", "compile": cfg.compile, **swapped}
+    return model.with_engine(out, engine, precision=cfg.precision).recorded(record)

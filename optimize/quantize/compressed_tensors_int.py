@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import List
 
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.registry import register
 
@@ -74,13 +75,13 @@ def _import_compressed_tensors():
 
 
 @register("quantize", "ct_int8_w8a8", Int8W8A8Config, input_format="torch", tasks=("causal_lm",))
-def int8_w8a8(model, cfg: Int8W8A8Config, ctx):
+def int8_w8a8(model: Model, cfg: Int8W8A8Config, ctx: Context) -> Model:
     """compressed-tensors INT8 W8A8: per-channel weights, dynamic per-token activations (vLLM serves it)"""
     return quantize(model, cfg, ctx, "ct_int8_w8a8")
 
 
 @register("quantize", "ct_int4_w4a16", Int4W4A16Config, input_format="torch", tasks=("causal_lm",))
-def int4_w4a16(model, cfg: Int4W4A16Config, ctx):
+def int4_w4a16(model: Model, cfg: Int4W4A16Config, ctx: Context) -> Model:
     """compressed-tensors INT4 W4A16: group-wise weights, activations unquantized (vLLM serves it)"""
     return quantize(model, cfg, ctx, "ct_int4_w4a16")
 
@@ -98,7 +99,7 @@ def quantization_config(name: str, cfg):
     )
 
 
-def quantize(model, cfg, ctx, name: str):
+def quantize(model: Model, cfg: Int8W8A8Config, ctx: Context, name: str) -> Model:
     """Attach the scheme to a copy of the module (the baseline keeps the original) and set each weight's
     scale (and zero point) from its min/max."""
     if model.kind != "torch" or model.module is None:
@@ -114,18 +115,15 @@ def quantize(model, cfg, ctx, name: str):
         _set_weight_qparams(layer_name, layer)
     precision = name.removeprefix("ct_")
     layers = quantized_linears(module, quantized)
-    ctx.record(
-        "quantize",
-        {
-            "method": name,
-            "library": "compressed-tensors",
-            "scheme": config.config_groups["group_0"].model_dump(mode="json", exclude_none=True),
-            "ignore": list(cfg.ignore),
-            "simulated": True,
-            "layer_precision": layers,
-        },
-    )
-    return dataclasses.replace(model, module=module, precision=precision, layer_precision=layers)
+    record = {
+        "method": name,
+        "library": "compressed-tensors",
+        "scheme": config.config_groups["group_0"].model_dump(mode="json", exclude_none=True),
+        "ignore": list(cfg.ignore),
+        "simulated": True,
+        "layer_precision": layers,
+    }
+    return dataclasses.replace(model, module=module, precision=precision, layer_precision=layers).recorded(record)
 
 
 def plain_copy(module):

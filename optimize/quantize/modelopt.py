@@ -15,6 +15,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.registry import register
 
@@ -78,7 +79,7 @@ class NvFp4Config(ModeloptConfig):
 def _register(name: str, cfg_name: str, needs_cuda: bool):
     config_cls = NvFp4Config if needs_cuda else ModeloptConfig
 
-    def method(model, cfg, ctx):
+    def method(model: Model, cfg: ModeloptConfig, ctx: Context) -> Model:
         return quantize(model, cfg, ctx, name, cfg_name)
 
     method.__doc__ = f"nvidia-modelopt {cfg_name} (simulated quantization on CPU)"  # before register reads it
@@ -97,7 +98,7 @@ def _import_modelopt():
     return mtq
 
 
-def quantize(model, cfg: ModeloptConfig, ctx, name: str, cfg_name: str):
+def quantize(model: Model, cfg: ModeloptConfig, ctx: Context, name: str, cfg_name: str) -> Model:
     """Calibrate and insert quantizers into a copy of the module (the baseline keeps the original)."""
     if model.kind != "torch":
         raise RecipeError(f"quantize.method={name} needs the PyTorch model (it runs before the engine)")
@@ -114,21 +115,18 @@ def quantize(model, cfg: ModeloptConfig, ctx, name: str, cfg_name: str):
 
     log.info("%s: calibrating on %d texts", name, len(batches))
     module = mtq.quantize(module, copy.deepcopy(getattr(mtq, cfg_name)), forward_loop)
-    ctx.record(
-        "quantize",
-        {
-            "method": name,
-            "modelopt_config": cfg_name,
-            "device": cfg.device,
-            "simulated": cfg.device == "cpu",
-            "calibration_samples": len(batches),
-            "layer_precision": quantized_linears(module),
-        },
-    )
+    layers = quantized_linears(module)
+    record = {
+        "method": name,
+        "modelopt_config": cfg_name,
+        "device": cfg.device,
+        "simulated": cfg.device == "cpu",
+        "calibration_samples": len(batches),
+        "layer_precision": layers,
+    }
     precision = name.removeprefix("modelopt_")
-    return dataclasses.replace(
-        model, module=module.to("cpu").eval(), precision=precision, layer_precision=quantized_linears(module)
-    )
+    module = module.to("cpu").eval()
+    return dataclasses.replace(model, module=module, precision=precision, layer_precision=layers).recorded(record)
 
 
 def _calibration_batches(ctx, cfg: ModeloptConfig) -> list:

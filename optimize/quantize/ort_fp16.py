@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import List
 
 from engines.ort_providers import PROVIDERS, missing_for
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.quantize.common import require_onnx, workdir
 from optimize.registry import register
@@ -43,7 +44,7 @@ class OrtFp16Config:
 
 
 @register("quantize", "ort_fp16", OrtFp16Config, input_format="onnx")
-def ort_fp16(model, cfg: OrtFp16Config, ctx):
+def ort_fp16(model: Model, cfg: OrtFp16Config, ctx: Context) -> Model:
     """FP16 weights and activations for GPU execution providers (CUDA, TensorRT), FP32 inputs/outputs."""
     require_onnx(model, "ort_fp16")
     import onnx
@@ -63,16 +64,14 @@ def ort_fp16(model, cfg: OrtFp16Config, ctx):
         for p in PROVIDERS
         if p != cfg.execution_provider and PROVIDERS.index(p) > PROVIDERS.index(cfg.execution_provider)
     ]
-    ctx.record(
-        "quantize",
+    result = model.with_onnx(path, precision="fp16")
+    result.engine["providers"] = providers
+    return result.recorded(
         {
             "method": "ort_fp16",
             "weights": "fp16",
             "activations": "fp16",
             "keep_io_types": cfg.keep_io_types,
             "providers": providers,
-        },
+        }
     )
-    result = model.with_onnx(path, precision="fp16")
-    result.engine["providers"] = providers
-    return result

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.quantize.common import CalibrationReader, onnx_input_names, require_onnx, workdir
 from optimize.registry import register
@@ -59,7 +60,7 @@ class OrtInt4WeightOnlyConfig:
 # GPTQ needs calibration data; the pipeline loads it for every ort_int4_weight_only recipe, so a recipe
 # without calibration data fails before weights load, whichever algorithm it picks.
 @register("quantize", "ort_int4_weight_only", OrtInt4WeightOnlyConfig, needs_calibration=True, input_format="onnx")
-def ort_int4_weight_only(model, cfg: OrtInt4WeightOnlyConfig, ctx):
+def ort_int4_weight_only(model: Model, cfg: OrtInt4WeightOnlyConfig, ctx: Context) -> Model:
     """INT4 weight-only MatMulNBits (ONNX Runtime): round-to-nearest, HQQ or GPTQ, per block."""
     require_onnx(model, "ort_int4_weight_only")
     import onnx
@@ -79,8 +80,7 @@ def ort_int4_weight_only(model, cfg: OrtInt4WeightOnlyConfig, ctx):
     packed = _count_nbits(path)
     if packed == 0:
         raise RecipeError("ort_int4_weight_only found no MatMul with a constant 2-D weight to quantize")
-    ctx.record(
-        "quantize",
+    return model.with_onnx(path, precision="int4").recorded(
         {
             "method": "ort_int4_weight_only",
             "algorithm": cfg.algorithm,
@@ -90,9 +90,8 @@ def ort_int4_weight_only(model, cfg: OrtInt4WeightOnlyConfig, ctx):
             "symmetric": cfg.symmetric if cfg.algorithm != "hqq" else False,
             "accuracy_level": cfg.accuracy_level,
             "matmulnbits_nodes": packed,
-        },
+        }
     )
-    return model.with_onnx(path, precision="int4")
 
 
 def _algo_config(model, cfg: OrtInt4WeightOnlyConfig, ctx):

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.quantize.common import (
     auto_reduce_range,
@@ -62,7 +63,7 @@ class OrtInt8DynamicConfig:
 
 
 @register("quantize", "ort_int8_dynamic", OrtInt8DynamicConfig, needs_calibration=True, input_format="onnx")
-def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
+def ort_int8_dynamic(model: Model, cfg: OrtInt8DynamicConfig, ctx: Context) -> Model:
     """INT8 weights, activations quantized at run time (ONNX Runtime), with FP32 fallback of sensitive nodes."""
     require_onnx(model, "ort_int8_dynamic")
     from onnxruntime.quantization import quantize_dynamic
@@ -99,8 +100,7 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
     kernels = refuse_if_nothing_quantized(path, source, "ort_int8_dynamic", cfg.op_types)
     from optimize.evaluate.kernels import int8_gemm_speedup
 
-    ctx.record(
-        "quantize",
+    return model.with_onnx(path, precision="int8").recorded(
         {
             "method": "ort_int8_dynamic",
             "int8_gemm": int8_gemm_speedup(ctx.threads),
@@ -114,6 +114,5 @@ def ort_int8_dynamic(model, cfg: OrtInt8DynamicConfig, ctx):
             "op_types": cfg.op_types,
             "op_types_from": chosen_by,
             "kernels": kernels,
-        },
+        }
     )
-    return model.with_onnx(path, precision="int8")

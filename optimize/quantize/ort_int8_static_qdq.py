@@ -23,6 +23,7 @@ from typing import List, Optional
 
 import numpy as np
 
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.quantize.common import (
     CalibrationReader,
@@ -91,7 +92,7 @@ class OrtInt8StaticConfig:
 
 
 @register("quantize", "ort_int8_static_qdq", OrtInt8StaticConfig, needs_calibration=True, input_format="onnx")
-def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
+def ort_int8_static_qdq(model: Model, cfg: OrtInt8StaticConfig, ctx: Context) -> Model:
     """INT8 weights and activations, activation ranges calibrated ahead of time (QDQ, ONNX Runtime)."""
     require_onnx(model, "ort_int8_static_qdq")
     out = workdir(ctx, "quantize_static")
@@ -124,8 +125,7 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
     kernels = refuse_if_nothing_quantized(path, source, "ort_int8_static_qdq", cfg.op_types)
     from optimize.evaluate.kernels import int8_gemm_speedup
 
-    ctx.record(
-        "quantize",
+    return model.with_onnx(path, precision="int8").recorded(
         {
             "method": "ort_int8_static_qdq",
             "int8_gemm": int8_gemm_speedup(ctx.threads),
@@ -142,9 +142,8 @@ def ort_int8_static_qdq(model, cfg: OrtInt8StaticConfig, ctx):
             "fp32_nodes": fp32_nodes,
             "calibration_min_cosine": score,
             "kernels": kernels,
-        },
+        }
     )
-    return model.with_onnx(path, precision="int8")
 
 
 def _quantize_static(

@@ -239,7 +239,7 @@ def test_modelopt_methods_on_tiny_model(name, tiny_llm, tiny_torch, tmp_path):
     source = Model("torch", "causal_lm", module=tiny_torch.model)
     quantized = method.fn(source, build_config(method, {"calibration_samples": 2, "max_tokens": 32}), ctx)
     assert quantized.module is not tiny_torch.model  # the baseline module is left untouched
-    layers = ctx.stage_records["quantize"]["layer_precision"]
+    layers = quantized.record["layer_precision"]
     assert layers["quantized"]["count"] == 2 * 7  # q, k, v, o, gate, up, down in both layers
     ids = list(range(1, 40))
     simulated = TorchLM(quantized.module).log_likelihood(ids)

@@ -7,14 +7,19 @@ from omegaconf import OmegaConf
 
 from engines.artifact import read_manifest, verify
 from optimize import workload
-from optimize.compile import auto
+from optimize.compile.race import choice
+from optimize.compile.race import lm as race_lm
+from optimize.compile.race.candidates import CANDIDATES
+from optimize.compile.race.choice import untimed_thresholds
+from optimize.compile.race.entry import Entry
+from optimize.config import recipe_dict
 from optimize.errors import RecipeError
 from optimize.registry import build_config, get
 from tests.support.cli import run_optimize
 
 
-def _entry(name: str, cosine_min: float, p50: float) -> auto.Entry:
-    entry = auto.Entry(name, auto.CANDIDATES["ort_fp32"])
+def _entry(name: str, cosine_min: float, p50: float) -> Entry:
+    entry = Entry(name, CANDIDATES["ort_fp32"])
     entry.fidelity = {"cosine_min": cosine_min, "cosine_mean": cosine_min}
     entry.latency = {"1": {"p50_ms": p50, "x_baseline": 10 / p50}}
     entry.size_mb = 10.0
@@ -37,9 +42,14 @@ def _ctx(batches=None, **gate):
     return SimpleNamespace(cfg=OmegaConf.create(cfg))
 
 
+def _thresholds(cfg) -> dict:
+    return untimed_thresholds(recipe_dict(cfg.gate))
+
+
 def _choose(entries, ctx, baseline=None):
     """The race's choice with the workload the recipe resolves to (one point unless it declares more)."""
-    return auto._choose(entries, ctx, workload.resolve(ctx.cfg), baseline or {"1": 10.0, "32": 300.0})
+    base = baseline or {"1": 10.0, "32": 300.0}
+    return choice.choose(entries, workload.resolve(ctx.cfg), base, _thresholds(ctx.cfg))
 
 
 def test_a_candidate_that_fails_accuracy_is_never_shipped_however_fast():
@@ -178,7 +188,7 @@ def test_causal_lm_race_on_a_tiny_llama_ships_the_fastest_generation_within_the_
 
 
 def auto_generation_ms(metrics: dict) -> float:
-    from optimize.compile.race_lm import generation_ms
+    from optimize.compile.race.lm import generation_ms
 
     return generation_ms(metrics["generation"], metrics["generation"]["new_tokens"])
 
@@ -198,7 +208,7 @@ def test_an_openvino_engine_this_machine_cannot_run_is_refused_before_any_weight
         build_config(method, {"precision": "int8"})
 
 
-def _at(name: str, b1: float, b32: float, cosine_min: float = 0.999) -> auto.Entry:
+def _at(name: str, b1: float, b32: float, cosine_min: float = 0.999) -> Entry:
     entry = _entry(name, cosine_min, b1)
     entry.latency["32"] = {"p50_ms": b32, "x_baseline": 300 / b32}
     return entry
@@ -268,8 +278,8 @@ def test_within_noise_the_balanced_candidate_wins_and_the_lopsided_one_is_named(
     assert "within noise" not in entries[0].outcome
 
 
-def _lm(name: str, short_ms: float, long_ms: float, ppl_pct: float = 10.0) -> auto.Entry:
-    entry = auto.Entry(name, auto.CANDIDATES["ort_genai_int4"])
+def _lm(name: str, short_ms: float, long_ms: float, ppl_pct: float = 10.0) -> Entry:
+    entry = Entry(name, CANDIDATES["ort_genai_int4"])
     generation = {"ttft_ms": {"p50": 50.0}, "decode_tok_s": {"p50": 100.0}}
     entry.metrics = {
         "perplexity": 20.0 + ppl_pct,
@@ -287,8 +297,6 @@ def _lm(name: str, short_ms: float, long_ms: float, ppl_pct: float = 10.0) -> au
 
 
 def test_the_lm_race_ranks_by_weighted_request_time_over_the_declared_shapes():
-    from optimize.compile import race_lm
-
     requests = [{"prompt": 64, "output": 64, "weight": 0.5}, {"prompt": 1024, "output": 128, "weight": 0.5}]
     base = {"requests": {"64x64": {"request_ms": 3000.0}, "1024x128": {"request_ms": 9000.0}}}
 
@@ -302,8 +310,7 @@ def test_the_lm_race_ranks_by_weighted_request_time_over_the_declared_shapes():
                 "workload": {"requests": reqs},
             }
         )
-        ctx = SimpleNamespace(cfg=cfg)
-        winner = race_lm.choose(entries, ctx, workload.resolve(cfg), base)
+        winner = race_lm.choose(entries, workload.resolve(cfg), base, _thresholds(cfg))
         return winner.name, entries
 
     name, entries = race(requests)
@@ -315,14 +322,12 @@ def test_the_lm_race_ranks_by_weighted_request_time_over_the_declared_shapes():
 
 
 def test_under_concurrent_load_the_race_says_when_its_winner_cannot_batch_continuously():
-    from optimize.compile import race_lm
-
     base = {"requests": {"64x64": {"request_ms": 3000.0}}}
 
     def race(concurrency):
         # ONNX Runtime GenAI answers one request sooner; OpenVINO GenAI batches continuously.
         entries = [_lm("ort_fast", 500.0, 0.0), _lm("ov_batching", 600.0, 0.0)]
-        entries[1].spec = auto.CANDIDATES["openvino_genai_int4"]
+        entries[1].spec = CANDIDATES["openvino_genai_int4"]
         cfg = OmegaConf.create(
             {
                 "gate": {"max_ppl_increase_pct": 15.0, "request_shape": None},
@@ -330,7 +335,7 @@ def test_under_concurrent_load_the_race_says_when_its_winner_cannot_batch_contin
                 "workload": {"requests": None, "concurrency": concurrency},
             }
         )
-        winner = race_lm.choose(entries, SimpleNamespace(cfg=cfg), workload.resolve(cfg), base)
+        winner = race_lm.choose(entries, workload.resolve(cfg), base, _thresholds(cfg))
         return winner, entries
 
     winner, entries = race(16)

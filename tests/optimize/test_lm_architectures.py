@@ -253,13 +253,15 @@ def test_the_race_refuses_at_plan_time_what_an_engine_cannot_take():
 
     from transformers import MambaConfig
 
-    from optimize.compile import auto
+    from optimize.compile.race import budget
+    from optimize.compile.race.candidates import CANDIDATES
+    from optimize.compile.race.entry import Entry
 
     mamba = MambaConfig(num_hidden_layers=1, hidden_size=16, architectures=["MambaForCausalLM"])
-    entries = [auto.Entry(n, auto.CANDIDATES[n]) for n in ("ort_genai_int4", "openvino_genai_int8")]
-    auto._refuse_at_plan_time(entries, SimpleNamespace(module=SimpleNamespace(config=mamba)))
+    entries = [Entry(n, CANDIDATES[n]) for n in ("ort_genai_int4", "openvino_genai_int8")]
+    budget.refuse_at_plan_time(entries, SimpleNamespace(module=SimpleNamespace(config=mamba)))
     assert all(e.refused for e in entries)
     assert entries[0].outcome == (
         "refused at plan time: ONNX Runtime GenAI's builder has no graph for mamba (MambaForCausalLM)"
     )
-    assert auto.fewer_than_asked(entries).endswith("(refused at plan time: ort_genai_int4, openvino_genai_int8)")
+    assert budget.fewer_than_asked(entries).endswith("(refused at plan time: ort_genai_int4, openvino_genai_int8)")

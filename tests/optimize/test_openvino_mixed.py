@@ -14,7 +14,7 @@ pytest.importorskip("nncf")
 onnx = pytest.importorskip("onnx")
 
 from optimize import registry  # noqa: E402
-from optimize.compile import auto  # noqa: E402
+from optimize.compile.race.candidates import CANDIDATES, default_candidates  # noqa: E402
 from optimize.context import Model  # noqa: E402
 from optimize.errors import RecipeError  # noqa: E402
 from tests.support.cli import run_optimize  # noqa: E402
@@ -88,7 +88,7 @@ def _cosines(built, source: Model, ctx) -> np.ndarray:
 def test_a_tight_bar_reverts_layers_to_float_and_the_score_reaches_it(embedder, tmp_path):
     ctx = _ctx(tmp_path)
     built = _build(embedder, ctx, min_cosine=0.9995, ranking_subset_size=8)
-    record = ctx.stage_records["engine"]
+    record = built.record
     control = record["accuracy_control"]
     assert control["reverted"] >= 1 and control["reached"] and control["score"] >= 0.9995
     assert record["kernels"]["reverted"] == control["reverted"] == len(control["reverted_layers"])
@@ -103,10 +103,10 @@ def test_a_tight_bar_reverts_layers_to_float_and_the_score_reaches_it(embedder, 
 def test_a_loose_bar_keeps_every_layer_int8(embedder, tmp_path):
     ctx = _ctx(tmp_path, min_cosine=0.5)
     built = _build(embedder, ctx, margin=0.0)
-    control = ctx.stage_records["engine"]["accuracy_control"]
+    control = built.record["accuracy_control"]
     assert control["bar"] == 0.5 and control["reverted"] == 0 and control["reverted_layers"] == []
     assert built.precision == "int8" and built.layer_precision["int8"]["count"] >= 1
-    assert ctx.stage_records["engine"]["kernels"]["int8"] >= 1
+    assert built.record["kernels"]["int8"] >= 1
 
 
 def test_the_bar_comes_from_the_gate_and_is_refused_without_one(embedder, tmp_path):
@@ -121,8 +121,8 @@ def test_the_bar_comes_from_the_gate_and_is_refused_without_one(embedder, tmp_pa
 
 
 def test_the_race_registers_it_in_its_default_set():
-    assert auto.CANDIDATES["openvino_mixed"].engine == "openvino_mixed"
-    assert "openvino_mixed" in auto.default_candidates("sentence_embedding")
+    assert CANDIDATES["openvino_mixed"].engine == "openvino_mixed"
+    assert "openvino_mixed" in default_candidates("sentence_embedding")
     assert registry.get("engine", "openvino_mixed").needs_calibration
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import engines
 from engines.artifact import read_manifest, verify
 from engines.text import TextEncoder
-from optimize.compile.auto import default_candidates
+from optimize.compile.race.candidates import default_candidates
 from tests.support.cli import FAST_OVERRIDES, ROOT, one_error_line, run_optimize
 
 

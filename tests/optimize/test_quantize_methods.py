@@ -80,7 +80,7 @@ def test_static_qdq_calibrates_and_stays_close(mlp, tmp_path, calibrate_method):
     out = _run("ort_int8_static_qdq", mlp, ctx, calibrate_method=calibrate_method, calibration_count=16)
     assert out.precision == "int8" and {"QuantizeLinear", "DequantizeLinear"} <= _ops(out.onnx_path)
     assert _min_cosine(_outputs(mlp.onnx_path, X_TEST), _outputs(out.onnx_path, X_TEST)) > 0.98
-    record = ctx.stage_records["quantize"]
+    record = out.record
     assert record["calibrate_method"] == calibrate_method and record["calibration_items"] == 16
     assert record["activations"] == "uint8 static"
 
@@ -91,13 +91,13 @@ def test_static_qdq_s8s8_and_excluded_node(mlp, tmp_path):
     graph = onnx.load(str(out.onnx_path)).graph
     fc2 = next(n for n in graph.node if n.name == "fc2")
     assert "w2" in fc2.input  # excluded: still multiplies the FP32 weight
-    assert ctx.stage_records["quantize"]["reduce_range"] is False
+    assert out.record["reduce_range"] is False
 
 
 def test_static_qdq_sensitivity_fallback_keeps_nodes_fp32(mlp, tmp_path):
     ctx = FakeContext.for_onnx(tmp_path)
-    _run("ort_int8_static_qdq", mlp, ctx, fallback_min_cosine=1.0, max_fp32_nodes=1, sensitivity_samples=8)
-    assert len(ctx.stage_records["quantize"]["fp32_nodes"]) == 1  # unreachable target: stops at max_fp32_nodes
+    out = _run("ort_int8_static_qdq", mlp, ctx, fallback_min_cosine=1.0, max_fp32_nodes=1, sensitivity_samples=8)
+    assert len(out.record["fp32_nodes"]) == 1  # unreachable target: stops at max_fp32_nodes
 
 
 def test_static_qdq_rejects_bad_params():
@@ -151,7 +151,7 @@ def test_int4_weight_only_packs_matmuls(mlp, tmp_path, params):
     ctx = FakeContext.for_onnx(tmp_path)
     out = _run("ort_int4_weight_only", mlp, ctx, block_size=32, **params)
     assert "MatMulNBits" in _ops(out.onnx_path) and "MatMul" not in _ops(out.onnx_path)
-    assert out.precision == "int4" and ctx.stage_records["quantize"]["matmulnbits_nodes"] == 2
+    assert out.precision == "int4" and out.record["matmulnbits_nodes"] == 2
     assert _min_cosine(_outputs(mlp.onnx_path, X_TEST), _outputs(out.onnx_path, X_TEST)) > 0.97
     assert out.onnx_path.stat().st_size < mlp.onnx_path.stat().st_size / 3
 
@@ -184,7 +184,7 @@ def test_methods_need_an_onnx_model(tmp_path):
 def test_static_qdq_keeps_consumers_of_an_op_type_in_fp32(mlp, tmp_path):
     ctx = FakeContext.for_onnx(tmp_path)
     out = _run("ort_int8_static_qdq", mlp, ctx, exclude_consumers_of=["Relu"])
-    assert ctx.stage_records["quantize"]["excluded_nodes"] == ["fc2"]
+    assert out.record["excluded_nodes"] == ["fc2"]
     fc2 = next(n for n in onnx.load(str(out.onnx_path)).graph.node if n.name == "fc2")
     assert "w2" in fc2.input
 
@@ -219,7 +219,7 @@ def test_static_qdq_leaves_activation_by_activation_matmuls_fp32(tmp_path, const
     out = _run("ort_int8_static_qdq", model, ctx, matmul_const_b_only=const_b_only)
     graph = onnx.load(str(out.onnx_path)).graph
     producer = {o: n for n in graph.node for o in n.output}
-    assert ("gram" in ctx.stage_records["quantize"]["excluded_nodes"]) == const_b_only
+    assert ("gram" in out.record["excluded_nodes"]) == const_b_only
     # Excluded, the MatMul's own output gets no Q/DQ pair (its inputs may still carry their
     # producers' pairs): the graph output comes straight from it.
     assert (producer["y"].op_type == "MatMul") == const_b_only

@@ -9,7 +9,9 @@ import time
 
 import pytest
 
-from optimize.compile import auto
+from optimize.compile.race import budget as race_budget
+from optimize.compile.race import candidates
+from optimize.compile.race.entry import Entry
 from optimize.errors import RecipeError
 from tests.support.cli import run_optimize
 
@@ -33,33 +35,33 @@ class _Sized:
 
 
 def test_the_default_budget_scales_with_the_model():
-    assert auto.scaled_budget_s(_Sized(1_000_000)) == auto.MIN_CANDIDATE_BUDGET_S
-    small, large = auto.scaled_budget_s(_Sized(135_000_000)), auto.scaled_budget_s(_Sized(270_000_000))
-    assert large == pytest.approx(2 * small) and small == pytest.approx(auto.BUDGET_S_PER_100M_PARAMS * 1.35)
+    assert candidates.scaled_budget_s(_Sized(1_000_000)) == candidates.MIN_CANDIDATE_BUDGET_S
+    small, large = candidates.scaled_budget_s(_Sized(135_000_000)), candidates.scaled_budget_s(_Sized(270_000_000))
+    assert large == pytest.approx(2 * small) and small == pytest.approx(candidates.BUDGET_S_PER_100M_PARAMS * 1.35)
 
 
 def test_a_recipe_sets_the_budget_per_candidate():
-    cfg = auto.EngineRaceConfig(
+    cfg = candidates.EngineRaceConfig(
         candidates=["ort_fp32", "openvino_f32"], candidate_budget_s={"ort_fp32": 20, "default": 5}
     )
     cfg.validate()
     model = _Sized(10)
     assert cfg.budget_of("ort_fp32", model) == 20 and cfg.budget_of("openvino_f32", model) == 5
-    assert auto.EngineRaceConfig().budget_of("ort_fp32", model) == auto.MIN_CANDIDATE_BUDGET_S
+    assert candidates.EngineRaceConfig().budget_of("ort_fp32", model) == candidates.MIN_CANDIDATE_BUDGET_S
     with pytest.raises(RecipeError, match="candidate_budget_s names \\['ort_int8_static'\\]"):
-        auto.EngineRaceConfig(candidates=["ort_fp32"], candidate_budget_s={"ort_int8_static": 5}).validate()
+        candidates.EngineRaceConfig(candidates=["ort_fp32"], candidate_budget_s={"ort_int8_static": 5}).validate()
     with pytest.raises(RecipeError, match="positive number of seconds"):
-        auto.EngineRaceConfig(candidate_budget_s={"default": 0}).validate()
+        candidates.EngineRaceConfig(candidate_budget_s={"default": 0}).validate()
 
 
 def _entries(*names):
-    return [auto.Entry(name, auto.CANDIDATES[name]) for name in names]
+    return [Entry(name, candidates.CANDIDATES[name]) for name in names]
 
 
 def test_the_budget_sums_the_candidates_and_names_what_it_cut():
     entries = _entries("ort_fp32", "ort_int8_dynamic", "openvino_f32")
-    cfg = auto.EngineRaceConfig(candidate_budget_s={"default": 0.05})
-    budget = auto._Budget(cfg, entries, _Sized(10))
+    cfg = candidates.EngineRaceConfig(candidate_budget_s={"default": 0.05})
+    budget = race_budget.Budget(cfg, entries, _Sized(10))
     assert budget.total_s == pytest.approx(0.15) and "sum of the candidates' budgets" in budget.describe()
     first = entries[0]
     first.model, first.build_s = object(), 0.2  # built, over its own 0.05 s
@@ -71,12 +73,12 @@ def test_the_budget_sums_the_candidates_and_names_what_it_cut():
     record = budget.record(entries)
     assert record["cut"] == ["ort_int8_dynamic", "openvino_f32"] and record["over_budget"] == ["ort_fp32"]
     assert record["build_s"] == {"ort_fp32": 0.2}
-    assert auto.fewer_than_asked(entries) == (
+    assert race_budget.fewer_than_asked(entries) == (
         "the winner is chosen from 1 of the 3 candidates asked for "
         "(cut by the build budget: ort_int8_dynamic, openvino_f32)"
     )
     assert first.build_words() == "0 (over 0)"
-    fixed = auto._Budget(auto.EngineRaceConfig(time_budget_s=60), entries, _Sized(10))
+    fixed = race_budget.Budget(candidates.EngineRaceConfig(time_budget_s=60), entries, _Sized(10))
     assert fixed.total_s == 60 and "time_budget_s" in fixed.describe()
 
 
@@ -84,7 +86,7 @@ def test_nothing_is_said_when_every_candidate_was_built():
     entries = _entries("ort_fp32", "openvino_f32")
     for entry in entries:
         entry.model = object()
-    assert auto.fewer_than_asked(entries) is None
+    assert race_budget.fewer_than_asked(entries) is None
 
 
 @pytest.mark.slow

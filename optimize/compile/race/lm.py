@@ -1,5 +1,5 @@
 """The engine race for causal LMs: scoring and choosing (building and caching are shared with encoders
-in auto.py).
+in the other modules of this package).
 
 Every candidate decoder is scored against the PyTorch FP32 baseline on the held-out tokens the
 evaluation uses (perplexity, and lm-eval where the gate checks it), then every candidate and the
@@ -18,12 +18,14 @@ import contextlib
 import logging
 from typing import Any
 
+from optimize.compile.race.choice import pick
+
 log = logging.getLogger(__name__)
 
 
-def score(entries: list, ctx, workload) -> dict:
-    """Fill each entry's `metrics` (perplexity, lm-eval, TTFT and decode at each request shape);
-    returns the baseline's."""
+def score(entries: list, ctx, workload, race_cfg, thresholds: dict) -> dict:
+    """Fill each entry's `metrics` (perplexity, lm-eval where the gate's `thresholds` check it, TTFT
+    and decode at each request shape); returns the baseline's."""
     from engines import load_engine
     from engines.pytorch_runner import TorchLM
     from engines.runner_process import RunnerProcess
@@ -40,9 +42,9 @@ def score(entries: list, ctx, workload) -> dict:
     for entry in entries:
         ppl = perplexity(runners[entry.name], ids, cfg.perplexity_window)
         entry.metrics = {"perplexity": ppl, "perplexity_increase_pct": (ppl / base["perplexity"] - 1) * 100}
-    if ctx.cfg.gate.max_lm_eval_drop is not None and cfg.lm_eval_tasks:
+    if thresholds.get("max_lm_eval_drop") is not None and cfg.lm_eval_tasks:
         _lm_eval(entries, runners, baseline, base, tokens, data.items, cfg, ctx)
-    runs = max(2, min(ctx.cfg.evaluate.repeats, ctx.cfg.engine.params.timing_repeats, 5))
+    runs = max(2, min(ctx.cfg.evaluate.repeats, race_cfg.timing_repeats, 5))
     runners.clear()  # scored; each candidate is timed in a process of its own (engines/runner_process.py)
     with contextlib.ExitStack() as stack:
         timed_runners = {
@@ -132,13 +134,11 @@ def concurrency_note(entries: list, winner, workload) -> str:
     )
 
 
-def choose(entries: list, ctx, workload, baseline: dict):
+def choose(entries: list, workload, baseline: dict, thresholds: dict):
     """The candidate with the shortest request time over the workload (weighted over its shapes) among
     those that pass every accuracy and size check of the gate (perplexity increase, lm-eval drop,
     size), preferring those never slower than the baseline at any shape; none passing: the lowest
     perplexity ships."""
-    from optimize.compile.race import pick
-
     points = workload.requests
     words = ("shortest generation", "generation time")
     if len(points) > 1:
@@ -147,7 +147,7 @@ def choose(entries: list, ctx, workload, baseline: dict):
         words = ("shortest weighted request time", "weighted request time")
     winner = pick(
         entries,
-        ctx,
+        thresholds,
         measured=lambda e: e.metrics,
         cost=lambda e: e.cost if e.cost is not None else e.metrics["generation_ms"],
         error=lambda e: e.metrics["perplexity"],

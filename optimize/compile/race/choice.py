@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import asdict
 from typing import Any, Callable, Optional
 
+from optimize.compile.race.entry import Entry
+
 # Costs this close are one measurement apart on a shared machine: block-alternating p50s of the same
 # runner moved by a few percent between runs.
 COST_NOISE = 0.05
@@ -21,19 +23,16 @@ COST_NOISE = 0.05
 POINT_GAP = 0.10
 
 
-def untimed_thresholds(ctx) -> dict[str, Any]:
+def untimed_thresholds(gate_thresholds: dict) -> dict[str, Any]:
     """The gate's thresholds the race can judge before the final evaluation (not timing, not memory)."""
     from optimize import gate
-    from optimize.config import recipe_dict
 
-    return {
-        k: v for k, v in recipe_dict(ctx.cfg.gate).items() if k in gate.untimed_keys() and k != "max_peak_memory_mb"
-    }
+    return {k: v for k, v in gate_thresholds.items() if k in gate.untimed_keys() and k != "max_peak_memory_mb"}
 
 
 def pick(
     entries: list,
-    ctx,
+    thresholds: dict,
     measured: Callable,
     cost: Callable,
     error: Callable,
@@ -41,7 +40,8 @@ def pick(
     per_point: Optional[Callable[[Any], dict[str, float]]] = None,
     baseline: Optional[dict[str, float]] = None,
 ):
-    """The winner among `entries` (each gets accuracy_checks, passed and outcome).
+    """The winner among `entries` (each gets accuracy_checks, passed and outcome), judged on the
+    gate's `thresholds` the race can check (untimed_thresholds).
 
     measured(entry) -> the metrics the gate reads; cost(entry) -> what the winner minimises;
     error(entry) -> how far from the baseline it is (the most accurate ships when none passes);
@@ -50,7 +50,6 @@ def pick(
     baseline: the baseline's at the same points (each entry's slower_than_baseline_at is set)."""
     from optimize import gate
 
-    thresholds = untimed_thresholds(ctx)
     for entry in entries:
         verdict = gate.judge({}, {**measured(entry), "size_mb": entry.size_mb}, thresholds)
         entry.accuracy_checks = [asdict(c) for c in verdict.checks]
@@ -115,3 +114,40 @@ def _gap(entry, winner, cost, points) -> str:
         return ""
     where = ", ".join(f"{r:.2f}x the winner's time at {k}" for k, r in wide)
     return f"; within {COST_NOISE:.0%} of the winner's cost (within noise) but {where}"
+
+
+def choose(entries: list[Entry], workload, baseline_p50: dict, thresholds: dict) -> Entry:
+    """The fastest over the workload (p50 at its one batch size, or the weighted p50 over several)
+    among the candidates that pass every accuracy (and size) check of the gate, preferring those
+    never slower than the baseline at any point."""
+    points = workload.batches
+    if len(points) == 1:
+        batch = points[0].key
+        words = (f"fastest at batch {batch}", f"p50 at batch {batch}")
+    else:
+        for entry in entries:
+            entry.cost = sum(p.weight * entry.latency[p.key]["p50_ms"] for p in points)
+        mix = ", ".join(f"batch {p.batch}: {p.weight:.2f}" for p in points)
+        words = (f"fastest over the workload ({mix})", "weighted p50")
+    return pick(
+        entries,
+        thresholds,
+        measured=lambda e: {"fidelity": e.fidelity, **e.scores},
+        cost=lambda e: e.cost if e.cost is not None else e.latency[points[0].key]["p50_ms"],
+        error=lambda e: -e.fidelity.get("cosine_min", 0.0),
+        cost_words=words,
+        per_point=lambda e: {f"batch {p.batch}": e.latency[p.key]["p50_ms"] for p in points},
+        baseline={f"batch {p.batch}": baseline_p50[p.key] for p in points},
+    )
+
+
+def won_on(workload, lm: bool) -> str:
+    """What the race minimised, in words."""
+    if lm:
+        points = workload.requests
+        if len(points) == 1:
+            return "generation time"
+        return "weighted request time (" + ", ".join(f"{p.key}: {p.weight:.2f}" for p in points) + ")"
+    if len(workload.batches) == 1:
+        return f"p50 at batch {workload.batches[0].batch}"
+    return "weighted p50 (" + ", ".join(f"batch {p.batch}: {p.weight:.2f}" for p in workload.batches) + ")"

@@ -1,0 +1,89 @@
+"""Planning the race and its build budget: candidates refused before anything is built, the
+race's seconds to build in, and the line that says when fewer candidates ran than were asked for."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from optimize.compile.race.candidates import EngineRaceConfig
+from optimize.compile.race.entry import Entry
+
+log = logging.getLogger(__name__)
+
+
+def refuse_at_plan_time(entries: list[Entry], model) -> None:
+    """Candidates whose engine cannot take the model's architecture (engines/lm_archs.py), refused in
+    one line each before anything is built."""
+    from engines import lm_archs
+
+    config = getattr(model.module, "config", None)
+    if config is None:
+        return
+    for entry in entries:
+        reason = lm_archs.refusal(entry.spec.engine, config)
+        if reason:
+            entry.refused = True
+            entry.outcome = f"refused at plan time: {reason}"
+            log.info("race: %s refused at plan time: %s", entry.name, reason)
+
+
+class Budget:
+    """The race's build budget: the recipe's time_budget_s, or the sum of the candidates' own budgets
+    (candidate_budget_s, else scaled by the model's size). Counted from the first build; a candidate
+    starts only while some is left (a build in progress is not stopped: the runtimes build in this
+    process), and one that took longer than its own budget is said in its record."""
+
+    def __init__(self, cfg: EngineRaceConfig, entries: list[Entry], model):
+        for entry in entries:
+            entry.budget_s = cfg.budget_of(entry.name, model)
+        self.per_candidate = cfg.time_budget_s is None
+        planned = [e for e in entries if not e.refused]
+        self.total_s = cfg.time_budget_s if cfg.time_budget_s is not None else sum(e.budget_s for e in planned)
+        self.started = time.monotonic()
+
+    def spent(self) -> bool:
+        return time.monotonic() - self.started > self.total_s
+
+    def describe(self) -> str:
+        kind = "the sum of the candidates' budgets" if self.per_candidate else "engine.params.time_budget_s"
+        return f"the race's build budget ({self.total_s:.0f} s, {kind})"
+
+    def note(self, entry: Entry) -> None:
+        if entry.model is not None and not entry.cached and entry.build_s > entry.budget_s:
+            entry.over_budget = True
+            log.warning(
+                "race: %s took %.0f s to build, over its %.0f s budget", entry.name, entry.build_s, entry.budget_s
+            )
+
+    def record(self, entries: list[Entry]) -> dict:
+        return {
+            "total_s": round(self.total_s, 1),
+            "from": "candidate budgets" if self.per_candidate else "time_budget_s",
+            "per_candidate_s": {e.name: round(e.budget_s, 1) for e in entries},
+            "build_s": {e.name: round(e.build_s, 1) for e in entries if e.model is not None},
+            "cut": [e.name for e in entries if e.budget_cut],
+            "over_budget": [e.name for e in entries if e.over_budget],
+        }
+
+
+def fewer_than_asked(entries: list[Entry]) -> Optional[str]:
+    """One line when the winner is chosen from fewer candidates than the recipe asked for, naming why."""
+    built = [e for e in entries if e.model is not None]
+    if len(built) == len(entries):
+        return None
+    missing = [e for e in entries if e.model is None]
+    reasons = {
+        "cut by the build budget": [e.name for e in missing if e.budget_cut],
+        "refused at plan time": [e.name for e in missing if e.refused],
+        "failed to build": [e.name for e in missing if not e.budget_cut and not e.refused],
+    }
+    said = "; ".join(f"{why}: {', '.join(names)}" for why, names in reasons.items() if names)
+    return f"the winner is chosen from {len(built)} of the {len(entries)} candidates asked for ({said})"
+
+
+def say_if_fewer(entries: list[Entry], built: list[Entry]) -> None:
+    line = fewer_than_asked(entries)
+    if line and built:
+        log.warning("race: %s", line)

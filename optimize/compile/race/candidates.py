@@ -1,0 +1,175 @@
+"""The candidates the race knows, which it builds by default for a task, how long each build may
+take, and the race's recipe config (engine.method=auto)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+from optimize.errors import RecipeError
+
+
+@dataclass(frozen=True)
+class Candidate:
+    engine: str
+    engine_params: dict = field(default_factory=dict)
+    quantize: Optional[str] = None
+    quantize_params: dict = field(default_factory=dict)
+
+
+# The candidates the race knows, by name. ORT INT8 comes as the sensitivity-fallback variant (a few
+# MatMuls kept FP32 until the calibration cosine holds) and as all-INT8; static QDQ with the settings
+# that held min cosine 0.99 on MiniLM (percentile calibration, GELU-fed MatMuls kept FP32).
+CANDIDATES: dict[str, Candidate] = {
+    "ort_fp32": Candidate("onnx"),
+    "ort_int8_dynamic": Candidate("onnx", quantize="ort_int8_dynamic"),
+    "ort_int8_dynamic_all": Candidate(
+        "onnx", quantize="ort_int8_dynamic", quantize_params={"fallback_min_cosine": None}
+    ),
+    "ort_int8_qattention": Candidate("onnx", quantize="ort_int8_dynamic", quantize_params={"quantize_attention": True}),
+    "ort_int8_static": Candidate(
+        "onnx",
+        quantize="ort_int8_static_qdq",
+        quantize_params={
+            "op_types": ["MatMul"],
+            "calibrate_method": "percentile",
+            "percentile": 99.999,
+            "exclude_consumers_of": ["BiasGelu", "Gelu", "FastGelu"],
+            "fallback_min_cosine": 0.995,
+            "max_fp32_nodes": 6,
+        },
+    ),
+    "openvino_f32": Candidate("openvino", {"precision": "f32"}),
+    "openvino_bf16": Candidate("openvino", {"precision": "bf16"}),
+    "openvino_int8": Candidate("openvino", {"precision": "int8"}),
+    # NNCF's accuracy control reverts the INT8 layers that cost the gate's cosine to float (bf16 where
+    # the CPU has it), so an INT8 that fails the gate all-INT8 can still ship mostly INT8.
+    "openvino_mixed": Candidate("openvino_mixed"),
+}
+# Causal LMs: decoders with KV cache from ONNX Runtime GenAI and OpenVINO GenAI, weight-only INT4
+# (with 8-bit LM head and sensitive layers where the builder offers it) and INT8.
+CANDIDATES.update(
+    {
+        "ort_genai_int4": Candidate("onnxruntime_genai", {"precision": "int4", "accuracy_level": 4}),
+        "ort_genai_int4_k_quant_mixed": Candidate(
+            "onnxruntime_genai", {"precision": "int4", "accuracy_level": 4, "algo_config": "k_quant_mixed"}
+        ),
+        "openvino_genai_int4": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 64}),
+        "openvino_genai_int4_g32": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 32}),
+        # Data-aware INT4 (AWQ + scale estimation on the calibration text): SmolLM2 +15.5% perplexity at
+        # group 64 against +32% for plain rounding.
+        "openvino_genai_int4_awq": Candidate(
+            "openvino_genai", {"weight_format": "int4_asym", "group_size": 64, "awq": True, "scale_estimation": True}
+        ),
+        "openvino_genai_int4_g32_awq": Candidate(
+            "openvino_genai", {"weight_format": "int4_asym", "group_size": 32, "awq": True, "scale_estimation": True}
+        ),
+        "openvino_genai_int8": Candidate("openvino_genai", {"weight_format": "int8_asym"}),
+    }
+)
+DEFAULT_CANDIDATES = {
+    "causal_lm": [
+        "ort_genai_int4_k_quant_mixed",
+        "openvino_genai_int4_awq",
+        "openvino_genai_int4_g32_awq",
+        "openvino_genai_int8",
+    ],
+    "default": [
+        "ort_fp32",
+        "ort_int8_dynamic",
+        "ort_int8_qattention",
+        "ort_int8_dynamic_all",
+        "openvino_f32",
+        "openvino_bf16",
+        "openvino_int8",
+        "openvino_mixed",
+    ],
+}
+
+
+# A candidate's build budget when the recipe sets none: this many seconds per 100M parameters (embedding
+# included: a large vocabulary lengthens every export and every calibration pass), at least the minimum.
+# The one race-wide 300 s this replaces built SmolLM2-135M's four LM candidates, and one of a 262k-token
+# vocabulary model's (about 270M parameters), whose builds each took several times longer.
+BUDGET_S_PER_100M_PARAMS = 120.0
+MIN_CANDIDATE_BUDGET_S = 150.0
+
+
+def scaled_budget_s(model) -> float:
+    """The default build budget of one candidate for this model (an ONNX graph counts its weights)."""
+    return max(MIN_CANDIDATE_BUDGET_S, BUDGET_S_PER_100M_PARAMS * parameter_count(model) / 1e8)
+
+
+def parameter_count(model) -> int:
+    if getattr(model, "module", None) is not None and hasattr(model.module, "parameters"):
+        return sum(p.numel() for p in model.module.parameters())
+    if getattr(model, "onnx_path", None) is not None:
+        import numpy as np
+        import onnx
+
+        graph = onnx.load(str(model.onnx_path), load_external_data=False).graph
+        return sum(int(np.prod(i.dims)) for i in graph.initializer)
+    return 0
+
+
+def default_candidates(task: str) -> list[str]:
+    return list(DEFAULT_CANDIDATES.get(task, DEFAULT_CANDIDATES["default"]))
+
+
+@dataclass
+class EngineRaceConfig:
+    """Example recipe (add static INT8 to the default set, five minutes at most):
+
+    engine:
+      method: auto
+      params: {candidates: [ort_fp32, ort_int8_dynamic, ort_int8_static, openvino_bf16, openvino_int8],
+               time_budget_s: 300}
+    """
+
+    candidates: List[str] = field(default_factory=list)  # empty: the model task's default set
+    # Parameters merged into a candidate's methods, by candidate name:
+    # {openvino_int8: {engine: {smooth_quant_alpha: 0.5}}, ort_int8_dynamic: {quantize: {max_fp32_nodes: 4}}}
+    candidate_params: Dict[str, Any] = field(default_factory=dict)
+    # Building stops when the race's budget is spent; candidates not built are recorded and the report
+    # says so before the winner. null: the sum of the candidates' budgets (candidate_budget_s).
+    time_budget_s: Optional[float] = None
+    # Seconds each candidate's build may take, by name ("default" for the rest). null: scaled by the
+    # model (BUDGET_S_PER_100M_PARAMS, at least MIN_CANDIDATE_BUDGET_S): a 262k-token vocabulary
+    # makes every build of a small model several times longer.
+    candidate_budget_s: Dict[str, float] = field(default_factory=dict)
+    timing_repeats: int = 16  # timed calls per candidate and batch size (fewer when slow)
+    cache: bool = True  # reuse candidates built before with the same content hash
+
+    def validate(self):
+        unknown = [c for c in self.candidates if c not in CANDIDATES]
+        if unknown:
+            raise RecipeError(
+                f"engine.params.candidates={self.candidates}: unknown {unknown} (known: {', '.join(CANDIDATES)})"
+            )
+        stray = set(self.candidate_params) - set(self.candidates or CANDIDATES)
+        if stray:
+            raise RecipeError(f"engine.params.candidate_params names {sorted(stray)}, which are not candidates")
+        for name, params in self.candidate_params.items():
+            if not isinstance(params, dict) or set(params) - {"engine", "quantize"}:
+                raise RecipeError(f"engine.params.candidate_params.{name} takes engine: and quantize: sections")
+        if (self.time_budget_s is not None and self.time_budget_s <= 0) or self.timing_repeats < 1:
+            raise RecipeError("engine.params.time_budget_s and timing_repeats must be positive")
+        stray = set(self.candidate_budget_s) - set(self.candidates or CANDIDATES) - {"default"}
+        if stray:
+            raise RecipeError(f"engine.params.candidate_budget_s names {sorted(stray)}, which are not candidates")
+        if any(not isinstance(v, (int, float)) or v <= 0 for v in self.candidate_budget_s.values()):
+            raise RecipeError("engine.params.candidate_budget_s: every budget must be a positive number of seconds")
+
+    def budget_of(self, name: str, model) -> float:
+        """Seconds candidate `name` may take: the recipe's, else scaled by the model's size."""
+        given = self.candidate_budget_s.get(name, self.candidate_budget_s.get("default"))
+        return float(given) if given is not None else scaled_budget_s(model)
+
+    def spec(self, name: str) -> Candidate:
+        base, extra = CANDIDATES[name], self.candidate_params.get(name) or {}
+        return Candidate(
+            base.engine,
+            {**base.engine_params, **(extra.get("engine") or {})},
+            base.quantize,
+            {**base.quantize_params, **(extra.get("quantize") or {})},
+        )

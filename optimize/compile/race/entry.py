@@ -1,0 +1,94 @@
+"""One candidate in the race as the manifest and the report show it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from optimize.compile.race.candidates import Candidate
+
+
+@dataclass
+class Entry:
+    """One candidate in the race: how it was built, how it scored, whether it won and why not."""
+
+    name: str
+    spec: Candidate
+    model: Any = None
+    records: dict = field(default_factory=dict)
+    cached: bool = False
+    build_s: float = 0.0
+    size_mb: Optional[float] = None
+    fidelity: dict = field(default_factory=dict)
+    latency: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)  # causal LMs: perplexity, lm-eval, generation speed
+    scores: dict = field(default_factory=dict)  # a task's own gated figures (classifiers: labeled accuracy)
+    accuracy_checks: list = field(default_factory=list)
+    passed: Optional[bool] = None
+    outcome: str = ""
+    slower_than_baseline_at: list = field(default_factory=list)  # workload points (set by race.pick)
+    cost: Optional[float] = None  # the weighted cost over the workload's points (several points only)
+    budget_s: float = 0.0  # the seconds its build may take (EngineRaceConfig.budget_of)
+    refused: bool = False  # its engine cannot take the model (refused at plan time)
+    budget_cut: bool = False  # not built: the race's build budget was spent before it started
+    over_budget: bool = False  # built, but took longer than budget_s
+
+    def kernels(self) -> Optional[dict]:
+        """INT8 and float weighted nodes: from the quantize record (ONNX Runtime) or the OpenVINO op counts."""
+        return (self.records.get("quantize") or {}).get("kernels") or (self.records.get("engine") or {}).get("kernels")
+
+    def report(self) -> dict:
+        return {
+            "name": self.name,
+            "engine": self.spec.engine,
+            "engine_params": self.spec.engine_params,
+            "quantize": self.spec.quantize,
+            "quantize_params": self.spec.quantize_params,
+            "precision": self.model.precision if self.model else None,
+            "cached": self.cached,
+            "build_s": round(self.build_s, 1),
+            "budget_s": round(self.budget_s, 1),
+            "over_budget": self.over_budget,
+            "size_mb": self.size_mb,
+            "fidelity": self.fidelity,
+            "latency": self.latency,
+            "accuracy_checks": self.accuracy_checks,
+            "passed_accuracy": self.passed,
+            "metrics": self.metrics,
+            "scores": self.scores,
+            "kernels": self.kernels(),
+            "columns": self.columns(),
+            "slower_than_baseline_at": self.slower_than_baseline_at,
+            "cost": self.cost,
+            "outcome": self.outcome,
+        }
+
+    def columns(self) -> dict:
+        """What the report shows of this candidate: its build time, then the task's own figures."""
+        return {"build s": self.build_words(), **self.figures()}
+
+    def build_words(self) -> str:
+        if self.model is None:
+            return "-"
+        if self.cached:
+            return "cached"
+        return f"{self.build_s:.0f}" + (f" (over {self.budget_s:.0f})" if self.over_budget else "")
+
+    def figures(self) -> dict:
+        if self.metrics:
+            from optimize.compile.race import lm
+
+            return lm.columns(self)
+        cells = {
+            "cosine min": _fmt(self.fidelity.get("cosine_min")),
+            "cosine mean": _fmt(self.fidelity.get("cosine_mean")),
+        }
+        for batch, timing in self.latency.items():
+            cells[f"p50 ms b{batch} (x base)"] = f"{timing['p50_ms']:.2f} ({timing['x_baseline']:.2f}x)"
+        if self.cost is not None:
+            cells["workload ms (weighted p50)"] = f"{self.cost:.2f}"
+        return cells
+
+
+def _fmt(value, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

@@ -1,0 +1,107 @@
+"""What the race leaves in the manifest and the artifact: its record (every candidate, the winner,
+why each lost) and the plot of its front."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from optimize.compile.race.choice import won_on
+from optimize.compile.race.entry import Entry
+
+log = logging.getLogger(__name__)
+PLOT = "race/front.png"  # the race's front in the artifact
+
+
+def race_record(
+    ctx,
+    workload,
+    entries: list[Entry],
+    winner: Entry,
+    baseline: dict,
+    export: Optional[dict],
+    plot: Optional[Path],
+    seconds: float,
+) -> dict:
+    from optimize.evaluate.kernels import int8_gemm_speedup
+
+    lm = bool(winner.metrics)
+    for entry in entries:
+        log.debug("race: %-28s %s", entry.name, entry.outcome)
+    record = {
+        "method": "auto",
+        "winner": winner.name,
+        "won_on": won_on(workload, lm),
+        "workload": workload.record(),
+        "candidates": [e.report() for e in entries],
+        "close_calls": [e.name for e in entries if "within noise" in e.outcome],
+        "retimed_points": _retimed_points(entries),
+        "seconds": round(seconds, 1),
+        "plot": PLOT if plot else None,
+        "winner_engine": winner.records.get("engine"),
+    }
+    if lm:
+        return {**record, "baseline": baseline}
+    return {
+        **record,
+        "batch_size": workload.batches[0].key if len(workload.batches) == 1 else None,
+        "baseline_p50_ms": baseline,
+        "export": export,
+        "int8_gemm": int8_gemm_speedup(ctx.threads),
+    }
+
+
+def _retimed_points(entries: list[Entry]) -> int:
+    """Points the race timed again because other processes took CPU time (all candidates share a run)."""
+    for entry in entries:
+        timed = entry.latency or entry.metrics.get("requests") or {}
+        if timed:
+            return sum((t.get("retimes") or 0) > 0 for t in timed.values())
+    return 0
+
+
+def plot_front(entries: list[Entry], workload, path: Path) -> Optional[Path]:
+    """The front at every workload point: latency (causal LMs: request time) against accuracy (min
+    cosine; perplexity increase), one panel per point, each candidate labelled with its size."""
+    lm = any("requests" in e.metrics for e in entries)
+    points = [p.key for p in (workload.requests if lm else workload.batches)]
+    if lm:
+        scored = [e for e in entries if "requests" in e.metrics]
+    else:
+        scored = [e for e in entries if "cosine_min" in e.fidelity and all(k in e.latency for k in points)]
+    if not scored:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(points), figsize=(6 * len(points), 4.5), squeeze=False)
+    for ax, point in zip(axes[0], points):
+        for entry in scored:
+            x, y = _front_xy(entry, point, lm)
+            shipped = entry.outcome.startswith("won")
+            ax.scatter(
+                [x],
+                [y],
+                color="tab:green" if entry.passed else "tab:red",
+                marker="*" if shipped else "o",
+                s=160 if shipped else 50,
+            )
+            size = f" ({entry.size_mb:.0f} MB)" if entry.size_mb is not None else ""
+            ax.annotate(entry.name + size, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_xlabel(f"request time {point} tokens, p50 TTFT + decode (ms)" if lm else f"p50 at batch {point} (ms)")
+        ax.set_ylabel("perplexity increase (%)" if lm else "min cosine vs baseline")
+        ax.grid(alpha=0.3)
+    fig.suptitle("engine race at each workload point: green passes accuracy, red fails, star ships")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _front_xy(entry: Entry, point: str, lm: bool) -> tuple[float, float]:
+    if lm:
+        return entry.metrics["requests"][point]["request_ms"], entry.metrics["perplexity_increase_pct"]
+    return entry.latency[point]["p50_ms"], entry.fidelity["cosine_min"]
