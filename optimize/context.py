@@ -64,6 +64,12 @@ class Model:
     def onnx_path(self) -> Path | None:
         return self.engine_dir / self.engine["file"] if self.kind == "onnx" else None
 
+    def onnx_file(self) -> Path:
+        """The ONNX file of a model of kind "onnx" (as the export and the ONNX-side methods return)."""
+        if self.onnx_path is None:
+            raise ValueError(f"a model of kind {self.kind} has no ONNX file")
+        return self.onnx_path
+
     def with_onnx(self, path: Path, precision: str | None = None) -> "Model":
         """The model as one ONNX file (alone in its directory) for ONNX Runtime."""
         path = Path(path)

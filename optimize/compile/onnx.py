@@ -35,7 +35,7 @@ def onnx_engine(model: Model, cfg: OnnxExportConfig, ctx: Context) -> Model:
     """Export to ONNX (dynamo exporter), verified against PyTorch; runs on ONNX Runtime."""
     out = ctx.scratch / "onnx"
     out.mkdir(parents=True, exist_ok=True)
-    if model.kind == "onnx":  # already an ONNX graph: the engine ships it as it is
+    if model.onnx_path is not None:  # already an ONNX graph: the engine ships it as it is
         from engines.onnx_export import copy_onnx
 
         return model.with_onnx(copy_onnx(model.onnx_path, out))

@@ -81,7 +81,7 @@ def openvino_engine(model: Model, cfg: OpenVINOConfig, ctx: Context) -> Model:
     exported = model if model.kind == "onnx" else onnx_engine(model, OnnxExportConfig(ort_fusions=cfg.ort_fusions), ctx)
     out = ctx.scratch / "openvino_engine"
     shutil.rmtree(out, ignore_errors=True)
-    xml = onnx_to_ir(exported.onnx_path, out / "fp32")
+    xml = onnx_to_ir(exported.onnx_file(), out / "fp32")
     if cfg.precision == "int8":
         batches = _calibration_batches(ctx, cfg)
         log.info("NNCF INT8: calibrating on %d batches", len(batches))

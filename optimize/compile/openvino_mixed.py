@@ -112,7 +112,7 @@ def openvino_mixed_engine(model: Model, cfg: OpenVINOMixedConfig, ctx: Context) 
     exported = model if model.kind == "onnx" else onnx_engine(model, OnnxExportConfig(ort_fusions=cfg.ort_fusions), ctx)
     out = ctx.scratch / "openvino_mixed_engine"
     shutil.rmtree(out, ignore_errors=True)
-    fp32 = onnx_to_ir(exported.onnx_path, out / "fp32")
+    fp32 = onnx_to_ir(exported.onnx_file(), out / "fp32")
     calibration, validation = _data(ctx, cfg, fp32, output)
     log.info("NNCF accuracy control: %s cosine >= %.4f on %d calibration texts", cfg.metric, bar, len(validation))
     xml, layers = _quantize(fp32, calibration, validation, output, bar, cfg, out)

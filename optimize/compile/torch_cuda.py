@@ -72,12 +72,12 @@ def torch_cuda_engine(model: Model, cfg: TorchCudaConfig, ctx: Context) -> Model
     engine = {
         "format": formats.TORCH_CUDA,
         "model_dir": ENGINE_DIR,
-        "task": ctx.source.task,
+        "task": model.task,
         "precision": cfg.precision,
         "group_size": cfg.group_size,
         "compile": None if cfg.compile == "none" else cfg.compile,
     }
-    if ctx.source.task == "sentence_embedding":
+    if model.task == "sentence_embedding":
         engine["pooling"] = ctx.pooling
     record = {"method": "torch_cuda", "compile": cfg.compile, **swapped}
     return model.with_engine(out, engine, precision=cfg.precision).recorded(record)

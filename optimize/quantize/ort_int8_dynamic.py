@@ -71,7 +71,7 @@ def ort_int8_dynamic(model: Model, cfg: OrtInt8DynamicConfig, ctx: Context) -> M
     reduce_range = auto_reduce_range(cfg.reduce_range)
     weight_type = quant_type(cfg.weight_type)
     out = workdir(ctx)
-    source, packed = constants_to_initializers(model.onnx_path, out), 0
+    source, packed = constants_to_initializers(model.onnx_file(), out), 0
     if cfg.quantize_attention:
         from engines.ort_fusion import pack_attention_qkv
 

@@ -96,7 +96,7 @@ def ort_int8_static_qdq(model: Model, cfg: OrtInt8StaticConfig, ctx: Context) ->
     """INT8 weights and activations, activation ranges calibrated ahead of time (QDQ, ONNX Runtime)."""
     require_onnx(model, "ort_int8_static_qdq")
     out = workdir(ctx, "quantize_static")
-    source = optimize_for_cpu(model.onnx_path, out) if cfg.optimize_graph == "bert" else model.onnx_path
+    source = optimize_for_cpu(model.onnx_file(), out) if cfg.optimize_graph == "bert" else model.onnx_file()
     source = with_opset_at_least(constants_to_initializers(source, out), out)
     count = min(cfg.calibration_count, len(ctx.calibration().items))
     reader = CalibrationReader(ctx.calibration_inputs(count), onnx_input_names(source), cfg.calibration_batch)
