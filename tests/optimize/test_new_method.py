@@ -40,8 +40,7 @@ class TmpIdentityConfig:
 @register("quantize", "tmp_identity", TmpIdentityConfig, input_format="onnx")
 def tmp_identity(model, cfg, ctx):
     """Returns the ONNX model unchanged (a test method)."""
-    ctx.record("quantize", {"method": "tmp_identity", "bits": cfg.bits})
-    return model
+    return model.recorded({"method": "tmp_identity", "bits": cfg.bits})
 '''
 
 GROUP_YAML = """\
