@@ -13,8 +13,9 @@ class Layout:
 
     def __init__(self, model):
         self.model = model
-        if hasattr(model, "encoder") and hasattr(model.encoder, "layer"):  # BERT family
-            self.kind, self.owner, self.attr = "bert", model.encoder, "layer"
+        base = getattr(model, "base_model", model)  # a classifier's encoder under its task head
+        if hasattr(base, "encoder") and hasattr(base.encoder, "layer"):  # BERT family
+            self.kind, self.owner, self.attr = "bert", base.encoder, "layer"
         elif hasattr(model, "model") and hasattr(model.model, "layers"):  # Llama family (ForCausalLM)
             self.kind, self.owner, self.attr = "llama", model.model, "layers"
         else:

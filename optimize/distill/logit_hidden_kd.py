@@ -22,10 +22,11 @@ from optimize.registry import register
     DistillConfig,
     input_format="torch",
     needs_calibration=True,
-    tasks=("sentence_embedding", "causal_lm"),
+    tasks=("sentence_embedding", "causal_lm", "text_classification", "token_classification"),
 )
 def logit_hidden_kd(model: Model, cfg: DistillConfig, ctx: Context) -> Model:
-    """Knowledge distillation from the source model: output (logit KL / embedding cosine) + hidden states."""
+    """Knowledge distillation from the source model: the task's output (logit KL, embedding cosine or
+    class-logit KL) plus hidden states."""
     import torch
 
     if model.kind != "torch":

@@ -1,5 +1,6 @@
 """The distillation losses: the task's output (next-token KL for causal LMs, pooled-embedding
-cosine for sentence encoders) plus hidden states matched layer to layer."""
+cosine for sentence encoders, class-logit KL for classifiers) plus hidden states matched layer to
+layer."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class Objective:
             return LogitObjective(teacher, student, layer_map, cfg)
         if task.distill_loss == "embedding":
             return EmbeddingObjective(teacher, student, layer_map, cfg, ctx)
+        if task.distill_loss == "class_logits":
+            return ClassLogitObjective(teacher, student, layer_map, cfg)
         raise RecipeError(f"distill does not support model.task={task.name}")
 
     def matched_layers(self) -> list[tuple[int, int]]:
@@ -158,6 +161,31 @@ class LogitObjective(Objective):
     def metric_hook(self, before: dict) -> Callable[[dict], None]:
         """Adds the pruned-only perplexity row and the recovery figure."""
         return functools.partial(add_recovery, pruned=before["pruned_only_perplexity"])
+
+
+class ClassLogitObjective(Objective):
+    """Classifiers (a label per text, or per token): KL between the teacher's and the student's class
+    distributions at temperature T, over real tokens for a token classifier, plus hidden states.
+    The class logits are small, so the teacher runs beside the student rather than being cached."""
+
+    def loss(self, batch):
+        import torch
+        import torch.nn.functional as F
+
+        batch.pop("rows")
+        mask = batch["attention_mask"]
+        with torch.no_grad():
+            t_out = self.teacher(**batch, output_hidden_states=True)
+        s_out = self.student(**batch, output_hidden_states=True)
+        temp = self.cfg.temperature
+        s_logits, t_logits = s_out.logits.float(), t_out.logits.float()
+        classes = s_logits.shape[-1]
+        if s_logits.dim() == 3:  # per token: only real tokens count
+            keep = mask.reshape(-1).bool()
+            s_logits, t_logits = s_logits.reshape(-1, classes)[keep], t_logits.reshape(-1, classes)[keep]
+        student_log_p, teacher_log_p = F.log_softmax(s_logits / temp, -1), F.log_softmax(t_logits / temp, -1)
+        kl = F.kl_div(student_log_p, teacher_log_p, log_target=True, reduction="batchmean") * temp**2
+        return self.combine(kl, self.hidden_loss(s_out.hidden_states, t_out.hidden_states, mask))
 
 
 def add_recovery(metrics: dict, pruned: float) -> None:

@@ -18,7 +18,8 @@ class Task:
     dynamic_axes: dict = field(default_factory=dict)
     fidelity_output: str | None = None  # the output whose fidelity decides accuracy; None: all outputs
     # What the distill stage matches on the output: "logits" (next-token KL), "embedding" (pooled
-    # cosine), or None (the task is not distilled).
+    # cosine), "class_logits" (KL of the class distribution, per text or per token), or None (the
+    # task is not distilled).
     distill_loss: str | None = None
 
     def module(self, model, ctx):

@@ -85,6 +85,7 @@ class LabeledTextTask(Task, abc.ABC):
     output_names: tuple[str, ...] = ("logits",)
     dynamic_axes: dict = field(default_factory=lambda: {n: {0: "batch", 1: "sequence"} for n in ENCODER_INPUTS})
     fidelity_output: str | None = None  # logits are compared output by output (cosine, max abs error)
+    distill_loss: str | None = "class_logits"
 
     def module(self, model, ctx):
         from engines.pytorch_runner import logits_module

@@ -186,8 +186,25 @@ def test_label_mismatches_exit_2_with_one_line(text_setup, tmp_path, labels, fra
     assert not out.exists()
 
 
-def test_prune_and_distill_refuse_classifiers_at_plan_time(text_setup, tmp_path):
-    model, data = text_setup
-    for stage in ("prune=structured", "distill=logit_hidden_kd"):
-        proc = run_optimize(*text_overrides(model, data, tmp_path / "artifact"), stage)
-        one_error_line(proc, "does not support model.task=text_classification")
+@pytest.mark.parametrize("task", ["text_classification", "token_classification"])
+def test_a_classifier_distills_into_a_smaller_student_on_its_logits(task, text_setup, ner_setup, tmp_path):
+    """Logit KD: a one-layer student of the two-layer classifier, trained on the teacher's class
+    distribution (per token for NER), judged on labeled accuracy like any candidate."""
+    model, data = text_setup if task == "text_classification" else ner_setup
+    out = tmp_path / "artifact"
+    overrides = text_overrides(model, data, out, "distill=logit_hidden_kd", "distill.params.student_layers=1")
+    overrides += ["distill.params.max_steps=40", "distill.params.seq_len=32", "distill.params.batch_size=8"]
+    overrides += ["gate.max_accuracy_drop=100", "gate.max_f1_drop=100", "gate.min_prediction_agreement=0"]
+    if task == "token_classification":  # word lists with a tag per word; plain text trains the student
+        overrides = [o.replace("text_classification", task) for o in overrides if not o.startswith("calibration.")]
+        overrides += ["evaluate.data.field=tokens", "evaluate.data.label_field=tags", "evaluate.data.count=30"]
+        overrides += ["calibration.source=cpython_docs", "calibration.count=16"]
+    proc = run_optimize(*overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    record = manifest["stages"]["distill"]
+    assert record["layer_map"] == [1] and record["loss_curve_summary"]["steps"] == 40
+    assert record["loss_curve_summary"]["last5_mean"] < record["loss_curve_summary"]["first5_mean"]  # it learned
+    assert (out / "distill" / "loss_curve.png").is_file() and (out / "labels.json").is_file()
+    figure = "accuracy" if task == "text_classification" else "entity_f1"
+    assert figure in manifest["metrics"]["candidate"] and manifest["verdict"] == "passed"
