@@ -125,10 +125,6 @@ class Context:
     encoder: Any = None
     threads: int = 0
     stage_records: dict = field(default_factory=dict)  # {stage: what it did}, for the manifest
-    # Generic hooks for stages: files to ship in the artifact ({relative path: file}), and
-    # callables that may add to the evaluation's metrics before the gate judges them.
-    extra_files: dict = field(default_factory=dict)
-    metric_hooks: list[Callable[[dict], None]] = field(default_factory=list)
     _calibration: TextSet | None = None
     _evaluation: TextSet | None = None
 

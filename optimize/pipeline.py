@@ -127,7 +127,7 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
             from optimize.inputs import TensorEncoder
 
             ctx.encoder = TensorEncoder.for_onnx(source.onnx_path, recipe_dict(cfg.model.inputs), ctx.threads)
-            ctx.record("inputs", ctx.encoder.record())
+            ctx.stage_records["inputs"] = ctx.encoder.record()
             from optimize.inputs import plan_time_refusals
 
             plan_time_refusals(ctx, the_plan.stages, source.onnx_path)
@@ -138,11 +138,11 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
             log.info("%s: %s", method.stage, method.name)
             model = method.fn(model, method_cfg, ctx).file_into(ctx.stage_records, method.stage)
         engine = _install_engine(model, stage, cfg)
-        _ship_extra_files({**ctx.extra_files, **task.files(ctx), **model.files}, stage)
+        _ship_extra_files({**task.files(ctx), **model.files}, stage)
         baseline = _baseline(ctx, source, task)
         candidate = _candidate(stage, engine, ctx, model.layer_precision)
         metrics, eval_data = task.evaluate(baseline, candidate, ctx)
-        for hook in (*ctx.metric_hooks, *model.metric_hooks):
+        for hook in model.metric_hooks:
             hook(metrics)
         metrics["baseline"].update(engine=baseline.engine["format"], precision="fp32")
         metrics["candidate"].update(engine=engine["format"], precision=engine["precision"])

@@ -20,8 +20,7 @@ from tests.support.models import TEXTS, encode
 
 class FakeContext:
     """Mirrors optimize.context.Context: cfg, scratch, source, encoder, threads, stage_records,
-    extra_files, metric_hooks, calibration(), evaluation_data(), encode(), calibration_inputs(),
-    record(), pooling."""
+    calibration(), evaluation_data(), encode(), calibration_inputs(), record(), pooling."""
 
     def __init__(
         self,
@@ -40,8 +39,6 @@ class FakeContext:
         self.encoder = encoder
         self.threads = threads
         self.stage_records: dict = {}
-        self.extra_files: dict = {}
-        self.metric_hooks: list = []
         self.items = list(TEXTS if items is None else items)
         self._pooling = pooling or {"mode": "mean", "normalize": False}
 
