@@ -73,6 +73,9 @@ def int4_fits(linear, group_size: int) -> str | None:
 class Fp8Linear(torch.nn.Module, _QuantLinearBase):
     """y = x W^T + b with W in e4m3 (per-tensor scale) and x cast to e4m3 per call (dynamic scale)."""
 
+    weight_fp8: torch.Tensor  # buffers (register_buffer), which nn.Module's attribute lookup types loosely
+    weight_scale: torch.Tensor
+
     def __init__(self, linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features

@@ -17,7 +17,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, cast
 
 import numpy as np
 
@@ -85,7 +85,8 @@ def _wrapper(model, layers: int):
             for i in range(layers):
                 layer = DynamicLayer()
                 layer.keys, layer.values = past[2 * i], past[2 * i + 1]
-                layer.dtype, layer.device, layer.is_initialized = past[2 * i].dtype, past[2 * i].device, True
+                layer.device, layer.is_initialized = past[2 * i].device, True
+                layer.dtype = past[2 * i].dtype  # type: ignore[attr-defined]  # not declared on DynamicLayer; set as before
                 cache.layers.append(layer)
             ones_kv = torch.ones_like(attention_mask)
             kv_pos = torch.cumsum(ones_kv, dim=1) - 1  # [B, K]: 0..K-1
@@ -102,7 +103,7 @@ def _wrapper(model, layers: int):
                 return_dict=True,
             )
             present = []  # the cache object was updated in place
-            for layer in cache.layers:
+            for layer in cast("list[DynamicLayer]", cache.layers):  # the layers built above
                 present += [layer.keys, layer.values]
             return (out.logits, *present)
 

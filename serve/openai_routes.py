@@ -151,7 +151,7 @@ class Reply:
         self.scope = scope  # where a stream that fails after its headers reports it (serve.app counts it)
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.finish_reason = None
+        self.finish_reason: str | None = None
 
     async def pieces(self):
         """Text pieces with stop strings applied; sets finish_reason at the end."""
