@@ -239,7 +239,8 @@ def run_job(cfg) -> tuple[int, Path | None]:
     """Run one recipe: its exit code, and the artifact it wrote (None when nothing was written)."""
     from hydra.core.hydra_config import HydraConfig
 
-    from optimize import ci_report, pipeline, report, runlog
+    from optimize import pipeline, runlog
+    from optimize.reports import ci, console
 
     hydra_cfg = HydraConfig.get()
     # Libraries log at INFO on the root logger (ONNX Runtime's quantizer does, per node): keep their
@@ -265,9 +266,9 @@ def run_job(cfg) -> tuple[int, Path | None]:
         print(f"error: {message}", file=sys.stderr)
         _remove_hydra_outputs(run_dir, hydra_cfg)
         return EXIT_BAD_INPUT, None
-    print(report.render(manifest, path))
+    print(console.render(manifest, path))
     try:
-        for line in ci_report.export(manifest, path, cfg.report.junit):
+        for line in ci.export(manifest, path, cfg.report.junit):
             print(line)
         _publish(cfg, manifest, path)
     except RecipeError as exc:  # the artifact stays: only where it was to go failed

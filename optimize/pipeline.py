@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from engines import formats, load_engine
-from optimize import artifact, ci_report, environment, gate, publish, registry, runlog, tasks, workload
+from optimize import artifact, environment, gate, publish, registry, runlog, tasks, workload
 from optimize.config import recipe_dict
 from optimize.context import Context, Model, SourceModel
 from optimize.errors import RecipeError
@@ -21,6 +21,7 @@ from optimize.evaluate.harness import Subject
 from optimize.models import load as load_source
 from optimize.models import resolve as resolve_source
 from optimize.models import source_hash
+from optimize.reports import ci
 from optimize.tasks import lm_served
 from optimize.workload import Workload
 
@@ -79,7 +80,7 @@ def plan(cfg, run_dir: Path) -> Plan:
     publish.check_settings(cfg.publish)
     final = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else run_dir / "artifact"
     artifact.check_destination(final, cfg.overwrite)
-    ci_report.check_destination(cfg.report.junit)
+    ci.check_destination(cfg.report.junit)
     return Plan(stages, any(m.needs_calibration for m, _ in stages), final, the_workload)
 
 
@@ -153,7 +154,7 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
             draft = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started, stage)
             verdict = _judge_served(cfg, ctx, stage, draft, the_plan.workload)
         manifest = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started, stage)
-        ci_report.write_into(stage, manifest, the_plan.final_dir)  # listed in the manifest like every file
+        ci.write_into(stage, manifest, the_plan.final_dir)  # listed in the manifest like every file
         runlog.write_into(stage)
         manifest = artifact.write_manifest(stage, manifest)
         artifact.publish(stage, the_plan.final_dir)

@@ -20,10 +20,10 @@ import tempfile
 from pathlib import Path
 
 from engines.artifact import MANIFEST
-from optimize import report
-from optimize.ci_report import markdown_table, verdict_line
 from optimize.errors import RecipeError
 from optimize.publish import model_name, tags
+from optimize.reports import console
+from optimize.reports.ci import markdown_table, verdict_line
 
 ARTIFACT_DIR, CARD = "artifact", "README.md"
 PIPELINE_TAGS = {
@@ -124,9 +124,9 @@ def _card_body(manifest: dict, repo_id: str) -> str:
             f"python -m serve model/{ARTIFACT_DIR} --port 8000             # KServe v2 and OpenAI routes\n"
             "```",
             "## Gate",
-            markdown_table(report.check_rows(manifest["gate"])),
+            markdown_table(console.check_rows(manifest["gate"])),
             "## Baseline vs candidate",
-            markdown_table(report.metrics_rows(manifest["metrics"])),
+            markdown_table(console.metrics_rows(manifest["metrics"])),
             f"manifest id `{manifest['id']}`, parent `{manifest.get('parent_id')}`; "
             f"the full report is [{ARTIFACT_DIR}/report.md]({ARTIFACT_DIR}/report.md).",
         ]

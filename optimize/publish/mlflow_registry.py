@@ -27,9 +27,9 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from optimize.ci_report import JUNIT_XML, REPORT_MD, plots
 from optimize.errors import RecipeError
 from optimize.publish import model_name, tags
+from optimize.reports.ci import JUNIT_XML, REPORT_MD, plots
 
 STORE_DIR, STORE_DB = "mlruns", "mlflow.db"
 PARAM_VALUE_MAX = 6000  # MLflow's limit on a param value

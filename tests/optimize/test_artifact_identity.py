@@ -9,7 +9,7 @@ import shutil
 
 from engines.artifact import read_manifest
 from optimize import artifact
-from optimize.ci_report import JUNIT_XML, REPORT_MD
+from optimize.reports.ci import JUNIT_XML, REPORT_MD
 from optimize.runlog import LOG_FILE
 
 

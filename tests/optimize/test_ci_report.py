@@ -12,7 +12,7 @@ from pathlib import Path
 import yaml
 
 from engines.artifact import read_manifest, verify
-from optimize import ci_report
+from optimize.reports import ci
 from tests.support.cli import ROOT, one_error_line, run_optimize
 
 EXAMPLE = ROOT / "examples" / "github-actions" / "optimize.yml"
@@ -111,7 +111,7 @@ def test_an_untrusted_timing_and_an_unmeasured_metric_have_their_own_messages(fa
             "note": "not measured",
         },
     ]
-    suite = _suite(ci_report.junit_xml(manifest, failed_gate_run.artifact))
+    suite = _suite(ci.junit_xml(manifest, failed_gate_run.artifact))
     failures = {c.get("name"): c.find("failure") for c in suite.findall("testcase") if c.find("failure") is not None}
     assert failures["min_speedup"].get("type") == "UntrustedTiming"
     assert failures["min_speedup"].get("message") == (

@@ -1,4 +1,4 @@
-"""`python -m optimize.compare` on manifests that pass the artifact checker but hold fields of the wrong
+"""`python -m optimize.reports.compare` on manifests that pass the artifact checker but hold fields of the wrong
 type (edited and digested again: the checker does not look at the recipe, the metrics or the
 environment), and on artifacts whose paths inside their DIRs are the same."""
 
@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 from engines.artifact import MANIFEST, read_manifest, seal
-from optimize.compare import build_table, labels_of, render_csv, render_markdown, render_plot
+from optimize.reports.compare import build_table, labels_of, render_csv, render_markdown, render_plot
 from tests.support.cli import ROOT, one_error_line
 
 
 def compare(*args) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "optimize.compare", *map(str, args)],
+        [sys.executable, "-m", "optimize.reports.compare", *map(str, args)],
         cwd=ROOT,
         capture_output=True,
         text=True,

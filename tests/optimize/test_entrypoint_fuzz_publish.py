@@ -1,4 +1,4 @@
-"""Fuzzing `python -m optimize.publish` and `python -m optimize.compare` with random and hostile
+"""Fuzzing `python -m optimize.publish` and `python -m optimize.reports.compare` with random and hostile
 arguments, through the real command line: every call ends with exit 0, or exit 2 and one line
 `error: ...`; never a traceback. A real artifact is among the inputs, so the checks past the argument
 parser are reached. Subprocesses are slow, so each test runs a handful of examples. No network: the
@@ -121,4 +121,4 @@ def test_publish_exits_0_or_refuses_in_one_line(playground, data):
 @given(data=st.data())
 def test_compare_exits_0_or_refuses_in_one_line(playground, data):
     argv = data.draw(compare_argv(playground))
-    exit_0_or_one_line(run("optimize.compare", argv, playground), argv)
+    exit_0_or_one_line(run("optimize.reports.compare", argv, playground), argv)

@@ -1,4 +1,4 @@
-"""Sweeps (`python -m optimize -m ...`) on Hydra's launchers, and `python -m optimize.compare` on them.
+"""Sweeps (`python -m optimize -m ...`) on Hydra's launchers, and `python -m optimize.reports.compare` on them.
 
 A multirun runs every job (an exit inside the first job used to end the sweep there), each job's exit
 code is recorded, and the sweep exits with the worst; the comparison reads every job's verified
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from optimize.compare import build_table, render_markdown, render_plot
+from optimize.reports.compare import build_table, render_markdown, render_plot
 from optimize.sweep import JOBS, record_job, summarize
 from tests.support.cli import FAST_OVERRIDES, ROOT, one_error_line, run_optimize
 
@@ -26,7 +26,7 @@ STRICT = 0.9999
 
 def compare(*args) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "optimize.compare", *map(str, args)], cwd=ROOT, capture_output=True, text=True
+        [sys.executable, "-m", "optimize.reports.compare", *map(str, args)], cwd=ROOT, capture_output=True, text=True
     )
 
 

@@ -8,8 +8,9 @@ import xml.etree.ElementTree as ET
 import pytest
 from omegaconf import OmegaConf
 
-from optimize import ci_report, gate, workload
+from optimize import gate, workload
 from optimize.errors import RecipeError
+from optimize.reports import ci
 
 
 def _cfg(workload_block=None, **gate_keys):
@@ -125,12 +126,12 @@ def test_each_point_is_a_junit_test_case_so_ci_shows_which_failed():
         "model": {"source": "m"},
         "metrics": {"candidate": CAND, "baseline": BASE},
     }
-    suite = ET.fromstring(ci_report.junit_xml(manifest, "/tmp/a")).find("testsuite")
+    suite = ET.fromstring(ci.junit_xml(manifest, "/tmp/a")).find("testsuite")
     cases = {c.get("name"): c.find("failure") for c in suite.findall("testcase")}
     assert set(cases) == {"min_speedup[batch=1]", "min_speedup[batch=32]"} and suite.get("failures") == "1"
     assert cases["min_speedup[batch=1]"] is None
     assert cases["min_speedup[batch=32]"].get("message") == "speedup at p50, batch 32 = 0.71, required >= 1.5"
-    assert ci_report.headline(manifest)["speedup"] == "0.710"  # every point is checked: the worst
+    assert ci.headline(manifest)["speedup"] == "0.710"  # every point is checked: the worst
 
 
 def test_a_point_timed_while_others_used_the_cpus_is_timed_again_a_bounded_number_of_times():

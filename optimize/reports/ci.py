@@ -7,7 +7,7 @@
 - `report.junit=PATH` copies junit.xml there; `GITHUB_STEP_SUMMARY` gets the summary tables appended and
   `GITHUB_OUTPUT` the verdict, the artifact path and the headline ratios, when those variables are set.
 
-The tables are the console report's rows (optimize/report.py), rendered as Markdown here.
+The tables are the console report's rows (optimize/reports/console.py), rendered as Markdown here.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import socket
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from optimize import report
 from optimize.errors import RecipeError
+from optimize.reports import console
 
 REPORT_MD, JUNIT_XML = "report.md", "junit.xml"
 PLOT_SUFFIXES = (".png", ".svg", ".jpg", ".jpeg")
@@ -52,8 +52,8 @@ def summary_markdown(manifest: dict, path) -> str:
         [
             f"## optimize: {manifest['recipe']['name']}",
             verdict_line(manifest),
-            markdown_table(report.metrics_rows(manifest["metrics"])),
-            markdown_table(report.check_rows(manifest["gate"])),
+            markdown_table(console.metrics_rows(manifest["metrics"])),
+            markdown_table(console.check_rows(manifest["gate"])),
             f"artifact: `{path}` (manifest id `{manifest['id']}`)",
         ]
     )
@@ -106,9 +106,9 @@ def render_markdown(manifest: dict, path, plot_paths: list[str]) -> str:
         f"- engine: {manifest['engine'].get('format')} {manifest['engine'].get('precision')}\n"
         f"- created: {manifest.get('created')}",
         "## Baseline vs candidate",
-        markdown_table(report.metrics_rows(manifest["metrics"])),
+        markdown_table(console.metrics_rows(manifest["metrics"])),
         "## Gate",
-        markdown_table(report.check_rows(manifest["gate"])),
+        markdown_table(console.check_rows(manifest["gate"])),
         "## Stages",
         "\n".join(_stage_lines(manifest.get("stages") or {})),
         "## Data",
@@ -116,7 +116,7 @@ def render_markdown(manifest: dict, path, plot_paths: list[str]) -> str:
         "## Environment",
         "\n".join(
             [
-                *(f"- {line}" for line in report.environment_lines(manifest)),
+                *(f"- {line}" for line in console.environment_lines(manifest)),
                 f"- Python {env.get('python')}, {env.get('platform')}; GPUs: {gpus}",
                 f"- packages: {packages}",
             ]

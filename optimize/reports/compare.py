@@ -1,4 +1,4 @@
-"""`python -m optimize.compare DIR... [--out FOLDER]`: the artifacts of a sweep (or any artifacts) in one table.
+"""`python -m optimize.reports.compare DIR... [--out FOLDER]`: the artifacts of a sweep (or any artifacts) in one table.
 
 Each DIR is an artifact or a folder searched for artifacts (a multirun's sweep folder: its jobs'
 `NUM/artifact`). Every manifest is checked with the one artifact checker (engines/artifact.py) before
@@ -46,7 +46,7 @@ IGNORED_SETTINGS = ("output_dir", "overwrite")
 
 
 def main(argv: list[str]) -> int:
-    parser = ArgumentParser(prog="python -m optimize.compare", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m optimize.reports.compare", description=__doc__.split("\n\n")[0])
     parser.add_argument("dirs", nargs="+", type=Path, help="artifacts, or folders holding them (a sweep folder)")
     parser.add_argument("--out", type=Path, help="where to write compare.csv/.md/.png (default: the first DIR)")
     args = parser.parse_args(argv)
