@@ -13,8 +13,8 @@ The dataclass lets the whole recipe be checked before any weights load: an unkno
 parameter is a RecipeError naming the key. It is also the Hydra schema of `<stage>.params`
 (see `store_schemas`), so every parameter can be overridden on the command line.
 
-Where methods live: every module of the `optimize.quantize`, `optimize.compile` and
-`optimize.distill` packages, and the prune module. A new method is one new file in its package (found by
+Where methods live: every module of the `optimize.quantize`, `optimize.compile`, `optimize.prune` and
+`optimize.distill` packages. A new method is one new file in its package (found by
 `load_plugins`) plus one YAML in recipes/<stage>/.
 """
 
@@ -32,9 +32,8 @@ from optimize.errors import RecipeError
 
 STAGES = ("prune", "distill", "quantize", "engine")
 InputFormat = Literal["torch", "onnx"]
-# Every module of these packages registers methods when imported; so does this module.
-METHOD_PACKAGES = ("optimize.compile", "optimize.distill", "optimize.quantize")
-METHOD_MODULES = ("optimize.prune",)
+# Every module of these packages registers methods when imported.
+METHOD_PACKAGES = ("optimize.compile", "optimize.distill", "optimize.prune", "optimize.quantize")
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,7 @@ def register(stage: str, name: str, config_cls: type, **info) -> Callable:
 
 def method_modules() -> list[str]:
     """The modules whose import registers every method, packages scanned file by file."""
-    found = list(METHOD_MODULES)
+    found: list[str] = []
     for package_name in METHOD_PACKAGES:
         package = importlib.import_module(package_name)
         found += [f"{package_name}.{info.name}" for info in pkgutil.iter_modules(package.__path__)]

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from optimize import prune, surgery
+from optimize import surgery
 from optimize.errors import RecipeError
+from optimize.prune.magnitude_unstructured import magnitude_unstructured
+from optimize.prune.semi_structured_2_4 import semi_structured_2_4
+from optimize.prune.structured import structured as prune_structured
 from optimize.registry import build_config, get
 from tests.support.context import FakeContext
 from tests.support.models import encode, tiny_bert, tiny_llama, torch_model
@@ -15,7 +18,7 @@ from tests.support.models import encode, tiny_bert, tiny_llama, torch_model
 def structured(module, tmp_path, task="sentence_embedding", **params):
     ctx = FakeContext.for_torch(module, tmp_path, params)
     cfg = build_config(get("prune", "structured"), dict(params, calibration_samples=16))
-    return prune.structured(torch_model(module, task), cfg, ctx), ctx
+    return prune_structured(torch_model(module, task), cfg, ctx), ctx
 
 
 def bert_outputs(module, texts=("a b c", "d e f g")):
@@ -42,7 +45,7 @@ def test_structured_bert_shrinks_depth_heads_and_ffn_and_exports(tmp_path):
     assert layer.attention.self.query.out_features == 16 and layer.attention.output.dense.in_features == 16
     assert layer.intermediate.dense.out_features == 32 and layer.output.dense.in_features == 32
     assert bool(bert_outputs(student).isfinite().all())
-    record = ctx.stage_records["prune"]
+    record = out.record
     assert len(record["removed"]["layers"]) == 2 and record["parameters"]["after"] < record["parameters"]["before"]
     assert all(len(heads) == 2 for heads in record["removed"]["heads"].values())
     wrapped = sentence_embedding_module(student, {"mode": "mean", "normalize": True})
@@ -111,28 +114,30 @@ def test_magnitude_unstructured_zeroes_the_requested_share(tmp_path):
     teacher = tiny_bert()
     ctx = FakeContext.for_torch(teacher, tmp_path)
     cfg = build_config(get("prune", "magnitude_unstructured"), {"sparsity": 0.6})
-    student = prune.magnitude_unstructured(torch_model(teacher), cfg, ctx).module
+    out = magnitude_unstructured(torch_model(teacher), cfg, ctx)
+    student = out.module
     weight = student.encoder.layer[0].intermediate.dense.weight
     assert abs(float((weight == 0).float().mean()) - 0.6) < 0.02
     assert float((teacher.encoder.layer[0].intermediate.dense.weight == 0).float().mean()) == 0
     assert bool(bert_outputs(student).isfinite().all())
-    assert "no time or size is saved" in ctx.stage_records["prune"]["note"]
+    assert "no time or size is saved" in out.record["note"]
 
 
 def test_semi_structured_2_4_keeps_two_of_every_four(tmp_path):
     teacher = tiny_llama()
     ctx = FakeContext.for_torch(teacher, tmp_path)
-    student = prune.semi_structured_2_4(torch_model(teacher, "causal_lm"), None, ctx).module
+    out = semi_structured_2_4(torch_model(teacher, "causal_lm"), None, ctx)
+    student = out.module
     weight = student.model.layers[0].mlp.up_proj.weight
     nonzero_per_group = (weight != 0).reshape(weight.shape[0], -1, 4).sum(-1)
     assert int(nonzero_per_group.max()) <= 2
-    assert ctx.stage_records["prune"]["sparsity"] == pytest.approx(0.5, abs=0.01)
-    assert "2:4 needs a GPU" in ctx.stage_records["prune"]["note"]
+    assert out.record["sparsity"] == pytest.approx(0.5, abs=0.01)
+    assert "2:4 needs a GPU" in out.record["note"]
 
 
 def test_evenly_spaced_layer_selection_keeps_first_and_last(tmp_path):
     out, ctx = structured(tiny_bert(), tmp_path, layers=3, layer_selection="evenly_spaced")
-    assert ctx.stage_records["prune"]["kept_layers"] == [0, 2, 3]  # round(0, 1.5, 3)
+    assert out.record["kept_layers"] == [0, 2, 3]  # round(0, 1.5, 3)
     assert len(out.module.encoder.layer) == 3
 
 
@@ -144,7 +149,7 @@ def test_output_fidelity_selection_drops_the_layer_that_matters_least(tmp_path, 
 
     teacher = make()
     out, ctx = structured(teacher, tmp_path, task=task, layers=3, layer_selection="output_fidelity")
-    kept = ctx.stage_records["prune"]["kept_layers"]
+    kept = out.record["kept_layers"]
     layout = surgery.Layout(teacher)
     full = list(layout.layers)
     batch = {k: torch.as_tensor(v) for k, v in encode(ctx.calibration().items[:16]).items()}

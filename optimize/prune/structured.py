@@ -1,11 +1,5 @@
-"""Prune stage: smaller dense models (structured) and zeroed weights (unstructured, 2:4).
-
-Structured pruning removes whole layers (depth), attention heads and FFN channels (width), ranked
-by activations on calibration data as in NVIDIA Minitron (arXiv 2407.14679):
-- a layer's importance is 1 - cos(its input, its output) averaged over tokens (block importance):
-  a layer that barely turns its input is the cheapest to drop;
-- a head's importance is the mean L2 norm of its attention output (before the output projection);
-- an FFN channel's importance is the mean |activation| entering the down projection.
+"""Structured pruning: smaller dense models. Removes whole layers (depth), attention heads and FFN
+channels (width), ranked by activations on calibration data as in NVIDIA Minitron (importance.py).
 The result is an ordinary (smaller) Hugging Face model that exports through the same engines.
 Layouts known: BERT-style encoders (BertModel and relatives) and Llama-style decoders.
 
@@ -14,9 +8,6 @@ Example recipe (MiniLM, 6 -> 3 layers):
     prune:
       method: structured
       params: {layers: 3, calibration_samples: 32}
-
-Unstructured magnitude and 2:4 sparsity only zero weights: the tensors stay dense, so nothing is
-faster or smaller without sparse kernels (2:4 needs a GPU with sparse tensor cores).
 """
 
 from __future__ import annotations
@@ -24,86 +15,17 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
+from optimize.context import Context, Model
 from optimize.errors import RecipeError
+from optimize.prune.common import TORCH_TASKS
+from optimize.prune.importance import collect_importance
 from optimize.registry import register
 from optimize.surgery import Layout, evenly_spaced, keep_layers, parameter_count, slice_linear, student_copy
 
-if TYPE_CHECKING:
-    import torch
-
 log = logging.getLogger(__name__)
-TORCH_TASKS = ("sentence_embedding", "causal_lm")
 LAYER_SELECTIONS = ("block_importance", "output_fidelity", "evenly_spaced")
-NO_SPEEDUP_NOTE = (
-    "weights are zeroed but stored dense: no time or size is saved without sparse kernels "
-    "(2:4 needs a GPU with sparse tensor cores, e.g. NVIDIA Ampere or newer)"
-)
-
-
-# ---------------------------------------------------------------- importance (activation-based)
-
-
-def collect_importance(model, batches: list[dict]) -> dict:
-    """One pass over calibration batches with hooks: per-layer block importance, per-head and
-    per-channel activation magnitudes (summed over tokens, then averaged)."""
-    import torch
-
-    layout = Layout(model)
-    head_dim = layout.head_dim()
-    sums = {"heads": [0.0] * len(layout.layers), "ffn": [0.0] * len(layout.layers)}
-    hooks = []
-
-    def on_attention_input(i):
-        def hook(_module, args):
-            x = args[0].detach().float()  # [B, T, heads * head_dim]
-            norms = x.reshape(*x.shape[:-1], -1, head_dim).norm(dim=-1)  # [B, T, heads]
-            sums["heads"][i] = sums["heads"][i] + norms.reshape(-1, norms.shape[-1]).mean(0)
-
-        return hook
-
-    def on_ffn_input(i):
-        def hook(_module, args):
-            x = args[0].detach().float()
-            sums["ffn"][i] = sums["ffn"][i] + x.abs().reshape(-1, x.shape[-1]).mean(0)
-
-        return hook
-
-    for i, layer in enumerate(layout.layers):
-        hooks.append(layout.attention_out(layer).register_forward_pre_hook(on_attention_input(i)))
-        hooks.append(layout.ffn_out(layer).register_forward_pre_hook(on_ffn_input(i)))
-    block = torch.zeros(len(layout.layers))
-    try:
-        with torch.inference_mode():
-            for batch in batches:
-                out = model(**layout.inputs(batch), output_hidden_states=True)
-                block += _block_importance(out.hidden_states, batch.get("attention_mask"))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    n = len(batches)
-    return {
-        "layers": (block / n).tolist(),
-        "heads": [h / n for h in sums["heads"]],
-        "ffn": [f / n for f in sums["ffn"]],
-    }
-
-
-def _block_importance(hidden_states, mask) -> "torch.Tensor":
-    """1 - mean cosine(input of layer i, output of layer i) over real tokens, per layer."""
-    import torch
-
-    scores = []
-    weights = torch.as_tensor(mask).float() if mask is not None else None
-    for before, after in zip(hidden_states[:-1], hidden_states[1:]):
-        cos = torch.nn.functional.cosine_similarity(before.float(), after.float(), dim=-1)  # [B, T]
-        mean = (cos * weights).sum() / weights.sum() if weights is not None else cos.mean()
-        scores.append(1 - mean)
-    return torch.stack(scores)
-
-
-# ---------------------------------------------------------------- structured pruning
 
 
 @dataclass
@@ -153,7 +75,7 @@ class StructuredPruneConfig:
 
 
 @register("prune", "structured", StructuredPruneConfig, input_format="torch", needs_calibration=True, tasks=TORCH_TASKS)
-def structured(model, cfg: StructuredPruneConfig, ctx):
+def structured(model: Model, cfg: StructuredPruneConfig, ctx: Context) -> Model:
     """Remove layers, attention heads and FFN channels ranked by calibration activations (Minitron)."""
     if model.kind != "torch":
         raise RecipeError("prune.method=structured needs a PyTorch model (not an ONNX source)")
@@ -177,8 +99,8 @@ def structured(model, cfg: StructuredPruneConfig, ctx):
     keep_layers(student, kept_layers)
     removed["heads"] = prune_heads(student, [scores["heads"][i] for i in kept_layers], targets["heads"])
     removed["ffn_channels"] = prune_ffn(student, [scores["ffn"][i] for i in kept_layers], targets["ffn"])
-    ctx.record(
-        "prune",
+    log.info("structured prune: %s -> %d parameters (was %d)", targets, parameter_count(student), before)
+    return dataclasses.replace(model, module=student, kept_layers=kept_layers).recorded(
         {
             "method": "structured",
             "targets": targets,
@@ -187,13 +109,11 @@ def structured(model, cfg: StructuredPruneConfig, ctx):
             "removed": removed,
             "layer_importance": [round(s, 5) for s in scores["layers"]],
             "parameters": {"before": before, "after": parameter_count(student)},
-        },
+        }
     )
-    log.info("structured prune: %s -> %d parameters (was %d)", targets, parameter_count(student), before)
-    return dataclasses.replace(model, module=student, kept_layers=kept_layers)
 
 
-def calibration_batches(ctx, cfg) -> list[dict]:
+def calibration_batches(ctx: Context, cfg: StructuredPruneConfig) -> list[dict]:
     texts = ctx.calibration().items[: cfg.calibration_samples]
     return [ctx.encode(texts[i : i + cfg.batch_size]) for i in range(0, len(texts), cfg.batch_size)]
 
@@ -294,93 +214,3 @@ def _set_ffn_out(layout, layer, linear) -> None:
         layer.output.dense = linear
     else:
         layer.mlp.down_proj = linear
-
-
-def _replace_module(model, module):
-    import dataclasses
-
-    return dataclasses.replace(model, module=module)
-
-
-# ---------------------------------------------------------------- unstructured and 2:4 sparsity
-
-
-@dataclass
-class MagnitudeConfig:
-    sparsity: float = 0.5  # fraction of each Linear weight set to zero (smallest |w| first)
-
-    def validate(self):
-        if not 0 <= self.sparsity < 1:
-            raise RecipeError(f"prune.params.sparsity={self.sparsity}: use a fraction in [0, 1)")
-
-
-@dataclass
-class SemiStructuredConfig:
-    pass
-
-
-def sparse_targets(module) -> list:
-    """Linear layers inside the transformer blocks (embeddings and the LM head are left dense)."""
-    import torch
-
-    layout = Layout(module)
-    return [m for layer in layout.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)]
-
-
-def magnitude_mask(weight, sparsity: float):
-    """True where |w| is above the `sparsity` quantile of the tensor."""
-    k = int(weight.numel() * sparsity)
-    if k == 0:
-        return weight.new_ones(weight.shape, dtype=bool)
-    threshold = weight.abs().flatten().kthvalue(k).values
-    return weight.abs() > threshold
-
-
-def two_four_mask(weight):
-    """In every group of 4 consecutive input weights keep the 2 largest |w| (NVIDIA 2:4 pattern)."""
-    rows, cols = weight.shape
-    if cols % 4:
-        raise RecipeError(f"2:4 sparsity needs input sizes divisible by 4 (found {cols})")
-    groups = weight.abs().reshape(rows, cols // 4, 4)
-    top = groups.topk(2, dim=-1).indices
-    mask = groups.new_zeros(groups.shape, dtype=bool).scatter_(-1, top, True)
-    return mask.reshape(rows, cols)
-
-
-def _sparsify(model, ctx, method: str, make_mask) -> object:
-    import torch
-
-    if model.kind != "torch":
-        raise RecipeError(f"prune.method={method} needs a PyTorch model (not an ONNX source)")
-    student = student_copy(model.module)
-    zeros = total = 0
-    with torch.no_grad():
-        for linear in sparse_targets(student):
-            mask = make_mask(linear.weight)
-            linear.weight.mul_(mask)
-            zeros += int((~mask).sum())
-            total += mask.numel()
-    ctx.record(
-        "prune",
-        {
-            "method": method,
-            "zeroed_weights": zeros,
-            "of": total,
-            "sparsity": round(zeros / max(total, 1), 4),
-            "note": NO_SPEEDUP_NOTE,
-        },
-    )
-    log.warning("prune %s: %s", method, NO_SPEEDUP_NOTE)
-    return dataclasses.replace(model, module=student)
-
-
-@register("prune", "magnitude_unstructured", MagnitudeConfig, input_format="torch", tasks=TORCH_TASKS)
-def magnitude_unstructured(model, cfg: MagnitudeConfig, ctx):
-    """Zero the smallest-magnitude weights of each Linear (no speedup without sparse kernels)."""
-    return _sparsify(model, ctx, "magnitude_unstructured", lambda w: magnitude_mask(w, cfg.sparsity))
-
-
-@register("prune", "semi_structured_2_4", SemiStructuredConfig, input_format="torch", tasks=TORCH_TASKS)
-def semi_structured_2_4(model, cfg: SemiStructuredConfig, ctx):
-    """2:4 sparsity: 2 of every 4 weights zero (fast only with GPU sparse tensor cores)."""
-    return _sparsify(model, ctx, "semi_structured_2_4", two_four_mask)
