@@ -235,7 +235,7 @@ class GenAIBatchEngine(GenAIRunner):
     gather_s = GENAI_BATCH_GATHER_S
 
     def __init__(self, model_dir: str | Path, settings, threads: int = 0):
-        # settings: engines.openvino_genai_runner.BatchSettings (not imported: that module imports this one)
+        # settings: engines.openvino_genai_batch.BatchSettings (not imported: that module imports this one)
         from dataclasses import replace
 
         super().__init__(model_dir, threads=threads)
@@ -388,5 +388,5 @@ class GenAIBatchEngine(GenAIRunner):
 
 def load_genai_batch_engine(root: Path, engine: dict, settings, threads: int = 0) -> GenAIBatchEngine:
     """The batching engine of an {"format": "onnxruntime-genai", ...} artifact (what serve runs when it
-    takes several requests at once); settings: engines.openvino_genai_runner.BatchSettings."""
+    takes several requests at once); settings: engines.openvino_genai_batch.BatchSettings."""
     return GenAIBatchEngine(genai_dir(Path(root), engine), settings, threads=threads)

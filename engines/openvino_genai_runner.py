@@ -8,7 +8,8 @@ Hugging Face config files (engines/openvino_genai_build.py writes them).
 
 Generation runs through `openvino_genai.LLMPipeline` (a streamer receives each token as it is
 produced). Scoring (logits, log_likelihood) runs the same IR compiled with the same CPU properties,
-directly: state reset, the whole sequence in one forward pass, logits read back. Every numeric
+directly: state reset, the whole sequence in one forward pass, logits read back. (Many generations
+at once, continuous batching: engines/openvino_genai_batch.py.) Every numeric
 property is set explicitly: the CPU plugin otherwise computes in bf16 on bf16 CPUs and stores the KV
 cache in u8, and an artifact measured as FP32 must run as FP32. Torch-free: serve/ uses this directly.
 """
@@ -20,7 +21,6 @@ import json
 import queue
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -62,7 +62,7 @@ class _TokenStreamer:
         return Streamer()
 
 
-class _OVGenAIText(abc.ABC):
+class OVGenAIText(abc.ABC):
     """What both OpenVINO GenAI engines share: the model's limits and EOS ids, its tokenizer and chat
     template, and the generation settings of a request. A subclass sets dir and tokenizer and says
     where the engine's default generation config comes from."""
@@ -137,7 +137,7 @@ class _OVGenAIText(abc.ABC):
         return ov.Tensor(np.asarray([list(ids)], dtype=np.int64))
 
 
-class OVGenAIRunner(_OVGenAIText):
+class OVGenAIRunner(OVGenAIText):
     # The Runner contract: {"input_ids": [B, T]} -> {"logits": [B, T, vocab]} (see __call__).
     input_names = ["input_ids"]
     output_names = ["logits"]
@@ -275,139 +275,16 @@ class OVGenAIRunner(_OVGenAIText):
         return {"logits": np.stack([self.logits(row) for row in inputs["input_ids"]]).astype(np.float32)}
 
 
-# Tokens per KV-cache block of the CPU plugin's paged attention (what the continuous-batching
-# pipeline allocates and frees); measured on this OpenVINO GenAI: 8 blocks hold 256 tokens.
-CPU_KV_BLOCK_TOKENS = 32
-KV_ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1}
-
-
-def kv_bytes_per_token(config: dict, kv_precision: str) -> int:
-    """Bytes one token takes in the KV cache: key and value of every layer's KV heads. A u8 cache
-    also keeps a float32 scale and zero point per head and token."""
-    layers = int(config["num_hidden_layers"])
-    heads = int(config.get("num_attention_heads") or 1)
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    per_head = head_dim * KV_ELEMENT_BYTES[kv_precision] + (8 if kv_precision == "u8" else 0)
-    return layers * 2 * kv_heads * per_head
-
-
-@dataclass
-class BatchSettings:
-    """The continuous-batching scheduler's limits (serve's --max-num-seqs, --kv-cache-gb, ...)."""
-
-    max_num_seqs: int = 16
-    kv_cache_bytes: int = 1 << 30
-    max_batched_tokens: int = 512
-    prefix_caching: bool = True
-
-
-class OVGenAIBatchEngine(_OVGenAIText):
-    """Many generations at once through OpenVINO GenAI's continuous-batching pipeline: requests are
-    added with add(), the caller drives step(), and each request's handle gives back the tokens of
-    that step. The engine schedules (prefill chunks beside running decodes, paged KV cache, prefix
-    caching); cancelling a handle frees its KV blocks at the next step.
-
-    The KV cache is a fixed number of blocks (num_kv_blocks, from settings.kv_cache_bytes), allocated
-    at start, so what fits is known exactly: `num_blocks` blocks of `block_tokens` tokens."""
-
-    def __init__(
-        self,
-        model_dir: str | Path,
-        settings: BatchSettings,
-        threads: int = 0,
-        inference_precision: str = "f32",
-        kv_cache_precision: str | None = None,
-        spinning: bool = True,
-    ):
-        import openvino_genai as ov_genai
-
-        if inference_precision not in PRECISIONS:
-            raise ValueError(f"inference_precision {inference_precision!r}: use one of {PRECISIONS}")
-        self.ov_genai = ov_genai
-        self.dir = Path(model_dir)
-        self.settings = settings
-        properties = runner_properties(threads, inference_precision, kv_cache_precision, spinning)
-        config = self._read_limits()
-        self.block_tokens = CPU_KV_BLOCK_TOKENS
-        block_bytes = self.block_tokens * kv_bytes_per_token(config, properties["KV_CACHE_PRECISION"])
-        self.num_blocks = max(1, settings.kv_cache_bytes // block_bytes)
-        scheduler = ov_genai.SchedulerConfig()
-        scheduler.cache_size = 0  # sized by num_kv_blocks instead: a fixed cache, allocated once
-        scheduler.num_kv_blocks = self.num_blocks
-        scheduler.max_num_seqs = settings.max_num_seqs
-        scheduler.max_num_batched_tokens = settings.max_batched_tokens
-        scheduler.enable_prefix_caching = settings.prefix_caching
-        scheduler.dynamic_split_fuse = True  # prompts prefilled in chunks beside the running decodes
-        self.pipe = ov_genai.ContinuousBatchingPipeline(str(self.dir), scheduler, "CPU", properties)
-        self.tokenizer = self.pipe.get_tokenizer()
-        self.eos_token_ids = self._eos_ids(config)
-        self.kv_cache_bytes = int(self.pipe.get_metrics().kv_cache_size_in_bytes) or self.num_blocks * block_bytes
-
-    def default_config(self):
-        return self.pipe.get_config()
-
-    def blocks_for(self, tokens: int) -> int:
-        """KV blocks a sequence of `tokens` tokens holds at its longest (one more for the token being
-        written)."""
-        return -(-(tokens + 1) // self.block_tokens)
-
-    def add(self, request_id: int, prompt_ids: list[int], sampling: Sampling):
-        """Queue a generation in the engine; returns its GenerationHandle."""
-        config = self.generation_config(len(prompt_ids), sampling)
-        return self.pipe.add_request(request_id, self._tensor(prompt_ids), config)
-
-    def step(self) -> None:
-        self.pipe.step()
-
-    def has_work(self) -> bool:
-        return bool(self.pipe.has_non_finished_requests())
-
-    def cache_usage(self) -> float:
-        """Fraction of the KV cache's blocks in use (0..1)."""
-        return float(self.pipe.get_metrics().cache_usage) / 100.0
-
-    def read(self, handle) -> tuple[list[int], bool]:
-        """The tokens a handle produced since the last read (EOS left out), and whether it is done."""
-        new: list[int] = []
-        if handle.can_read():
-            for output in handle.read().values():
-                new.extend(int(t) for t in output.generated_ids if int(t) not in self.eos_token_ids)
-        return new, handle.get_status() != self.ov_genai.GenerationStatus.RUNNING
-
-
-def ov_genai_dir(root: Path, engine: dict) -> Path:
-    return Path(root) / engine.get("dir", ".")
+def engine_settings(root: Path, engine: dict) -> tuple[Path, dict]:
+    """The folder and the precisions of an artifact's {"format": "openvino-genai", ...} engine block;
+    refuses, with the missing CPU feature named, a precision this CPU cannot run."""
+    precision = engine.get("inference_precision", "f32")
+    folder = Path(root) / engine.get("dir", ".")
+    require_cpu_features(precision, what=str(folder))
+    return folder, {"inference_precision": precision, "kv_cache_precision": engine.get("kv_cache_precision")}
 
 
 def load_ov_genai_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> OVGenAIRunner:
-    """The Runner of an artifact's {"format": "openvino-genai", ...} engine block; refuses, with the
-    missing CPU feature named, a precision this CPU cannot run."""
-    precision = engine.get("inference_precision", "f32")
-    folder = ov_genai_dir(root, engine)
-    require_cpu_features(precision, what=str(folder))
-    return OVGenAIRunner(
-        folder,
-        threads=threads,
-        inference_precision=precision,
-        kv_cache_precision=engine.get("kv_cache_precision"),
-        spinning=spinning,
-    )
-
-
-def load_ov_genai_batch_engine(
-    root: Path, engine: dict, settings: BatchSettings, threads: int = 0, spinning: bool = True
-) -> OVGenAIBatchEngine:
-    """The continuous-batching engine of an {"format": "openvino-genai", ...} artifact (what serve runs
-    when it takes several requests at once)."""
-    precision = engine.get("inference_precision", "f32")
-    folder = ov_genai_dir(root, engine)
-    require_cpu_features(precision, what=str(folder))
-    return OVGenAIBatchEngine(
-        folder,
-        settings,
-        threads=threads,
-        inference_precision=precision,
-        kv_cache_precision=engine.get("kv_cache_precision"),
-        spinning=spinning,
-    )
+    """The Runner of an artifact's {"format": "openvino-genai", ...} engine block."""
+    folder, precisions = engine_settings(root, engine)
+    return OVGenAIRunner(folder, threads=threads, spinning=spinning, **precisions)

@@ -69,7 +69,7 @@ def load_model_for(state: ServeState):
 
 def batch_settings(cfg: ServeConfig):
     """The continuous-batching engine's limits from the server settings."""
-    from engines.openvino_genai_runner import BatchSettings
+    from engines.openvino_genai_batch import BatchSettings
 
     return BatchSettings(
         max_num_seqs=cfg.max_num_seqs,

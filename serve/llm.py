@@ -35,7 +35,7 @@ SEED_RANGES = {"onnxruntime-genai": (0, 2**31 - 1), "openvino-genai": (0, 2**64 
 # The batching engine of each format that has one: module, loader (root, engine block, settings, threads)
 # and its extra arguments (OpenVINO's threads must not spin: they would take the event loop's cores).
 BATCH_ENGINES: dict[str, tuple[str, str, dict]] = {
-    "openvino-genai": ("engines.openvino_genai_runner", "load_ov_genai_batch_engine", {"spinning": False}),
+    "openvino-genai": ("engines.openvino_genai_batch", "load_ov_genai_batch_engine", {"spinning": False}),
     "onnxruntime-genai": ("engines.genai_runner", "load_genai_batch_engine", {}),
 }
 
@@ -50,7 +50,7 @@ class GenerativeModel:
         threads: int = 0,
         max_prompt_tokens: int = 0,
         max_tokens: int = 512,
-        batch=None,  # engines.openvino_genai_runner.BatchSettings, or None for one at a time
+        batch=None,  # engines.openvino_genai_batch.BatchSettings, or None for one at a time
     ):
         from engines import load_engine
 

@@ -164,7 +164,8 @@ def slow_generation(delay_s: float) -> None:
 
     GenAIBatchEngine.step = slowed_genai_step  # type: ignore[method-assign]
     with contextlib.suppress(ImportError):
-        from engines.openvino_genai_runner import OVGenAIBatchEngine, OVGenAIRunner
+        from engines.openvino_genai_batch import OVGenAIBatchEngine
+        from engines.openvino_genai_runner import OVGenAIRunner
 
         OVGenAIRunner.generate = slowed(OVGenAIRunner.generate)  # type: ignore[method-assign]
         step = OVGenAIBatchEngine.step

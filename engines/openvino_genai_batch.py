@@ -1,0 +1,122 @@
+"""OpenVINO GenAI continuous batching for causal LMs: many generations at once, scheduled by the
+engine (what serve runs when it takes several requests at once). The one-at-a-time runner, and what
+both share (tokenizer, chat template, generation settings, CPU properties): engines/openvino_genai_runner.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from engines.genai_runner import Sampling
+from engines.openvino_genai_runner import OVGenAIText, engine_settings, runner_properties
+from engines.openvino_runner import PRECISIONS
+
+# Tokens per KV-cache block of the CPU plugin's paged attention (what the continuous-batching
+# pipeline allocates and frees); measured on this OpenVINO GenAI: 8 blocks hold 256 tokens.
+CPU_KV_BLOCK_TOKENS = 32
+KV_ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1}
+
+
+def kv_bytes_per_token(config: dict, kv_precision: str) -> int:
+    """Bytes one token takes in the KV cache: key and value of every layer's KV heads. A u8 cache
+    also keeps a float32 scale and zero point per head and token."""
+    layers = int(config["num_hidden_layers"])
+    heads = int(config.get("num_attention_heads") or 1)
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    per_head = head_dim * KV_ELEMENT_BYTES[kv_precision] + (8 if kv_precision == "u8" else 0)
+    return layers * 2 * kv_heads * per_head
+
+
+@dataclass
+class BatchSettings:
+    """The continuous-batching scheduler's limits (serve's --max-num-seqs, --kv-cache-gb, ...)."""
+
+    max_num_seqs: int = 16
+    kv_cache_bytes: int = 1 << 30
+    max_batched_tokens: int = 512
+    prefix_caching: bool = True
+
+
+class OVGenAIBatchEngine(OVGenAIText):
+    """Many generations at once through OpenVINO GenAI's continuous-batching pipeline: requests are
+    added with add(), the caller drives step(), and each request's handle gives back the tokens of
+    that step. The engine schedules (prefill chunks beside running decodes, paged KV cache, prefix
+    caching); cancelling a handle frees its KV blocks at the next step.
+
+    The KV cache is a fixed number of blocks (num_kv_blocks, from settings.kv_cache_bytes), allocated
+    at start, so what fits is known exactly: `num_blocks` blocks of `block_tokens` tokens."""
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        settings: BatchSettings,
+        threads: int = 0,
+        inference_precision: str = "f32",
+        kv_cache_precision: str | None = None,
+        spinning: bool = True,
+    ):
+        import openvino_genai as ov_genai
+
+        if inference_precision not in PRECISIONS:
+            raise ValueError(f"inference_precision {inference_precision!r}: use one of {PRECISIONS}")
+        self.ov_genai = ov_genai
+        self.dir = Path(model_dir)
+        self.settings = settings
+        properties = runner_properties(threads, inference_precision, kv_cache_precision, spinning)
+        config = self._read_limits()
+        self.block_tokens = CPU_KV_BLOCK_TOKENS
+        block_bytes = self.block_tokens * kv_bytes_per_token(config, properties["KV_CACHE_PRECISION"])
+        self.num_blocks = max(1, settings.kv_cache_bytes // block_bytes)
+        scheduler = ov_genai.SchedulerConfig()
+        scheduler.cache_size = 0  # sized by num_kv_blocks instead: a fixed cache, allocated once
+        scheduler.num_kv_blocks = self.num_blocks
+        scheduler.max_num_seqs = settings.max_num_seqs
+        scheduler.max_num_batched_tokens = settings.max_batched_tokens
+        scheduler.enable_prefix_caching = settings.prefix_caching
+        scheduler.dynamic_split_fuse = True  # prompts prefilled in chunks beside the running decodes
+        self.pipe = ov_genai.ContinuousBatchingPipeline(str(self.dir), scheduler, "CPU", properties)
+        self.tokenizer = self.pipe.get_tokenizer()
+        self.eos_token_ids = self._eos_ids(config)
+        self.kv_cache_bytes = int(self.pipe.get_metrics().kv_cache_size_in_bytes) or self.num_blocks * block_bytes
+
+    def default_config(self):
+        return self.pipe.get_config()
+
+    def blocks_for(self, tokens: int) -> int:
+        """KV blocks a sequence of `tokens` tokens holds at its longest (one more for the token being
+        written)."""
+        return -(-(tokens + 1) // self.block_tokens)
+
+    def add(self, request_id: int, prompt_ids: list[int], sampling: Sampling):
+        """Queue a generation in the engine; returns its GenerationHandle."""
+        config = self.generation_config(len(prompt_ids), sampling)
+        return self.pipe.add_request(request_id, self._tensor(prompt_ids), config)
+
+    def step(self) -> None:
+        self.pipe.step()
+
+    def has_work(self) -> bool:
+        return bool(self.pipe.has_non_finished_requests())
+
+    def cache_usage(self) -> float:
+        """Fraction of the KV cache's blocks in use (0..1)."""
+        return float(self.pipe.get_metrics().cache_usage) / 100.0
+
+    def read(self, handle) -> tuple[list[int], bool]:
+        """The tokens a handle produced since the last read (EOS left out), and whether it is done."""
+        new: list[int] = []
+        if handle.can_read():
+            for output in handle.read().values():
+                new.extend(int(t) for t in output.generated_ids if int(t) not in self.eos_token_ids)
+        return new, handle.get_status() != self.ov_genai.GenerationStatus.RUNNING
+
+
+def load_ov_genai_batch_engine(
+    root: Path, engine: dict, settings: BatchSettings, threads: int = 0, spinning: bool = True
+) -> OVGenAIBatchEngine:
+    """The continuous-batching engine of an {"format": "openvino-genai", ...} artifact (what serve runs
+    when it takes several requests at once)."""
+    folder, precisions = engine_settings(root, engine)
+    return OVGenAIBatchEngine(folder, settings, threads=threads, spinning=spinning, **precisions)
