@@ -162,7 +162,7 @@ class Context:
     def refuse_text_for_tensors(self, data: TextSet, key: str) -> None:
         """A model that takes tensors fed from a text source: one line naming the source and the inputs."""
         if hasattr(self.encoder, "random") and data.items and isinstance(data.items[0], str):
-            from optimize.inputs import TENSOR_SOURCES
+            from optimize.inputs.encoder import TENSOR_SOURCES
 
             raise RecipeError(
                 f"{key}={data.source} gives text, and this model takes tensors ({self.encoder.describe()}): "

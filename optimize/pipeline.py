@@ -125,11 +125,11 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         if ctx.encoder is None and hasattr(task, "encoder"):  # tasks whose inputs are not text bring their own
             ctx.encoder = task.encoder(ctx)
         if ctx.encoder is None and source.onnx_path is not None:  # an ONNX file that takes tensors
-            from optimize.inputs import TensorEncoder
+            from optimize.inputs.encoder import TensorEncoder
 
             ctx.encoder = TensorEncoder.for_onnx(source.onnx_path, recipe_dict(cfg.model.inputs), ctx.threads)
             ctx.stage_records["inputs"] = ctx.encoder.record()
-            from optimize.inputs import plan_time_refusals
+            from optimize.inputs.refusals import plan_time_refusals
 
             plan_time_refusals(ctx, the_plan.stages, source.onnx_path)
         if hasattr(task, "check_workload"):  # a task whose workload depends on the model (LM context)

@@ -34,7 +34,7 @@ class Subject:
 
 def sample_count(inputs: dict[str, np.ndarray]) -> int:
     """Samples in a batch: axis 0 of the first input, or the axis its `batch_axes` names
-    (optimize.inputs.Batch: a recurrent state has its samples on axis 1, a sample rate on none)."""
+    (optimize.inputs.encoder.Batch: a recurrent state has its samples on axis 1, a sample rate on none)."""
     axes = getattr(inputs, "batch_axes", {})
     name, array = next((k, v) for k, v in inputs.items() if axes.get(k, 0) is not None)
     return array.shape[axes.get(name, 0)]
@@ -53,7 +53,7 @@ def batches_of(inputs: dict[str, np.ndarray], batch_size: int) -> list[dict[str,
         return array[(slice(None),) * axis + (slice(start, start + batch_size),)]
 
     n = sample_count(inputs)
-    kind: Any = type(inputs)  # optimize.inputs.Batch, kept so every piece still says its batch axes
+    kind: Any = type(inputs)  # optimize.inputs.encoder.Batch, kept so every piece still says its batch axes
     return [kind({k: cut(k, v, i) for k, v in inputs.items()}, axes) for i in range(0, n, batch_size)]
 
 
@@ -215,7 +215,7 @@ def mask_metrics(base: dict, cand: dict, task_params) -> dict | None:
 def evaluation_inputs(ctx, runner) -> tuple[dict[str, np.ndarray], dict]:
     """(inputs, what they are): evaluation items encoded by the artifact's own tokenizer or the task's
     encoder, or, when the recipe asks, random tensors shaped by the recipe's `model.inputs` and the
-    rules in optimize/inputs.py (never a guessed size)."""
+    rules in optimize/inputs/plan.py (never a guessed size)."""
     cfg = ctx.cfg.evaluate
     if cfg.inputs == "random":
         inputs = random_inputs(ctx, runner, cfg.data.count, cfg.data.seed)
@@ -228,7 +228,8 @@ def evaluation_inputs(ctx, runner) -> tuple[dict[str, np.ndarray], dict]:
 def random_inputs(ctx, runner, count: int, seed: int) -> dict[str, np.ndarray]:
     """Random tensors from the context's tensor encoder, or planned from the runner's signature."""
     from optimize.config import recipe_dict
-    from optimize.inputs import TensorEncoder, plan_inputs
+    from optimize.inputs.encoder import TensorEncoder
+    from optimize.inputs.plan import plan_inputs
 
     encoder = ctx.encoder if isinstance(ctx.encoder, TensorEncoder) else None
     if encoder is None:

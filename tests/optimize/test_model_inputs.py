@@ -1,4 +1,4 @@
-"""Shape rules for models that take tensors (optimize/inputs.py): symbolic dims from the recipe, the
+"""Shape rules for models that take tensors (optimize/inputs/): symbolic dims from the recipe, the
 batch, or the model's metadata, never a silent default; constants and random ranges; the first-batch
 probe; batches whose state carries the batch on another axis."""
 
@@ -14,7 +14,8 @@ from onnx import TensorProto, helper
 
 from optimize.errors import RecipeError
 from optimize.evaluate.harness import batches_of, sample_count
-from optimize.inputs import BATCH, MAX_ITEM_ELEMENTS, Batch, TensorEncoder, plan_inputs
+from optimize.inputs.encoder import Batch, TensorEncoder
+from optimize.inputs.plan import BATCH, MAX_ITEM_ELEMENTS, plan_inputs
 
 IMAGE = [{"name": "x", "type": "tensor(float)", "shape": ["n", 3, "h", "w"]}]
 VAD = [

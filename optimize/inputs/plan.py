@@ -1,4 +1,4 @@
-"""Inputs of a model that takes tensors: shapes, dtypes and values from the recipe, never guessed.
+"""The plan of a tensor model's inputs: shapes, dtypes and values from the recipe, never guessed.
 
 `model.inputs.NAME` sets, per input, a shape (a string dim such as N stands for the batch), a dtype,
 a constant `value` (a sample rate, a zero state), and the range of random data (`low`/`high`, or
@@ -20,7 +20,6 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -40,7 +39,6 @@ DTYPES = {
     "uint8": np.uint8,
     "bool": np.bool_,
 }
-TENSOR_SOURCES = "image_folder, npy, audio_folder"
 BATCH = "N"
 # Elements of one sample of one input (the batch dims left out): 2**26 is 256 MiB of float32, so a
 # batch of 32 of them still fits in a CPU machine's memory; beyond it numpy fails to allocate.
@@ -245,161 +243,3 @@ def random_tensor(plan: InputPlan, batch: int, rng: np.random.Generator) -> np.n
     if low is not None and high is not None:
         return rng.uniform(low, high, size=shape).astype(plan.dtype)
     return rng.normal(plan.spec.get("mean", 0.0), plan.spec.get("std", 1.0), size=shape).astype(plan.dtype)
-
-
-class Batch(dict):
-    """Named inputs whose batch is not on axis 0 of every array: `batch_axes` maps an input to the
-    axis its samples are on (a recurrent state [layers, N, hidden] has them on 1), or to None for an
-    input every sample shares (a sample rate). Inputs it does not name are batched on axis 0."""
-
-    def __init__(self, arrays: dict, batch_axes: dict[str, int | None]):
-        super().__init__(arrays)
-        self.batch_axes = batch_axes
-
-
-class TensorEncoder:
-    """Items (arrays, one per sample) -> the model's named inputs; random batches from the specs.
-    The first batch it makes is run through the source model once, so a model that cannot run on the
-    recipe's shapes fails here with the shapes and the runtime's message (exit 2), not deep inside a stage."""
-
-    def __init__(self, plans: list[InputPlan], probe=None):
-        self.plans = plans
-        self.data_input = next((p for p in plans if p.value is None), None)
-        self._probe = probe
-
-    @classmethod
-    def for_onnx(cls, path: Path, given: dict, threads: int = 0) -> "TensorEncoder":
-        import onnx
-
-        from engines.onnxruntime_runner import OrtRunner
-
-        runner = OrtRunner(path, threads=threads, quiet=True)
-        metadata = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}
-        return cls(plan_inputs(runner.signature(), given, metadata), probe=runner)
-
-    def describe(self) -> str:
-        return ", ".join(p.describe() for p in self.plans)
-
-    def record(self) -> dict:
-        """For the manifest: which input the data feeds and every input as resolved."""
-        return {
-            "data_input": self.data_input.name if self.data_input else None,
-            "resolved": {
-                p.name: {
-                    "dims": [BATCH if d == BATCH else d for d in p.dims],
-                    "dtype": np.dtype(p.dtype).name,
-                    "value": p.value,
-                }
-                for p in self.plans
-            },
-        }
-
-    def __call__(self, items: list) -> dict[str, np.ndarray]:
-        if any(isinstance(i, str) for i in items):
-            raise RecipeError(
-                f"the data source gives text, and this model takes tensors ({self.describe()}): use a tensor "
-                f"source ({TENSOR_SOURCES}), model.tokenizer=DIR for token ids, or evaluate.inputs=random"
-            )
-        if self.data_input is None:
-            raise RecipeError("every model input has a constant value in model.inputs: nothing for the data to feed")
-        data = np.stack([np.asarray(i) for i in items]).astype(self.data_input.dtype, copy=False)
-        self._check_data(data)
-        rng = np.random.default_rng(0)
-        batch = {p.name: data if p is self.data_input else random_tensor(p, len(items), rng) for p in self.plans}
-        return self._checked(batch)
-
-    def random(self, count: int, seed: int) -> dict[str, np.ndarray]:
-        """`count` samples of random data shaped from the specs (evaluate.inputs=random, calibration=random)."""
-        rng = np.random.default_rng(seed)
-        return self._checked({p.name: random_tensor(p, count, rng) for p in self.plans})
-
-    def _check_data(self, data: np.ndarray) -> None:
-        plan = self.data_input
-        assert plan is not None
-        if data.ndim != len(plan.dims):
-            raise RecipeError(
-                f"the data source gives items of shape {list(data.shape[1:])}, and model input "
-                f"{plan.describe()} takes {len(plan.dims) - 1} dims per sample"
-            )
-        # Only the graph's own fixed dims bind data: the recipe's values for symbolic ones shape
-        # random data, while images or audio bring their own size.
-        for i, (have, want) in enumerate(zip(data.shape, plan.spec.get("_model_dims", plan.dims))):
-            if i and isinstance(want, int) and have != want:
-                raise RecipeError(
-                    f"the data source gives items of shape {list(data.shape[1:])}, and model input "
-                    f"{plan.describe()} needs {want} at dim {i}"
-                )
-
-    def _checked(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        # The data input first: what counts samples reads the first input batched on axis 0.
-        order = sorted(self.plans, key=lambda p: p is not self.data_input)
-        axes = {p.name: (p.dims.index(BATCH) if BATCH in p.dims else None) for p in order}
-        batch = Batch({p.name: arrays[p.name] for p in order}, axes)
-        if self._probe is not None:
-            probe, self._probe = self._probe, None
-            run_or_refuse(probe, {p.name: _first_sample(batch[p.name], p.dims) for p in self.plans})
-        return batch
-
-
-def plan_time_refusals(ctx, stages, onnx_path: Path) -> None:
-    """Before any stage runs on a model that takes tensors: every refusal already known (symbolic dims
-    nothing sets, text data for tensor inputs, op_types that match none of the graph's weighted nodes),
-    in one message, so a new user fixes them in one round instead of one per run."""
-    encoder, cfg = ctx.encoder, ctx.cfg
-    # The race builds what it can: a candidate that cannot calibrate on this data is recorded as not
-    # built (its outcome says why), so text calibration is refused here only for a stage that needs it.
-    # A method's config may say it reads no calibration with these settings (uses_calibration()).
-    needs_calibration = any(
-        m.needs_calibration and not m.builds_candidates and getattr(c, "uses_calibration", lambda: True)()
-        for m, c in stages
-    )
-    calibration = ctx.calibration() if needs_calibration else None
-    random_data = cfg.evaluate.inputs == "random" or (calibration is not None and calibration.source == "random")
-    problems: list[str] = []
-    for plan in encoder.plans:
-        if plan is encoder.data_input and not random_data:
-            continue  # the data's items decide the data input's symbolic dims
-        try:
-            plan.shape(1)
-        except RecipeError as exc:
-            problems.append(str(exc))
-    # the random source makes tensors from model.inputs (Context.calibration_inputs)
-    data_sets = [("calibration.source", calibration)] if calibration and calibration.source != "random" else []
-    if cfg.evaluate.inputs == "data":
-        data_sets.append(("evaluate.data.source", ctx.evaluation_data()))
-    for key, data in data_sets:
-        try:
-            ctx.refuse_text_for_tensors(data, key)
-        except RecipeError as exc:
-            problems.append(str(exc))
-    from optimize.quantize.common import op_types_refusal
-
-    for method, method_cfg in stages:
-        refusal = op_types_refusal(method.name, getattr(method_cfg, "op_types", None), onnx_path)
-        if method.stage == "quantize" and refusal:
-            problems.append(refusal)
-    if len(problems) == 1:
-        raise RecipeError(problems[0])
-    if problems:
-        numbered = "; ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
-        raise RecipeError(f"{len(problems)} things to fix before this recipe can run on this model: {numbered}")
-
-
-def _first_sample(array: np.ndarray, dims: list) -> np.ndarray:
-    """The array cut to batch 1 along every batch dim (a state may carry the batch on dim 1)."""
-    index = tuple(slice(0, 1) if d == BATCH else slice(None) for d in dims)
-    return array[index] if len(index) == array.ndim else array
-
-
-def run_or_refuse(runner, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Run the model once; a failure is the model's on these inputs: one line naming the shapes."""
-    try:
-        return runner(inputs)
-    except Exception as exc:  # ONNX Runtime raises its own types (Fail, RuntimeException, InvalidArgument...)
-        shapes = ", ".join(f"{k}{list(v.shape)} {v.dtype}" for k, v in inputs.items())
-        message = " ".join(str(exc).split())
-        message = message.split("Status Message:")[-1].strip() if "Status Message:" in message else message
-        raise RecipeError(
-            f"the model fails on the inputs {shapes}: {message[:300]} "
-            f"(change ++model.inputs.NAME.shape or the data's size)"
-        ) from None
