@@ -80,20 +80,19 @@ def checker_file() -> Path:
     return HERE / "artifact.py"
 
 
-def load_checker():
-    """The checker, loaded by its path (never imported by name from this folder)."""
-    path = checker_file()
+def load_by_path(path: Path, name: str, what: str):
+    """The module at `path`, loaded by its path (never imported by name from this folder)."""
     # No __pycache__ beside it: the bundle must keep exactly the files its manifest lists.
     sys.dont_write_bytecode = True
-    spec = importlib.util.spec_from_file_location("bundle_artifact_checker", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None or not path.is_file():
-        fail(f"{HERE}: artifact.py (the checker) is missing; refused")
+        fail(f"{HERE}: {path.name} ({what}) is missing; refused")
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # a damaged copy (truncated, edited) raises whatever its code raises
         reason = " ".join(str(exc).split())[:200]
-        fail(f"{path}: the checker cannot be loaded ({type(exc).__name__}: {reason}); refused")
+        fail(f"{path}: {what} cannot be loaded ({type(exc).__name__}: {reason}); refused")
     return module
 
 
@@ -178,12 +177,7 @@ def openvino_model(path: Path, engine: dict, threads: int, output_name: str = OU
 def tensorrt_rtx_model(path: Path):
     """A TensorRT-RTX plan on an RTX-class GPU, run by the bundle's tensorrt_rtx_runner.py (checked with
     every other file, and loaded by its path like the checker)."""
-    runner_file = HERE / "tensorrt_rtx_runner.py"
-    spec = importlib.util.spec_from_file_location("bundle_tensorrt_rtx_runner", runner_file)
-    if spec is None or spec.loader is None or not runner_file.is_file():
-        fail(f"{HERE}: tensorrt_rtx_runner.py (the plan runner) is missing; refused")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_by_path(HERE / "tensorrt_rtx_runner.py", "bundle_tensorrt_rtx_runner", "the plan runner")
     try:
         runner = module.RtxPlanRunner(path)
     except module.Unavailable as exc:
@@ -373,7 +367,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.max_tokens < 1 or not 0 <= args.threads <= MAX_THREADS:
         fail(f"--batch-size and --max-tokens must be >= 1, --threads 0 to {MAX_THREADS}")
-    checker = load_checker()
+    checker = load_by_path(checker_file(), "bundle_artifact_checker", "the checker")
     manifest = checked_manifest(checker, args.key, args.require_signature)
     engine = manifest.get("engine") or {}
     task = engine.get("task")
