@@ -82,7 +82,8 @@ def test_there_is_a_default_recipe():
     assert "minilm_int8_cpu" in RECIPES
 
 
-@pytest.mark.parametrize("name", RECIPES)
+# The causal-LM presets plan against their GGUF model (seconds each): they are slow tests.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "smollm2" in n else n for n in RECIPES])
 def test_recipe_composes_and_plans(name, tmp_path):
     cfg = compose_recipe(name, f"output_dir={tmp_path / 'out'}")
     refusal = expected_refusal(name) if name in GPU_RECIPES else untrained_refusal(cfg)
