@@ -11,7 +11,7 @@ from optimize.errors import RecipeError
 from optimize.surgery import Layout, student_copy
 
 log = logging.getLogger(__name__)
-TORCH_TASKS = ("sentence_embedding", "causal_lm")
+TORCH_TASKS = ("sentence_embedding", "causal_lm", "text_classification", "token_classification")
 NO_SPEEDUP_NOTE = (
     "weights are zeroed but stored dense: no time or size is saved without sparse kernels "
     "(2:4 needs a GPU with sparse tensor cores, e.g. NVIDIA Ampere or newer)"

@@ -208,3 +208,21 @@ def test_a_classifier_distills_into_a_smaller_student_on_its_logits(task, text_s
     assert (out / "distill" / "loss_curve.png").is_file() and (out / "labels.json").is_file()
     figure = "accuracy" if task == "text_classification" else "entity_f1"
     assert figure in manifest["metrics"]["candidate"] and manifest["verdict"] == "passed"
+
+
+def test_a_classifier_prunes_by_importance_then_distills(text_setup, tmp_path):
+    """Structured pruning ranks the classifier's layers and heads on calibration text (the task head
+    stays), and the pruned model is the distillation's student."""
+    model, data = text_setup
+    out = tmp_path / "artifact"
+    overrides = text_overrides(model, data, out, "prune=structured", "prune.params.layers=1", "prune.params.heads=1")
+    overrides += ["prune.params.calibration_samples=8", "distill=logit_hidden_kd", "distill.params.max_steps=30"]
+    overrides += ["distill.params.seq_len=32", "distill.params.batch_size=8"]
+    overrides += ["gate.max_accuracy_drop=100", "gate.max_f1_drop=100", "gate.min_prediction_agreement=0"]
+    proc = run_optimize(*overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    pruned, distilled = manifest["stages"]["prune"], manifest["stages"]["distill"]
+    assert len(pruned["kept_layers"]) == 1 and distilled["layer_map"] == [1]
+    assert pruned["parameters"]["after"] < pruned["parameters"]["before"]
+    assert "accuracy" in manifest["metrics"]["candidate"] and manifest["verdict"] == "passed"
