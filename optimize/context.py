@@ -170,9 +170,6 @@ class Context:
                 + (" or evaluate.inputs=random" if key.startswith("evaluate") else "")
             )
 
-    def record(self, stage: str, info: dict) -> None:
-        self.stage_records[stage] = info
-
     @property
     def pooling(self) -> dict:
         """How the source's sentence embedding is pooled (sentence-transformers folders say so)."""

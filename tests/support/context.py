@@ -20,7 +20,7 @@ from tests.support.models import TEXTS, encode
 
 class FakeContext:
     """Mirrors optimize.context.Context: cfg, scratch, source, encoder, threads, stage_records,
-    calibration(), evaluation_data(), encode(), calibration_inputs(), record(), pooling."""
+    calibration(), evaluation_data(), encode(), calibration_inputs(), pooling."""
 
     def __init__(
         self,
@@ -81,9 +81,6 @@ class FakeContext:
 
     def calibration_inputs(self, count: int) -> dict[str, np.ndarray]:
         return self.encode(self.calibration().items[:count])
-
-    def record(self, stage: str, info: dict) -> None:
-        self.stage_records[stage] = info
 
     @property
     def pooling(self) -> dict:
