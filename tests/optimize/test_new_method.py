@@ -4,7 +4,6 @@ and a group YAML written into a copy of recipes/ are found, typed on the command
 
 from __future__ import annotations
 
-import shutil
 import sys
 from pathlib import Path
 
@@ -13,8 +12,8 @@ from hydra import compose, initialize_config_dir
 
 import optimize.quantize
 from optimize import pipeline, registry
-from optimize.__main__ import CONFIG_DIR
 from optimize.config import register_schema
+from tests.support.plugins import install_plugin
 
 NAME = "tmp_identity"
 MODULE = f"optimize.quantize.{NAME}"
@@ -59,14 +58,9 @@ params:
 def new_method(tmp_path, monkeypatch) -> Path:
     """The method file in its own directory on optimize.quantize's path, and a copy of recipes/ with
     the YAML added; returns the copy. Everything it registers is gone after the test."""
-    plugin_dir = tmp_path / "plugin"
-    plugin_dir.mkdir()
-    (plugin_dir / f"{NAME}.py").write_text(METHOD_FILE)
     registry.load_plugins()  # the shipped methods first, so the copy below holds them all
     monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))  # a copy, restored afterwards
-    monkeypatch.setattr(optimize.quantize, "__path__", [*optimize.quantize.__path__, str(plugin_dir)])
-    recipes = tmp_path / "recipes"
-    shutil.copytree(CONFIG_DIR, recipes, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    recipes = install_plugin(tmp_path, monkeypatch, optimize.quantize, NAME, METHOD_FILE)
     (recipes / "quantize" / f"{NAME}.yaml").write_text(GROUP_YAML)
     yield recipes
     sys.modules.pop(MODULE, None)

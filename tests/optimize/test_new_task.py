@@ -6,7 +6,6 @@ pipeline (export to ONNX, evaluation, gate, artifact) with nothing else naming t
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -15,8 +14,8 @@ from hydra import compose, initialize_config_dir
 
 import optimize.tasks
 from optimize import pipeline, tasks
-from optimize.__main__ import CONFIG_DIR
 from optimize.config import register_schema
+from tests.support.plugins import install_plugin
 
 NAME = "tmp_linear"
 MODULE = f"optimize.tasks.{NAME}"
@@ -102,14 +101,9 @@ gate:
 def new_task(tmp_path, monkeypatch) -> Path:
     """The task file in its own directory on optimize.tasks's path, and a copy of recipes/ with the
     recipe added; returns the copy. Everything it registers is gone after the test."""
-    plugin_dir = tmp_path / "plugin"
-    plugin_dir.mkdir()
-    (plugin_dir / f"{NAME}.py").write_text(TASK_FILE)
     tasks.names()  # the shipped tasks first, so the copy below holds them all
     monkeypatch.setattr(tasks, "_TASKS", dict(tasks._TASKS))  # a copy, restored afterwards
-    monkeypatch.setattr(optimize.tasks, "__path__", [*optimize.tasks.__path__, str(plugin_dir)])
-    recipes = tmp_path / "recipes"
-    shutil.copytree(CONFIG_DIR, recipes, ignore=shutil.ignore_patterns("__pycache__", "*.py"))
+    recipes = install_plugin(tmp_path, monkeypatch, optimize.tasks, NAME, TASK_FILE)
     (recipes / "recipe" / f"{NAME}_fp32.yaml").write_text(RECIPE_YAML)
     yield recipes
     sys.modules.pop(MODULE, None)
