@@ -28,55 +28,53 @@ from starlette.routing import Match, Route
 
 from serve.config import ServeConfig
 from serve.errors import HTTPError, too_large
-from serve.state import STREAM_FAILED, ServeState, default_model_name, state_of  # noqa: F401 (re-exported)
+from serve.state import STREAM_FAILED, ServedModel, ServeState, default_model_name, state_of  # noqa: F401 (re-exported)
 
 log = logging.getLogger("serve")
 access_log = logging.getLogger("serve.access")  # one line per request, at debug level (--log-level debug)
 OPEN_PATHS = ("/v2/health/", "/metrics")  # open without a key only when the operator says so
 
 
-# How serve answers the task an encoder engine's block names ("module:class", imported when it loads).
+# How serve answers the task an encoder engine's block names ("module:class", imported with the state).
+# Each class declares the protocols it answers (serve.state.ServedModel); the routes ask it.
 ENCODER_HANDLERS = {
     "sentence_embedding": "serve.encoder:EncoderModel",
-    "text_classification": "serve.classifier:ClassifierModel",  # logits, named by the artifact's labels.json
+    "text_classification": "serve.classifier:TextClassifierModel",  # logits, named by the artifact's labels.json
     "token_classification": "serve.classifier:ClassifierModel",
 }
 TENSOR_HANDLER = "serve.tensors:TensorModel"  # any other model that takes tensors: images, audio, ...
+GENERATION_HANDLER = "serve.llm:GenerativeModel"  # every engine whose format generates
+
+
+def handler_for(engine: dict) -> type[ServedModel] | None:
+    """The class that serves this engine block, or None where none does (the load then says so).
+    Its module imports nothing heavy: the runtime comes in when the model loads."""
+    handler = handler_name(engine)
+    if handler is None:
+        return None
+    module, name = handler.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def handler_name(engine: dict) -> str | None:
+    """By what the engine's format serves: generation, else an encoder's task, else its tensors."""
+    from engines import formats
+
+    engine_format = formats.FORMATS.get(engine.get("format") or "")
+    serves = engine_format.serves if engine_format else None
+    if serves == "causal_lm":
+        return GENERATION_HANDLER
+    if serves != "encoder":
+        return None
+    takes_tensors = engine.get("inputs") and not engine.get("tokenizer")
+    return ENCODER_HANDLERS.get(engine.get("task", "")) or (TENSOR_HANDLER if takes_tensors else None)
 
 
 def load_model_for(state: ServeState):
     """Build the model object the engine block describes (runs in a worker thread)."""
-    threads = state.config.ort_threads()
-    from engines import formats
-
-    serves = formats.get(state.engine.get("format")).serves
-    if serves == "causal_lm":
-        from serve.llm import GenerativeModel
-
-        cfg = state.config
-        return GenerativeModel(
-            state.root, state.engine, threads, cfg.max_prompt_tokens, cfg.max_tokens, batch_settings(cfg)
-        )
-    handler = ENCODER_HANDLERS.get(state.task)
-    if handler is None and state.engine.get("inputs") and not state.engine.get("tokenizer"):
-        handler = TENSOR_HANDLER
-    if serves == "encoder" and handler is not None:
-        module, name = handler.split(":")
-        model_class = getattr(importlib.import_module(module), name)
-        return model_class(state.root, state.engine, threads, spinning=state.config.ort_spinning)
-    raise ValueError(f"this server has no handler for task {state.task!r} on engine {state.engine.get('format')!r}")
-
-
-def batch_settings(cfg: ServeConfig):
-    """The continuous-batching engine's limits from the server settings."""
-    from engines.openvino_genai_batch import BatchSettings
-
-    return BatchSettings(
-        max_num_seqs=cfg.max_num_seqs,
-        kv_cache_bytes=int(cfg.kv_cache_gb * 2**30),
-        max_batched_tokens=cfg.max_batched_tokens,
-        prefix_caching=cfg.prefix_caching,
-    )
+    if state.handler is None:
+        raise ValueError(f"this server has no handler for task {state.task!r} on engine {state.engine.get('format')!r}")
+    return state.handler.load(state.root, state.engine, state.config)
 
 
 # --- loading and draining ------------------------------------------------------------------------
@@ -343,9 +341,9 @@ def create_app(
     from serve import kserve_routes, openai_routes, predict_routes
 
     root = Path(root)
-    state = ServeState(
-        root, manifest if manifest is not None else read_manifest(root), config or ServeConfig(), load_model
-    )
+    manifest = manifest if manifest is not None else read_manifest(root)
+    handler = handler_for(manifest.get("engine") or {})
+    state = ServeState(root, manifest, config or ServeConfig(), load_model, handler)
     routes = [
         *kserve_routes.routes(),
         *openai_routes.routes(),

@@ -3,8 +3,9 @@ tokenizing, checks and batching (serve/encoder.py), logits out, and the artifact
 (written by the pipeline from the model's id2label) to name them.
 
 KServe v2 serves the logits as tensors ([rows, labels], or [rows, sequence, labels] for a token
-classifier); /predict (serve/predict_routes.py) answers as Text Embeddings Inference's
-classification route does: every label with its softmax score, highest first.
+classifier); for a sequence classifier (TextClassifierModel) /predict (serve/predict_routes.py) also
+answers as Text Embeddings Inference's classification route does: every label with its softmax
+score, highest first.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from serve.encoder import EncoderBatchItem, EncoderModel
 from serve.errors import unprocessable
 
 LABELS_FILE = "labels.json"
-CLASSIFIER_TASKS = ("text_classification", "token_classification")
 
 
 def read_labels(root: Path) -> list[str]:
@@ -36,10 +36,22 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 
 
 class ClassifierModel(EncoderModel):
+    """Any classifier's logits as tensors (a token classifier's are per token: no /predict rows)."""
+
+    ANSWERS = frozenset({"tensors"})
+    USE = "a {task} model: use /v2/models/{name}/infer for its logits"
+
     def __init__(self, root: Path, engine: dict, threads: int = 0, spinning: bool = False):
         super().__init__(root, engine, threads, spinning)
         self.task = engine["task"]
         self.labels = read_labels(root)
+
+
+class TextClassifierModel(ClassifierModel):
+    """One row of logits per text: /predict names them, every label with its score."""
+
+    ANSWERS = frozenset({"tensors", "predict"})
+    USE = "a text classifier: use /predict, or /v2/models/{name}/infer for its logits"
 
     def from_texts_checked(self, texts: list[str], truncate: bool) -> EncoderBatchItem:
         """Texts tokenized; one past max_length tokens is refused unless the client asks to truncate

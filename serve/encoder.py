@@ -12,11 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import numpy as np
 
 from serve.errors import unprocessable
+
+if TYPE_CHECKING:
+    from serve.config import ServeConfig
 
 # Value ranges the graph can take without failing inside ONNX Runtime (an index out of range
 # would be a 500): masks and BERT segment ids are 0/1; token ids must be in the vocabulary.
@@ -44,6 +47,12 @@ class EncoderBatchItem:
 
 class EncoderModel:
     task = "sentence_embedding"
+    ANSWERS = frozenset({"tensors", "embeddings"})
+    USE = "an encoder (sentence embeddings): use /v1/embeddings"
+
+    @classmethod
+    def load(cls, root: Path, engine: dict, config: ServeConfig) -> Self:
+        return cls(root, engine, config.ort_threads(), spinning=config.ort_spinning)
 
     def __init__(self, root: Path, engine: dict, threads: int = 0, spinning: bool = False):
         from engines import load_engine

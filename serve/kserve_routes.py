@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve.body import arriving, read_body
-from serve.errors import bad_request, not_found, too_large_batch, unprocessable
+from serve.errors import not_found, too_large_batch, unprocessable
 from serve.jsonbody import FastJSONResponse, array
 from serve.protocol import NUMPY_TO_KSERVE, parse_infer_request
 from serve.state import state_of
@@ -140,11 +140,7 @@ async def model_config(request: Request) -> JSONResponse:
 
 async def infer(request: Request) -> Response:
     state = model_of(request)
-    if state.task == "causal_lm":
-        raise bad_request(
-            f"model {state.name!r} is a {state.task} model: it is served on /v1/completions and "
-            f"/v1/chat/completions, not as tensors"
-        )
+    state.require_answers("tensors")
     state.require_ready()
     with arriving(state.batcher):
         body = await read_body(request, state.config.max_request_bytes)

@@ -23,10 +23,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
 from serve.errors import bad_request, busy, unavailable
 from serve.protocol import GenerationRequest
+
+if TYPE_CHECKING:
+    from serve.config import ServeConfig
 
 # Seeds each generation engine takes: its Python binding raises on anything else (a 500 otherwise).
 # ONNX Runtime GenAI's random_seed is a signed 32-bit integer whose -1 means "seed from the clock",
@@ -42,6 +45,14 @@ BATCH_ENGINES: dict[str, tuple[str, str, dict]] = {
 
 class GenerativeModel:
     task = "causal_lm"
+    ANSWERS = frozenset({"completions"})
+    USE = "a causal LM: use /v1/completions or /v1/chat/completions"
+
+    @classmethod
+    def load(cls, root: Path, engine: dict, config: ServeConfig) -> Self:
+        return cls(
+            root, engine, config.ort_threads(), config.max_prompt_tokens, config.max_tokens, batch_settings(config)
+        )
 
     def __init__(
         self,
@@ -148,6 +159,18 @@ class GenerativeModel:
                 f"'seed' must be between {low} and {high} for this model, got {request.seed}", param="seed"
             )
         return Sampling(budget, request.temperature, request.top_p, request.seed)
+
+
+def batch_settings(config: ServeConfig):
+    """The continuous-batching engine's limits from the server settings."""
+    from engines.openvino_genai_batch import BatchSettings
+
+    return BatchSettings(
+        max_num_seqs=config.max_num_seqs,
+        kv_cache_bytes=int(config.kv_cache_gb * 2**30),
+        max_batched_tokens=config.max_batched_tokens,
+        prefix_caching=config.prefix_caching,
+    )
 
 
 def load_batch_engine(fmt: str, root: Path, engine: dict, batch, threads: int):

@@ -50,7 +50,8 @@ async def get_model(request: Request) -> JSONResponse:
     return JSONResponse(model_card(state))
 
 
-def check_model(state, name: str, task: str | None = None) -> None:
+def check_model(state, name: str, protocol: str | None = None) -> None:
+    """404 for another model's name; with a protocol, 400 where the served model does not answer it."""
     if name != state.name:
         raise HTTPError(
             404,
@@ -58,12 +59,8 @@ def check_model(state, name: str, task: str | None = None) -> None:
             "not_found_error",
             param="model",
         )
-    if task and state.task != task:
-        other = {
-            "sentence_embedding": "an encoder (sentence embeddings): use /v1/embeddings",
-            "causal_lm": "a causal LM: use /v1/completions or /v1/chat/completions",
-        }
-        raise bad_request(f"model {name!r} is {other.get(state.task, state.task)}", param="model")
+    if protocol:
+        state.require_answers(protocol, param="model")
 
 
 async def read_json(request: Request, state) -> dict:
@@ -79,7 +76,7 @@ async def embeddings(request: Request) -> FastJSONResponse:
     state = state_of(request)
     with arriving(state.batcher):
         parsed = parse_embeddings_request(await read_json(request, state), state.config.max_inputs)
-        check_model(state, parsed.model, "sentence_embedding")
+        check_model(state, parsed.model, "embeddings")
         state.require_ready()
         model = state.model
         if parsed.dimensions is not None and parsed.dimensions != model.embedding_dim:
@@ -128,7 +125,7 @@ async def generate(request: Request, parse, chat: bool):
 
     state = state_of(request)
     parsed = parse(await read_json(request, state))
-    check_model(state, parsed.model, "causal_lm")
+    check_model(state, parsed.model, "completions")
     state.require_ready()
     model = state.model
     prompt_ids = model.prompt_ids(parsed)

@@ -40,11 +40,7 @@ async def predict(request: Request) -> FastJSONResponse:
     from serve.kserve_routes import run_encoder
 
     state = state_of(request)
-    if state.task != "text_classification":
-        raise bad_request(
-            f"model {state.name!r} is a {state.task} model; /predict serves text classifiers "
-            "(KServe v2 /v2/models/{name}/infer serves every encoder's tensors)"
-        )
+    state.require_answers("predict")
     with arriving(state.batcher):
         data = json_object(await read_body(request, state.config.max_request_bytes))
         texts, single = parse_inputs(data, state.config.max_inputs)

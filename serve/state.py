@@ -4,31 +4,53 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar, Protocol
 
 from starlette.requests import Request
 
 from serve.config import ServeConfig
-from serve.errors import unavailable
+from serve.errors import bad_request, unavailable
 
 # Scope key a streaming route sets when its stream ended with an error event: the 200 went out with
 # the headers, and the request is counted as the server error it was.
 STREAM_FAILED = "serve.stream_failed"
 
 
+class ServedModel(Protocol):
+    """What a handler class (serve.encoder, serve.classifier, serve.tensors, serve.llm) says about
+    itself. The routes ask it, not the task's name, so a new handler needs no change to them."""
+
+    ANSWERS: ClassVar[frozenset[str]]  # the protocols it answers: "tensors", "embeddings", "predict", "completions"
+    # What it is and where it is served, for a refusal; "{name}" and "{task}" are the served model's.
+    USE: ClassVar[str]
+
+    @classmethod
+    def load(cls, root: Path, engine: dict, config: ServeConfig) -> Any:
+        """The model as this server runs it (in a worker thread)."""
+        ...
+
+
 class ServeState:
     """Everything the routes share: the manifest, settings, metrics, and the model once loaded."""
 
-    def __init__(self, root: Path, manifest: dict, config: ServeConfig, load_model: Callable):
+    def __init__(
+        self,
+        root: Path,
+        manifest: dict,
+        config: ServeConfig,
+        load_model: Callable,
+        handler: type[ServedModel] | None,  # the class that serves the engine block; None: nothing does
+    ):
         from serve.metrics import Metrics
 
         self.root, self.manifest, self.config = root, manifest, config
         self.engine = manifest.get("engine") or {}
+        self.handler = handler
         self.name = config.model_name or default_model_name(root, manifest)
         self.version = "1"
         self.load_model = load_model
         self.metrics = Metrics()
-        self.model: Any = None  # serve.encoder.EncoderModel or serve.llm.GenerativeModel, once loaded
+        self.model: Any = None  # an instance of the handler class, once loaded
         self.batcher: Any = None  # encoders: serve.batching.Batcher
         self.generator: Any = None  # causal LMs: serve.llm.GenerationService
         self.load_error: str | None = None
@@ -55,6 +77,14 @@ class ServeState:
         if self.model is None:
             raise unavailable("the model is loading")
         # Draining is not refused here: a request uvicorn still accepts is served to the end.
+
+    def require_answers(self, protocol: str, param: str | None = None) -> None:
+        """400 where the handler class does not answer `protocol`, saying where the model is served.
+        Known from the manifest, so a request on the wrong route is refused while the model loads too."""
+        if self.handler is None or protocol in self.handler.ANSWERS:
+            return  # without a handler the load fails, and require_ready says why
+        use = self.handler.USE.format(name=self.name, task=self.task)
+        raise bad_request(f"model {self.name!r} is {use}", param=param)
 
 
 def default_model_name(root: Path, manifest: dict) -> str:

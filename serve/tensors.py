@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Self, cast
 
 import numpy as np
 
 from serve.encoder import ORT_TO_NUMPY
 from serve.errors import unprocessable
+
+if TYPE_CHECKING:
+    from serve.config import ServeConfig
 
 
 @dataclass
@@ -40,6 +43,13 @@ class TensorBatchItem:
 
 
 class TensorModel:
+    ANSWERS = frozenset({"tensors"})
+    USE = "a {task} model: use /v2/models/{name}/infer"
+
+    @classmethod
+    def load(cls, root: Path, engine: dict, config: ServeConfig) -> Self:
+        return cls(root, engine, config.ort_threads(), spinning=config.ort_spinning)
+
     def __init__(self, root: Path, engine: dict, threads: int = 0, spinning: bool = False):
         from engines import load_engine
 

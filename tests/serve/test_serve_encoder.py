@@ -219,10 +219,12 @@ def test_embeddings_bad_requests(encoder, encoder_name):
     openai_error(encoder.post("/v1/embeddings", content=b"{"), 400)
 
 
-def test_llm_endpoints_on_an_encoder_explain_why(encoder, encoder_name):
+def test_llm_and_classifier_endpoints_on_an_encoder_explain_why(encoder, encoder_name):
+    """The encoder's class answers tensors and embeddings only; every other route names /v1/embeddings."""
     for path, body in (
         ("/v1/completions", {"model": encoder_name, "prompt": "hi"}),
         ("/v1/chat/completions", {"model": encoder_name, "messages": [{"role": "user", "content": "hi"}]}),
+        ("/predict", {"inputs": "hi"}),
     ):
         error = openai_error(encoder.post(path, json=body), 400)
         assert "encoder" in error["message"] and "/v1/embeddings" in error["message"]

@@ -1,11 +1,15 @@
 """Behaviour under load and bad input, in process: bounded queue (429 + Retry-After), per-request
-timeout (504), body limit (413), bearer-token auth (401), not ready yet (503)."""
+timeout (504), body limit (413), bearer-token auth (401), not ready yet (503), a route the served
+model's class does not answer (400)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
 
 from serve.app import load_model_for
 from tests.support.serve import in_process, wait_until
@@ -123,6 +127,9 @@ def test_not_ready_until_loaded_then_ready(encoder_artifact, encoder_name):
         loading = embed(client, encoder_name)
         assert loading.status_code == 503 and loading.headers["Retry-After"]
         assert client.get(f"/v2/models/{encoder_name}").status_code == 200  # metadata from the manifest
+        # What the model answers is its class's, known from the manifest: a wrong route is refused now.
+        refused = client.post("/v1/completions", json={"model": encoder_name, "prompt": "hi"})
+        assert refused.status_code == 400 and "/v1/embeddings" in refused.json()["error"]["message"]
         release.set()
         wait_until(lambda: client.get("/v2/health/ready").status_code == 200)
         assert embed(client, encoder_name).status_code == 200
@@ -136,3 +143,35 @@ def test_a_model_that_fails_to_load_is_never_ready(encoder_artifact, encoder_nam
         assert client.get("/v2/health/ready").status_code == 503
         response = embed(client, encoder_name)
         assert response.status_code == 503 and "no such provider" in response.json()["error"]["message"]
+
+
+ENCODER = {"format": "onnxruntime", "tokenizer": "tokenizer"}
+IMAGE_MODEL = {"format": "openvino", "task": "image_classification", "inputs": [{"name": "pixels"}]}
+PROTOCOLS = ("tensors", "embeddings", "predict", "completions")
+
+
+@pytest.mark.parametrize(
+    "engine, answered, hint",
+    [
+        ({**ENCODER, "task": "sentence_embedding"}, {"tensors", "embeddings"}, "an encoder (sentence embeddings)"),
+        ({**ENCODER, "task": "text_classification"}, {"tensors", "predict"}, "a text classifier: use /predict"),
+        ({**ENCODER, "task": "token_classification"}, {"tensors"}, "a token_classification model: use /v2/models/m"),
+        (IMAGE_MODEL, {"tensors"}, "a image_classification model: use /v2/models/m/infer"),
+        ({"format": "onnxruntime-genai", "task": "causal_lm"}, {"completions"}, "a causal LM: use /v1/completions"),
+        ({"format": "openvino-genai", "task": "causal_lm"}, {"completions"}, "a causal LM: use /v1/completions"),
+    ],
+)
+def test_the_served_class_decides_which_protocols_are_refused(engine, answered, hint):
+    from serve.app import handler_for
+    from serve.config import ServeConfig
+    from serve.errors import HTTPError
+    from serve.state import ServeState
+
+    state = ServeState(Path("m"), {"engine": engine}, ServeConfig(model_name="m"), load_model_for, handler_for(engine))
+    for protocol in PROTOCOLS:
+        if protocol in answered:
+            state.require_answers(protocol)
+            continue
+        with pytest.raises(HTTPError) as refusal:
+            state.require_answers(protocol)
+        assert refusal.value.status == 400 and refusal.value.message.startswith(f"model 'm' is {hint}")
