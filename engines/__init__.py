@@ -37,3 +37,20 @@ def load_engine(root: Path, engine: dict, threads: int = 0, spinning: bool = Tru
         raise ArtifactError(f"{exc.args[0]} in {root}") from None
     check_engine_paths(Path(root), engine, keys=("file", "dir", "tokenizer"))
     return fmt.load(Path(root), engine, threads=threads, spinning=spinning)
+
+
+def engine_bytes(root: Path, engine: dict) -> int:
+    """Bytes on disk of an engine block's model: its `file` and the weights beside it (an ONNX graph's
+    external data, OpenVINO's .bin), or every file under its `dir` but the tokenizer's. The race and
+    the gate measure size with this, so a candidate is judged on the size the artifact reports."""
+    from engines.artifact import onnx_external_locations
+
+    root = Path(root)
+    if "file" in engine:
+        main = root / engine["file"]
+        beside = onnx_external_locations(main) if main.suffix == ".onnx" else [main.with_suffix(".bin").name]
+        weights = {main.parent / name for name in beside}
+        return main.stat().st_size + sum(w.stat().st_size for w in weights if w.is_file())
+    tokenizer = root / engine["tokenizer"] if engine.get("tokenizer") else None
+    files = [p for p in (root / engine.get("dir", ".")).rglob("*") if p.is_file()]
+    return sum(p.stat().st_size for p in files if tokenizer is None or tokenizer not in p.parents)

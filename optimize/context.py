@@ -117,7 +117,8 @@ class Model:
 
 @dataclass
 class Context:
-    """What stages and tasks may use: the recipe, a scratch directory, the data, the tokenizer."""
+    """What stages and tasks may use: the recipe, a scratch directory, the data, the tokenizer, the
+    source model and its baseline."""
 
     cfg: Any
     scratch: Path
@@ -125,6 +126,9 @@ class Context:
     encoder: Any = None
     threads: int = 0
     stage_records: dict = field(default_factory=dict)  # {stage: what it did}, for the manifest
+    # The source as it came on its own runtime (optimize/evaluate/subjects.py), built once before the
+    # stages: the race scores candidates against it and the gate judges against the same one.
+    baseline: Any = None
     _calibration: TextSet | None = None
     _evaluation: TextSet | None = None
 
@@ -132,6 +136,10 @@ class Context:
         if self._calibration is None:
             self._calibration = load_data(self.cfg.calibration)
         return self._calibration
+
+    def calibration_used(self) -> dict | None:
+        """What calibration data the stages read (the manifest's `calibration`); None: none read it."""
+        return self._calibration.describe() if self._calibration is not None else None
 
     def evaluation_data(self) -> TextSet:
         """Evaluation items, never overlapping the calibration items (checked by content hash)."""

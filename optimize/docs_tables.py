@@ -59,7 +59,7 @@ def _params(params: dict) -> str:
 def methods_table() -> str:
     from optimize import registry, tasks
 
-    every_task = set(tasks.names())
+    shipped = [tasks.get(name) for name in tasks.names()]
     inputs = {"torch": "PyTorch module", "onnx": "ONNX graph"}
     methods = sorted(registry.all_methods(), key=lambda m: (registry.STAGES.index(m.stage), m.name))
     rows = [
@@ -68,12 +68,18 @@ def methods_table() -> str:
             f"`{m.name}`",
             inputs[m.input_format],
             "yes" if m.needs_calibration else "",
-            "every task" if m.tasks is None or set(m.tasks) >= every_task else ", ".join(m.tasks),
+            _tasks_cell([t.name for t in shipped if m.supports(t)], [t.name for t in shipped if not m.supports(t)]),
             m.summary,
         ]
         for m in methods
     ]
     return _table(["stage", "method", "input", "calibration", "tasks", "what it does"], rows)
+
+
+def _tasks_cell(supported: list[str], refused: list[str]) -> str:
+    if not refused:
+        return "every task"
+    return f"every task but {', '.join(refused)}" if len(refused) < len(supported) else ", ".join(supported)
 
 
 def gate_table() -> str:
@@ -105,20 +111,16 @@ def gate_table() -> str:
     return _table(["threshold", "what the check reads", "passes when", "checked at", "timed"], rows) + note
 
 
-def race_candidates() -> tuple[dict, dict]:
-    """The race's candidates by name, and the default candidate names by task ("default": the rest)."""
-    from optimize.compile.race.candidates import CANDIDATES, DEFAULT_CANDIDATES
-
-    return CANDIDATES, DEFAULT_CANDIDATES
-
-
 def race_table() -> str:
-    candidates, defaults = race_candidates()
+    from optimize import tasks
+    from optimize.compile.race.candidates import CANDIDATES, default_candidates
+
+    generating = ", ".join(f"`{name}`" for name in tasks.names() if tasks.get(name).generates)
 
     def default_for(name: str) -> str:
-        races = [task for task, names in defaults.items() if name in names]
-        own = ", ".join(f"`{t}`" for t in defaults if t != "default")
-        return ", ".join(f"every task but {own}" if t == "default" else f"`{t}`" for t in races) or "when named"
+        if name in default_candidates(generates=True):
+            return generating
+        return f"every task but {generating}" if name in default_candidates(generates=False) else "when named"
 
     rows = [
         [
@@ -129,7 +131,7 @@ def race_table() -> str:
             _params(c.quantize_params),
             default_for(name),
         ]
-        for name, c in candidates.items()
+        for name, c in CANDIDATES.items()
     ]
     return _table(["candidate", "engine", "engine params", "quantize", "quantize params", "raced by default"], rows)
 

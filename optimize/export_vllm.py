@@ -39,9 +39,9 @@ PROVENANCE = "optimize_export.json"
 
 def checkpoint_folder(root: Path, engine: dict) -> str:
     """The artifact's folder that holds the Hugging Face checkpoint vLLM loads, by engine."""
-    if engine.get("task") == "causal_lm" and engine.get("format") == COMPRESSED_TENSORS:
+    if engine.get("format") == COMPRESSED_TENSORS:  # both are built for causal LMs alone (the registry says so)
         return str(engine.get("dir") or "").strip("/")
-    if engine.get("task") == "causal_lm" and engine.get("format") == MODELOPT_TORCH:
+    if engine.get("format") == MODELOPT_TORCH:
         return f"{str(engine.get('dir') or '').strip('/')}/{HF_EXPORT}"
     raise RecipeError(
         f"{root}: a {engine.get('format')!r} {engine.get('task')!r} engine holds no checkpoint vLLM loads "

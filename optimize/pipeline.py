@@ -12,12 +12,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from engines import formats, load_engine
+from engines import load_engine
+from engines.runners import TensorRunner
 from optimize import artifact, environment, gate, publish, registry, runlog, tasks, workload
 from optimize.config import recipe_dict
 from optimize.context import Context, Model, SourceModel
 from optimize.errors import RecipeError
-from optimize.evaluate.harness import Subject
+from optimize.evaluate import subjects
 from optimize.models import load as load_source
 from optimize.models import resolve as resolve_source
 from optimize.models import source_hash
@@ -49,7 +50,7 @@ def plan(cfg, run_dir: Path) -> Plan:
             continue
         method = registry.get(stage, section.method)
         params = recipe_dict(section.params)
-        if not method.supports(cfg.model.task):
+        if not method.supports(tasks.get(cfg.model.task)):
             raise RecipeError(f"{stage}.method={method.name} does not support model.task={cfg.model.task}")
         stages.append((method, registry.build_config(method, dict(params))))
     _refuse_after_candidates(stages)
@@ -68,7 +69,7 @@ def plan(cfg, run_dir: Path) -> Plan:
         )
     the_workload = workload.resolve(cfg)
     largest = max(p.batch for p in the_workload.batches)
-    if cfg.model.task != "causal_lm" and cfg.evaluate.latency and largest > cfg.evaluate.data.count:
+    if not tasks.get(cfg.model.task).generates and cfg.evaluate.latency and largest > cfg.evaluate.data.count:
         raise RecipeError(
             f"workload.batches has {largest}, more than the {cfg.evaluate.data.count} evaluation samples "
             "(evaluate.data.count)"
@@ -120,9 +121,8 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
             ctx.evaluation_data()
         source = ctx.source = load_source(cfg.model)
         _prepare_tokenizer(cfg, ctx, source, stage)
-        if hasattr(task, "check_source"):  # a task that checks the model against its data (a classifier's labels)
-            task.check_source(ctx)
-        if ctx.encoder is None and hasattr(task, "encoder"):  # tasks whose inputs are not text bring their own
+        task.check_source(ctx)
+        if ctx.encoder is None:  # tasks whose inputs are not text bring their own
             ctx.encoder = task.encoder(ctx)
         if ctx.encoder is None and source.onnx_path is not None:  # an ONNX file that takes tensors
             from optimize.inputs.encoder import TensorEncoder
@@ -132,16 +132,15 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
             from optimize.inputs.refusals import plan_time_refusals
 
             plan_time_refusals(ctx, the_plan.stages, source.onnx_path)
-        if hasattr(task, "check_workload"):  # a task whose workload depends on the model (LM context)
-            task.check_workload(ctx, the_plan.workload)
+        task.check_workload(ctx, the_plan.workload)
+        baseline = ctx.baseline = subjects.baseline(ctx, task)
         model = _initial_model(source)
         for method, method_cfg in order(the_plan.stages):
             log.info("%s: %s", method.stage, method.name)
             model = method.fn(model, method_cfg, ctx).file_into(ctx.stage_records, method.stage)
-        engine = _install_engine(model, stage, cfg)
+        engine, runner = _install_engine(model, stage, cfg, ctx.threads)
         _ship_extra_files({**task.files(ctx), **model.files}, stage)
-        baseline = _baseline(ctx, source, task)
-        candidate = _candidate(stage, engine, ctx, model.layer_precision)
+        candidate = subjects.candidate(stage, engine, runner, model.layer_precision)
         metrics, eval_data = task.evaluate(baseline, candidate, ctx)
         for hook in model.metric_hooks:
             hook(metrics)
@@ -203,8 +202,9 @@ def _prepare_tokenizer(cfg, ctx: Context, source: SourceModel, stage: Path) -> N
     ctx.encoder = TextEncoder(stage / TOKENIZER_DIR, cfg.model.max_length)
 
 
-def _install_engine(model: Model, stage: Path, cfg) -> dict:
-    """Copy the final engine files into the artifact and complete the engine block."""
+def _install_engine(model: Model, stage: Path, cfg, threads: int) -> tuple[dict, TensorRunner]:
+    """Copy the final engine files into the artifact and complete the engine block. Returns it with
+    its runner, loaded from the artifact's copy: the final evaluation measures the files that ship."""
     if model.engine_dir is None:
         raise RecipeError("the engine stage produced no engine files")
     for path in sorted(model.engine_dir.rglob("*")):
@@ -221,10 +221,10 @@ def _install_engine(model: Model, stage: Path, cfg) -> dict:
         max_length=cfg.model.max_length,
         tokenizer=TOKENIZER_DIR if (stage / TOKENIZER_DIR).exists() else None,
     )
-    runner = load_engine(stage, engine)
+    runner = load_engine(stage, engine, threads=threads)
     if hasattr(runner, "signature"):  # runtimes that take named arrays say what they take
         engine["inputs"] = runner.signature()
-    return engine
+    return engine, runner
 
 
 def _ship_extra_files(files: dict[str, Path], stage: Path) -> None:
@@ -232,55 +232,6 @@ def _ship_extra_files(files: dict[str, Path], stage: Path) -> None:
         dest = stage / relative
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(path, dest)
-
-
-def _engine_bytes(root: Path, engine: dict) -> int:
-    """Bytes of the engine's model files (the tokenizer is not counted)."""
-    if "file" in engine:  # the model file and its weights beside it (ONNX external data, OpenVINO .bin)
-        from engines.artifact import onnx_external_locations
-
-        main = root / engine["file"]
-        beside = onnx_external_locations(main) if main.suffix == ".onnx" else [main.with_suffix(".bin").name]
-        weights = {main.parent / name for name in beside}
-        return main.stat().st_size + sum(w.stat().st_size for w in weights if w.is_file())
-    folder = root / engine.get("dir", ".")
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and TOKENIZER_DIR not in p.parts)
-
-
-def _candidate(stage: Path, engine: dict, ctx: Context, layer_precision: dict) -> Subject:
-    return Subject(
-        "candidate",
-        load_engine(stage, engine, threads=ctx.threads),
-        engine,
-        stage,
-        _engine_bytes(stage, engine),
-        layer_precision,
-    )
-
-
-def _baseline(ctx: Context, source: SourceModel, task: tasks.Task) -> Subject:
-    """The source model as it came, on its own runtime: PyTorch FP32, or ONNX Runtime for an ONNX source."""
-    engine: dict[str, Any]
-    if source.onnx_path is not None:
-        engine = {"format": formats.ONNXRUNTIME, "file": source.onnx_path.name}
-        root = source.onnx_path.parent
-        return Subject("baseline", load_engine(root, engine, ctx.threads), engine, root, _engine_bytes(root, engine))
-    from engines.pytorch_runner import TorchRunner
-
-    engine = {
-        "format": formats.PYTORCH,
-        "model_dir": source.location,
-        "task": source.task,
-        "pooling": ctx.pooling,
-        "gguf_file": source.gguf_file,
-        "allow_pickle": ctx.cfg.model.allow_pickle,
-    }
-    runner = TorchRunner(task.module(source.module, ctx), list(task.input_names), list(task.output_names), ctx.threads)
-    # Tied weights (an LM head sharing the embedding) appear twice in a state dict: count storage once.
-    unique = {t.data_ptr(): t.numel() * t.element_size() for t in source.module.state_dict().values()}
-    size = sum(unique.values())
-    root = Path(source.location) if Path(source.location).exists() else Path(".")
-    return Subject("baseline", runner, engine, root, size)
 
 
 def _threads(requested: int) -> dict:
@@ -297,7 +248,7 @@ def _threads(requested: int) -> dict:
 
 
 def _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started, stage: Path) -> dict:
-    calib = ctx._calibration.describe() if ctx._calibration else None
+    calib = ctx.calibration_used()
     resolved = recipe_dict(cfg)
     hashes = source_hash(source)
     return {

@@ -47,12 +47,22 @@ class Method:
     input_format: InputFormat = "onnx"
     # An engine that builds its own ONNX-side candidates (the race): no ONNX-side method may follow it.
     builds_candidates: bool = False
-    # The model.task values it supports; None: every task.
-    tasks: tuple[str, ...] | None = None
+    # The tasks it supports: model.task names, a test the task answers (a function of the
+    # optimize.tasks Task, as `takes_tensors`), or None: every task.
+    tasks: tuple[str, ...] | Callable[[Any], bool] | None = None
     summary: str = ""
 
-    def supports(self, task: str) -> bool:
-        return self.tasks is None or task in self.tasks
+    def supports(self, task) -> bool:
+        """Whether it takes `task` (an optimize.tasks Task)."""
+        if self.tasks is None:
+            return True
+        return self.tasks(task) if callable(self.tasks) else task.name in self.tasks
+
+
+def takes_tensors(task) -> bool:
+    """Every task whose model maps named arrays to arrays (all but the generating ones): what a
+    graph-level engine (OpenVINO, the ONNX Runtime graph) takes."""
+    return not task.generates
 
 
 _METHODS: dict[tuple[str, str], Method] = {}

@@ -25,19 +25,19 @@ from optimize.registry import register
     needs_calibration=True,
     input_format="torch",
     builds_candidates=True,
-    tasks=("sentence_embedding", "generic", "causal_lm", "text_classification", "token_classification"),
 )
 def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
     """Race ONNX Runtime and OpenVINO candidates on this machine; ship the fastest over the recipe's
     workload that passes accuracy."""
+    from optimize import tasks
     from optimize import workload as workloads
 
     started = time.monotonic()
     workload = workloads.resolve(ctx.cfg)
     thresholds = untimed_thresholds(recipe_dict(ctx.cfg.gate))
-    lm_race = model.task == "causal_lm"
+    lm_race = tasks.get(model.task).generates
     exported, export = (model, None) if lm_race else export_once(model, ctx)  # decoders: built from the module
-    entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates or default_candidates(model.task)]
+    entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates or default_candidates(lm_race)]
     if lm_race:
         budgets.refuse_at_plan_time(entries, model)
     key_base = cache.identity(model, ctx)

@@ -16,7 +16,7 @@ from typing import List, Optional
 from engines import formats
 from optimize.context import Context, Model
 from optimize.errors import RecipeError
-from optimize.registry import register
+from optimize.registry import register, takes_tensors
 
 log = logging.getLogger(__name__)
 PRECISIONS = ("f32", "bf16", "int8")
@@ -71,7 +71,7 @@ class OpenVINOConfig:
     "openvino",
     OpenVINOConfig,
     input_format="torch",
-    tasks=("sentence_embedding", "image_classification", "text_classification", "token_classification", "generic"),
+    tasks=takes_tensors,
 )
 def openvino_engine(model: Model, cfg: OpenVINOConfig, ctx: Context) -> Model:
     """OpenVINO IR on the CPU: FP32, bf16 inference precision, or NNCF post-training INT8."""

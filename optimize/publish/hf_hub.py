@@ -26,13 +26,15 @@ from optimize.reports import console
 from optimize.reports.ci import markdown_table, verdict_line
 
 ARTIFACT_DIR, CARD = "artifact", "README.md"
-PIPELINE_TAGS = {
-    "sentence_embedding": "sentence-similarity",
-    "causal_lm": "text-generation",
-    "image_classification": "image-classification",
-}
 LIBRARIES = {"onnxruntime": "onnx", "onnxruntime-genai": "onnx", "openvino": "openvino", "openvino-genai": "openvino"}
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def pipeline_tag(task_name: str) -> str | None:
+    """The Hub's pipeline tag the task gives its models (None for a task this install does not know)."""
+    from optimize import tasks
+
+    return tasks.get(task_name).hub_pipeline_tag if task_name in tasks.names() else None
 
 
 def check_settings(settings: dict) -> None:
@@ -81,7 +83,7 @@ def card(manifest: dict, repo_id: str) -> str:
     from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
     engine, evaluation = manifest["engine"], manifest.get("evaluation") or {}
-    task = PIPELINE_TAGS.get(str(engine.get("task") or manifest["model"].get("task")))
+    task = pipeline_tag(str(engine.get("task") or manifest["model"].get("task")))
     labels = tags(manifest)
     measured = [c for c in manifest["gate"]["checks"] if c["value"] is not None]
     data = ModelCardData(

@@ -21,6 +21,16 @@ class Task:
     # cosine), "class_logits" (KL of the class distribution, per text or per token), or None (the
     # task is not distilled).
     distill_loss: str | None = None
+    # A task whose models generate tokens (a causal LM): its workload is request shapes (prompt and
+    # output tokens) instead of batch sizes, the race builds decoders, and served latency applies.
+    generates: bool = False
+    hub_pipeline_tag: str | None = None  # the Hugging Face Hub's `pipeline_tag` for its model card
+
+    def baseline_runner(self, module, ctx):
+        """The source module as the baseline runs it: PyTorch FP32 over the task's named inputs."""
+        from engines.pytorch_runner import TorchRunner
+
+        return TorchRunner(self.module(module, ctx), list(self.input_names), list(self.output_names), ctx.threads)
 
     def module(self, model, ctx):
         """The PyTorch module to export and to run as the baseline (forward takes input_names in order)."""
@@ -32,6 +42,22 @@ class Task:
 
     def files(self, ctx) -> dict[str, Path]:
         """Files the artifact ships for this task ({relative path: file}), written once the stages ran."""
+        return {}
+
+    def check_source(self, ctx) -> None:
+        """Refuse a model that does not fit its data (a classifier whose labels the data lacks)."""
+
+    def encoder(self, ctx):
+        """The encoder of a task whose inputs are not text (images); None: the tokenizer's, or the
+        ONNX graph's tensors."""
+        return None
+
+    def check_workload(self, ctx, workload) -> None:
+        """Refuse, before any build, a workload the model cannot take (a prompt past its context)."""
+
+    def race_scores(self, reference: dict, outputs: dict, ctx) -> dict:
+        """Figures the race scores each candidate on beside fidelity (a classifier's labeled
+        accuracy, which its gate reads); {}: fidelity alone."""
         return {}
 
     def training_samples(self, ctx, texts: list[str], seq_len: int) -> dict:

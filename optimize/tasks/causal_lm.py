@@ -75,9 +75,17 @@ class CausalLM(Task):
     output_names: tuple[str, ...] = ("logits",)
     dynamic_axes: dict = field(default_factory=lambda: {"input_ids": {0: "batch", 1: "sequence"}})
     distill_loss: str | None = "logits"
+    generates: bool = True
+    hub_pipeline_tag: str | None = "text-generation"
 
     def module(self, model, ctx):
         return _LogitsModule.wrap(model)
+
+    def baseline_runner(self, module, ctx):
+        """PyTorch FP32 `generate` and scoring: the runner the LM race and evaluation compare against."""
+        from engines.pytorch_runner import TorchLM
+
+        return TorchLM(module, ctx.threads)
 
     def training_samples(self, ctx, texts: list[str], seq_len: int) -> dict:
         """Consecutive windows of `seq_len` tokens of the texts joined."""
@@ -131,7 +139,6 @@ register_task(CausalLM())
 
 
 def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
-    from engines.pytorch_runner import TorchLM
     from optimize import workload
 
     cfg = eval_config(ctx)
@@ -139,8 +146,7 @@ def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
     tokens = Tokens(ctx)
     requests = workload.resolve(ctx.cfg).requests
 
-    base = TorchLM(ctx.source.module, ctx.threads)
-    cand = candidate.runner
+    base, cand = baseline.runner, candidate.runner
     metrics: dict[str, Any] = {
         "baseline": {"size_mb": baseline.size_bytes / 2**20},
         "candidate": {"size_mb": candidate.size_bytes / 2**20},

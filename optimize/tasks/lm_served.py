@@ -69,7 +69,9 @@ def check_plan(cfg, workload) -> None:
     if not asked(cfg.gate):
         return
     key = next(k for k in SERVED_THRESHOLDS if cfg.gate.get(k) is not None)
-    if cfg.model.task != "causal_lm":
+    from optimize import tasks
+
+    if not tasks.get(cfg.model.task).generates:
         task = cfg.model.task
         raise RecipeError(f"gate.{key}: served latency is measured for causal LMs (model.task=causal_lm), not {task}")
     if not cfg.evaluate.latency:

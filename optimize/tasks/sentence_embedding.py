@@ -12,6 +12,7 @@ from optimize.tasks.base import Task
 @dataclass
 class SentenceEmbedding(Task):
     name: str = "sentence_embedding"
+    hub_pipeline_tag: str | None = "sentence-similarity"
     input_names: tuple[str, ...] = ("input_ids", "attention_mask", "token_type_ids")
     output_names: tuple[str, ...] = ("last_hidden_state", "sentence_embedding")
     dynamic_axes: dict = field(

@@ -23,6 +23,7 @@ from optimize.tasks.labeled_text import LabeledTextTask, id2label_of, label_ids,
 @dataclass
 class TextClassification(LabeledTextTask):
     name: str = "text_classification"
+    hub_pipeline_tag: str | None = "text-classification"
 
     def gold_ids(self, ctx) -> np.ndarray:
         data = ctx.evaluation_data()

@@ -66,6 +66,7 @@ def word_predictions(
 @dataclass
 class TokenClassification(LabeledTextTask):
     name: str = "token_classification"
+    hub_pipeline_tag: str | None = "token-classification"
 
     def check_source(self, ctx) -> None:
         if ctx.encoder is not None:

@@ -64,6 +64,31 @@ def test_digits_static_int8_recipe_passes_on_accuracy(tmp_path):
     assert "top-1 accuracy drop" in proc.stdout
 
 
+def test_the_race_judges_an_image_classifier_on_the_gates_labeled_accuracy(tmp_path):
+    """engine=auto takes any task: each candidate is scored on top-1 accuracy (what this gate reads),
+    and the final evaluation of the winner's shipped files gives the same figure."""
+    out = tmp_path / "artifact"
+    proc = run_optimize(
+        "recipe=digits_cnn_int8_static",
+        "quantize=none",
+        "engine=auto",
+        "engine.params.candidates=[ort_fp32,openvino_int8]",
+        "engine.params.timing_repeats=2",
+        "evaluate.latency=false",
+        "evaluate.data.count=200",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    race = {c["name"]: c for c in manifest["stages"]["engine"]["candidates"]}
+    assert set(race) == {"ort_fp32", "openvino_int8"}
+    assert all({"top1_accuracy", "accuracy_drop_points"} <= set(c["scores"]) for c in race.values())
+    winner = race[manifest["stages"]["engine"]["winner"]]
+    assert winner["outcome"].startswith("won")
+    assert manifest["metrics"]["candidate"]["top1_accuracy"] == pytest.approx(winner["scores"]["top1_accuracy"])
+
+
 @pytest.mark.parametrize(
     "override,expected",
     [

@@ -142,6 +142,33 @@ def test_a_recipe_with_the_new_task_runs_through_the_pipeline(new_task, tmp_path
     assert (artifact / manifest["engine"]["file"]).is_file()
 
 
+def test_the_race_takes_the_new_task_and_builds_its_baseline_once(new_task, tmp_path, monkeypatch):
+    """engine=auto and OpenVINO take any task that does not generate; the race and the final
+    evaluation compare against one baseline, and judge the winner on the size the artifact reports."""
+    pytest.importorskip("sklearn")
+    task_class = type(tasks.get(NAME))
+    built = []
+    build = task_class.baseline_runner
+    monkeypatch.setattr(task_class, "baseline_runner", lambda self, *a: built.append(1) or build(self, *a))
+    raced = RECIPE_YAML.replace("override /engine: onnx", "override /engine: auto").replace(
+        "params: {check_samples: 4, ort_fusions: false}",
+        "params: {candidates: [ort_fp32, openvino_f32], timing_repeats: 2}",
+    )
+    (new_task / "recipe" / f"{NAME}_auto.yaml").write_text(raced)
+    source = weights_folder(tmp_path / "model")
+    register_schema()
+    with initialize_config_dir(config_dir=str(new_task), version_base=None):
+        cfg = compose(
+            "config", overrides=[f"recipe={NAME}_auto", f"model.source={source}", f"output_dir={tmp_path / 'out'}"]
+        )
+    manifest, _ = pipeline.run(cfg, f"{NAME}_auto", tmp_path / "run")
+    race = manifest["stages"]["engine"]
+    winner = next(c for c in race["candidates"] if c["name"] == race["winner"])
+    assert manifest["gate"]["passed"] and {c["name"] for c in race["candidates"]} == {"ort_fp32", "openvino_f32"}
+    assert winner["size_mb"] == pytest.approx(manifest["metrics"]["candidate"]["size_mb"])
+    assert len(built) == 1
+
+
 def test_nothing_is_left_registered_afterwards():
     """Runs after the tests above (file order): the temporary task is gone."""
     assert NAME not in tasks.names()

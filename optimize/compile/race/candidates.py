@@ -67,24 +67,24 @@ CANDIDATES.update(
         "openvino_genai_int8": Candidate("openvino_genai", {"weight_format": "int8_asym"}),
     }
 )
-DEFAULT_CANDIDATES = {
-    "causal_lm": [
-        "ort_genai_int4_k_quant_mixed",
-        "openvino_genai_int4_awq",
-        "openvino_genai_int4_g32_awq",
-        "openvino_genai_int8",
-    ],
-    "default": [
-        "ort_fp32",
-        "ort_int8_dynamic",
-        "ort_int8_qattention",
-        "ort_int8_dynamic_all",
-        "openvino_f32",
-        "openvino_bf16",
-        "openvino_int8",
-        "openvino_mixed",
-    ],
-}
+# What the race builds when the recipe names no candidates: decoders for a task that generates
+# (a causal LM), graph engines for every other.
+DEFAULT_GENERATING = [
+    "ort_genai_int4_k_quant_mixed",
+    "openvino_genai_int4_awq",
+    "openvino_genai_int4_g32_awq",
+    "openvino_genai_int8",
+]
+DEFAULT_TENSORS = [
+    "ort_fp32",
+    "ort_int8_dynamic",
+    "ort_int8_qattention",
+    "ort_int8_dynamic_all",
+    "openvino_f32",
+    "openvino_bf16",
+    "openvino_int8",
+    "openvino_mixed",
+]
 
 
 # A candidate's build budget when the recipe sets none: this many seconds per 100M parameters (embedding
@@ -112,8 +112,8 @@ def parameter_count(model) -> int:
     return 0
 
 
-def default_candidates(task: str) -> list[str]:
-    return list(DEFAULT_CANDIDATES.get(task, DEFAULT_CANDIDATES["default"]))
+def default_candidates(generates: bool) -> list[str]:
+    return list(DEFAULT_GENERATING if generates else DEFAULT_TENSORS)
 
 
 @dataclass

@@ -26,18 +26,17 @@ log = logging.getLogger(__name__)
 def score(entries: list, ctx, workload, race_cfg, thresholds: dict) -> dict:
     """Fill each entry's `metrics` (perplexity, lm-eval where the gate's `thresholds` check it, TTFT
     and decode at each request shape); returns the baseline's."""
-    from engines import load_engine
-    from engines.pytorch_runner import TorchLM
+    from engines import engine_bytes, load_engine
     from engines.runner_process import RunnerProcess
     from optimize.evaluate.generation import Tokens, perplexity, request_ms, timed_requests
     from optimize.tasks.causal_lm import eval_config
 
     cfg, tokens, data = eval_config(ctx), Tokens(ctx), ctx.evaluation_data()
     ids = tokens("\n\n".join(data.items))[: cfg.perplexity_tokens]
-    baseline = TorchLM(ctx.source.module, ctx.threads)
+    baseline = ctx.baseline.runner
     runners = {e.name: load_engine(e.model.engine_dir, e.model.engine, threads=ctx.threads) for e in entries}
     for entry in entries:
-        entry.size_mb = sum(p.stat().st_size for p in entry.model.engine_dir.rglob("*") if p.is_file()) / 2**20
+        entry.size_mb = engine_bytes(entry.model.engine_dir, entry.model.engine) / 2**20
     base: dict[str, Any] = {"perplexity": perplexity(baseline, ids, cfg.perplexity_window)}
     for entry in entries:
         ppl = perplexity(runners[entry.name], ids, cfg.perplexity_window)

@@ -11,25 +11,24 @@ def score(entries: list[Entry], ctx, workload, cfg: EngineRaceConfig) -> dict:
     """Fidelity of every candidate against the baseline on the evaluation data, then one timing run
     per batch size (evaluate.batch_sizes and every workload point) with the baseline and every
     candidate taking turns, timed again while the machine was busy. Returns the baseline's p50s."""
-    from engines import load_engine
+    from engines import engine_bytes, load_engine
     from optimize import tasks
     from optimize.evaluate import benchmark, harness
 
     task = tasks.get(entries[0].model.task)
-    baseline = _baseline_runner(ctx, task)
+    baseline = ctx.baseline.runner
     runners = {}
     for entry in entries:
         runner = load_engine(entry.model.engine_dir, entry.model.engine, threads=ctx.threads)
         runners[entry.name] = runner
-        entry.size_mb = _size_mb(entry.model)
+        entry.size_mb = engine_bytes(entry.model.engine_dir, entry.model.engine) / 2**20
     inputs, _ = harness.evaluation_inputs(ctx, next(iter(runners.values())))
     batches = harness.batches_of(inputs, harness.FIDELITY_BATCH)
     reference = harness.run_all(baseline, batches)
     for entry in entries:
         outputs = harness.run_all(runners[entry.name], batches)
         entry.fidelity = harness.fidelity_of(reference, outputs, task.fidelity_output, ctx.cfg.evaluate.top_k)
-        if hasattr(task, "race_scores"):  # classifiers: labeled accuracy, the figures their gate reads
-            entry.scores = task.race_scores(reference, outputs, ctx)
+        entry.scores = task.race_scores(reference, outputs, ctx)  # classifiers: labeled accuracy
     baseline_p50 = {}
     for batch_size in workload.batch_sizes_timed(list(ctx.cfg.evaluate.batch_sizes)):
         timed = [b for b in harness.batches_of(inputs, batch_size) if harness.sample_count(b) == batch_size]
@@ -52,20 +51,3 @@ def score(entries: list[Entry], ctx, workload, cfg: EngineRaceConfig) -> dict:
                 "retimes": stats["retimes"],
             }
     return baseline_p50
-
-
-def _baseline_runner(ctx, task):
-    from engines import load_engine
-    from engines.pytorch_runner import TorchRunner
-
-    source = ctx.source
-    if source.kind == "onnx":
-        return load_engine(
-            source.onnx_path.parent, {"format": "onnxruntime", "file": source.onnx_path.name}, threads=ctx.threads
-        )
-    return TorchRunner(task.module(source.module, ctx), list(task.input_names), list(task.output_names), ctx.threads)
-
-
-def _size_mb(model) -> float:
-    folder = model.engine_dir
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name != "candidate.json") / 2**20
