@@ -4,8 +4,8 @@ folder for an edge device or a laptop.
 The bundle runs with only its runtime installed: onnxruntime, tokenizers and numpy for a sentence
 encoder (openvino instead of onnxruntime for an OpenVINO one), onnxruntime-genai and numpy for a
 causal LM. It holds the model, its tokenizer, `run.py` (embeds text, or continues prompts, from the
-command line), a copy of the artifact checker (engines/artifact.py, standard library only) that
-run.py checks the bundle with before loading, `requirements.txt` pinning the versions the model was
+command line), a copy of the artifact checker (the package engines/artifact/, standard library only)
+that run.py checks the bundle with before loading, `requirements.txt` pinning the versions the model was
 evaluated with, and a manifest with every file's sha256 (so `python -m optimize.verify DIR` checks a
 bundle too). `--ort-format` converts an encoder's ONNX graph to ONNX Runtime's ORT format for mobile
 and minimal builds and keeps the reduced operator set (`model.required_operators.config`) that such a
@@ -48,7 +48,8 @@ from optimize.errors import ArgumentParser, RecipeError
 from optimize.export_vllm import write_vllm
 
 RUN_SCRIPT = Path(__file__).resolve().parent / "assets" / "bundle" / "run.py"
-CHECKER = Path(checker.__file__).resolve()
+CHECKER = Path(checker.__file__).resolve().parent  # the package's folder: the bundle carries its modules
+CHECKER_DIR = "artifact"  # where they go in the bundle (run.py loads the package from there by its path)
 PLAN_RUNNER = CHECKER.parent / "tensorrt_rtx_runner.py"  # numpy and the standard library until a plan loads
 ORT_FILE, OPERATORS_FILE = "model.ort", "model.required_operators.config"
 # The packages run.py imports, by engine format: what the bundle needs and nothing else.
@@ -69,7 +70,7 @@ TASKS = {
     TENSORRT_RTX: ("sentence_embedding",),
 }
 LABELS_FILE = "labels.json"
-BUNDLE_FILES = ("run.py", "artifact.py", "requirements.txt", PLAN_RUNNER.name)
+BUNDLE_FILES = ("run.py", "requirements.txt", PLAN_RUNNER.name)  # and every file under CHECKER_DIR/
 
 
 def main(argv: list[str]) -> int:
@@ -224,7 +225,7 @@ def write_bundle(root: Path, source: dict, bundle: Path, ort_format: bool) -> di
             carried = [path for path in carried if path not in onnx_files(root, engine)]
             convert_to_ort(root / engine["file"], stage, scratch_for(stage))
             engine["file"] = ORT_FILE
-        clashes = sorted(set(carried) & set(BUNDLE_FILES))
+        clashes = sorted(p for p in carried if p in BUNDLE_FILES or p.split("/")[0] == CHECKER_DIR)
         if clashes:
             raise RecipeError(f"{root}: the artifact has files named like the bundle's own ({', '.join(clashes)})")
         for path in carried:
@@ -235,7 +236,9 @@ def write_bundle(root: Path, source: dict, bundle: Path, ort_format: bool) -> di
             "# What run.py imports, at the versions the model was evaluated with.\n" + "\n".join(requirements) + "\n"
         )
         shutil.copyfile(RUN_SCRIPT, stage / "run.py")
-        shutil.copyfile(CHECKER, stage / "artifact.py")
+        (stage / CHECKER_DIR).mkdir()
+        for module in sorted(CHECKER.glob("*.py")):
+            shutil.copyfile(module, stage / CHECKER_DIR / module.name)
         if engine["format"] == TENSORRT_RTX:
             shutil.copyfile(PLAN_RUNNER, stage / PLAN_RUNNER.name)
         manifest = write_manifest(stage, bundle_manifest(source, engine, requirements, ort_format))

@@ -3,7 +3,7 @@ that `python -m optimize.export` made of one: its manifest has the same shape).
 
 The manifest's own digest, its signature (HMAC-SHA256, with a key), that every path it names stays
 inside the artifact, that every entry is a regular single-link file, and every file's sha256
-(engines/artifact.py, the checker serve/ uses too).
+(engines/artifact/, the checker serve/ uses too).
 
 Exit 0 when the artifact is intact (and says whether its gate passed), 1 when a file is changed,
 missing or unexpected, 2 when the artifact is refused: not an artifact, a malformed or edited
@@ -57,17 +57,22 @@ def main(argv: list[str]) -> int:
     )
     if isinstance(bundle, dict) and not same_checker(Path(args.artifact)):
         print(
-            f"{args.artifact}: note: its artifact.py is not this project's checker (a bundle made by another "
+            f"{args.artifact}: note: its artifact/ is not this project's checker (a bundle made by another "
             "version, or its checker was replaced); only this check, not run.py's own, is independent of the bundle"
         )
     return 0
 
 
 def same_checker(bundle: Path) -> bool:
-    """Whether a bundle's artifact.py is this project's checker, byte for byte. run.py checks the bundle
-    with that copy where the project is not installed, and a copy cannot vouch for itself."""
+    """Whether a bundle's artifact/ is this project's checker package, file for file and byte for byte.
+    run.py checks the bundle with that copy where the project is not installed, and a copy cannot vouch
+    for itself."""
+    ours, theirs = Path(engines.artifact.__file__).parent, bundle / "artifact"
     try:
-        return (bundle / "artifact.py").read_bytes() == Path(engines.artifact.__file__).read_bytes()
+        names = sorted(path.name for path in theirs.iterdir())
+        return names == sorted(path.name for path in ours.glob("*.py")) and all(
+            (theirs / name).read_bytes() == (ours / name).read_bytes() for name in names
+        )
     except OSError:
         return False
 

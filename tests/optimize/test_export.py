@@ -21,6 +21,8 @@ from optimize.artifact import publish, staging, write_manifest
 from tests.support.cli import ROOT, one_error_line
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "A str is an immutable sequence of Unicode code points."]
+# The checker package, as a bundle carries it: artifact/__init__.py and its modules.
+CHECKER = {f"artifact/{p.name}": p for p in sorted((ROOT / "engines" / "artifact").glob("*.py"))}
 
 
 def export(*args: str) -> subprocess.CompletedProcess:
@@ -121,15 +123,20 @@ def test_the_ort_bundle_carries_the_ort_model_and_its_reduced_operator_set(bundl
     assert manifest["bundle"]["model_format"] == "ort"
     operators = (ort / manifest["bundle"]["operators_config"]).read_text()
     assert "com.microsoft;1;" in operators and "# - model.ort" in operators and "/tmp" not in operators
-    # The checker in the bundle is the project's checker, byte for byte, and listed in the manifest.
-    assert (ort / "artifact.py").read_bytes() == (ROOT / "engines" / "artifact.py").read_bytes()
+    # The checker in the bundle is the project's checker package, file for file and byte for byte, and
+    # every file of it is listed in the manifest.
+    assert "artifact/__init__.py" in CHECKER and len(CHECKER) > 1
+    assert sorted(p.name for p in (ort / "artifact").iterdir()) == sorted(Path(rel).name for rel in CHECKER)
+    assert all((ort / rel).read_bytes() == path.read_bytes() for rel, path in CHECKER.items())
     listed = {f["path"] for f in manifest["files"]}
     tokenizer = {f["path"] for f in source["files"] if f["path"].startswith("tokenizer/")}
-    bundle_files = {"run.py", "artifact.py", "requirements.txt", "model.ort", "model.required_operators.config"}
+    bundle_files = {"run.py", "requirements.txt", "model.ort", "model.required_operators.config", *CHECKER}
     assert listed == bundle_files | tokenizer
-    # run.py needs nothing from this project.
-    source_code = (ort / "run.py").read_text()
-    assert not any(f"import {m}" in source_code or f"from {m}" in source_code for m in ("optimize", "engines", "torch"))
+    # run.py and the checker need nothing from this project (the checker's modules import each other
+    # relatively: run.py loads the package by its path).
+    for path in [ort / "run.py", *(ort / rel for rel in CHECKER)]:
+        code = path.read_text()
+        assert not any(f"import {m}" in code or f"from {m}" in code for m in ("optimize", "engines", "torch")), path
 
 
 def test_a_bundle_whose_files_were_changed_refuses_to_run(bundles, bundle_python, tmp_path):
@@ -184,6 +191,27 @@ def test_openvino_genai_artifacts_are_refused_with_one_line(tmp_path):
     proc = export(artifact, "--bundle", tmp_path / "bundle")
     one_error_line(proc, "'openvino-genai' engine cannot be bundled", "python -m serve")
     assert not (tmp_path / "bundle").exists()
+
+
+@pytest.mark.parametrize("model_file", ["artifact/model.ort", "artifact"])
+def test_an_artifact_with_files_named_like_the_bundles_checker_is_refused(model_file, tmp_path):
+    """The bundle writes its checker package to artifact/: an artifact file there (or a file named
+    artifact) is refused, as one named run.py or requirements.txt is, before anything is written."""
+    artifact = tmp_path / "clash"
+    with staging(artifact) as stage:
+        (stage / model_file).parent.mkdir(parents=True, exist_ok=True)
+        (stage / model_file).write_bytes(b"not read")
+        (stage / "tokenizer").mkdir()
+        (stage / "tokenizer" / "tokenizer.json").write_text("{}")
+        engine = {"format": "onnxruntime", "file": model_file, "task": "sentence_embedding", "tokenizer": "tokenizer"}
+        write_manifest(
+            stage,
+            {"id": "clash-test", "engine": engine, "gate": {"passed": True, "checks": []}, "verdict": "passed"},
+        )
+        publish(stage, artifact)
+    one_error_line(export(artifact, "--bundle", tmp_path / "bundle"), "named like the bundle's own", model_file)
+    assert not (tmp_path / "bundle").exists()
+    assert not [p for p in tmp_path.iterdir() if ".partial-" in p.name]
 
 
 @pytest.fixture(scope="module")
@@ -242,10 +270,9 @@ def test_an_openvino_bundle_runs_with_openvino_tokenizers_and_numpy_only(openvin
     # The IR and its weights, the tokenizer, the bundle's own files: nothing else the artifact holds.
     xml = json.loads((openvino_artifact / MANIFEST).read_text())["engine"]["file"]
     listed = {f["path"] for f in json.loads((bundle / MANIFEST).read_text())["files"]}
-    assert {xml, xml[: -len(".xml")] + ".bin", "run.py", "artifact.py", "requirements.txt"} <= listed
+    assert {xml, xml[: -len(".xml")] + ".bin", "run.py", "requirements.txt", *CHECKER} <= listed
     assert all(
-        p.startswith("tokenizer/")
-        for p in listed - {xml, xml[:-4] + ".bin", "run.py", "artifact.py", "requirements.txt"}
+        p.startswith("tokenizer/") for p in listed - {xml, xml[:-4] + ".bin", "run.py", "requirements.txt", *CHECKER}
     )
     assert [line.split("==")[0] for line in (bundle / "requirements.txt").read_text().splitlines()[1:]] == [
         "openvino",
@@ -385,6 +412,53 @@ def test_modules_planted_in_a_bundle_never_run(bundles, bundle_python, tmp_path)
         assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("ran-")], python
 
 
+def test_a_bundle_whose_checker_is_incomplete_or_damaged_is_refused_with_one_line(bundles, bundle_python, tmp_path):
+    """run.py loads the checker package by its path: without the project (the fresh environment, -I) a
+    missing or damaged file of the bundle's artifact/ is one line and exit 2, naming the file; with the
+    project installed, its own checker finds the bundle's copy short of a file like any other."""
+    project_python = Path(sys.executable)
+    missing_module = copy_bundle(bundles["onnx"], tmp_path / "missing-module")
+    (missing_module / "artifact" / "files.py").unlink()
+    one_error_line(
+        run_bundle(bundle_python, missing_module, "hello", cwd=tmp_path), "artifact/files.py (the checker) is missing"
+    )
+    one_error_line(
+        run_raw(project_python, missing_module / "run.py", "hello", cwd=tmp_path),
+        "does not match its manifest",
+        "missing file artifact/files.py",
+    )
+    no_init = copy_bundle(bundles["onnx"], tmp_path / "no-init")
+    (no_init / "artifact" / "__init__.py").unlink()
+    one_error_line(
+        run_bundle(bundle_python, no_init, "hello", cwd=tmp_path), "artifact/__init__.py (the checker) is missing"
+    )
+    no_checker = copy_bundle(bundles["onnx"], tmp_path / "no-checker")
+    shutil.rmtree(no_checker / "artifact")
+    one_error_line(run_bundle(bundle_python, no_checker, "hello", cwd=tmp_path), "artifact/ (the checker) is missing")
+    damaged = copy_bundle(bundles["onnx"], tmp_path / "damaged")
+    with open(damaged / "artifact" / "integrity.py", "a") as f:
+        f.write("\ndef truncated(\n")
+    one_error_line(
+        run_bundle(bundle_python, damaged, "hello", cwd=tmp_path), "the checker cannot be loaded", "SyntaxError"
+    )
+    # Running them wrote nothing into them (no __pycache__ beside the checker's modules).
+    for bundle in (missing_module, no_init, no_checker, damaged):
+        assert not [p for p in bundle.rglob("__pycache__")], bundle
+
+
+def test_modules_planted_in_the_bundles_checker_folder_never_run(bundles, bundle_python, tmp_path):
+    """The checker's own imports are relative: a json.py or hashlib.py added to artifact/ is not what
+    its `import json` finds, and the bundle is refused for the added file."""
+    planted = copy_bundle(bundles["onnx"], tmp_path / "planted")
+    names = ["json", "hashlib", "hmac", "os", "re", "stat", "mmap", "pathlib", "engines", "bundle_artifact_checker"]
+    for name in names:
+        (planted / "artifact" / f"{name}.py").write_text(f"open({str(tmp_path / ('ran-' + name))!r}, 'w').close()\n")
+    for python in (bundle_python, Path(sys.executable)):
+        proc = run_raw(python, planted / "run.py", "hello", cwd=tmp_path)
+        one_error_line(proc, "does not match its manifest", "unexpected file artifact/")
+        assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("ran-")], python
+
+
 @pytest.fixture(scope="module")
 def signed_bundle(minilm_artifact, tmp_path_factory) -> tuple[Path, Path]:
     """A bundle signed with the key it returns."""
@@ -409,16 +483,17 @@ def verify_bundle(bundle: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_a_replaced_checker_is_caught_by_verify_and_by_run_py_where_the_project_is_installed(signed_bundle, tmp_path):
-    """A bundle cannot vouch for itself: its run.py checks with its own artifact.py, which whoever edits
+    """A bundle cannot vouch for itself: its run.py checks with its own artifact/, which whoever edits
     the bundle can replace. The checker from outside the bundle (`optimize.verify`, or the installed
     project's, which run.py uses when this Python has the project) catches the replaced file."""
     signed, key = signed_bundle
     tampered = copy_bundle(signed, tmp_path / "tampered")
-    (tampered / "artifact.py").write_text(PERMISSIVE_CHECKER)
+    (tampered / "artifact" / "__init__.py").write_text(PERMISSIVE_CHECKER)
     (tampered / "tokenizer" / "tokenizer.json").write_bytes(b"{}")
     verified = verify_bundle(tampered, "--key", str(key), "--require-signature")
     assert verified.returncode == 1, verified.stdout + verified.stderr
-    assert "changed file artifact.py" in verified.stdout and "changed file tokenizer/tokenizer.json" in verified.stdout
+    assert "changed file artifact/__init__.py" in verified.stdout, verified.stdout
+    assert "changed file tokenizer/tokenizer.json" in verified.stdout
     ran = run_raw(Path(sys.executable), tampered / "run.py", "hello", "--key", key, "--require-signature", cwd=tmp_path)
     one_error_line(ran, "does not match its manifest", "changed file")
     # An unsigned bundle whose manifest was rewritten to match: only a signature catches that, and
@@ -426,14 +501,14 @@ def test_a_replaced_checker_is_caught_by_verify_and_by_run_py_where_the_project_
     resealed = tmp_path / "resealed"
     with staging(resealed) as stage:
         shutil.copytree(signed, stage, dirs_exist_ok=True)
-        (stage / "artifact.py").write_text(PERMISSIVE_CHECKER)
+        (stage / "artifact" / "__init__.py").write_text(PERMISSIVE_CHECKER)
         body = {k: v for k, v in json.loads((stage / MANIFEST).read_text()).items() if k != "integrity"}
         (stage / MANIFEST).unlink()
         write_manifest(stage, body)
         publish(stage, resealed)
     one_error_line(verify_bundle(resealed, "--key", str(key), "--require-signature"), "not signed")
     plain = verify_bundle(resealed)
-    assert plain.returncode == 0 and "artifact.py is not this project's checker" in plain.stdout, plain.stdout
+    assert plain.returncode == 0 and "artifact/ is not this project's checker" in plain.stdout, plain.stdout
     assert "not this project's checker" not in verify_bundle(signed).stdout
     # run.py --help says so.
     helped = run_raw(Path(sys.executable), signed / "run.py", "--help", cwd=tmp_path)

@@ -10,7 +10,7 @@ onnxruntime-genai and numpy for a causal LM, or for a TensorRT-RTX plan tensorrt
 tokenizers, numpy and an RTX-class NVIDIA GPU (elsewhere it refuses with one line naming what is
 missing); requirements.txt pins the versions the model was
 evaluated with. Before anything is loaded, every file is checked against manifest.json by
-artifact.py, the checker the pipeline and its server use (copied here and itself listed in the
+artifact/, the checker the pipeline and its server use (copied here and itself listed in the
 manifest), or by the installed project's own when this Python has the project. Texts are
 tokenized and run exactly as the server runs them: an encoder's graph pools (and normalizes, when
 the model does) inside, so its `sentence_embedding` output is the embedding.
@@ -21,7 +21,7 @@ strings for continuations. Exit 0 on success; 2 when the bundle is refused or th
 (one line `error: ...`).
 
 What the check is worth: it catches accidents (a file changed, lost or added in a copy), not an
-attacker. Whoever can replace a file of the bundle can replace artifact.py too, and a checker
+attacker. Whoever can replace a file of the bundle can replace artifact/ too, and a checker
 cannot vouch for itself, so --key and --require-signature here prove nothing about a bundle that
 may have been tampered with. Check its signature with a checker from outside the bundle: the
 installed project's `python -m optimize.verify BUNDLE --key FILE --require-signature`.
@@ -31,7 +31,7 @@ import sys
 
 # Before any other import: `python run.py` puts this folder first on the module search path, so a
 # numpy.py or argparse.py added to the bundle would run before the bundle is checked. Nothing is
-# imported from here but artifact.py, by its path. (-I and -P do not add the folder.)
+# imported from here but the checker package artifact/, by its path. (-I and -P do not add the folder.)
 if not (sys.flags.isolated or getattr(sys.flags, "safe_path", False)):
     del sys.path[0]
 
@@ -68,31 +68,44 @@ class _Parser(argparse.ArgumentParser):
         fail(message)
 
 
-def checker_file() -> Path:
-    """The checker to run: the installed project's when this Python has the project, else the bundle's
-    copy. A bundle cannot vouch for itself (a replaced artifact.py passes its own check); the project's
-    checker finds a replaced artifact.py changed, like any other file."""
+def checker_package() -> Path:
+    """The checker to run (a package folder): the installed project's when this Python has the project,
+    else the bundle's copy. A bundle cannot vouch for itself (a replaced artifact/ passes its own check);
+    the project's checker finds a replaced file of artifact/ changed, like any other file."""
     for entry in sys.path:  # this folder is no longer on it
         root = entry or os.curdir
-        installed = os.path.join(root, "engines", "artifact.py")
-        if os.path.isfile(os.path.join(root, "optimize", "verify.py")) and os.path.isfile(installed):
+        installed = os.path.join(root, "engines", "artifact")
+        if os.path.isfile(os.path.join(root, "optimize", "verify.py")) and os.path.isfile(
+            os.path.join(installed, "__init__.py")
+        ):
             return Path(installed)
-    return HERE / "artifact.py"
+    return HERE / "artifact"
 
 
 def load_by_path(path: Path, name: str, what: str):
-    """The module at `path`, loaded by its path (never imported by name from this folder)."""
+    """The module at `path`, loaded by its path under the private `name` (never imported by name from
+    this folder). A path without .py is a package's folder: its __init__.py runs registered as `name`,
+    so its relative imports (`from .files import ...`) resolve inside that folder and nowhere else."""
     # No __pycache__ beside it: the bundle must keep exactly the files its manifest lists.
     sys.dont_write_bytecode = True
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None or not path.is_file():
-        fail(f"{HERE}: {path.name} ({what}) is missing; refused")
+    package = path.suffix != ".py"
+    source = path / "__init__.py" if package else path
+    spec = importlib.util.spec_from_file_location(
+        name, source, submodule_search_locations=[str(path)] if package else None
+    )
+    if spec is None or spec.loader is None or not source.is_file():
+        missing = f"{path.name}/" if package and not path.is_dir() else source.relative_to(path.parent).as_posix()
+        fail(f"{path.parent}: {missing} ({what}) is missing; refused")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # before it runs: where a package's own imports find their parent
     try:
         spec.loader.exec_module(module)
     except Exception as exc:  # a damaged copy (truncated, edited) raises whatever its code raises
+        own = (getattr(exc, "name", None) or "") if isinstance(exc, ModuleNotFoundError) else ""
+        if package and own.startswith(name + "."):  # one of the package's own modules is not there
+            fail(f"{path.parent}: {path.name}/{own[len(name) + 1 :].replace('.', '/')}.py ({what}) is missing; refused")
         reason = " ".join(str(exc).split())[:200]
-        fail(f"{path}: {what} cannot be loaded ({type(exc).__name__}: {reason}); refused")
+        fail(f"{source}: {what} cannot be loaded ({type(exc).__name__}: {reason}); refused")
     return module
 
 
@@ -343,7 +356,7 @@ def check_engine(engine: dict, task: str) -> None:
 
 
 SECURITY = """The check against manifest.json, and of its signature with --key, is made by this
-bundle's own artifact.py: it catches accidents (a file changed, lost or added), not tampering, since
+bundle's own artifact/: it catches accidents (a file changed, lost or added), not tampering, since
 whoever can replace the bundle's files can replace its checker too. A signature is only as
 trustworthy as its verifier, which must come from outside the bundle: python -m optimize.verify
 BUNDLE --key FILE --require-signature, with the project installed."""
@@ -367,7 +380,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if args.batch_size < 1 or args.max_tokens < 1 or not 0 <= args.threads <= MAX_THREADS:
         fail(f"--batch-size and --max-tokens must be >= 1, --threads 0 to {MAX_THREADS}")
-    checker = load_by_path(checker_file(), "bundle_artifact_checker", "the checker")
+    checker = load_by_path(checker_package(), "bundle_artifact_checker", "the checker")
     manifest = checked_manifest(checker, args.key, args.require_signature)
     engine = manifest.get("engine") or {}
     task = engine.get("task")
