@@ -1,7 +1,7 @@
 """`python -m optimize.reports.compare DIR... [--out FOLDER]`: the artifacts of a sweep (or any artifacts) in one table.
 
 Each DIR is an artifact or a folder searched for artifacts (a multirun's sweep folder: its jobs'
-`NUM/artifact`). Every manifest is checked with the one artifact checker (engines/artifact.py) before
+`NUM/artifact`). Every manifest is checked with the one artifact checker (engines/artifact/) before
 it is read: a changed file or an edited manifest refuses the whole comparison. One row per artifact:
 the recipe settings that differ between them, verdict, engine and precision, headline fidelity,
 speedups over the baseline, size, and the CPU the figures were measured on. Writes compare.csv,

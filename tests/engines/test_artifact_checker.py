@@ -1,4 +1,4 @@
-"""The artifact checker verify and serve share (engines/artifact.py), against hostile artifacts.
+"""The artifact checker verify and serve share (engines/artifact/), against hostile artifacts.
 
 Findings 1 (paths leaving the artifact), 2 (manifest integrity and signatures), 11 (links and special
 files) and 12 (malformed manifests). Every hostile file is made here; an attacker who edits a manifest
