@@ -1,5 +1,5 @@
 """`python -m serve` refuses bad input before loading anything: one line `error: ...`, exit 2.
-Tampered copies are real copies (an artifact with a hard link is refused: engines/artifact.py), so
+Tampered copies are real copies (an artifact with a hard link is refused: engines/artifact/), so
 the session's artifact is never modified."""
 
 from __future__ import annotations
