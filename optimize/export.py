@@ -4,8 +4,9 @@ folder for an edge device or a laptop.
 The bundle runs with only its runtime installed: onnxruntime, tokenizers and numpy for a sentence
 encoder (openvino instead of onnxruntime for an OpenVINO one), onnxruntime-genai and numpy for a
 causal LM. It holds the model, its tokenizer, `run.py` (embeds text, or continues prompts, from the
-command line), a copy of the artifact checker (the package engines/artifact/, standard library only)
-that run.py checks the bundle with before loading, `requirements.txt` pinning the versions the model was
+command line) with `runtimes.py` (how an encoder's graph runs on each runtime), a copy of the
+artifact checker (the package engines/artifact/, standard library only) that run.py checks the
+bundle with before loading, `requirements.txt` pinning the versions the model was
 evaluated with, and a manifest with every file's sha256 (so `python -m optimize.verify DIR` checks a
 bundle too). `--ort-format` converts an encoder's ONNX graph to ONNX Runtime's ORT format for mobile
 and minimal builds and keeps the reduced operator set (`model.required_operators.config`) that such a
@@ -47,7 +48,8 @@ from optimize.artifact import publish, scratch_for, staging, write_manifest
 from optimize.errors import ArgumentParser, RecipeError
 from optimize.export_vllm import write_vllm
 
-RUN_SCRIPT = Path(__file__).resolve().parent / "assets" / "bundle" / "run.py"
+BUNDLE_ASSETS = Path(__file__).resolve().parent / "assets" / "bundle"
+RUN_SCRIPT, RUNTIMES = BUNDLE_ASSETS / "run.py", BUNDLE_ASSETS / "runtimes.py"  # the command, its graph runners
 CHECKER = Path(checker.__file__).resolve().parent  # the package's folder: the bundle carries its modules
 CHECKER_DIR = "artifact"  # where they go in the bundle (run.py loads the package from there by its path)
 PLAN_RUNNER = CHECKER.parent / "tensorrt_rtx_runner.py"  # numpy and the standard library until a plan loads
@@ -70,7 +72,7 @@ TASKS = {
     TENSORRT_RTX: ("sentence_embedding",),
 }
 LABELS_FILE = "labels.json"
-BUNDLE_FILES = ("run.py", "requirements.txt", PLAN_RUNNER.name)  # and every file under CHECKER_DIR/
+BUNDLE_FILES = ("run.py", RUNTIMES.name, "requirements.txt", PLAN_RUNNER.name)  # and every file under CHECKER_DIR/
 
 
 def main(argv: list[str]) -> int:
@@ -236,6 +238,7 @@ def write_bundle(root: Path, source: dict, bundle: Path, ort_format: bool) -> di
             "# What run.py imports, at the versions the model was evaluated with.\n" + "\n".join(requirements) + "\n"
         )
         shutil.copyfile(RUN_SCRIPT, stage / "run.py")
+        shutil.copyfile(RUNTIMES, stage / RUNTIMES.name)
         (stage / CHECKER_DIR).mkdir()
         for module in sorted(CHECKER.glob("*.py")):
             shutil.copyfile(module, stage / CHECKER_DIR / module.name)

@@ -131,12 +131,22 @@ def test_the_ort_bundle_carries_the_ort_model_and_its_reduced_operator_set(bundl
     assert all((ort / rel).read_bytes() == path.read_bytes() for rel, path in CHECKER.items())
     listed = {f["path"] for f in manifest["files"]}
     tokenizer = {f["path"] for f in source["files"] if f["path"].startswith("tokenizer/")}
-    bundle_files = {"run.py", "requirements.txt", "model.ort", "model.required_operators.config", *CHECKER}
+    bundle_files = {
+        "run.py",
+        "runtimes.py",
+        "requirements.txt",
+        "model.ort",
+        "model.required_operators.config",
+        *CHECKER,
+    }
     assert listed == bundle_files | tokenizer
     # run.py needs nothing from this project; the checker's modules, the standard library and each other
     # (relatively: run.py loads the package by its path).
-    source_code = (ort / "run.py").read_text()
-    assert not any(f"import {m}" in source_code or f"from {m}" in source_code for m in ("optimize", "engines", "torch"))
+    for script in ("run.py", "runtimes.py"):
+        source_code = (ort / script).read_text()
+        assert not any(
+            f"import {m}" in source_code or f"from {m}" in source_code for m in ("optimize", "engines", "torch")
+        )
     for rel in CHECKER:
         imported = set()
         for node in ast.walk(ast.parse((ort / rel).read_text())):
@@ -278,9 +288,10 @@ def test_an_openvino_bundle_runs_with_openvino_tokenizers_and_numpy_only(openvin
     # The IR and its weights, the tokenizer, the bundle's own files: nothing else the artifact holds.
     xml = json.loads((openvino_artifact / MANIFEST).read_text())["engine"]["file"]
     listed = {f["path"] for f in json.loads((bundle / MANIFEST).read_text())["files"]}
-    assert {xml, xml[: -len(".xml")] + ".bin", "run.py", "requirements.txt", *CHECKER} <= listed
+    assert {xml, xml[: -len(".xml")] + ".bin", "run.py", "runtimes.py", "requirements.txt", *CHECKER} <= listed
     assert all(
-        p.startswith("tokenizer/") for p in listed - {xml, xml[:-4] + ".bin", "run.py", "requirements.txt", *CHECKER}
+        p.startswith("tokenizer/")
+        for p in listed - {xml, xml[:-4] + ".bin", "run.py", "runtimes.py", "requirements.txt", *CHECKER}
     )
     assert [line.split("==")[0] for line in (bundle / "requirements.txt").read_text().splitlines()[1:]] == [
         "openvino",

@@ -59,7 +59,14 @@ def test_the_plan_bundle_carries_the_plan_and_its_runner(rtx_artifact, tmp_path)
     assert engine["format"] == "tensorrt-rtx" and engine["file"] == "model.plan"
     assert engine["plan"]["built_from"] == "model.onnx" and engine["plan"]["latency"].startswith("not measured")
     files = {f["path"] for f in manifest["files"]}
-    assert {"model.plan", "run.py", "artifact/__init__.py", "tensorrt_rtx_runner.py", "requirements.txt"} <= files
+    assert {
+        "model.plan",
+        "run.py",
+        "runtimes.py",
+        "artifact/__init__.py",
+        "tensorrt_rtx_runner.py",
+        "requirements.txt",
+    } <= files
     assert "model.onnx" not in files and any(f.startswith("tokenizer/") for f in files)
     requirements = (bundle / "requirements.txt").read_text().splitlines()[1:]
     assert requirements[:2] == ["tensorrt-rtx==1.7.1.116", "cuda-python>=12.6"]

@@ -31,7 +31,8 @@ import sys
 
 # Before any other import: `python run.py` puts this folder first on the module search path, so a
 # numpy.py or argparse.py added to the bundle would run before the bundle is checked. Nothing is
-# imported from here but the checker package artifact/, by its path. (-I and -P do not add the folder.)
+# imported from here but by its path: the checker package artifact/, then, once the bundle matched
+# its manifest, runtimes.py (and a plan's runner). (-I and -P do not add the folder.)
 if not (sys.flags.isolated or getattr(sys.flags, "safe_path", False)):
     del sys.path[0]
 
@@ -54,7 +55,6 @@ HERE = Path(_HERE)
 OUTPUT = "sentence_embedding"
 OUTPUTS = {"sentence_embedding": OUTPUT, "text_classification": "logits"}  # what each task's graph returns
 ENCODERS = tuple(OUTPUTS)
-DTYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32}
 MAX_THREADS = 1024  # past this a runtime's thread option overflows or exhausts the machine
 
 
@@ -125,68 +125,6 @@ def checked_manifest(checker, key_file: str | None, require_signature: bool) -> 
     return manifest
 
 
-class Tokens:
-    """Texts to int64 input_ids / attention_mask / token_type_ids, as the pipeline's TextEncoder makes them."""
-
-    def __init__(self, folder: Path, max_length: int):
-        from tokenizers import Tokenizer
-
-        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        self.tokenizer.enable_truncation(max_length)
-        pad_id = self.tokenizer.token_to_id("[PAD]")
-        self.tokenizer.enable_padding(pad_id=pad_id if pad_id is not None else 0)
-
-    def __call__(self, texts: list[str]) -> dict[str, np.ndarray]:
-        encodings = self.tokenizer.encode_batch(texts)
-        return {
-            "input_ids": np.array([e.ids for e in encodings], dtype=np.int64),
-            "attention_mask": np.array([e.attention_mask for e in encodings], dtype=np.int64),
-            "token_type_ids": np.array([e.type_ids for e in encodings], dtype=np.int64),
-        }
-
-
-def onnxruntime_model(path: Path, threads: int, output: str = OUTPUT):
-    """ONNX Runtime on the CPU, all graph optimizations (an ORT-format file loads the same way)."""
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    if threads:
-        options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    inputs = [(i.name, DTYPES.get(i.type, np.int64)) for i in session.get_inputs()]
-
-    def run(feed: dict[str, np.ndarray]) -> np.ndarray:
-        return session.run([output], {name: feed[name].astype(dtype) for name, dtype in inputs})[0]
-
-    return run
-
-
-def openvino_model(path: Path, engine: dict, threads: int, output_name: str = OUTPUT):
-    """OpenVINO on the CPU with the precision the artifact was evaluated in (never the plugin's default,
-    which is bf16 on CPUs that have it)."""
-    import openvino as ov
-
-    properties: dict = {
-        "INFERENCE_PRECISION_HINT": engine.get("inference_precision", "f32"),
-        "PERFORMANCE_HINT": engine.get("performance_hint", "LATENCY"),
-    }
-    if threads:
-        properties["INFERENCE_NUM_THREADS"] = threads
-    core = ov.Core()
-    compiled = core.compile_model(core.read_model(str(path)), "CPU", properties)
-    request = compiled.create_infer_request()
-    # The ONNX tensor names survive conversion as port names (sorted first when a port has several).
-    inputs = [(sorted(p.get_names())[0], p) for p in compiled.inputs]
-    output = next(p for p in compiled.outputs if output_name in p.get_names())
-
-    def run(feed: dict[str, np.ndarray]) -> np.ndarray:
-        arrays = {name: np.ascontiguousarray(feed[name], dtype=p.get_element_type().to_dtype()) for name, p in inputs}
-        return request.infer(arrays, share_outputs=False)[output]
-
-    return run
-
-
 def tensorrt_rtx_model(path: Path):
     """A TensorRT-RTX plan on an RTX-class GPU, run by the bundle's tensorrt_rtx_runner.py (checked with
     every other file, and loaded by its path like the checker)."""
@@ -205,14 +143,14 @@ def tensorrt_rtx_model(path: Path):
     return run
 
 
-def load_model(engine: dict, threads: int):
+def load_model(engine: dict, threads: int, runtimes):
     path = HERE / engine["file"]
     if engine.get("format") == "tensorrt-rtx":
         return tensorrt_rtx_model(path)
     output = OUTPUTS.get(str(engine.get("task")), OUTPUT)
     if engine.get("format") == "openvino":
-        return openvino_model(path, engine, threads, output)
-    return onnxruntime_model(path, threads, output)
+        return runtimes.openvino_model(path, engine, threads, output)
+    return runtimes.onnxruntime_model(path, threads, output)
 
 
 def read_texts(args) -> list[str]:
@@ -239,8 +177,10 @@ def read_texts(args) -> list[str]:
 
 def embed(texts: list[str], manifest: dict, threads: int, batch_size: int) -> np.ndarray:
     engine = manifest["engine"]
-    tokens = Tokens(HERE / engine.get("tokenizer", "tokenizer"), int(engine.get("max_length") or 128))
-    model = load_model(engine, threads)
+    # Checked with every other file before it runs, and loaded by its path like the checker.
+    runtimes = load_by_path(HERE / "runtimes.py", "bundle_runtimes", "the runtime loaders")
+    tokens = runtimes.Tokens(HERE / engine.get("tokenizer", "tokenizer"), int(engine.get("max_length") or 128))
+    model = load_model(engine, threads, runtimes)
     # Each batch is padded to its own longest text: the graph pools over the attention mask, so
     # padding does not change an embedding.
     parts = [model(tokens(texts[i : i + batch_size])) for i in range(0, len(texts), batch_size)]
