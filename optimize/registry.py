@@ -60,8 +60,8 @@ class Method:
 
 
 def takes_tensors(task) -> bool:
-    """Every task whose model maps named arrays to arrays (all but the generating ones): what a
-    graph-level engine (OpenVINO, the ONNX Runtime graph) takes."""
+    """Every task whose model maps named arrays to arrays (all but the generating ones): what
+    OpenVINO's graph engine takes (a decoder goes to the GenAI engines instead)."""
     return not task.generates
 
 
