@@ -121,6 +121,17 @@ def weights_folder(folder: Path) -> Path:
     return folder
 
 
+def run_recipe(recipes: Path, recipe: str, tmp_path: Path) -> tuple[dict, Path]:
+    """The recipe from the copy of recipes/ run in this process on a fresh weights folder."""
+    source = weights_folder(tmp_path / "model")
+    register_schema()
+    with initialize_config_dir(config_dir=str(recipes), version_base=None):
+        cfg = compose(
+            "config", overrides=[f"recipe={recipe}", f"model.source={source}", f"output_dir={tmp_path / 'out'}"]
+        )
+    return pipeline.run(cfg, recipe, tmp_path / "run")
+
+
 def test_the_new_task_is_found_by_scanning_the_package(new_task):
     assert NAME in tasks.names()
     assert tasks.get(NAME).input_names == ("features",)
@@ -128,13 +139,7 @@ def test_the_new_task_is_found_by_scanning_the_package(new_task):
 
 def test_a_recipe_with_the_new_task_runs_through_the_pipeline(new_task, tmp_path):
     pytest.importorskip("sklearn")  # the digits data source
-    source = weights_folder(tmp_path / "model")
-    register_schema()
-    with initialize_config_dir(config_dir=str(new_task), version_base=None):
-        cfg = compose(
-            "config", overrides=[f"recipe={NAME}_fp32", f"model.source={source}", f"output_dir={tmp_path / 'out'}"]
-        )
-    manifest, artifact = pipeline.run(cfg, f"{NAME}_fp32", tmp_path / "run")
+    manifest, artifact = run_recipe(new_task, f"{NAME}_fp32", tmp_path)
     assert manifest["gate"]["passed"], manifest["gate"]
     assert manifest["engine"]["task"] == NAME and manifest["engine"]["inputs"][0]["name"] == "features"
     fidelity = manifest["metrics"]["candidate"]["fidelity"]  # the task's fidelity_output, judged
@@ -155,13 +160,7 @@ def test_the_race_takes_the_new_task_and_builds_its_baseline_once(new_task, tmp_
         "params: {candidates: [ort_fp32, openvino_f32], timing_repeats: 2}",
     )
     (new_task / "recipe" / f"{NAME}_auto.yaml").write_text(raced)
-    source = weights_folder(tmp_path / "model")
-    register_schema()
-    with initialize_config_dir(config_dir=str(new_task), version_base=None):
-        cfg = compose(
-            "config", overrides=[f"recipe={NAME}_auto", f"model.source={source}", f"output_dir={tmp_path / 'out'}"]
-        )
-    manifest, _ = pipeline.run(cfg, f"{NAME}_auto", tmp_path / "run")
+    manifest, _ = run_recipe(new_task, f"{NAME}_auto", tmp_path)
     race = manifest["stages"]["engine"]
     winner = next(c for c in race["candidates"] if c["name"] == race["winner"])
     assert manifest["gate"]["passed"] and {c["name"] for c in race["candidates"]} == {"ort_fp32", "openvino_f32"}
