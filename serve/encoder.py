@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -51,7 +51,7 @@ class EncoderModel:
     USE = "an encoder (sentence embeddings): use /v1/embeddings"
 
     @classmethod
-    def load(cls, root: Path, engine: dict, config: ServeConfig) -> Self:
+    def load(cls, root: Path, engine: dict, config: ServeConfig) -> EncoderModel:
         return cls(root, engine, config.ort_threads(), spinning=config.ort_spinning)
 
     def __init__(self, root: Path, engine: dict, threads: int = 0, spinning: bool = False):

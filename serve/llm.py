@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from serve.errors import bad_request, busy, unavailable
 from serve.protocol import GenerationRequest
@@ -49,7 +49,7 @@ class GenerativeModel:
     USE = "a causal LM: use /v1/completions or /v1/chat/completions"
 
     @classmethod
-    def load(cls, root: Path, engine: dict, config: ServeConfig) -> Self:
+    def load(cls, root: Path, engine: dict, config: ServeConfig) -> GenerativeModel:
         return cls(
             root, engine, config.ort_threads(), config.max_prompt_tokens, config.max_tokens, batch_settings(config)
         )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -47,7 +47,7 @@ class TensorModel:
     USE = "a {task} model: use /v2/models/{name}/infer"
 
     @classmethod
-    def load(cls, root: Path, engine: dict, config: ServeConfig) -> Self:
+    def load(cls, root: Path, engine: dict, config: ServeConfig) -> TensorModel:
         return cls(root, engine, config.ort_threads(), spinning=config.ort_spinning)
 
     def __init__(self, root: Path, engine: dict, threads: int = 0, spinning: bool = False):
