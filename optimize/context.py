@@ -1,5 +1,5 @@
 """What flows through a run: the model between stages (Model), the source as loaded (SourceModel),
-and what stages and tasks may use (Context: the recipe, scratch space, data, tokenizer)."""
+and what stages and tasks may use (Context: the plan, scratch space, data, tokenizer)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,18 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
 import calibration
 from calibration import TextSet
 from engines import formats
-from optimize.config import recipe_dict
 from optimize.errors import RecipeError
+
+if TYPE_CHECKING:
+    from optimize.evaluate.harness import Subject
+    from optimize.plan import DataSettings, EvaluateSettings, Plan
 
 log = logging.getLogger("optimize.pipeline")
 
@@ -115,26 +118,34 @@ class Model:
         )
 
 
+class Encoder(Protocol):
+    """Items to the model's named inputs: engines/text.py's TextEncoder (texts), optimize/inputs/encoder.py's
+    TensorEncoder (arrays), a task's own (token_classification's WordEncoder on word lists,
+    image_classification's encode_images on pictures)."""
+
+    def __call__(self, items: list, /) -> dict[str, np.ndarray]: ...
+
+
 @dataclass
 class Context:
-    """What stages and tasks may use: the recipe, a scratch directory, the data, the tokenizer, the
-    source model and its baseline."""
+    """What stages and tasks may use: the plan (the recipe resolved), a scratch directory, the data,
+    the tokenizer, the source model and its baseline."""
 
-    cfg: Any
+    plan: Plan
     scratch: Path
     source: SourceModel | None = None
-    encoder: Any = None
+    encoder: Encoder | None = None
     threads: int = 0
     stage_records: dict = field(default_factory=dict)  # {stage: what it did}, for the manifest
     # The source as it came on its own runtime (optimize/evaluate/subjects.py), built once before the
     # stages: the race scores candidates against it and the gate judges against the same one.
-    baseline: Any = None
+    baseline: Subject | None = None
     _calibration: TextSet | None = None
     _evaluation: TextSet | None = None
 
     def calibration(self) -> TextSet:
         if self._calibration is None:
-            self._calibration = load_data(self.cfg.calibration)
+            self._calibration = load_data(self.plan.calibration)
         return self._calibration
 
     def calibration_used(self) -> dict | None:
@@ -144,14 +155,14 @@ class Context:
     def evaluation_data(self) -> TextSet:
         """Evaluation items, never overlapping the calibration items (checked by content hash)."""
         if self._evaluation is None:
-            data = load_data(self.cfg.evaluate.data)
-            if self._calibration is not None:
-                try:
-                    data = calibration.remove_overlap(self._calibration, data, self.cfg.evaluate.overlap)
-                except calibration.DataError as exc:
-                    raise RecipeError(str(exc)) from None
-            self._evaluation = data
+            self._evaluation = evaluation_set(self.plan.evaluate, self._calibration)
         return self._evaluation
+
+    def loaded_source(self) -> SourceModel:
+        """The source model: stages and tasks run once the pipeline loaded it."""
+        if self.source is None:
+            raise RuntimeError("the source model is read before the pipeline loaded it")
+        return self.source
 
     def encode(self, texts: list[str]) -> dict[str, np.ndarray]:
         if self.encoder is None:
@@ -161,17 +172,19 @@ class Context:
     def calibration_inputs(self, count: int) -> dict[str, np.ndarray]:
         """`count` calibration samples as the model's named inputs. A model that takes tensors and a
         recipe that names the random source get random tensors shaped by `model.inputs`."""
+        from optimize.inputs.encoder import TensorEncoder
+
         data = self.calibration()
-        if data.source == "random" and hasattr(self.encoder, "random"):
+        if data.source == "random" and isinstance(self.encoder, TensorEncoder):
             return self.encoder.random(min(count, len(data.items)), data.seed)
         self.refuse_text_for_tensors(data, "calibration.source")
         return self.encode(data.items[:count])
 
     def refuse_text_for_tensors(self, data: TextSet, key: str) -> None:
         """A model that takes tensors fed from a text source: one line naming the source and the inputs."""
-        if hasattr(self.encoder, "random") and data.items and isinstance(data.items[0], str):
-            from optimize.inputs.encoder import TENSOR_SOURCES
+        from optimize.inputs.encoder import TENSOR_SOURCES, TensorEncoder
 
+        if isinstance(self.encoder, TensorEncoder) and data.items and isinstance(data.items[0], str):
             raise RecipeError(
                 f"{key}={data.source} gives text, and this model takes tensors ({self.encoder.describe()}): "
                 f"set {key} to a tensor source ({TENSOR_SOURCES}) or random, or model.tokenizer=DIR for token ids"
@@ -193,21 +206,32 @@ class Context:
             yield item
 
 
-def load_data(data_cfg) -> TextSet:
+def evaluation_set(settings: EvaluateSettings, calibration_set: TextSet | None) -> TextSet:
+    """The evaluation items, less any the calibration set holds (evaluate.overlap: error | drop)."""
+    data = load_data(settings.data)
+    if calibration_set is None:
+        return data
+    try:
+        return calibration.remove_overlap(calibration_set, data, settings.overlap)
+    except calibration.DataError as exc:
+        raise RecipeError(str(exc)) from None
+
+
+def load_data(settings: DataSettings) -> TextSet:
     try:
         return calibration.load(
-            data_cfg.source,
-            data_cfg.split,
-            data_cfg.count,
-            data_cfg.seed,
-            path=data_cfg.path,
-            field=data_cfg.field,
-            label_field=data_cfg.get("label_field"),
-            min_chars=data_cfg.min_chars,
-            dataset_split=data_cfg.get("dataset_split"),
-            shape=data_cfg.get("shape"),
-            image=recipe_dict(data_cfg.get("image")),
-            audio=recipe_dict(data_cfg.get("audio")),
+            settings.source,
+            settings.split,
+            settings.count,
+            settings.seed,
+            path=settings.path,
+            field=settings.field,
+            label_field=settings.label_field,
+            min_chars=settings.min_chars,
+            dataset_split=settings.dataset_split,
+            shape=settings.shape,
+            image=dict(settings.image),
+            audio=dict(settings.audio),
         )
     except calibration.DataError as exc:
         raise RecipeError(f"{exc}") from None

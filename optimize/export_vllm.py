@@ -158,8 +158,9 @@ def perplexity_ids(root: Path, manifest: dict) -> tuple[list[int], int]:
     from omegaconf import OmegaConf
 
     from engines.text import TextEncoder
-    from optimize.context import Context
+    from optimize.context import evaluation_set, load_data
     from optimize.evaluate.generation import Tokens
+    from optimize.plan import DataSettings, EvaluateSettings
 
     recorded = (manifest.get("evaluation") or {}).get("perplexity") or {}
     if not recorded.get("sha256"):
@@ -167,11 +168,10 @@ def perplexity_ids(root: Path, manifest: dict) -> tuple[list[int], int]:
     cfg = OmegaConf.create(manifest["recipe"]["resolved"])
     tokenizer = checker.contained(root, str(manifest["engine"].get("tokenizer") or ""), "engine.tokenizer")
     tokens = Tokens(SimpleNamespace(encoder=TextEncoder(tokenizer, cfg.model.max_length)))
+    evaluate = EvaluateSettings.of(cfg.evaluate)
     for with_calibration in (False, True):  # the run removed calibration overlap only when it loaded calibration
-        ctx = Context(cfg, Path(root))
-        if with_calibration:
-            ctx.calibration()
-        ids = tokens("\n\n".join(ctx.evaluation_data().items))[: recorded["tokens"]]
+        calibration_set = load_data(DataSettings.of(cfg.calibration)) if with_calibration else None
+        ids = tokens("\n\n".join(evaluation_set(evaluate, calibration_set).items))[: recorded["tokens"]]
         if hashlib.sha256(json.dumps(ids).encode()).hexdigest() == recorded["sha256"]:
             return ids, int(recorded["window"])
     raise RecipeError(f"{root}: the evaluation text rebuilt from the recipe is not the one the perplexity used")

@@ -14,6 +14,7 @@ each point of `all` is a check of its own (min_speedup[batch=32]), so CI shows w
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
@@ -221,7 +222,9 @@ class Verdict:
         return {"passed": self.passed, "checks": [asdict(c) for c in self.checks]}
 
 
-def judge(baseline: dict, candidate: dict, thresholds: dict, workload: Optional[Workload] = None) -> Verdict:
+def judge(
+    baseline: dict, candidate: dict, thresholds: Mapping[str, Any], workload: Optional[Workload] = None
+) -> Verdict:
     """Every threshold set becomes a check; a threshold on `all` points becomes one check per point of
     `workload` (without one: per point measured), named like min_speedup[batch=32]."""
     checks = []
@@ -250,7 +253,7 @@ def _is_all(selector: Any) -> bool:
     return isinstance(selector, str) and selector.strip().lower() == ALL
 
 
-def _points(spec: CheckSpec, thresholds: dict, candidate: dict, workload: Optional[Workload]) -> list:
+def _points(spec: CheckSpec, thresholds: Mapping[str, Any], candidate: dict, workload: Optional[Workload]) -> list:
     """(check name, metric, point) for each point the check is made at."""
     name, metric = spec.threshold_key, spec.metric
     if spec.per == "batch":

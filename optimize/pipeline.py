@@ -7,14 +7,13 @@ import logging
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
 
 from engines import load_engine
 from engines.runners import TensorRunner
 from optimize import artifact, environment, gate, publish, registry, runlog, tasks, workload
+from optimize import plan as plans
 from optimize.config import recipe_dict
 from optimize.context import Context, Model, SourceModel
 from optimize.errors import RecipeError
@@ -22,27 +21,18 @@ from optimize.evaluate import subjects
 from optimize.models import load as load_source
 from optimize.models import resolve as resolve_source
 from optimize.models import source_hash
+from optimize.plan import Plan
 from optimize.reports import ci
 from optimize.tasks import lm_served
-from optimize.workload import Workload
 
 log = logging.getLogger(__name__)
 TOKENIZER_DIR = "tokenizer"
 
 
-@dataclass
-class Plan:
-    """The recipe checked and resolved before any weights load."""
-
-    stages: list[tuple[registry.Method, Any]]
-    needs_calibration: bool
-    final_dir: Path
-    workload: Workload  # the traffic the race optimizes and the gate checks, resolved once
-
-
 def plan(cfg, run_dir: Path) -> Plan:
-    """Check the whole recipe before loading weights: methods, parameters, gate, output path, source."""
-    tasks.get(cfg.model.task)
+    """Check the whole recipe before loading weights (methods, parameters, gate, output path, source)
+    and resolve it into the plan the run reads."""
+    task = tasks.get(cfg.model.task)
     stages = []
     for stage in registry.STAGES:
         section = cfg[stage]
@@ -50,7 +40,7 @@ def plan(cfg, run_dir: Path) -> Plan:
             continue
         method = registry.get(stage, section.method)
         params = recipe_dict(section.params)
-        if not method.supports(tasks.get(cfg.model.task)):
+        if not method.supports(task):
             raise RecipeError(f"{stage}.method={method.name} does not support model.task={cfg.model.task}")
         stages.append((method, registry.build_config(method, dict(params))))
     _refuse_after_candidates(stages)
@@ -69,20 +59,21 @@ def plan(cfg, run_dir: Path) -> Plan:
         )
     the_workload = workload.resolve(cfg)
     largest = max(p.batch for p in the_workload.batches)
-    if not tasks.get(cfg.model.task).generates and cfg.evaluate.latency and largest > cfg.evaluate.data.count:
+    if not task.generates and cfg.evaluate.latency and largest > cfg.evaluate.data.count:
         raise RecipeError(
             f"workload.batches has {largest}, more than the {cfg.evaluate.data.count} evaluation samples "
             "(evaluate.data.count)"
         )
-    lm_served.check_plan(cfg, the_workload)
+    final = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else run_dir / "artifact"
+    the_plan = plans.resolve(cfg, task, stages, the_workload, final)
+    lm_served.check_plan(the_plan)
     if cfg.evaluate.overlap not in ("error", "drop"):
         raise RecipeError(f"evaluate.overlap={cfg.evaluate.overlap} (use error or drop)")
     resolve_source(cfg.model)
     publish.check_settings(cfg.publish)
-    final = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else run_dir / "artifact"
     artifact.check_destination(final, cfg.overwrite)
     ci.check_destination(cfg.report.junit)
-    return Plan(stages, any(m.needs_calibration for m, _ in stages), final, the_workload)
+    return the_plan
 
 
 def _refuse_after_candidates(stages) -> None:
@@ -108,27 +99,28 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
     """Run the recipe. Returns (manifest, artifact path). Raises RecipeError on bad input."""
     started = time.time()
     the_plan = plan(cfg, run_dir)
-    task = tasks.get(cfg.model.task)
+    task = the_plan.task
     # Scratch lives in the hidden partial directory beside the artifact (so one removal cleans both,
     # and a run killed with SIGKILL leaves one directory that the next run removes); libraries that
     # ask tempfile for a folder get one inside it too.
     with artifact.staging(the_plan.final_dir) as stage, _temp_inside(artifact.scratch_for(stage)) as scratch:
-        ctx = Context(cfg, scratch, threads=cfg.evaluate.threads)
+        ctx = Context(the_plan, scratch, threads=the_plan.evaluate.threads)
         # Data first: a missing or overlapping data set fails before minutes of model loading.
         if the_plan.needs_calibration:
             ctx.calibration()
-        if cfg.evaluate.inputs == "data":
+        if the_plan.evaluate.inputs == "data":
             ctx.evaluation_data()
         source = ctx.source = load_source(cfg.model)
-        _prepare_tokenizer(cfg, ctx, source, stage)
+        _prepare_tokenizer(the_plan, ctx, source, stage)
         task.check_source(ctx)
         if ctx.encoder is None:  # tasks whose inputs are not text bring their own
             ctx.encoder = task.encoder(ctx)
         if ctx.encoder is None and source.onnx_path is not None:  # an ONNX file that takes tensors
             from optimize.inputs.encoder import TensorEncoder
 
-            ctx.encoder = TensorEncoder.for_onnx(source.onnx_path, recipe_dict(cfg.model.inputs), ctx.threads)
-            ctx.stage_records["inputs"] = ctx.encoder.record()
+            tensor_encoder = TensorEncoder.for_onnx(source.onnx_path, dict(the_plan.model.inputs), ctx.threads)
+            ctx.encoder = tensor_encoder
+            ctx.stage_records["inputs"] = tensor_encoder.record()
             from optimize.inputs.refusals import plan_time_refusals
 
             plan_time_refusals(ctx, the_plan.stages, source.onnx_path)
@@ -138,7 +130,7 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         for method, method_cfg in order(the_plan.stages):
             log.info("%s: %s", method.stage, method.name)
             model = method.fn(model, method_cfg, ctx).file_into(ctx.stage_records, method.stage)
-        engine, runner = _install_engine(model, stage, cfg, ctx.threads)
+        engine, runner = _install_engine(model, stage, the_plan, ctx.threads)
         _ship_extra_files({**task.files(ctx), **model.files}, stage)
         candidate = subjects.candidate(stage, engine, runner, model.layer_precision)
         metrics, eval_data = task.evaluate(baseline, candidate, ctx)
@@ -148,10 +140,10 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         metrics["candidate"].update(engine=engine["format"], precision=engine["precision"])
         metrics["threads"] = _threads(ctx.threads)
         metrics["workload"] = the_plan.workload.record()
-        verdict = gate.judge(metrics["baseline"], metrics["candidate"], recipe_dict(cfg.gate), the_plan.workload)
-        if lm_served.asked(cfg.gate):
+        verdict = gate.judge(metrics["baseline"], metrics["candidate"], the_plan.gate, the_plan.workload)
+        if lm_served.asked(the_plan.gate):
             draft = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started, stage)
-            verdict = _judge_served(cfg, ctx, stage, draft, the_plan.workload)
+            verdict = _judge_served(the_plan, ctx, stage, draft)
         manifest = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started, stage)
         ci.write_into(stage, manifest, the_plan.final_dir)  # listed in the manifest like every file
         runlog.write_into(stage)
@@ -160,16 +152,16 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
     return manifest, the_plan.final_dir
 
 
-def _judge_served(cfg, ctx: Context, stage: Path, draft: dict, the_workload: Workload) -> gate.Verdict:
+def _judge_served(the_plan: Plan, ctx: Context, stage: Path, draft: dict) -> gate.Verdict:
     """Serve the staged candidate, drive the served load, and judge again with what its clients saw.
     The server reads the artifact as it will ship, so the manifest (the verdict so far) is written
     first; the final one replaces it."""
     artifact.write_manifest(stage, draft)
     metrics = draft["metrics"]
-    served = lm_served.measure(stage, ctx, lm_served.settings(cfg, the_workload))
+    served = lm_served.measure(stage, ctx, lm_served.settings(the_plan.gate, the_plan.workload))
     metrics["candidate"]["served"] = served
     metrics["table"] = [*metrics.get("table", []), *lm_served.table_rows(served)]
-    return gate.judge(metrics["baseline"], metrics["candidate"], recipe_dict(cfg.gate), the_workload)
+    return gate.judge(metrics["baseline"], metrics["candidate"], the_plan.gate, the_plan.workload)
 
 
 @contextlib.contextmanager
@@ -189,7 +181,7 @@ def _initial_model(source: SourceModel) -> Model:
     return Model("torch", source.task, module=source.module)
 
 
-def _prepare_tokenizer(cfg, ctx: Context, source: SourceModel, stage: Path) -> None:
+def _prepare_tokenizer(the_plan: Plan, ctx: Context, source: SourceModel, stage: Path) -> None:
     """Ship the tokenizer in the artifact and tokenize with that copy: what is measured is what is served."""
     if source.tokenizer_dir is None and source.kind != "hf":
         return
@@ -199,10 +191,10 @@ def _prepare_tokenizer(cfg, ctx: Context, source: SourceModel, stage: Path) -> N
 
     location = str(source.tokenizer_dir) if source.tokenizer_dir else source.location
     AutoTokenizer.from_pretrained(location, gguf_file=source.gguf_file).save_pretrained(str(stage / TOKENIZER_DIR))
-    ctx.encoder = TextEncoder(stage / TOKENIZER_DIR, cfg.model.max_length)
+    ctx.encoder = TextEncoder(stage / TOKENIZER_DIR, the_plan.model.max_length)
 
 
-def _install_engine(model: Model, stage: Path, cfg, threads: int) -> tuple[dict, TensorRunner]:
+def _install_engine(model: Model, stage: Path, the_plan: Plan, threads: int) -> tuple[dict, TensorRunner]:
     """Copy the final engine files into the artifact and complete the engine block. Returns it with
     its runner, loaded from the artifact's copy: the final evaluation measures the files that ship."""
     if model.engine_dir is None:
@@ -218,7 +210,7 @@ def _install_engine(model: Model, stage: Path, cfg, threads: int) -> tuple[dict,
         model.engine,
         precision=model.precision,
         task=model.task,
-        max_length=cfg.model.max_length,
+        max_length=the_plan.model.max_length,
         tokenizer=TOKENIZER_DIR if (stage / TOKENIZER_DIR).exists() else None,
     )
     runner = load_engine(stage, engine, threads=threads)

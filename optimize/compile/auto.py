@@ -12,7 +12,6 @@ from optimize.compile.race.build import build, export_once, progress
 from optimize.compile.race.candidates import EngineRaceConfig, default_candidates
 from optimize.compile.race.choice import choose, untimed_thresholds
 from optimize.compile.race.entry import Entry
-from optimize.config import recipe_dict
 from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.registry import register
@@ -30,11 +29,10 @@ def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
     """Race ONNX Runtime and OpenVINO candidates on this machine; ship the fastest over the recipe's
     workload that passes accuracy."""
     from optimize import tasks
-    from optimize import workload as workloads
 
     started = time.monotonic()
-    workload = workloads.resolve(ctx.cfg)
-    thresholds = untimed_thresholds(recipe_dict(ctx.cfg.gate))
+    workload = ctx.plan.workload
+    thresholds = untimed_thresholds(dict(ctx.plan.gate))
     lm_race = tasks.get(model.task).generates
     exported, export = (model, None) if lm_race else export_once(model, ctx)  # decoders: built from the module
     entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates or default_candidates(lm_race)]

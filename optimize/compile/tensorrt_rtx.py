@@ -206,9 +206,9 @@ def optimization_profiles(onnx_path: Path, ctx, max_sequence: int | None) -> lis
     sample = ctx.calibration_inputs(8)
     axes = getattr(sample, "batch_axes", {})
     text = hasattr(ctx.encoder, "max_length") and not hasattr(ctx.encoder, "random")
-    longest = max_sequence or int(ctx.cfg.model.max_length)
+    longest = max_sequence or int(ctx.plan.model.max_length)
     profiles, low = [], 1
-    for batch in sorted(set(int(b) for b in ctx.cfg.evaluate.batch_sizes)):
+    for batch in sorted(set(int(b) for b in ctx.plan.evaluate.batch_sizes)):
         profile = {}
         for name, dims in graph_inputs.items():
             if name not in sample:

@@ -35,14 +35,12 @@ def loss_summary(losses: list[float]) -> dict:
 
 def checkpoint_dir(ctx, cfg: DistillConfig) -> Path:
     """$OPTIMIZE_CACHE/distill/<sha256 of (source hash, prune + distill config, calibration hash)>."""
-    from omegaconf import OmegaConf
-
     from optimize.models import cache_root, source_hash
 
     config = {k: v for k, v in asdict(cfg).items() if k not in RUN_BOUNDS}
     identity = {
         "source": source_hash(ctx.source) or ctx.source.location,
-        "prune": OmegaConf.to_container(ctx.cfg.prune, resolve=True),
+        "prune": ctx.plan.prune.record(),
         "distill": config,
         "calibration": ctx.calibration().describe(),
     }

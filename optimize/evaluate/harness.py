@@ -167,11 +167,9 @@ def timing_record(per_point: dict[str, dict]) -> dict:
 def compare_runners(baseline: Subject, candidate: Subject, ctx, task_output: str | None) -> tuple[dict, dict]:
     """Evaluate two runners on the same inputs: evaluation text (tokenized by the artifact's own
     tokenizer) or, when the recipe asks, random tensors shaped from the model's signature."""
-    from optimize import workload
-
-    cfg = ctx.cfg.evaluate
+    cfg = ctx.plan.evaluate
     inputs, described = evaluation_inputs(ctx, candidate.runner)
-    batch_sizes = workload.resolve(ctx.cfg).batch_sizes_timed(list(cfg.batch_sizes))
+    batch_sizes = ctx.plan.workload.batch_sizes_timed(list(cfg.batch_sizes))
     metrics = shared_metrics(baseline, candidate, inputs, cfg, ctx.scratch, batch_sizes)
     batches = batches_of(inputs, FIDELITY_BATCH)
     base, cand = run_all(baseline.runner, batches), run_all(candidate.runner, batches)
@@ -216,7 +214,7 @@ def evaluation_inputs(ctx, runner) -> tuple[dict[str, np.ndarray], dict]:
     """(inputs, what they are): evaluation items encoded by the artifact's own tokenizer or the task's
     encoder, or, when the recipe asks, random tensors shaped by the recipe's `model.inputs` and the
     rules in optimize/inputs/plan.py (never a guessed size)."""
-    cfg = ctx.cfg.evaluate
+    cfg = ctx.plan.evaluate
     if cfg.inputs == "random":
         inputs = random_inputs(ctx, runner, cfg.data.count, cfg.data.seed)
         return inputs, {"source": "random", "count": cfg.data.count, "seed": cfg.data.seed}
@@ -227,11 +225,10 @@ def evaluation_inputs(ctx, runner) -> tuple[dict[str, np.ndarray], dict]:
 
 def random_inputs(ctx, runner, count: int, seed: int) -> dict[str, np.ndarray]:
     """Random tensors from the context's tensor encoder, or planned from the runner's signature."""
-    from optimize.config import recipe_dict
     from optimize.inputs.encoder import TensorEncoder
     from optimize.inputs.plan import plan_inputs
 
     encoder = ctx.encoder if isinstance(ctx.encoder, TensorEncoder) else None
     if encoder is None:
-        encoder = TensorEncoder(plan_inputs(runner.signature(), recipe_dict(ctx.cfg.model.inputs), {}))
+        encoder = TensorEncoder(plan_inputs(runner.signature(), dict(ctx.plan.model.inputs), {}))
     return encoder.random(count, seed)

@@ -26,7 +26,7 @@ def baseline(ctx, task) -> Subject:
         "task": source.task,
         "pooling": ctx.pooling,
         "gguf_file": source.gguf_file,
-        "allow_pickle": ctx.cfg.model.allow_pickle,
+        "allow_pickle": ctx.plan.model.allow_pickle,
     }
     # Tied weights (an LM head sharing the embedding) appear twice in a state dict: count storage once.
     unique = {t.data_ptr(): t.numel() * t.element_size() for t in source.module.state_dict().values()}

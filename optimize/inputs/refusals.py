@@ -11,7 +11,7 @@ def plan_time_refusals(ctx, stages, onnx_path: Path) -> None:
     """Before any stage runs on a model that takes tensors: every refusal already known (symbolic dims
     nothing sets, text data for tensor inputs, op_types that match none of the graph's weighted nodes),
     in one message, so a new user fixes them in one round instead of one per run."""
-    encoder, cfg = ctx.encoder, ctx.cfg
+    encoder, evaluate = ctx.encoder, ctx.plan.evaluate
     # The race builds what it can: a candidate that cannot calibrate on this data is recorded as not
     # built (its outcome says why), so text calibration is refused here only for a stage that needs it.
     # A method's config may say it reads no calibration with these settings (uses_calibration()).
@@ -20,7 +20,7 @@ def plan_time_refusals(ctx, stages, onnx_path: Path) -> None:
         for m, c in stages
     )
     calibration = ctx.calibration() if needs_calibration else None
-    random_data = cfg.evaluate.inputs == "random" or (calibration is not None and calibration.source == "random")
+    random_data = evaluate.inputs == "random" or (calibration is not None and calibration.source == "random")
     problems: list[str] = []
     for plan in encoder.plans:
         if plan is encoder.data_input and not random_data:
@@ -31,7 +31,7 @@ def plan_time_refusals(ctx, stages, onnx_path: Path) -> None:
             problems.append(str(exc))
     # the random source makes tensors from model.inputs (Context.calibration_inputs)
     data_sets = [("calibration.source", calibration)] if calibration and calibration.source != "random" else []
-    if cfg.evaluate.inputs == "data":
+    if evaluate.inputs == "data":
         data_sets.append(("evaluate.data.source", ctx.evaluation_data()))
     for key, data in data_sets:
         try:

@@ -18,7 +18,7 @@ import hashlib
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, cast
+from typing import TYPE_CHECKING, Any, List, Optional
 
 from engines.runners import CausalLMRunner, TimedGeneration
 from optimize.errors import RecipeError
@@ -27,6 +27,10 @@ from optimize.tasks import register_task
 from optimize.tasks.base import Task
 from optimize.tasks.causal_lm_rows import fmt, table_rows
 from optimize.tasks.lm_harness import LOCAL_TASK, greedy_ids, lm_eval_scores
+
+if TYPE_CHECKING:
+    from optimize.context import Context
+    from optimize.workload import Workload
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +56,10 @@ class LLMEvalConfig:
             raise RecipeError("evaluate.task_params: token counts must be at least 2")
 
 
-def eval_config(ctx) -> LLMEvalConfig:
-    from omegaconf import OmegaConf
-
+def eval_config(ctx: Context) -> LLMEvalConfig:
     from optimize.registry import Method, build_config
 
-    params = cast(dict, OmegaConf.to_container(ctx.cfg.evaluate.get("task_params") or {}, resolve=True))
+    params = dict(ctx.plan.evaluate.task_params)
     method = Method("evaluate", "causal_lm", LLMEvalConfig, fn=lambda *args: None)  # only its config is built
     try:
         return build_config(method, params)
@@ -78,16 +80,16 @@ class CausalLM(Task):
     generates: bool = True
     hub_pipeline_tag: str | None = "text-generation"
 
-    def module(self, model, ctx):
+    def module(self, model, ctx: Context):
         return _LogitsModule.wrap(model)
 
-    def baseline_runner(self, module, ctx):
+    def baseline_runner(self, module, ctx: Context):
         """PyTorch FP32 `generate` and scoring: the runner the LM race and evaluation compare against."""
         from engines.pytorch_runner import TorchLM
 
         return TorchLM(module, ctx.threads)
 
-    def training_samples(self, ctx, texts: list[str], seq_len: int) -> dict:
+    def training_samples(self, ctx: Context, texts: list[str], seq_len: int) -> dict:
         """Consecutive windows of `seq_len` tokens of the texts joined."""
         import torch
 
@@ -97,13 +99,13 @@ class CausalLM(Task):
             raise RecipeError(f"the calibration text has {len(ids)} tokens, fewer than distill.params.seq_len")
         return {"input_ids": torch.tensor(ids[: windows * seq_len]).reshape(windows, seq_len)}
 
-    def evaluate(self, baseline, candidate, ctx) -> tuple[dict, dict]:
+    def evaluate(self, baseline, candidate, ctx: Context) -> tuple[dict, dict]:
         return evaluate_causal_lm(baseline, candidate, ctx)
 
-    def check_workload(self, ctx, workload) -> None:
+    def check_workload(self, ctx: Context, workload: Workload) -> None:
         """Before any candidate is built: every request fits the model's context, and the
         evaluation text holds a prompt of every declared length."""
-        context = getattr(getattr(ctx.source.module, "config", None), "max_position_embeddings", None)
+        context = getattr(getattr(ctx.loaded_source().module, "config", None), "max_position_embeddings", None)
         tokens = Tokens(ctx)
         for request in workload.requests:
             if context is not None and request.prompt + request.output > context:
@@ -138,13 +140,11 @@ register_task(CausalLM())
 # ---------------------------------------------------------------- evaluation
 
 
-def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
-    from optimize import workload
-
+def evaluate_causal_lm(baseline, candidate, ctx: Context) -> tuple[dict, dict]:
     cfg = eval_config(ctx)
     data = ctx.evaluation_data()
     tokens = Tokens(ctx)
-    requests = workload.resolve(ctx.cfg).requests
+    requests = ctx.plan.workload.requests
 
     base, cand = baseline.runner, candidate.runner
     metrics: dict[str, Any] = {
@@ -154,12 +154,12 @@ def evaluate_causal_lm(baseline, candidate, ctx) -> tuple[dict, dict]:
     described = dict(data.describe())
     _perplexity_metrics(metrics, base, cand, tokens, data.items, cfg, described)
     _sample_metrics(metrics, base, cand, tokens, cfg)
-    if ctx.cfg.evaluate.latency:
+    if ctx.plan.evaluate.latency:
         from engines.runner_process import RunnerProcess
 
         # Timed in a process of its own, with only its runtime loaded (engines/runner_process.py).
         with RunnerProcess(candidate.root, candidate.engine, ctx.threads) as timed:
-            _speed_metrics(metrics, base, timed, tokens, data.items, requests, ctx.cfg.evaluate)
+            _speed_metrics(metrics, base, timed, tokens, data.items, requests, ctx.plan.evaluate)
     else:
         metrics["candidate"]["speed_note"] = "latency not measured (evaluate.latency=false)"
     _roofline_metrics(metrics, base, cand, cfg, ctx.threads)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from optimize.context import SourceModel
+from optimize.context import Context, Encoder, SourceModel
 from optimize.errors import RecipeError
 from optimize.tasks import register_task
 from optimize.tasks.base import Task
@@ -112,23 +112,23 @@ class ImageClassification(Task):
     dynamic_axes: dict = field(default_factory=lambda: {"pixel_values": {0: "batch"}})
     fidelity_output: str | None = "logits"
 
-    def module(self, model, ctx):
+    def module(self, model, ctx: Context):
         return model
 
     def load_source(self, cfg, path: Path | None) -> SourceModel:
         return load_source(cfg, path)
 
-    def encoder(self, ctx):
+    def encoder(self, ctx: Context) -> Encoder | None:
         return encode_images
 
-    def evaluate(self, baseline, candidate, ctx) -> tuple[dict, dict]:
+    def evaluate(self, baseline, candidate, ctx: Context) -> tuple[dict, dict]:
         """Top-1 accuracy of both on the held-out labelled split, the drop in points, logit fidelity,
         and the shared size/latency/memory figures."""
         from optimize.evaluate import fidelity, harness
 
         data = self._labeled_data(ctx)
         inputs = ctx.encode(data.items)
-        metrics = harness.shared_metrics(baseline, candidate, inputs, ctx.cfg.evaluate, ctx.scratch)
+        metrics = harness.shared_metrics(baseline, candidate, inputs, ctx.plan.evaluate, ctx.scratch)
         batches = harness.batches_of(inputs, harness.FIDELITY_BATCH)
         base = harness.run_all(baseline.runner, batches)["logits"]
         cand = harness.run_all(candidate.runner, batches)["logits"]
@@ -141,15 +141,15 @@ class ImageClassification(Task):
         )
         return metrics, data.describe()
 
-    def race_scores(self, reference: dict, outputs: dict, ctx) -> dict:
+    def race_scores(self, reference: dict, outputs: dict, ctx: Context) -> dict:
         """The candidate's top-1 accuracy and its drop in points: what the gate reads, so the race
         judges each candidate on the same figures."""
         labels = np.asarray(self._labeled_data(ctx).labels)
         base, cand = top1_accuracy(reference["logits"], labels), top1_accuracy(outputs["logits"], labels)
         return {"top1_accuracy": cand, "accuracy_drop_points": 100 * (base - cand)}
 
-    def _labeled_data(self, ctx):
-        if ctx.cfg.evaluate.inputs != "data":
+    def _labeled_data(self, ctx: Context):
+        if ctx.plan.evaluate.inputs != "data":
             raise RecipeError("image_classification is judged on labelled data: set evaluate.inputs=data")
         data = ctx.evaluation_data()
         if data.labels is None:

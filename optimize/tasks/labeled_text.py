@@ -15,11 +15,16 @@ import abc
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from optimize.errors import RecipeError
 from optimize.tasks.base import Task
+
+if TYPE_CHECKING:
+    from calibration import TextSet
+    from optimize.context import Context
 
 LABELS_FILE = "labels.json"
 ENCODER_INPUTS = ("input_ids", "attention_mask", "token_type_ids")
@@ -87,52 +92,53 @@ class LabeledTextTask(Task, abc.ABC):
     fidelity_output: str | None = None  # logits are compared output by output (cosine, max abs error)
     distill_loss: str | None = "class_logits"
 
-    def module(self, model, ctx):
+    def module(self, model, ctx: Context):
         from engines.pytorch_runner import logits_module
 
         return logits_module(model)
 
     # --- before any stage: the model's labels against the data's -------------------------------------
 
-    def check_source(self, ctx) -> None:
-        if ctx.cfg.evaluate.inputs != "data":
+    def check_source(self, ctx: Context) -> None:
+        if ctx.plan.evaluate.inputs != "data":
             raise RecipeError(f"{self.name} is judged on labeled data: set evaluate.inputs=data")
-        if ctx.source.module is None:
+        if ctx.loaded_source().module is None:
             raise RecipeError(
                 f"model.task={self.name} needs a Hugging Face model folder or hub id (an ONNX file has no id2label)"
             )
-        data = ctx.evaluation_data()
+        self.labels_of(ctx.evaluation_data())
+        self.gold_ids(ctx)  # every refusal here, before minutes of export and quantization
+
+    def labels_of(self, data: TextSet) -> list:
+        """The evaluation set's labels; a set without them is refused with the key to set."""
         if data.labels is None:
             raise RecipeError(
                 f"evaluate.data.source={data.source} has no labels; {self.name} needs a labeled source "
                 "(evaluate.data.source=labeled with a path, field and label_field)"
             )
-        self.gold_ids(ctx)  # every refusal here, before minutes of export and quantization
+        return data.labels
 
-    def files(self, ctx) -> dict[str, Path]:
+    def files(self, ctx: Context) -> dict[str, Path]:
         """labels.json in the artifact: what serve names its predictions with."""
         path = ctx.scratch / LABELS_FILE
-        mapping = id2label_of(ctx.source.module)
+        mapping = id2label_of(ctx.loaded_source().module)
         path.write_text(json.dumps({"task": self.name, "id2label": {str(k): v for k, v in mapping.items()}}, indent=2))
         return {LABELS_FILE: path}
 
-    def thresholds(self, ctx) -> dict:
-        from optimize.config import recipe_dict
-
-        return recipe_dict(ctx.cfg.gate)
+    def thresholds(self, ctx: Context) -> dict:
+        return dict(ctx.plan.gate)
 
     # --- judging ----------------------------------------------------------------------------------------
 
-    def evaluate(self, baseline, candidate, ctx) -> tuple[dict, dict]:
+    def evaluate(self, baseline, candidate, ctx: Context) -> tuple[dict, dict]:
         """Labeled accuracy of both on the evaluation set, the drops with their paired bootstrap
         intervals, agreement with the baseline, logit fidelity, and the shared size/latency/memory."""
-        from optimize import workload
         from optimize.evaluate import fidelity, harness
 
         data = ctx.evaluation_data()
         inputs = ctx.encode(data.items)
-        cfg = ctx.cfg.evaluate
-        batch_sizes = workload.resolve(ctx.cfg).batch_sizes_timed(list(cfg.batch_sizes))
+        cfg = ctx.plan.evaluate
+        batch_sizes = ctx.plan.workload.batch_sizes_timed(list(cfg.batch_sizes))
         metrics = harness.shared_metrics(baseline, candidate, inputs, cfg, ctx.scratch, batch_sizes)
         batches = harness.batches_of(inputs, harness.FIDELITY_BATCH)
         base, cand = harness.run_all(baseline.runner, batches), harness.run_all(candidate.runner, batches)
@@ -143,21 +149,21 @@ class LabeledTextTask(Task, abc.ABC):
             {"logits": base["logits"]}, {"logits": cand["logits"]}
         )
         metrics["table"] = report_rows(metrics["baseline"], metrics["candidate"])
-        id2label = id2label_of(ctx.source.module)
+        id2label = id2label_of(ctx.loaded_source().module)
         present = sorted(set(self.gold_ids(ctx).tolist()))
         return metrics, dict(data.describe(), labels=[id2label[i] for i in present])
 
-    def race_scores(self, reference: dict, outputs: dict, ctx) -> dict:
+    def race_scores(self, reference: dict, outputs: dict, ctx: Context) -> dict:
         """What the race's accuracy checks read of one candidate: the same figures as the final evaluation."""
         compared = self.compare(reference["logits"], outputs["logits"], ctx)
         return dict(compared["candidate"], labeled=compared["labeled"])
 
     @abc.abstractmethod
-    def compare(self, base_logits: np.ndarray, cand_logits: np.ndarray, ctx) -> dict:
+    def compare(self, base_logits: np.ndarray, cand_logits: np.ndarray, ctx: Context) -> dict:
         """The labeled figures of both sides and the candidate's drops (the subclass's metrics)."""
 
     @abc.abstractmethod
-    def gold_ids(self, ctx) -> np.ndarray:
+    def gold_ids(self, ctx: Context) -> np.ndarray:
         """The evaluation labels as the model's ids (NER: every word's tag, sentence after sentence),
         checked against the model's id2label."""
 

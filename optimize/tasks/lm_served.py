@@ -15,10 +15,17 @@ unmeasured, so the checks fail rather than judge the requests that happened to s
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from optimize.errors import RecipeError
+
+if TYPE_CHECKING:
+    from optimize.context import Context
+    from optimize.plan import Plan
+    from optimize.workload import Workload
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +46,11 @@ class ServedLoad:
         return f"{self.clients} clients, {self.prompt_tokens}x{self.output_tokens}"
 
 
-def asked(gate) -> bool:
+def asked(gate: Mapping[str, Any]) -> bool:
     return any(gate.get(key) is not None for key in SERVED_THRESHOLDS)
 
 
-def _whole(gate, key: str, default: int) -> int:
+def _whole(gate: Mapping[str, Any], key: str, default: int) -> int:
     value = gate.get(key)
     value = default if value is None else value
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -51,35 +58,33 @@ def _whole(gate, key: str, default: int) -> int:
     return value
 
 
-def settings(cfg, workload) -> ServedLoad:
+def settings(gate: Mapping[str, Any], workload: Workload) -> ServedLoad:
     """The load the served checks are measured under: the gate's served_* keys, else the workload's
     concurrency and first request shape."""
     first = workload.requests[0]
     return ServedLoad(
-        clients=_whole(cfg.gate, "served_concurrency", workload.concurrency),
-        prompt_tokens=_whole(cfg.gate, "served_prompt_tokens", first.prompt),
-        output_tokens=_whole(cfg.gate, "served_output_tokens", first.output),
-        requests_per_client=_whole(cfg.gate, "served_requests_per_client", 2),
+        clients=_whole(gate, "served_concurrency", workload.concurrency),
+        prompt_tokens=_whole(gate, "served_prompt_tokens", first.prompt),
+        output_tokens=_whole(gate, "served_output_tokens", first.output),
+        requests_per_client=_whole(gate, "served_requests_per_client", 2),
     )
 
 
-def check_plan(cfg, workload) -> None:
+def check_plan(plan: Plan) -> None:
     """Refuse at plan time what cannot be measured: served checks on a task serve does not stream, or
     with timing turned off."""
-    if not asked(cfg.gate):
+    if not asked(plan.gate):
         return
-    key = next(k for k in SERVED_THRESHOLDS if cfg.gate.get(k) is not None)
-    from optimize import tasks
-
-    if not tasks.get(cfg.model.task).generates:
-        task = cfg.model.task
+    key = next(k for k in SERVED_THRESHOLDS if plan.gate.get(k) is not None)
+    if not plan.task.generates:
+        task = plan.model.task
         raise RecipeError(f"gate.{key}: served latency is measured for causal LMs (model.task=causal_lm), not {task}")
-    if not cfg.evaluate.latency:
+    if not plan.evaluate.latency:
         raise RecipeError(f"gate.{key}: served latency is a timing, and evaluate.latency=false turns timing off")
-    settings(cfg, workload)
+    settings(plan.gate, plan.workload)
 
 
-def measure(stage: Path, ctx, load: ServedLoad) -> dict:
+def measure(stage: Path, ctx: Context, load: ServedLoad) -> dict:
     """Serve the staged artifact (its manifest written), drive the load, return what the clients saw,
     with the share of the CPUs other processes used meanwhile."""
     from optimize.evaluate.benchmark import OtherCpuUse

@@ -4,9 +4,13 @@ the embedding's cosine to the baseline and by retrieval agreement (top-k neighbo
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from optimize.tasks import register_task
 from optimize.tasks.base import Task
+
+if TYPE_CHECKING:
+    from optimize.context import Context
 
 
 @dataclass
@@ -23,7 +27,7 @@ class SentenceEmbedding(Task):
     fidelity_output: str | None = "sentence_embedding"
     distill_loss: str | None = "embedding"
 
-    def module(self, model, ctx):
+    def module(self, model, ctx: Context):
         from engines.pytorch_runner import sentence_embedding_module
 
         return sentence_embedding_module(model, ctx.pooling)

@@ -13,11 +13,15 @@ Labels in the data are names from the model's id2label or its integer ids (check
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from optimize.tasks import register_task
 from optimize.tasks.labeled_text import LabeledTextTask, id2label_of, label_ids, require_classes
+
+if TYPE_CHECKING:
+    from optimize.context import Context
 
 
 @dataclass
@@ -25,21 +29,21 @@ class TextClassification(LabeledTextTask):
     name: str = "text_classification"
     hub_pipeline_tag: str | None = "text-classification"
 
-    def gold_ids(self, ctx) -> np.ndarray:
+    def gold_ids(self, ctx: Context) -> np.ndarray:
         data = ctx.evaluation_data()
         if data.items and not isinstance(data.items[0], str):
             from optimize.errors import RecipeError
 
             raise RecipeError(
-                f"evaluate.data.field={ctx.cfg.evaluate.data.field} holds word lists; text_classification takes "
+                f"evaluate.data.field={ctx.plan.evaluate.data.field} holds word lists; text_classification takes "
                 "one text per example (word lists with one tag per word are model.task=token_classification)"
             )
-        id2label = id2label_of(ctx.source.module)
-        ids = label_ids(id2label, list(data.labels))
+        id2label = id2label_of(ctx.loaded_source().module)
+        ids = label_ids(id2label, list(self.labels_of(data)))
         require_classes(ids, id2label)
         return ids
 
-    def compare(self, base_logits: np.ndarray, cand_logits: np.ndarray, ctx) -> dict:
+    def compare(self, base_logits: np.ndarray, cand_logits: np.ndarray, ctx: Context) -> dict:
         from optimize.evaluate.labeled import compare_classifiers
 
         return compare_classifiers(

@@ -15,12 +15,16 @@ past model.max_length are predicted "O" on both sides (the report counts them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from optimize.errors import RecipeError
 from optimize.tasks import register_task
 from optimize.tasks.labeled_text import LabeledTextTask, id2label_of, label_ids, require_classes
+
+if TYPE_CHECKING:
+    from optimize.context import Context
 
 
 class WordEncoder:
@@ -68,36 +72,39 @@ class TokenClassification(LabeledTextTask):
     name: str = "token_classification"
     hub_pipeline_tag: str | None = "token-classification"
 
-    def check_source(self, ctx) -> None:
+    def check_source(self, ctx: Context) -> None:
         if ctx.encoder is not None:
             ctx.encoder = WordEncoder(ctx.encoder)
         super().check_source(ctx)
 
-    def gold_sentences(self, ctx) -> list[list[int]]:
+    def gold_sentences(self, ctx: Context) -> list[list[int]]:
         data = ctx.evaluation_data()
         if data.items and isinstance(data.items[0], str):
             raise RecipeError(
-                f"evaluate.data.field={ctx.cfg.evaluate.data.field} holds text; token_classification takes "
+                f"evaluate.data.field={ctx.plan.evaluate.data.field} holds text; token_classification takes "
                 "word lists with one tag per word (the field of words and the label_field of tags)"
             )
-        id2label = id2label_of(ctx.source.module)
-        flat = label_ids(id2label, [tag for tags in data.labels for tag in tags])
+        id2label = id2label_of(ctx.loaded_source().module)
+        labels = self.labels_of(data)
+        flat = label_ids(id2label, [tag for tags in labels for tag in tags])
         require_classes(flat, id2label, what="tag")
         sentences, start = [], 0
-        for tags in data.labels:
+        for tags in labels:
             sentences.append(flat[start : start + len(tags)].tolist())
             start += len(tags)
         return sentences
 
-    def gold_ids(self, ctx) -> np.ndarray:
+    def gold_ids(self, ctx: Context) -> np.ndarray:
         return np.array([t for tags in self.gold_sentences(ctx) for t in tags], dtype=np.int64)
 
-    def compare(self, base_logits: np.ndarray, cand_logits: np.ndarray, ctx) -> dict:
+    def compare(self, base_logits: np.ndarray, cand_logits: np.ndarray, ctx: Context) -> dict:
         from optimize.evaluate.labeled import compare_taggers
 
         data = ctx.evaluation_data()
-        id2label = id2label_of(ctx.source.module)
+        id2label = id2label_of(ctx.loaded_source().module)
         gold = self.gold_sentences(ctx)
+        if not isinstance(ctx.encoder, WordEncoder):  # check_source wraps the tokenizer's
+            raise RecipeError("this model has no tokenizer: set model.tokenizer=DIR")
         word_ids = ctx.encoder.word_ids(data.items)
         label2id = {v: k for k, v in id2label.items()}
         fill = label2id.get("O", -1)

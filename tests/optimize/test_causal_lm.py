@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.support.cli import ROOT, one_error_line, run_optimize
-from tests.support.context import FakeContext
+from tests.support.context import recipe_context
 from tests.support.models import tiny_llama_folder
 
 
@@ -235,7 +235,9 @@ def test_modelopt_methods_on_tiny_model(name, tiny_llm, tiny_torch, tmp_path):
     from optimize.registry import build_config, get
 
     method = get("quantize", name)
-    ctx = FakeContext.for_tokenizer(tiny_llm, tmp_path)
+    from engines.text import TextEncoder
+
+    ctx = recipe_context(tmp_path, "calibration=cpython_docs", "calibration.count=4", encoder=TextEncoder(tiny_llm))
     source = Model("torch", "causal_lm", module=tiny_torch.model)
     quantized = method.fn(source, build_config(method, {"calibration_samples": 2, "max_tokens": 32}), ctx)
     assert quantized.module is not tiny_torch.model  # the baseline module is left untouched

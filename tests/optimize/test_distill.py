@@ -12,7 +12,7 @@ from optimize.distill.student import make_student
 from optimize.errors import RecipeError
 from optimize.registry import build_config, get
 from tests.support.cli import run_optimize
-from tests.support.context import FakeContext
+from tests.support.context import torch_context
 from tests.support.models import tiny_bert, tiny_llama, torch_model
 
 
@@ -22,7 +22,7 @@ def private_cache(tmp_path, monkeypatch):
 
 
 def run_distill(teacher, tmp_path, **params):
-    ctx = FakeContext.for_torch(teacher, tmp_path)
+    ctx = torch_context(teacher, tmp_path)
     cfg = build_config(
         get("distill", "logit_hidden_kd"),
         dict({"batch_size": 8, "seq_len": 16, "lr": 3e-3, "max_seconds": None}, **params),
@@ -72,7 +72,7 @@ def test_causal_lm_logit_kd_goes_down(tmp_path):
         teacher,
         teacher,
         build_config(get("distill", "logit_hidden_kd"), {"student_layers": 2}),
-        FakeContext.for_torch(teacher, tmp_path),
+        torch_context(teacher, tmp_path),
     )
     cfg = build_config(get("distill", "logit_hidden_kd"), {"max_steps": 25, "lr": 3e-3, "max_seconds": None})
     objective = objectives.LogitObjective(teacher, student, layer_map, cfg)
@@ -129,7 +129,7 @@ def test_cached_teacher_outputs_match_a_fresh_teacher_pass_on_any_batch(tmp_path
     import torch
 
     teacher = tiny_bert()
-    ctx = FakeContext.for_torch(teacher, tmp_path)
+    ctx = torch_context(teacher, tmp_path)
     cfg = build_config(get("distill", "logit_hidden_kd"), {"batch_size": 4, "seq_len": 16, "student_layers": 2})
     student, layer_map = make_student(teacher, teacher, cfg, ctx)
     objective = objectives.Objective.for_task(tasks.get("sentence_embedding"), teacher, student, layer_map, cfg, ctx)
@@ -174,7 +174,7 @@ def test_bad_schedules_are_recipe_errors(params, message):
 
 def test_matching_only_the_last_layer_caches_and_compares_only_it(tmp_path):
     teacher = tiny_bert()
-    ctx = FakeContext.for_torch(teacher, tmp_path)
+    ctx = torch_context(teacher, tmp_path)
     cfg = build_config(get("distill", "logit_hidden_kd"), {"student_layers": 2, "hidden_layers": "last"})
     student, layer_map = make_student(teacher, teacher, cfg, ctx)
     objective = objectives.EmbeddingObjective(teacher, student, layer_map, cfg, ctx)

@@ -15,10 +15,10 @@ onnx = pytest.importorskip("onnx")
 
 from optimize import registry  # noqa: E402
 from optimize.compile.race.candidates import CANDIDATES, default_candidates  # noqa: E402
-from optimize.context import Model  # noqa: E402
+from optimize.context import Context, Model  # noqa: E402
 from optimize.errors import RecipeError  # noqa: E402
 from tests.support.cli import run_optimize  # noqa: E402
-from tests.support.context import FakeContext  # noqa: E402
+from tests.support.context import onnx_context  # noqa: E402
 
 WIDTH, LAYERS = 64, 4
 
@@ -62,11 +62,10 @@ def embedder(tmp_path_factory) -> Model:
     return Model("torch", "sentence_embedding").with_onnx(_tiny_embedder(folder / "model.onnx"))
 
 
-def _ctx(tmp_path: Path, min_cosine: float | None = 0.99) -> FakeContext:
-    ctx = FakeContext.for_onnx(tmp_path, count=24, width=WIDTH)
-    ctx.items = [np.random.default_rng(i).standard_t(2, WIDTH).astype(np.float32) for i in range(24)]
-    ctx.cfg.gate = {"min_cosine": min_cosine, "min_mean_cosine": None}
-    return ctx
+def _ctx(tmp_path: Path, min_cosine: float | None = 0.99) -> Context:
+    items = [np.random.default_rng(i).standard_t(2, WIDTH).astype(np.float32) for i in range(24)]
+    cosine = "null" if min_cosine is None else min_cosine
+    return onnx_context(tmp_path, f"gate.min_cosine={cosine}", "gate.min_mean_cosine=null", items=items)
 
 
 def _build(model: Model, ctx, **params):
@@ -79,7 +78,7 @@ def _cosines(built, source: Model, ctx) -> np.ndarray:
     from engines import load_engine
     from engines.onnxruntime_runner import OrtRunner
 
-    inputs = ctx.calibration_inputs(len(ctx.items))
+    inputs = ctx.calibration_inputs(len(ctx.calibration().items))
     got = load_engine(built.engine_dir, built.engine, threads=1)(inputs)["sentence_embedding"]
     want = OrtRunner(source.onnx_path)(inputs)["sentence_embedding"]
     return (got * want).sum(-1) / (np.linalg.norm(got, axis=-1) * np.linalg.norm(want, axis=-1))

@@ -11,12 +11,12 @@ from optimize.prune.magnitude_unstructured import magnitude_unstructured
 from optimize.prune.semi_structured_2_4 import semi_structured_2_4
 from optimize.prune.structured import structured as prune_structured
 from optimize.registry import build_config, get
-from tests.support.context import FakeContext
+from tests.support.context import torch_context
 from tests.support.models import encode, tiny_bert, tiny_llama, torch_model
 
 
 def structured(module, tmp_path, task="sentence_embedding", **params):
-    ctx = FakeContext.for_torch(module, tmp_path, params)
+    ctx = torch_context(module, tmp_path)
     cfg = build_config(get("prune", "structured"), dict(params, calibration_samples=16))
     return prune_structured(torch_model(module, task), cfg, ctx), ctx
 
@@ -112,7 +112,7 @@ def test_bad_targets_fail_before_weights_load(params, message):
 
 def test_magnitude_unstructured_zeroes_the_requested_share(tmp_path):
     teacher = tiny_bert()
-    ctx = FakeContext.for_torch(teacher, tmp_path)
+    ctx = torch_context(teacher, tmp_path)
     cfg = build_config(get("prune", "magnitude_unstructured"), {"sparsity": 0.6})
     out = magnitude_unstructured(torch_model(teacher), cfg, ctx)
     student = out.module
@@ -125,7 +125,7 @@ def test_magnitude_unstructured_zeroes_the_requested_share(tmp_path):
 
 def test_semi_structured_2_4_keeps_two_of_every_four(tmp_path):
     teacher = tiny_llama()
-    ctx = FakeContext.for_torch(teacher, tmp_path)
+    ctx = torch_context(teacher, tmp_path)
     out = semi_structured_2_4(torch_model(teacher, "causal_lm"), None, ctx)
     student = out.module
     weight = student.model.layers[0].mlp.up_proj.weight

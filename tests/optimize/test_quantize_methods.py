@@ -10,7 +10,7 @@ import pytest
 from optimize import registry
 from optimize.context import Model
 from optimize.errors import RecipeError
-from tests.support.context import FakeContext
+from tests.support.context import onnx_context
 
 onnx = pytest.importorskip("onnx")
 
@@ -76,7 +76,7 @@ X_TEST = np.random.default_rng(99).standard_normal((16, 64)).astype(np.float32)
 
 @pytest.mark.parametrize("calibrate_method", ["minmax", "entropy", "percentile"])
 def test_static_qdq_calibrates_and_stays_close(mlp, tmp_path, calibrate_method):
-    ctx = FakeContext.for_onnx(tmp_path)
+    ctx = onnx_context(tmp_path)
     out = _run("ort_int8_static_qdq", mlp, ctx, calibrate_method=calibrate_method, calibration_count=16)
     assert out.precision == "int8" and {"QuantizeLinear", "DequantizeLinear"} <= _ops(out.onnx_path)
     assert _min_cosine(_outputs(mlp.onnx_path, X_TEST), _outputs(out.onnx_path, X_TEST)) > 0.98
@@ -86,7 +86,7 @@ def test_static_qdq_calibrates_and_stays_close(mlp, tmp_path, calibrate_method):
 
 
 def test_static_qdq_s8s8_and_excluded_node(mlp, tmp_path):
-    ctx = FakeContext.for_onnx(tmp_path)
+    ctx = onnx_context(tmp_path)
     out = _run("ort_int8_static_qdq", mlp, ctx, activation_type="int8", nodes_to_exclude=["fc2"], reduce_range=False)
     graph = onnx.load(str(out.onnx_path)).graph
     fc2 = next(n for n in graph.node if n.name == "fc2")
@@ -95,7 +95,7 @@ def test_static_qdq_s8s8_and_excluded_node(mlp, tmp_path):
 
 
 def test_static_qdq_sensitivity_fallback_keeps_nodes_fp32(mlp, tmp_path):
-    ctx = FakeContext.for_onnx(tmp_path)
+    ctx = onnx_context(tmp_path)
     out = _run("ort_int8_static_qdq", mlp, ctx, fallback_min_cosine=1.0, max_fp32_nodes=1, sensitivity_samples=8)
     assert len(out.record["fp32_nodes"]) == 1  # unreachable target: stops at max_fp32_nodes
 
@@ -114,13 +114,13 @@ def test_static_qdq_rejects_bad_params():
 
 
 def test_dynamic_int8_still_works(mlp, tmp_path):
-    ctx = FakeContext.for_onnx(tmp_path)
+    ctx = onnx_context(tmp_path)
     out = _run("ort_int8_dynamic", mlp, ctx, fallback_min_cosine=None)
     assert _min_cosine(_outputs(mlp.onnx_path, X_TEST), _outputs(out.onnx_path, X_TEST)) > 0.98
 
 
 def test_fp16_on_cpu_converts_weights(mlp, tmp_path):
-    ctx = FakeContext.for_onnx(tmp_path)
+    ctx = onnx_context(tmp_path)
     out = _run("ort_fp16", mlp, ctx, execution_provider="CPUExecutionProvider")
     model = onnx.load(str(out.onnx_path))
     assert {i.data_type for i in model.graph.initializer} == {onnx.TensorProto.FLOAT16}
@@ -148,7 +148,7 @@ def test_fp16_for_a_missing_gpu_provider_is_one_clear_error():
     ],
 )
 def test_int4_weight_only_packs_matmuls(mlp, tmp_path, params):
-    ctx = FakeContext.for_onnx(tmp_path)
+    ctx = onnx_context(tmp_path)
     out = _run("ort_int4_weight_only", mlp, ctx, block_size=32, **params)
     assert "MatMulNBits" in _ops(out.onnx_path) and "MatMul" not in _ops(out.onnx_path)
     assert out.precision == "int4" and out.record["matmulnbits_nodes"] == 2
@@ -157,7 +157,7 @@ def test_int4_weight_only_packs_matmuls(mlp, tmp_path, params):
 
 
 def test_int4_excluded_node_stays_matmul(mlp, tmp_path):
-    out = _run("ort_int4_weight_only", mlp, FakeContext.for_onnx(tmp_path), nodes_to_exclude=["fc2"])
+    out = _run("ort_int4_weight_only", mlp, onnx_context(tmp_path), nodes_to_exclude=["fc2"])
     assert {"MatMulNBits", "MatMul"} <= _ops(out.onnx_path)
 
 
@@ -178,11 +178,11 @@ def test_methods_need_an_onnx_model(tmp_path):
     for method in ("ort_int8_static_qdq", "ort_int4_weight_only", "ort_fp16"):
         params = {"execution_provider": "CPUExecutionProvider"} if method == "ort_fp16" else {}
         with pytest.raises(RecipeError, match="needs an ONNX model"):
-            _run(method, torch_model, FakeContext.for_onnx(tmp_path), **params)
+            _run(method, torch_model, onnx_context(tmp_path), **params)
 
 
 def test_static_qdq_keeps_consumers_of_an_op_type_in_fp32(mlp, tmp_path):
-    ctx = FakeContext.for_onnx(tmp_path)
+    ctx = onnx_context(tmp_path)
     out = _run("ort_int8_static_qdq", mlp, ctx, exclude_consumers_of=["Relu"])
     assert out.record["excluded_nodes"] == ["fc2"]
     fc2 = next(n for n in onnx.load(str(out.onnx_path)).graph.node if n.name == "fc2")
@@ -215,7 +215,7 @@ def _gram_model(path: Path, width: int = 64) -> Path:
 @pytest.mark.parametrize("const_b_only", [True, False])
 def test_static_qdq_leaves_activation_by_activation_matmuls_fp32(tmp_path, const_b_only):
     model = Model("torch", "generic").with_onnx(_gram_model(tmp_path / "gram.onnx"))
-    ctx = FakeContext.for_onnx(tmp_path)
+    ctx = onnx_context(tmp_path)
     out = _run("ort_int8_static_qdq", model, ctx, matmul_const_b_only=const_b_only)
     graph = onnx.load(str(out.onnx_path)).graph
     producer = {o: n for n in graph.node for o in n.output}
@@ -241,8 +241,8 @@ def test_static_ranking_uses_the_calibrated_range():
 def test_calibration_ranges_read_from_onnxruntime_cache(mlp, tmp_path):
     from optimize.quantize.ort_int8_static_qdq import read_calibration_ranges
 
-    ctx = FakeContext.for_onnx(tmp_path)
+    ctx = onnx_context(tmp_path)
     _run("ort_int8_static_qdq", mlp, ctx, calibrate_method="minmax")
     ranges = read_calibration_ranges(tmp_path / "quantize_static" / "calibration_ranges.json")
-    x = np.stack(ctx.items)
+    x = np.stack(ctx.calibration().items)
     assert ranges["x"] == pytest.approx((x.min(), x.max()), rel=1e-5)

@@ -2,7 +2,8 @@
 
 - cli: `run_optimize` (the command line in a subprocess), FAST_OVERRIDES, ROOT, and
   `one_error_line` (exit 2 with a single `error: ...` line on stderr, no traceback);
-- context: FakeContext, the stand-in for optimize.context.Context that method tests hand to a method;
+- context: `recipe_context` and its shorthands, the real optimize.context.Context on a plan of a
+  composed recipe, which method and task tests hand to a method;
 - models: tiny random models (tiny_bert, tiny_llama, tiny_llama_folder) and a stand-in tokenizer;
 - tiny_llm: the tiny causal-LM artifact for the serve tests (`python -m tests.support.tiny_llm OUT`);
 - serve: a real `python -m serve` subprocess and in-process apps.

@@ -1,90 +1,74 @@
-"""One stand-in for optimize.context.Context: the same attributes and methods, without a recipe,
-a dataset download or a tokenizer folder. Each test builds it with what its method reads:
+"""The real optimize.context.Context for method and task tests, built as a run builds it: a recipe
+composed from recipes/ (the overrides on top of the default preset), checked and resolved by
+`pipeline.plan`, and a Context on that plan. What a test gives itself instead of a download or a
+model folder is the source, the encoder and the calibration items:
 
-    FakeContext.for_torch(teacher, tmp_path, prune_params)   # prune and distill on a tiny BERT/Llama
-    FakeContext.for_onnx(tmp_path, count=32, width=64)        # quantize methods on a tiny ONNX MLP
-    FakeContext.for_tokenizer(folder, tmp_path)               # modelopt methods on a tiny Llama folder
+    recipe_context(tmp_path, source=torch_source(teacher), items=TEXTS)    # prune and distill
+    onnx_context(tmp_path, count=32, width=64)                              # quantize methods on an MLP
+    recipe_context(tmp_path, "calibration.count=4", encoder=TextEncoder(folder))  # real CPython text
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
-from omegaconf import OmegaConf
 
-from tests.support.models import TEXTS, encode
+from calibration import TextSet
+from optimize import pipeline
+from optimize.config import register_schema
+from optimize.context import Context, SourceModel
+from tests.support.models import encode
+
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 
-class FakeContext:
-    """Mirrors optimize.context.Context: cfg, scratch, source, encoder, threads, stage_records,
-    calibration(), evaluation_data(), encode(), calibration_inputs(), pooling."""
+def compose_recipe(*overrides: str):
+    """The recipe `python -m optimize OVERRIDES...` would run, composed in this process."""
+    from hydra import compose, initialize_config_dir
 
-    def __init__(
-        self,
-        scratch: Path,
-        *,
-        cfg: dict | None = None,
-        source: Any = None,
-        encoder: Callable | None = encode,
-        items: list | None = None,
-        threads: int = 1,
-        pooling: dict | None = None,
-    ):
-        self.cfg = OmegaConf.create(cfg or {})
-        self.scratch = Path(scratch)
-        self.source = source
-        self.encoder = encoder
-        self.threads = threads
-        self.stage_records: dict = {}
-        self.items = list(TEXTS if items is None else items)
-        self._pooling = pooling or {"mode": "mean", "normalize": False}
+    register_schema()
+    with initialize_config_dir(config_dir=str(RECIPES), version_base=None):
+        return compose("config", overrides=list(overrides))
 
-    @classmethod
-    def for_torch(cls, teacher, scratch: Path, prune_params: dict | None = None) -> "FakeContext":
-        """A source PyTorch module (the teacher), the stand-in tokenizer, and a structured-prune recipe."""
-        source = SimpleNamespace(
-            module=teacher, location=str(Path(scratch) / "teacher"), tokenizer_dir=None, kind="hf", gguf_file=None
-        )
-        return cls(scratch, source=source, cfg={"prune": {"method": "structured", "params": prune_params or {}}})
 
-    @classmethod
-    def for_onnx(cls, scratch: Path, count: int = 32, width: int = 64) -> "FakeContext":
-        """Calibration items that are float vectors, encoded as the input `x` of a [batch, width] model."""
+def recipe_context(
+    scratch: Path,
+    *overrides: str,
+    source: SourceModel | None = None,
+    encoder: Callable | None = encode,
+    items: list | None = None,
+    threads: int = 1,
+) -> Context:
+    """The Context a run of the composed recipe hands its stages. `items`: the calibration set, made
+    by the test (kept in its order) in place of the recipe's calibration source."""
+    scratch = Path(scratch)
+    cfg = compose_recipe(*overrides, f"output_dir={scratch / 'artifact'}")
+    plan = pipeline.plan(cfg, scratch)
+    drawn = None
+    if items is not None:
+        drawn = TextSet(source="test", split="calibration", seed=0, items=list(items), available=len(items))
+    return Context(plan, scratch, source=source, encoder=encoder, threads=threads, _calibration=drawn)
+
+
+def torch_source(module, scratch: Path, task: str = "sentence_embedding") -> SourceModel:
+    """A PyTorch module as the pipeline loads a Hugging Face source (the teacher of prune and distill)."""
+    return SourceModel("hf", task, str(Path(scratch) / "teacher"), module=module)
+
+
+def onnx_context(
+    scratch: Path, *overrides: str, count: int = 32, width: int = 64, items: list | None = None
+) -> Context:
+    """Calibration items that are float vectors, encoded as the input `x` of a [batch, width] model."""
+    if items is None:
         items = [np.random.default_rng(i).standard_normal(width).astype(np.float32) for i in range(count)]
-        return cls(scratch, items=items, encoder=lambda rows: {"x": np.stack(rows)})
+    return recipe_context(scratch, *overrides, items=items, encoder=lambda rows: {"x": np.stack(rows)})
 
-    @classmethod
-    def for_tokenizer(cls, folder: Path, scratch: Path, max_length: int = 128, count: int = 4) -> "FakeContext":
-        """A real tokenizer folder and a few paragraphs of CPython's docs as calibration text."""
-        import calibration
-        from engines.text import TextEncoder
 
-        return cls(
-            scratch,
-            encoder=TextEncoder(folder, max_length),
-            items=calibration.load("cpython_docs", "calibration", count, 0).items,
-        )
+def torch_context(module, scratch: Path, task: str = "sentence_embedding") -> Context:
+    """A PyTorch source (the teacher), the stand-in tokenizer, the shared texts as calibration, and a
+    structured-prune recipe (what the distill stage records of the pruning before it)."""
+    from tests.support.models import TEXTS
 
-    def calibration(self):
-        return SimpleNamespace(items=self.items, describe=lambda: {"sha256": "fake", "count": len(self.items)})
-
-    def evaluation_data(self):
-        return self.calibration()
-
-    def encode(self, texts: list) -> dict[str, np.ndarray]:
-        if self.encoder is None:
-            raise AssertionError("this FakeContext has no encoder")
-        return self.encoder(texts)
-
-    def calibration_inputs(self, count: int) -> dict[str, np.ndarray]:
-        return self.encode(self.calibration().items[:count])
-
-    @property
-    def pooling(self) -> dict:
-        return self._pooling
-
-    def progress(self, items, label: str):
-        yield from items
+    return recipe_context(scratch, "prune=structured", source=torch_source(module, scratch, task), items=TEXTS)

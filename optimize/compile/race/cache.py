@@ -26,7 +26,7 @@ def identity(model, ctx) -> str:
         "weights": _weights_hash(model),
         "task": model.task,
         "calibration": ctx.calibration().describe(),
-        "max_length": ctx.cfg.model.max_length,
+        "max_length": ctx.plan.model.max_length,
         "packages": package_versions(),
         "cpu": sorted(f for f in CPU_FEATURES if f in cpu_flags()),
     }

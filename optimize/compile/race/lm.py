@@ -43,7 +43,7 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict) -> dict:
         entry.metrics = {"perplexity": ppl, "perplexity_increase_pct": (ppl / base["perplexity"] - 1) * 100}
     if thresholds.get("max_lm_eval_drop") is not None and cfg.lm_eval_tasks:
         _lm_eval(entries, runners, baseline, base, tokens, data.items, cfg, ctx)
-    runs = max(2, min(ctx.cfg.evaluate.repeats, race_cfg.timing_repeats, 5))
+    runs = max(2, min(ctx.plan.evaluate.repeats, race_cfg.timing_repeats, 5))
     runners.clear()  # scored; each candidate is timed in a process of its own (engines/runner_process.py)
     with contextlib.ExitStack() as stack:
         timed_runners = {

@@ -27,10 +27,10 @@ def score(entries: list[Entry], ctx, workload, cfg: EngineRaceConfig) -> dict:
     reference = harness.run_all(baseline, batches)
     for entry in entries:
         outputs = harness.run_all(runners[entry.name], batches)
-        entry.fidelity = harness.fidelity_of(reference, outputs, task.fidelity_output, ctx.cfg.evaluate.top_k)
+        entry.fidelity = harness.fidelity_of(reference, outputs, task.fidelity_output, ctx.plan.evaluate.top_k)
         entry.scores = task.race_scores(reference, outputs, ctx)  # classifiers: labeled accuracy
     baseline_p50 = {}
-    for batch_size in workload.batch_sizes_timed(list(ctx.cfg.evaluate.batch_sizes)):
+    for batch_size in workload.batch_sizes_timed(list(ctx.plan.evaluate.batch_sizes)):
         timed = [b for b in harness.batches_of(inputs, batch_size) if harness.sample_count(b) == batch_size]
         stats = benchmark.quietest(
             lambda: benchmark.measure(

@@ -1,0 +1,173 @@
+"""The plan: the recipe resolved once, before any weights load, into the typed values that stages,
+methods and tasks read. Each field is named after its recipe key (`plan.evaluate.top_k` is
+`evaluate.top_k`), so renaming a key in optimize/config.py shows here, and mypy shows who reads it.
+
+Only the entry point (optimize/__main__.py) and this module read the raw recipe; the pipeline checks it
+(optimize/pipeline.py) and builds the plan with `resolve`. The manifest still records the recipe as
+composed (`recipe_dict(cfg)`): the plan is what the run reads, not what it reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from optimize.config import recipe_dict
+
+if TYPE_CHECKING:
+    from optimize.registry import Method
+    from optimize.tasks.base import Task
+    from optimize.workload import Workload
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    """A data section (`calibration`, `evaluate.data`) as optimize/config.py's DataConfig has it."""
+
+    source: str
+    split: str
+    count: int
+    seed: int
+    path: str | None
+    field: str
+    label_field: str | None
+    min_chars: int
+    dataset_split: str | None
+    shape: list[int] | None
+    image: Mapping[str, Any]
+    audio: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, node) -> "DataSettings":
+        # The optional keys are read with get: a manifest's recorded recipe may predate them.
+        shape = node.get("shape")
+        return cls(
+            source=node.source,
+            split=node.split,
+            count=node.count,
+            seed=node.seed,
+            path=node.path,
+            field=node.field,
+            label_field=node.get("label_field"),
+            min_chars=node.min_chars,
+            dataset_split=node.get("dataset_split"),
+            shape=list(shape) if shape is not None else None,
+            image=recipe_dict(node.get("image")),
+            audio=recipe_dict(node.get("audio")),
+        )
+
+
+@dataclass(frozen=True)
+class EvaluateSettings:
+    """`evaluate`: how the baseline and the candidate are compared and timed."""
+
+    data: DataSettings
+    inputs: str  # data | random
+    batch_sizes: tuple[int, ...]
+    warmup: int
+    repeats: int
+    top_k: int
+    threads: int  # 0: all cores
+    memory: bool
+    latency: bool
+    overlap: str  # error | drop
+    task_params: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, node) -> "EvaluateSettings":
+        return cls(
+            data=DataSettings.of(node.data),
+            inputs=node.inputs,
+            batch_sizes=tuple(int(b) for b in node.batch_sizes),
+            warmup=node.warmup,
+            repeats=node.repeats,
+            top_k=node.top_k,
+            threads=node.threads,
+            memory=node.memory,
+            latency=node.latency,
+            overlap=node.overlap,
+            task_params=recipe_dict(node.get("task_params")),
+        )
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """`model`: the source and how it is read."""
+
+    source: str
+    task: str
+    revision: str | None
+    gguf_file: str | None
+    tokenizer: str | None
+    hub_id: str | None
+    max_length: int
+    trust_remote_code: bool
+    allow_pickle: bool
+    inputs: Mapping[str, Any]  # {input name: InputSpec's keys} of a model that takes tensors
+
+    @classmethod
+    def of(cls, node) -> "ModelSettings":
+        return cls(
+            source=node.source,
+            task=node.task,
+            revision=node.revision,
+            gguf_file=node.gguf_file,
+            tokenizer=node.tokenizer,
+            hub_id=node.hub_id,
+            max_length=node.max_length,
+            trust_remote_code=node.trust_remote_code,
+            allow_pickle=node.allow_pickle,
+            inputs=recipe_dict(node.inputs),
+        )
+
+
+@dataclass(frozen=True)
+class MethodSettings:
+    """A stage section (`prune`, ...) as the recipe set it: the method's name and its parameters."""
+
+    method: str
+    params: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, node) -> "MethodSettings":
+        return cls(method=node.method, params=recipe_dict(node.params))
+
+    def record(self) -> dict[str, Any]:
+        """The section as the recipe has it ({method, params}), for records and cache keys."""
+        return {"method": self.method, "params": dict(self.params)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The recipe checked and resolved before any weights load."""
+
+    task: Task  # model.task, looked up
+    stages: tuple[tuple[Method, Any], ...]  # the stages that run, each with its method's config
+    workload: Workload  # the traffic the race optimizes and the gate checks, resolved once
+    model: ModelSettings
+    calibration: DataSettings
+    evaluate: EvaluateSettings
+    gate: Mapping[str, Any]  # the thresholds and selectors as gate.judge reads them (null: not checked)
+    prune: MethodSettings  # recorded by the distill stage, which learns back what pruning took
+    final_dir: Path  # where the artifact goes
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(method.needs_calibration for method, _ in self.stages)
+
+
+def resolve(cfg, task: Task, stages, the_workload: Workload, final_dir: Path) -> Plan:
+    """The plan of a composed recipe whose task, stages and workload the pipeline already resolved."""
+    return Plan(
+        task=task,
+        stages=tuple(stages),
+        workload=the_workload,
+        model=ModelSettings.of(cfg.model),
+        calibration=DataSettings.of(cfg.calibration),
+        evaluate=EvaluateSettings.of(cfg.evaluate),
+        gate=recipe_dict(cfg.gate),
+        prune=MethodSettings.of(cfg.prune),
+        final_dir=final_dir,
+    )
