@@ -71,4 +71,5 @@ def torch_context(module, scratch: Path, task: str = "sentence_embedding") -> Co
     structured-prune recipe (what the distill stage records of the pruning before it)."""
     from tests.support.models import TEXTS
 
-    return recipe_context(scratch, "prune=structured", source=torch_source(module, scratch, task), items=TEXTS)
+    pruned = ("prune=structured", "prune.params.layers_ratio=0.5")
+    return recipe_context(scratch, *pruned, source=torch_source(module, scratch, task), items=TEXTS)
