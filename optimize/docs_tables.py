@@ -4,7 +4,10 @@
   it applies to and its summary (the first paragraph of its docstring);
 - `gate`: every threshold of the gate's schema (GateConfig in optimize/config.py), with what its check
   reads and how it compares (optimize/gate.py's CHECKS);
-- `race`: the engine race's candidates, what each is built with and which races run it by default.
+- `race`: the engine race's candidates, what each is built with and which races run it by default;
+- `layout`: every package of optimize/, engines/, serve/ and calibration/ and its modules, each with
+  the first sentence of its docstring (read from the source, nothing imported);
+- `contracts`: the import contracts `make lint` checks (`[tool.importlinter]` in pyproject.toml).
 
 Each table sits in a docs/*.md file between two marker comments:
 
@@ -18,6 +21,7 @@ written, and the exit code is 1 with one line per table that is stale, missing o
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import re
 import sys
@@ -26,7 +30,10 @@ from typing import Any, Callable
 
 from optimize.errors import ArgumentParser
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+# The code packages, in the order the layout shows them.
+PACKAGES = ("optimize", "engines", "serve", "calibration")
 COMMAND = "python -m optimize.docs_tables"
 BLOCK = re.compile(r"(<!-- generated:([\w-]+) .*?-->\n)(.*?)(<!-- end generated:\2 -->)", re.DOTALL)
 
@@ -136,7 +143,56 @@ def race_table() -> str:
     return _table(["candidate", "engine", "engine params", "quantize", "quantize params", "raced by default"], rows)
 
 
-TABLES: dict[str, Callable[[], str]] = {"methods": methods_table, "gate": gate_table, "race": race_table}
+def layout_table() -> str:
+    """Every package under ROOT and its modules, as the folders hold them: a moved, added or renamed
+    module or package makes the table stale."""
+    rows: list[list[str]] = []
+    for name in PACKAGES:
+        rows += _package_rows(ROOT / name)
+    return _table(["package or module", "what it holds"], rows)
+
+
+def _package_rows(folder: Path) -> list[list[str]]:
+    rows = [[f"**`{folder.relative_to(ROOT).as_posix()}/`**", _summary(folder / "__init__.py")]]
+    rows += [[f"`{p.stem}`", _summary(p)] for p in sorted(folder.glob("*.py")) if p.name != "__init__.py"]
+    for sub in sorted(p for p in folder.iterdir() if (p / "__init__.py").is_file()):
+        rows += _package_rows(sub)
+    return rows
+
+
+# A sentence ends at a full stop before a capital, a quote or the end (not at "e.g." or "i.e.").
+SENTENCE = re.compile(r"(.+?(?<!e\.g)(?<!i\.e)\.)(?=\s+[A-Z`(\"]|$)")
+
+
+def _summary(path: Path) -> str:
+    """The first sentence of a module's docstring, on one line."""
+    doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+    lines = doc.split("\n\n")[0].splitlines()
+    # a list that opens the docstring is detail: its heading line is the summary
+    heading = [line for i, line in enumerate(lines) if not any(s.startswith("- ") for s in lines[: i + 1])]
+    paragraph = " ".join(" ".join(heading).split())
+    match = SENTENCE.match(paragraph)
+    return match.group(1) if match else paragraph
+
+
+def contracts_list() -> str:
+    """The contracts lint-imports checks, by name, as pyproject.toml declares them."""
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:
+        import tomli as tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    return "".join(f"- {c['name']} (`{c['type']}`)\n" for c in config["contracts"])
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "methods": methods_table,
+    "gate": gate_table,
+    "race": race_table,
+    "layout": layout_table,
+    "contracts": contracts_list,
+}
 
 
 def update(docs: Path = DOCS) -> tuple[dict[Path, str], list[str]]:

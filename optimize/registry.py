@@ -9,6 +9,9 @@ A method is a config dataclass plus a function, registered under (stage, name):
     @register("quantize", "ort_int8_dynamic", Int8DynamicConfig, needs_calibration=False, input_format="onnx")
     def int8_dynamic(model, cfg, ctx): ...
 
+`refusal=` names what a method refuses before any stage runs (the recipe's op_types matching none of
+the graph's nodes): the plan-time check asks each method, so it knows no method package.
+
 The dataclass lets the whole recipe be checked before any weights load: an unknown or mistyped
 parameter is a RecipeError naming the key. It is also the Hydra schema of `<stage>.params`
 (see `store_schemas`), so every parameter can be overridden on the command line.
@@ -26,6 +29,7 @@ import inspect
 import pkgutil
 import typing
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Literal, get_args
 
 from optimize.errors import RecipeError
@@ -50,6 +54,9 @@ class Method:
     # The tasks it supports: model.task names, a test the task answers (a function of the
     # optimize.tasks Task, as `takes_tensors`), or None: every task.
     tasks: tuple[str, ...] | Callable[[Any], bool] | None = None
+    # What it refuses before any stage runs, from its config and the model's ONNX graph:
+    # refusal(method name, config, onnx path) -> the one-line reason, or None when it can run.
+    refusal: Callable[[str, Any, Path], str | None] | None = None
     summary: str = ""
 
     def supports(self, task) -> bool:
@@ -57,6 +64,10 @@ class Method:
         if self.tasks is None:
             return True
         return self.tasks(task) if callable(self.tasks) else task.name in self.tasks
+
+    def refuses(self, config, onnx_path: Path) -> str | None:
+        """Why it cannot run with `config` on the graph at `onnx_path`, known before any stage runs."""
+        return self.refusal(self.name, config, onnx_path) if self.refusal else None
 
 
 def takes_tensors(task) -> bool:

@@ -38,11 +38,9 @@ def plan_time_refusals(ctx, stages, onnx_path: Path) -> None:
             ctx.refuse_text_for_tensors(data, key)
         except RecipeError as exc:
             problems.append(str(exc))
-    from optimize.quantize.common import op_types_refusal
-
     for method, method_cfg in stages:
-        refusal = op_types_refusal(method.name, getattr(method_cfg, "op_types", None), onnx_path)
-        if method.stage == "quantize" and refusal:
+        refusal = method.refuses(method_cfg, onnx_path)
+        if refusal:
             problems.append(refusal)
     if len(problems) == 1:
         raise RecipeError(problems[0])

@@ -4,12 +4,25 @@ and the CPU-dependent weight range."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from engines.hardware import cpu_has_vnni
 from optimize.errors import RecipeError
+
+# How close a quantized graph's outputs are to the float graph's: 1.0 is identical.
+Fidelity = Callable[[dict[str, np.ndarray], dict[str, np.ndarray]], float]
+
+
+def task_fidelity(task_name: str) -> Fidelity:
+    """The worst cosine of the output whose fidelity decides the task's accuracy (every output when
+    the task names none): what the sensitivity fallback's target is checked against."""
+    from optimize import tasks
+    from optimize.evaluate.fidelity import worst_cosine
+
+    output = tasks.get(task_name).fidelity_output
+    return lambda reference, candidate: worst_cosine(reference, candidate, output)
 
 
 def require_onnx(model, method: str) -> None:
@@ -158,8 +171,10 @@ def resolve_op_types(given: list[str] | None, path: Path) -> tuple[list[str], st
     return [op for op in WEIGHTED_OPS if op in found] or list(WEIGHTED_OPS), "graph"
 
 
-def op_types_refusal(method: str, given: list[str] | None, path: Path) -> str | None:
-    """Known before quantizing: the recipe's op_types match none of the graph's weighted nodes."""
+def op_types_refusal(method: str, cfg, path: Path) -> str | None:
+    """Known before quantizing (the `refusal` its methods register): the recipe's op_types match none
+    of the graph's weighted nodes."""
+    given = cfg.op_types
     if given is None:
         return None
     found = weighted_ops(path)

@@ -13,10 +13,12 @@ from optimize.errors import RecipeError
 from optimize.quantize.common import (
     auto_reduce_range,
     constants_to_initializers,
+    op_types_refusal,
     quant_type,
     refuse_if_nothing_quantized,
     require_onnx,
     resolve_op_types,
+    task_fidelity,
     workdir,
 )
 from optimize.quantize.sensitivity import sensitivity_fallback
@@ -62,7 +64,14 @@ class OrtInt8DynamicConfig:
             raise RecipeError("quantize.params.max_fp32_nodes must be >= 0 and sensitivity_samples >= 1")
 
 
-@register("quantize", "ort_int8_dynamic", OrtInt8DynamicConfig, needs_calibration=True, input_format="onnx")
+@register(
+    "quantize",
+    "ort_int8_dynamic",
+    OrtInt8DynamicConfig,
+    needs_calibration=True,
+    input_format="onnx",
+    refusal=op_types_refusal,
+)
 def ort_int8_dynamic(model: Model, cfg: OrtInt8DynamicConfig, ctx: Context) -> Model:
     """INT8 weights, activations quantized at run time (ONNX Runtime), with FP32 fallback of sensitive nodes."""
     require_onnx(model, "ort_int8_dynamic")
@@ -95,7 +104,9 @@ def ort_int8_dynamic(model: Model, cfg: OrtInt8DynamicConfig, ctx: Context) -> M
     fp32_nodes: list[str] = []
     score = None
     if cfg.fallback_min_cosine is not None:
-        fp32_nodes, score = sensitivity_fallback(model.with_onnx(source), cfg, ctx, quantize, reduce_range)
+        fp32_nodes, score = sensitivity_fallback(
+            model.with_onnx(source), cfg, ctx, quantize, reduce_range, task_fidelity(model.task)
+        )
     path = quantize(fp32_nodes)
     kernels = refuse_if_nothing_quantized(path, source, "ort_int8_dynamic", cfg.op_types)
     from optimize.evaluate.kernels import int8_gemm_speedup

@@ -30,9 +30,11 @@ from optimize.quantize.common import (
     auto_reduce_range,
     constants_to_initializers,
     onnx_input_names,
+    op_types_refusal,
     quant_type,
     refuse_if_nothing_quantized,
     require_onnx,
+    task_fidelity,
     with_opset_at_least,
     workdir,
 )
@@ -91,7 +93,14 @@ class OrtInt8StaticConfig:
             )
 
 
-@register("quantize", "ort_int8_static_qdq", OrtInt8StaticConfig, needs_calibration=True, input_format="onnx")
+@register(
+    "quantize",
+    "ort_int8_static_qdq",
+    OrtInt8StaticConfig,
+    needs_calibration=True,
+    input_format="onnx",
+    refusal=op_types_refusal,
+)
 def ort_int8_static_qdq(model: Model, cfg: OrtInt8StaticConfig, ctx: Context) -> Model:
     """INT8 weights and activations, activation ranges calibrated ahead of time (QDQ, ONNX Runtime)."""
     require_onnx(model, "ort_int8_static_qdq")
@@ -119,7 +128,12 @@ def ort_int8_static_qdq(model: Model, cfg: OrtInt8StaticConfig, ctx: Context) ->
     score = None
     if cfg.fallback_min_cosine is not None:
         fp32_nodes, score = sensitivity_fallback(
-            model.with_onnx(source), _RankingView(cfg, excluded, cache), ctx, quantize, reduce_range
+            model.with_onnx(source),
+            _RankingView(cfg, excluded, cache),
+            ctx,
+            quantize,
+            reduce_range,
+            task_fidelity(model.task),
         )
     path = quantize(fp32_nodes)
     kernels = refuse_if_nothing_quantized(path, source, "ort_int8_static_qdq", cfg.op_types)

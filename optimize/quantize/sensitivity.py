@@ -9,8 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from optimize import tasks
-from optimize.evaluate.fidelity import worst_cosine
+from optimize.quantize.common import Fidelity
 
 log = logging.getLogger(__name__)
 
@@ -101,17 +100,19 @@ def _rank_by_simulated_error(onnx_path: Path, inputs: dict, cfg, reduce_range: b
     return sorted(errors, key=lambda name: errors[name], reverse=True)
 
 
-def sensitivity_fallback(model, cfg, ctx, quantize, reduce_range: bool) -> tuple[list[str], float]:
+def sensitivity_fallback(model, cfg, ctx, quantize, reduce_range: bool, fidelity: Fidelity) -> tuple[list[str], float]:
     """Keep the nodes with the largest simulated quantization error in FP32, one by one, until the
-    real quantized model reaches the calibration fidelity target (or max_fp32_nodes is reached)."""
+    real quantized model reaches the calibration fidelity target (or max_fp32_nodes is reached).
+
+    fidelity(reference outputs, quantized outputs) -> the score the target is compared with: the
+    caller's (common.task_fidelity), so the search knows no task."""
     from engines.onnxruntime_runner import OrtRunner
 
-    output = tasks.get(model.task).fidelity_output
     inputs = ctx.calibration_inputs(cfg.sensitivity_samples)
     reference = OrtRunner(model.onnx_path, threads=ctx.threads)(inputs)
 
     def score(path: Path) -> float:
-        return worst_cosine(reference, OrtRunner(path, threads=ctx.threads)(inputs), output)
+        return fidelity(reference, OrtRunner(path, threads=ctx.threads)(inputs))
 
     best = score(quantize([]))
     if best >= cfg.fallback_min_cosine or cfg.max_fp32_nodes == 0:

@@ -86,6 +86,45 @@ def test_a_missing_or_unknown_table_is_named(docs, capsys):
 
     (docs / "extra.md").write_text("<!-- generated:nonsense (x) -->\n| a |\n<!-- end generated:nonsense -->\n")
     assert docs_tables.main(["--check", "--docs", str(docs)]) == 1
-    assert f"{docs / 'extra.md'}: unknown generated table 'nonsense' (known: methods, gate, race)" in (
-        capsys.readouterr().err
+    assert (
+        f"{docs / 'extra.md'}: unknown generated table 'nonsense' (known: methods, gate, race, layout, contracts)"
+        in (capsys.readouterr().err)
     )
+
+
+@pytest.fixture
+def tree(tmp_path, monkeypatch):
+    """A copy of the code packages and pyproject.toml that the layout and contracts tables are read from."""
+    root = tmp_path / "tree"
+    for name in docs_tables.PACKAGES:
+        shutil.copytree(docs_tables.ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copyfile(docs_tables.ROOT / "pyproject.toml", root / "pyproject.toml")
+    monkeypatch.setattr(docs_tables, "ROOT", root)
+    return root
+
+
+def test_a_module_moved_into_a_new_package_makes_the_layout_stale(docs, tree, capsys):
+    assert docs_tables.main(["--check", "--docs", str(docs)]) == 0
+    runtime = tree / "engines" / "onnxruntime"
+    runtime.mkdir()
+    (runtime / "__init__.py").write_text('"""ONNX Runtime: its runner. More detail here."""\n')
+    (tree / "engines" / "onnxruntime_runner.py").rename(runtime / "runner.py")
+    assert docs_tables.main(["--check", "--docs", str(docs)]) == 1
+    assert (
+        capsys.readouterr().err.strip()
+        == f"{docs / 'design.md'}: the 'layout' table is stale; run {docs_tables.COMMAND}"
+    )
+
+    assert docs_tables.main(["--docs", str(docs)]) == 0
+    layout = (docs / "design.md").read_text()
+    assert "| **`engines/onnxruntime/`** | ONNX Runtime: its runner. |\n| `runner` | ONNX Runtime Runner. |" in layout
+    assert "| `onnxruntime_runner` |" not in layout
+
+
+def test_a_renamed_contract_makes_the_contracts_list_stale(docs, tree, capsys):
+    pyproject = tree / "pyproject.toml"
+    pyproject.write_text(pyproject.read_text().replace('name = "engines never import serve"', 'name = "renamed"'))
+    assert docs_tables.main(["--check", "--docs", str(docs)]) == 1
+    assert "the 'contracts' table is stale" in capsys.readouterr().err
+    assert docs_tables.main(["--docs", str(docs)]) == 0
+    assert "- renamed (`forbidden`)\n" in (docs / "design.md").read_text()

@@ -246,3 +246,18 @@ def test_calibration_ranges_read_from_onnxruntime_cache(mlp, tmp_path):
     ranges = read_calibration_ranges(tmp_path / "quantize_static" / "calibration_ranges.json")
     x = np.stack(ctx.calibration().items)
     assert ranges["x"] == pytest.approx((x.min(), x.max()), rel=1e-5)
+
+
+@pytest.mark.parametrize("method", ["ort_int8_dynamic", "ort_int8_static_qdq"])
+def test_a_method_with_op_types_refuses_at_plan_time_what_the_graph_does_not_have(mlp, method):
+    m = registry.get("quantize", method)
+    refusal = m.refuses(registry.build_config(m, {"op_types": ["Conv"]}), mlp.onnx_path)
+    assert refusal is not None and f"quantize.method={method} cannot apply" in refusal and "2 MatMul" in refusal
+    assert m.refuses(registry.build_config(m, {"op_types": ["MatMul"]}), mlp.onnx_path) is None
+    assert m.refuses(registry.build_config(m, {}), mlp.onnx_path) is None  # no op_types: the graph's own
+
+
+def test_a_method_that_registers_no_refusal_refuses_nothing(mlp):
+    m = registry.get("quantize", "ort_fp16")
+    config = registry.build_config(m, {"execution_provider": "CPUExecutionProvider"})
+    assert m.refusal is None and m.refuses(config, mlp.onnx_path) is None

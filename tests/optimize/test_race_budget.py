@@ -10,7 +10,7 @@ import time
 import pytest
 
 from optimize.compile.race import budget as race_budget
-from optimize.compile.race import candidates
+from optimize.compile.race import candidates, cells
 from optimize.compile.race.entry import Entry
 from optimize.errors import RecipeError
 from tests.support.cli import run_optimize
@@ -77,7 +77,7 @@ def test_the_budget_sums_the_candidates_and_names_what_it_cut():
         "the winner is chosen from 1 of the 3 candidates asked for "
         "(cut by the build budget: ort_int8_dynamic, openvino_f32)"
     )
-    assert first.build_words() == "0 (over 0)"
+    assert cells.build_words(first) == "0 (over 0)"
     fixed = race_budget.Budget(candidates.EngineRaceConfig(time_budget_s=60), entries, _Sized(10))
     assert fixed.total_s == 60 and "time_budget_s" in fixed.describe()
 

@@ -13,5 +13,6 @@ rerun with another gate rebuilds nothing.
 
 candidates: what can be raced and the race's config; build and cache: the candidates built (or
 reused); scoring and lm: each candidate measured against the baseline (encoders; causal LMs);
-choice: the winner; budget: the build budget; report: the record and the plot; entry: one candidate.
+choice: the winner; budget: the build budget; report: the record and the plot; entry: one candidate;
+cells: what the report shows of each candidate.
 """

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from optimize.compile.race import cells
 from optimize.compile.race.candidates import Candidate
 
 
@@ -64,31 +65,5 @@ class Entry:
         }
 
     def columns(self) -> dict:
-        """What the report shows of this candidate: its build time, then the task's own figures."""
-        return {"build s": self.build_words(), **self.figures()}
-
-    def build_words(self) -> str:
-        if self.model is None:
-            return "-"
-        if self.cached:
-            return "cached"
-        return f"{self.build_s:.0f}" + (f" (over {self.budget_s:.0f})" if self.over_budget else "")
-
-    def figures(self) -> dict:
-        if self.metrics:
-            from optimize.compile.race import lm
-
-            return lm.columns(self)
-        cells = {
-            "cosine min": _fmt(self.fidelity.get("cosine_min")),
-            "cosine mean": _fmt(self.fidelity.get("cosine_mean")),
-        }
-        for batch, timing in self.latency.items():
-            cells[f"p50 ms b{batch} (x base)"] = f"{timing['p50_ms']:.2f} ({timing['x_baseline']:.2f}x)"
-        if self.cost is not None:
-            cells["workload ms (weighted p50)"] = f"{self.cost:.2f}"
-        return cells
-
-
-def _fmt(value, digits: int = 4) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
+        """What the report shows of this candidate (cells.columns)."""
+        return cells.columns(self)

@@ -18,6 +18,7 @@ import contextlib
 import logging
 from typing import Any
 
+from optimize.compile.race.cells import serving
 from optimize.compile.race.choice import pick
 
 log = logging.getLogger(__name__)
@@ -103,20 +104,6 @@ def _lm_eval(entries, runners, baseline, base, tokens, paragraphs, cfg, ctx) -> 
         entry.metrics.update(lm_eval=scores, lm_eval_drop_pts=lm_eval_drop(base["lm_eval"], scores))
 
 
-# How each LM engine serves concurrent requests on CPU (python -m serve; serve/README.md measures
-# both): OpenVINO GenAI's pipeline batches continuously, onnxruntime-genai's Engine only statically
-# (at most 4 sequences, new requests between batches), since its continuous path needs PagedAttention,
-# which its builder makes for CUDA and WebGPU only.
-SERVES_CONCURRENT = {
-    "openvino_genai": ("continuous batching", True),
-    "onnxruntime_genai": ("static batches of at most 4", False),
-}
-
-
-def serving(entry) -> tuple[str, bool]:
-    return SERVES_CONCURRENT.get(entry.spec.engine, ("one at a time", False))
-
-
 def concurrency_note(entries: list, winner, workload) -> str:
     """For a workload with concurrent requests: say when the winner, timed one request at a time, would
     serve them in static batches or one by one while a passing candidate batches continuously. The
@@ -159,36 +146,3 @@ def choose(entries: list, workload, baseline: dict, thresholds: dict):
         log.warning("race: %s %s", winner.name, note)
         winner.outcome += f"; {note}"
     return winner
-
-
-def columns(entry) -> dict:
-    """What the report shows of one candidate."""
-    m = entry.metrics
-    if not m:
-        return {}
-    generation = m.get("generation") or {}
-    return {
-        "perplexity (+%)": f"{m['perplexity']:.3f} ({m['perplexity_increase_pct']:+.1f}%)",
-        "lm-eval drop pts": f"{m['lm_eval_drop_pts']:.1f}" if "lm_eval_drop_pts" in m else "-",
-        "TTFT p50 ms": f"{generation['ttft_ms']['p50']:.1f}" if generation else "-",
-        "decode tok/s p50 (x base)": (
-            f"{generation['decode_tok_s']['p50']:.1f} ({m['decode_speedup']:.2f}x)" if generation else "-"
-        ),
-        "generation ms": f"{m['generation_ms']:.0f}" if "generation_ms" in m else "-",
-        "serves concurrent requests": serving(entry)[0],
-        **_shape_columns(m.get("requests") or {}),
-        **({"workload ms (weighted)": f"{entry.cost:.0f}"} if entry.cost is not None else {}),
-    }
-
-
-def _shape_columns(requests: dict) -> dict:
-    """TTFT, decode and request time at each shape, when the workload has several."""
-    if len(requests) < 2:
-        return {}
-    cells = {}
-    for shape, r in requests.items():
-        g = r["generation"]
-        cells[f"TTFT ms {shape}"] = f"{g['ttft_ms']['p50']:.1f}"
-        cells[f"decode tok/s {shape}"] = f"{g['decode_tok_s']['p50']:.1f} ({r['decode_speedup']:.2f}x)"
-        cells[f"request ms {shape}"] = f"{r['request_ms']:.0f}"
-    return cells

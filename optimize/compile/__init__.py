@@ -1,0 +1,1 @@
+"""Engine methods (engine.method=...): each builds the engine an artifact ships; race/ picks one."""

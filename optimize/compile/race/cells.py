@@ -1,0 +1,81 @@
+"""What the race's report shows of each candidate, for encoders and causal LMs alike: its cells (build
+time, then the task's own figures), and how each LM engine serves concurrent requests.
+
+The entries are read, never imported: entry, lm and choice all use these cells, so this module sits
+below them.
+"""
+
+from __future__ import annotations
+
+# How each LM engine serves concurrent requests on CPU (python -m serve; serve/README.md measures
+# both): OpenVINO GenAI's pipeline batches continuously, onnxruntime-genai's Engine only statically
+# (at most 4 sequences, new requests between batches), since its continuous path needs PagedAttention,
+# which its builder makes for CUDA and WebGPU only.
+SERVES_CONCURRENT = {
+    "openvino_genai": ("continuous batching", True),
+    "onnxruntime_genai": ("static batches of at most 4", False),
+}
+
+
+def serving(entry) -> tuple[str, bool]:
+    """How the entry's engine serves concurrent requests, and whether it batches continuously."""
+    return SERVES_CONCURRENT.get(entry.spec.engine, ("one at a time", False))
+
+
+def columns(entry) -> dict:
+    """What the report shows of one candidate: its build time, then the task's own figures."""
+    return {"build s": build_words(entry), **(lm_cells(entry) if entry.metrics else encoder_cells(entry))}
+
+
+def build_words(entry) -> str:
+    if entry.model is None:
+        return "-"
+    if entry.cached:
+        return "cached"
+    return f"{entry.build_s:.0f}" + (f" (over {entry.budget_s:.0f})" if entry.over_budget else "")
+
+
+def encoder_cells(entry) -> dict:
+    cells = {
+        "cosine min": _fmt(entry.fidelity.get("cosine_min")),
+        "cosine mean": _fmt(entry.fidelity.get("cosine_mean")),
+    }
+    for batch, timing in entry.latency.items():
+        cells[f"p50 ms b{batch} (x base)"] = f"{timing['p50_ms']:.2f} ({timing['x_baseline']:.2f}x)"
+    if entry.cost is not None:
+        cells["workload ms (weighted p50)"] = f"{entry.cost:.2f}"
+    return cells
+
+
+def lm_cells(entry) -> dict:
+    m = entry.metrics
+    generation = m.get("generation") or {}
+    return {
+        "perplexity (+%)": f"{m['perplexity']:.3f} ({m['perplexity_increase_pct']:+.1f}%)",
+        "lm-eval drop pts": f"{m['lm_eval_drop_pts']:.1f}" if "lm_eval_drop_pts" in m else "-",
+        "TTFT p50 ms": f"{generation['ttft_ms']['p50']:.1f}" if generation else "-",
+        "decode tok/s p50 (x base)": (
+            f"{generation['decode_tok_s']['p50']:.1f} ({m['decode_speedup']:.2f}x)" if generation else "-"
+        ),
+        "generation ms": f"{m['generation_ms']:.0f}" if "generation_ms" in m else "-",
+        "serves concurrent requests": serving(entry)[0],
+        **_shape_cells(m.get("requests") or {}),
+        **({"workload ms (weighted)": f"{entry.cost:.0f}"} if entry.cost is not None else {}),
+    }
+
+
+def _shape_cells(requests: dict) -> dict:
+    """TTFT, decode and request time at each shape, when the workload has several."""
+    if len(requests) < 2:
+        return {}
+    cells = {}
+    for shape, r in requests.items():
+        g = r["generation"]
+        cells[f"TTFT ms {shape}"] = f"{g['ttft_ms']['p50']:.1f}"
+        cells[f"decode tok/s {shape}"] = f"{g['decode_tok_s']['p50']:.1f} ({r['decode_speedup']:.2f}x)"
+        cells[f"request ms {shape}"] = f"{r['request_ms']:.0f}"
+    return cells
+
+
+def _fmt(value, digits: int = 4) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

@@ -1,0 +1,1 @@
+"""Prune methods (prune.method=...): sparsity and structured pruning of the PyTorch model."""

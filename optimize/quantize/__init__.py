@@ -1,0 +1,1 @@
+"""Quantize methods (quantize.method=...), on the ONNX graph or the PyTorch model, one or more per module."""
