@@ -95,14 +95,14 @@ async def load_in_background(state: ServeState) -> None:
 def start_serving(state: ServeState, model) -> None:
     cfg = state.config
     generates = not hasattr(model, "run_batch")  # a model that answers batches of items, or one that generates
-    if generates and model.batching:
+    if generates and model.batch_engine is not None:
         from serve.llm_batching import ContinuousBatchingService
 
         state.generator = ContinuousBatchingService(model, cfg.max_queue, state.metrics)
     elif generates:
-        from serve.llm import GenerationService
+        from serve.llm_service import GenerationService
 
-        state.generator = GenerationService(model, cfg.max_queue, state.metrics)
+        state.generator = GenerationService(model.generator, cfg.max_queue, state.metrics)
     else:
         from serve.batching import Batcher
 

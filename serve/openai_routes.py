@@ -121,16 +121,14 @@ async def chat_completions(request: Request):
 
 
 async def generate(request: Request, parse, chat: bool):
-    from serve.llm import StopMatcher
+    from serve.stops import StopMatcher
 
     state = state_of(request)
     parsed = parse(await read_json(request, state))
     check_model(state, parsed.model, "completions")
     state.require_ready()
     model = state.model
-    prompt_ids = model.prompt_ids(parsed)
-    budget = model.token_budget(len(prompt_ids), parsed.max_tokens)
-    sampling = model.sampling(parsed, budget)
+    prompt_ids, sampling = model.prepare(parsed)
     state.metrics.prompt_tokens.inc(len(prompt_ids))
     generation = state.generator.submit(prompt_ids, sampling)
     reply = Reply(state.name, chat, len(prompt_ids), generation, StopMatcher(parsed.stop), request.scope)

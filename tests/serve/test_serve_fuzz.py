@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from serve.errors import HTTPError
-from serve.llm import StopMatcher
+from serve.stops import StopMatcher
 from serve.protocol import (
     KSERVE_DTYPES,
     parse_chat_request,

@@ -12,7 +12,7 @@ from tests.support.serve import ROOT
 PROBE = """
 import json, sys
 import serve, serve.__main__, serve.app, serve.kserve_routes, serve.openai_routes, serve.batching
-import serve.encoder, serve.llm, serve.metrics, serve.openapi, serve.protocol, serve.body, serve.config
+import serve.encoder, serve.llm, serve.llm_service, serve.stops, serve.metrics, serve.openapi, serve.protocol, serve.body, serve.config
 import engines.genai_runner
 from pathlib import Path
 from serve.app import create_app, load_model_for
