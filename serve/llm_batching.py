@@ -13,9 +13,9 @@ static batches). This module only decides what enters the engine and carries tok
   with a 400 before it got here (GenerativeModel.check_fits).
 - An engine that batches statically (its format's row says batching="static") takes no request into a
   batch once it runs: the next batch is admitted when the engine holds none, sized by what it
-  allocates (every row as long as the batch's longest), after waiting a moment (at most the engine's `gather_s`) for as many
-  requests as the last batch had: clients that finished together come back a little apart, and
-  should share the next batch instead of waiting a whole generation for each other.
+  allocates (every row as long as the batch's longest), after waiting a moment (at most the engine's
+  `gather_s`) for as many requests as the last batch had: clients that finished together come back a
+  little apart, and should share the next batch instead of waiting a whole generation for each other.
 - Cancellation is immediate: a request whose client left, hit a stop string or timed out is cancelled
   in the engine before the next step, which frees its sequence and KV blocks there (a static batch
   keeps computing its row until the batch ends; the request is gone from the server's counts at once).
