@@ -211,7 +211,7 @@ class GenAIBatchEngine(GenAIRunner):
     """Many generations at once through onnxruntime-genai's own Engine: requests are added with
     add(), the caller drives step(), and each request's handle gives back the tokens of that step.
     The engine schedules; with a CPU model that means static batches (GENAI_STATIC_BATCH): the
-    service admits a new batch only when the engine holds none (`static_batches`).
+    service admits a new batch only when the engine holds none (its format row says batching="static").
 
     The KV cache of a static batch is one block of batch size x its longest session (prompt +
     max_tokens), so blocks here are single tokens: `num_blocks` tokens of KV fit in
