@@ -1,14 +1,15 @@
 """The engine table: every runtime registers its format here, once.
 
 `engines.load_engine`, the memory probe (engines/memprobe.py) and serve/ read this table; nothing
-else branches on a format string. A new runtime is one module with a loader plus one row here.
+else branches on a format string. A new runtime is one module with a loader plus one row here; a
+generating one implements engines/generation.py's Generator, and its row says how serve batches it.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Literal
 
 ONNXRUNTIME = "onnxruntime"
 ONNXRUNTIME_GENAI = "onnxruntime-genai"
@@ -19,6 +20,12 @@ OPENVINO_GENAI = "openvino-genai"
 TENSORRT_RTX = "tensorrt-rtx"
 TORCH_CUDA = "torch-cuda"
 COMPRESSED_TENSORS = "compressed-tensors"
+
+# Seeds an engine's Python binding takes (it raises on anything else: a 500 otherwise). ONNX Runtime
+# GenAI's random_seed is a signed 32-bit integer whose -1 means "seed from the clock", so negative seeds
+# are refused there; OpenVINO GenAI's rng_seed is an unsigned 64-bit integer.
+INT31_SEEDS = (0, 2**31 - 1)
+UINT64_SEEDS = (0, 2**64 - 1)
 
 
 @dataclass(frozen=True)
@@ -31,18 +38,43 @@ class EngineFormat:
     # What serve/ does with it: "encoder" (batched named arrays), "causal_lm" (generation), or None
     # (measured by the pipeline, never served: simulated numerics, or the PyTorch baseline).
     serves: str | None
+    # Generating formats (serves="causal_lm"): how serve runs several requests at once. "continuous":
+    # requests join and leave the running batch at every step; "static": a batch takes no request once
+    # it runs; "none": one generation at a time. batch_loader ("module:function", taking (root, engine
+    # block, engines.generation.BatchSettings, threads=, spinning=) and returning a BatchEngine) is
+    # required unless batching is "none".
+    batching: Literal["continuous", "static", "none"] = "none"
+    batch_loader: str | None = None
+    seed_range: tuple[int, int] = INT31_SEEDS  # the seeds a request may ask for
 
     def load(self, root, engine: dict, threads: int = 0, spinning: bool = True):
-        module, function = self.loader.split(":")
-        loader: Callable = getattr(importlib.import_module(module), function)
-        return loader(root, engine, threads=threads, spinning=spinning)
+        return _function(self.loader)(root, engine, threads=threads, spinning=spinning)
+
+    def load_batch_engine(self, root, engine: dict, settings, threads: int = 0, spinning: bool = True):
+        if self.batch_loader is None:
+            raise ValueError(f"engine format {self.name!r} has no batching engine")
+        return _function(self.batch_loader)(root, engine, settings, threads=threads, spinning=spinning)
+
+
+def _function(path: str) -> Callable:
+    module, function = path.split(":")
+    return getattr(importlib.import_module(module), function)
 
 
 FORMATS: dict[str, EngineFormat] = {
     f.name: f
     for f in (
         EngineFormat(ONNXRUNTIME, "engines.onnxruntime_runner:load_ort_runner", ("onnxruntime",), "encoder"),
-        EngineFormat(ONNXRUNTIME_GENAI, "engines.genai_runner:load_genai_runner", ("onnxruntime_genai",), "causal_lm"),
+        # On a CPU model (no PagedAttention) its Engine batches statically (engines/genai_runner.py says why).
+        EngineFormat(
+            ONNXRUNTIME_GENAI,
+            "engines.genai_runner:load_genai_runner",
+            ("onnxruntime_genai",),
+            "causal_lm",
+            batching="static",
+            batch_loader="engines.genai_runner:load_genai_batch_engine",
+            seed_range=INT31_SEEDS,
+        ),
         EngineFormat(PYTORCH, "engines.pytorch_runner:load_pytorch_runner", ("torch",), None),
         EngineFormat(MODELOPT_TORCH, "engines.modelopt_runner:load_modelopt_runner", ("torch",), None),
         EngineFormat(OPENVINO, "engines.openvino_runner:load_openvino_runner", ("openvino",), "encoder"),
@@ -51,6 +83,9 @@ FORMATS: dict[str, EngineFormat] = {
             "engines.openvino_genai_runner:load_ov_genai_runner",
             ("openvino", "openvino_genai"),
             "causal_lm",
+            batching="continuous",
+            batch_loader="engines.openvino_genai_batch:load_ov_genai_batch_engine",
+            seed_range=UINT64_SEEDS,
         ),
         # A plan built ahead of time for RTX-class GPUs; loading it refuses elsewhere, naming what is missing.
         EngineFormat(TENSORRT_RTX, "engines.tensorrt_rtx_runner:load_rtx_runner", ("tensorrt_rtx",), "encoder"),

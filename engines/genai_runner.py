@@ -15,39 +15,23 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
+from engines.generation import (
+    FALLBACK_CHAT_TEMPLATE,
+    BatchEngine,
+    BatchSettings,
+    Sampling,
+    ScoringGenerator,
+    StaticBatchEngine,
+    refuse_unhonoured,
+    token_logprobs,
+)
 from engines.hardware import usable_cores
 
-# Used when the model folder carries no chat template: plain role-tagged turns.
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-
-@dataclass
-class Sampling:
-    max_new_tokens: int
-    temperature: float = 0.0  # 0: greedy
-    top_p: float = 1.0
-    seed: int | None = None
+ENGINE = "onnxruntime-genai"
 
 
 def genai_dir(root: Path, engine: dict) -> Path:
     return root / engine.get("dir", ".")
-
-
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log softmax in float64 (float32 loses digits in perplexity over long texts)."""
-    x = logits.astype(np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
-
-
-def token_logprobs(logits: np.ndarray, ids) -> np.ndarray:
-    """log p(ids[i] | ids[:i]) for i >= 1, read from logits[i-1] (logits shaped [T, vocab])."""
-    ids = np.asarray(ids, dtype=np.int64)
-    logp = log_softmax(logits[: len(ids) - 1])
-    return logp[np.arange(len(ids) - 1), ids[1:]]
 
 
 class GenAIRunner:
@@ -81,20 +65,22 @@ class GenAIRunner:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def chat_prompt(self, messages: list[dict]) -> str:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The model's own chat template when it has one, a plain role-tagged one otherwise."""
         payload = json.dumps(messages)
+        extra = {"tools": json.dumps(tools)} if tools else {}
         try:
-            return self.tokenizer.apply_chat_template(payload, add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(payload, add_generation_prompt=True, **extra)
         except Exception:  # no template in the folder (GenAI raises a generic error)
             return self.tokenizer.apply_chat_template(
-                payload, template_str=FALLBACK_CHAT_TEMPLATE, add_generation_prompt=True
+                payload, template_str=FALLBACK_CHAT_TEMPLATE, add_generation_prompt=True, **extra
             )
 
     def generate(
         self, prompt_ids: list[int], sampling: Sampling, cancelled: Callable[[], bool] = lambda: False
     ) -> Iterator[tuple[int, str]]:
         """Yield (token id, text piece) until EOS, max_new_tokens, the context end, or cancellation."""
+        refuse_unhonoured(sampling, ENGINE)
         params = self.og.GeneratorParams(self.model)
         params.set_search_options(**self.search_options(len(prompt_ids), sampling))
         generator = self.og.Generator(self.model, params)
@@ -225,17 +211,15 @@ class GenAIBatchEngine(GenAIRunner):
     """Many generations at once through onnxruntime-genai's own Engine: requests are added with
     add(), the caller drives step(), and each request's handle gives back the tokens of that step.
     The engine schedules; with a CPU model that means static batches (GENAI_STATIC_BATCH): the
-    service admits a new batch only when the engine holds none (`static_batches`).
+    service admits a new batch only when the engine holds none (its format row says batching="static").
 
     The KV cache of a static batch is one block of batch size x its longest session (prompt +
     max_tokens), so blocks here are single tokens: `num_blocks` tokens of KV fit in
     settings.kv_cache_bytes, and a batch of n requests holds n x its longest."""
 
-    static_batches = True
     gather_s = GENAI_BATCH_GATHER_S
 
-    def __init__(self, model_dir: str | Path, settings, threads: int = 0):
-        # settings: engines.openvino_genai_batch.BatchSettings (not imported: that module imports this one)
+    def __init__(self, model_dir: str | Path, settings: BatchSettings, threads: int = 0):
         from dataclasses import replace
 
         super().__init__(model_dir, threads=threads)
@@ -267,6 +251,21 @@ class GenAIBatchEngine(GenAIRunner):
     def blocks_for(self, tokens: int) -> int:
         return tokens
 
+    def describe(self) -> str:
+        """The startup line: what it batches, and each setting it cannot honour."""
+        asked, honoured = self.asked.max_num_seqs, self.settings.max_num_seqs
+        clamp = f" (--max-num-seqs {asked} asked: its static batches hold {honoured})" if asked > honoured else ""
+        return (
+            f"static batching in ONNX Runtime GenAI's Engine, not continuous: up to {honoured} sequences "
+            f"start together{clamp} and the next batch starts when the longest has ended, so a request that arrives "
+            f"meanwhile waits and a cancelled sequence is computed until its batch ends; KV cache "
+            f"{self.kv_cache_bytes / 2**20:.1f} MiB ({self.num_blocks} tokens; a batch takes its size x its longest "
+            f"prompt + max_tokens); --max-batched-tokens not applied (a batch's prompts are prefilled whole); prefix "
+            f"caching off; a seeded sampled request runs alone (the static Engine takes no seed per request). ONNX "
+            f"Runtime GenAI batches continuously (paged KV cache, prefix caching) only with a "
+            f"PagedAttention model, which its builder makes for CUDA and WebGPU, not for CPU"
+        )
+
     def text_stream(self):
         """A streaming detokenizer for one request (decode(token) -> the text it completes). Decoding
         the whole id list instead would lose the text after an invalid byte: og's Tokenizer.decode
@@ -286,6 +285,7 @@ class GenAIBatchEngine(GenAIRunner):
     def add(self, request_id: int, prompt_ids: list[int], sampling: Sampling) -> GenAIRequestHandle:
         """Queue a generation in the engine; returns its handle. request_id is the service's (the
         engine names requests by their object)."""
+        refuse_unhonoured(sampling, ENGINE)
         session = min(self.context_length, len(prompt_ids) + sampling.max_new_tokens)
         if self.runs_alone(sampling):
             handle = GenAIRequestHandle(None, 0, session, [])
@@ -386,7 +386,16 @@ class GenAIBatchEngine(GenAIRunner):
         return new, handle.finished
 
 
-def load_genai_batch_engine(root: Path, engine: dict, settings, threads: int = 0) -> GenAIBatchEngine:
+def load_genai_batch_engine(
+    root: Path, engine: dict, settings: BatchSettings, threads: int = 0, spinning: bool = True
+) -> GenAIBatchEngine:
     """The batching engine of an {"format": "onnxruntime-genai", ...} artifact (what serve runs when it
-    takes several requests at once); settings: engines.openvino_genai_batch.BatchSettings."""
+    takes several requests at once). `spinning` is taken for the loader signature; the GenAI decoder's
+    threads do not spin."""
     return GenAIBatchEngine(genai_dir(Path(root), engine), settings, threads=threads)
+
+
+# mypy checks that both classes implement the generation interface (engines/generation.py).
+_generator: type[ScoringGenerator] = GenAIRunner
+_batch_engine: type[BatchEngine] = GenAIBatchEngine
+_static_batch_engine: type[StaticBatchEngine] = GenAIBatchEngine

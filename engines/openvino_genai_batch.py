@@ -5,10 +5,9 @@ both share (tokenizer, chat template, generation settings, CPU properties): engi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-from engines.genai_runner import Sampling
+from engines.generation import BatchEngine, BatchSettings, Sampling
 from engines.openvino_genai_runner import OVGenAIText, engine_settings, runner_properties
 from engines.openvino_runner import PRECISIONS
 
@@ -27,16 +26,6 @@ def kv_bytes_per_token(config: dict, kv_precision: str) -> int:
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
     per_head = head_dim * KV_ELEMENT_BYTES[kv_precision] + (8 if kv_precision == "u8" else 0)
     return layers * 2 * kv_heads * per_head
-
-
-@dataclass
-class BatchSettings:
-    """The continuous-batching scheduler's limits (serve's --max-num-seqs, --kv-cache-gb, ...)."""
-
-    max_num_seqs: int = 16
-    kv_cache_bytes: int = 1 << 30
-    max_batched_tokens: int = 512
-    prefix_caching: bool = True
 
 
 class OVGenAIBatchEngine(OVGenAIText):
@@ -84,6 +73,15 @@ class OVGenAIBatchEngine(OVGenAIText):
     def default_config(self):
         return self.pipe.get_config()
 
+    def describe(self) -> str:
+        """The startup line: the scheduler's limits."""
+        s = self.settings
+        return (
+            f"continuous batching in OpenVINO GenAI's scheduler: up to {s.max_num_seqs} sequences, "
+            f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.num_blocks} blocks of {self.block_tokens} tokens), "
+            f"{s.max_batched_tokens} tokens per step, prefix caching {'on' if s.prefix_caching else 'off'}"
+        )
+
     def blocks_for(self, tokens: int) -> int:
         """KV blocks a sequence of `tokens` tokens holds at its longest (one more for the token being
         written)."""
@@ -120,3 +118,7 @@ def load_ov_genai_batch_engine(
     when it takes several requests at once)."""
     folder, precisions = engine_settings(root, engine)
     return OVGenAIBatchEngine(folder, settings, threads=threads, spinning=spinning, **precisions)
+
+
+# mypy checks that the engine implements the generation interface (engines/generation.py).
+_batch_engine: type[BatchEngine] = OVGenAIBatchEngine

@@ -1,5 +1,5 @@
-"""OpenVINO GenAI runner for causal LMs: the same surface as engines.genai_runner.GenAIRunner, so the
-causal-LM evaluation (optimize/tasks) and serve/ use either unchanged.
+"""OpenVINO GenAI runner for causal LMs: a ScoringGenerator (engines/generation.py), as
+engines.genai_runner.GenAIRunner is, so the causal-LM evaluation (optimize/tasks) and serve/ use either unchanged.
 
 A causal-LM artifact's engine block reads {"format": "openvino-genai", "dir": SUBDIR,
 "inference_precision": "f32" | "bf16", "kv_cache_precision": ..., "task": "causal_lm"}; SUBDIR holds
@@ -26,9 +26,10 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from engines.genai_runner import FALLBACK_CHAT_TEMPLATE, Sampling, token_logprobs
+from engines.generation import FALLBACK_CHAT_TEMPLATE, Sampling, ScoringGenerator, refuse_unhonoured, token_logprobs
 from engines.openvino_runner import PRECISIONS, compile_properties, require_cpu_features
 
+ENGINE = "openvino-genai"
 IR_FILE = "openvino_model.xml"
 KV_CACHE_PRECISIONS = ("f32", "bf16", "u8")
 _DONE = object()
@@ -102,21 +103,24 @@ class OVGenAIText(abc.ABC):
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode([int(t) for t in ids])
 
-    def chat_prompt(self, messages: list[dict]) -> str:
+    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         """The model's own chat template when it has one, a plain role-tagged one otherwise."""
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+        extra = {"tools": tools} if tools else {}
         try:
             if self.tokenizer.chat_template:
-                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
         except Exception:  # a template the tokenizer cannot render: use the fallback
             pass
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, chat_template=FALLBACK_CHAT_TEMPLATE
+            messages, add_generation_prompt=True, chat_template=FALLBACK_CHAT_TEMPLATE, **extra
         )
 
     # ------------------------------------------------------------ generation
 
     def generation_config(self, prompt_length: int, sampling: Sampling):
+        """The GenerationConfig of a request; a Sampling field it cannot carry is refused, not dropped."""
+        refuse_unhonoured(sampling, ENGINE)
         config = self.default_config()
         config.max_new_tokens = max(1, min(sampling.max_new_tokens, self.context_length - prompt_length))
         config.stop_token_ids = set(self.eos_token_ids)
@@ -288,3 +292,7 @@ def load_ov_genai_runner(root: Path, engine: dict, threads: int = 0, spinning: b
     """The Runner of an artifact's {"format": "openvino-genai", ...} engine block."""
     folder, precisions = engine_settings(root, engine)
     return OVGenAIRunner(folder, threads=threads, spinning=spinning, **precisions)
+
+
+# mypy checks that the runner implements the generation interface (engines/generation.py).
+_generator: type[ScoringGenerator] = OVGenAIRunner

@@ -208,7 +208,7 @@ class TorchLM:
         return out.logits[0].float().numpy()
 
     def log_likelihood(self, ids, start: int = 1) -> np.ndarray:
-        from engines.genai_runner import token_logprobs
+        from engines.generation import token_logprobs
 
         return token_logprobs(self.logits(ids), ids)[start - 1 :]
 

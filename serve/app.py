@@ -23,12 +23,12 @@ from typing import Any, Callable
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse
 from starlette.routing import Match, Route
 
 from serve.config import ServeConfig
 from serve.errors import HTTPError, too_large
-from serve.state import STREAM_FAILED, ServedModel, ServeState, default_model_name, state_of  # noqa: F401 (re-exported)
+from serve.state import STREAM_FAILED, ServedModel, ServeState, default_model_name  # noqa: F401 (re-exported)
 
 log = logging.getLogger("serve")
 access_log = logging.getLogger("serve.access")  # one line per request, at debug level (--log-level debug)
@@ -95,14 +95,14 @@ async def load_in_background(state: ServeState) -> None:
 def start_serving(state: ServeState, model) -> None:
     cfg = state.config
     generates = not hasattr(model, "run_batch")  # a model that answers batches of items, or one that generates
-    if generates and model.batching:
+    if generates and model.batch_engine is not None:
         from serve.llm_batching import ContinuousBatchingService
 
         state.generator = ContinuousBatchingService(model, cfg.max_queue, state.metrics)
     elif generates:
-        from serve.llm import GenerationService
+        from serve.llm_service import GenerationService
 
-        state.generator = GenerationService(model, cfg.max_queue, state.metrics)
+        state.generator = GenerationService(model.generator, cfg.max_queue, state.metrics)
     else:
         from serve.batching import Batcher
 
@@ -138,11 +138,10 @@ async def drain(state: ServeState) -> None:
 
 
 def error_response(path: str, error: HTTPError) -> JSONResponse:
-    """KServe clients read {"error": "..."}; OpenAI clients read {"error": {message, type, ...}}."""
-    if path.startswith("/v2"):
-        body: dict[str, Any] = {"error": error.message}
-    else:
-        body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.status}}
+    """The body the protocol that owns `path` answers with (serve/spec.py)."""
+    from serve.spec import error_body_for, protocols
+
+    body = error_body_for(path, protocols())(error)
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
 
@@ -314,20 +313,6 @@ class Gatekeeper:
         return "unmatched"
 
 
-# --- small shared routes -------------------------------------------------------------------------
-
-
-async def metrics_route(request: Request) -> Response:
-    body, content_type = state_of(request).metrics.render()
-    return Response(body, media_type=content_type)
-
-
-async def openapi_route(request: Request) -> JSONResponse:
-    from serve.openapi import openapi_document
-
-    return JSONResponse(openapi_document(state_of(request)))
-
-
 # --- the app -------------------------------------------------------------------------------------
 
 
@@ -338,19 +323,13 @@ def create_app(
     load_model: Callable = load_model_for,
 ) -> Starlette:
     from engines.artifact import read_manifest
-    from serve import kserve_routes, openai_routes, predict_routes
+    from serve.spec import protocols
 
     root = Path(root)
     manifest = manifest if manifest is not None else read_manifest(root)
     handler = handler_for(manifest.get("engine") or {})
     state = ServeState(root, manifest, config or ServeConfig(), load_model, handler)
-    routes = [
-        *kserve_routes.routes(),
-        *openai_routes.routes(),
-        *predict_routes.routes(),
-        Route("/metrics", metrics_route),
-        Route("/openapi.json", openapi_route),
-    ]
+    routes = [route for spec in protocols() for route in spec.routes()]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

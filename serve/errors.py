@@ -1,8 +1,9 @@
 """Errors that become HTTP responses.
 
 Every refusal the server makes is one of these: a status code, a message a person can act on, and
-an error type. The app turns it into the JSON body the caller's protocol expects (OpenAI-style
-`{"error": {...}}` under /v1, KServe-style `{"error": "..."}` under /v2).
+an error type. The app turns it into the JSON body the caller's protocol expects (each protocol's
+`error_body`, serve/spec.py: KServe-style `{"error": "..."}` under /v2, OpenAI-style
+`{"error": {...}}` everywhere else).
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ class HTTPError(Exception):
         self.kind = kind
         self.headers = headers or {}
         self.param = param
+
+
+def openai_error_body(error: HTTPError) -> dict:
+    """OpenAI clients read {"error": {message, type, param, code}}; the body of every path no
+    protocol claims by prefix."""
+    return {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": error.status}}
 
 
 def bad_request(message: str, param: str | None = None) -> HTTPError:

@@ -16,9 +16,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve.body import arriving, read_body
-from serve.errors import not_found, too_large_batch, unprocessable
+from serve.errors import HTTPError, not_found, too_large_batch, unprocessable
 from serve.jsonbody import FastJSONResponse, array
+from serve.openapi import INFER_ERRORS, errors, json_body, path_param, ref
 from serve.protocol import NUMPY_TO_KSERVE, parse_infer_request
+from serve.spec import ProtocolSpec
 from serve.state import state_of
 
 MODEL = "/v2/models/{name}"
@@ -207,3 +209,66 @@ def infer_response(state, parsed, wanted: list[tuple[str, bool]], outputs: dict[
         media_type="application/octet-stream",
         headers={"Inference-Header-Content-Length": str(len(head))},
     )
+
+
+# --- the protocol: routes, OpenAPI paths, error body ----------------------------------------------
+
+
+def kserve_error_body(error: HTTPError) -> dict:
+    """KServe clients read {"error": "..."}."""
+    return {"error": error.message}
+
+
+def kserve_paths(state) -> dict:
+    name = [path_param("name", state.name)]
+    versioned = name + [path_param("version", state.version)]
+
+    def get(summary, params, ok, *codes):
+        return {
+            "get": {
+                "tags": ["kserve"],
+                "summary": summary,
+                "parameters": params,
+                "responses": {"200": ok, **errors("KServeError", *codes)},
+            }
+        }
+
+    def health(summary):
+        return {
+            "get": {
+                "tags": ["kserve"],
+                "summary": summary,
+                "responses": {"200": {"description": "yes"}, "503": {"description": "not yet"}},
+            }
+        }
+
+    metadata = {"description": "model metadata", **json_body(ref("ModelMetadata"))}
+    ready = {"description": "ready"}
+    config = {"description": "Triton model configuration", **json_body({"type": "object"})}
+    paths = {
+        "/v2": get("server metadata", [], {"description": "server metadata", **json_body(ref("ServerMetadata"))}),
+        "/v2/health/live": health("the process is up"),
+        "/v2/health/ready": health("the model is loaded (503 until then)"),
+    }
+    for prefix, params in (("/v2/models/{name}", name), ("/v2/models/{name}/versions/{version}", versioned)):
+        paths[prefix] = get("model metadata", params, metadata, 404, 405)
+        paths[prefix + "/ready"] = get("model readiness", params, ready, 404, 405, 503)
+        paths[prefix]["get"]["responses"]["404"]["description"] = "unknown model or version"
+        paths[prefix + "/ready"]["get"]["responses"]["503"] = {"description": "not ready"}
+        paths[prefix + "/config"] = get("Triton model configuration", params, config, 404, 405)
+        paths[prefix + "/infer"] = {
+            "post": {
+                "tags": ["kserve"],
+                "summary": "inference on JSON tensors (binary tensor extension accepted too)",
+                "parameters": params,
+                "requestBody": {"required": True, **json_body(ref("InferRequest"))},
+                "responses": {
+                    "200": {"description": "output tensors", **json_body(ref("InferResponse"))},
+                    **errors("KServeError", *INFER_ERRORS),
+                },
+            }
+        }
+    return paths
+
+
+SPEC = ProtocolSpec("kserve", routes, kserve_paths, kserve_error_body, prefixes=("/v2",))

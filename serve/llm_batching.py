@@ -11,11 +11,11 @@ static batches). This module only decides what enters the engine and carries tok
   a stream already going keeps its blocks to the end. Requests that do not fit yet wait here, in
   arrival order, up to --max-queue of them (429 past that); one that could never fit was refused
   with a 400 before it got here (GenerativeModel.check_fits).
-- An engine that batches statically (`static_batches`) takes no request into a batch once it runs: the
-  next batch is admitted when the engine holds none, sized by what it allocates (every row as long as
-  the batch's longest), after waiting a moment (at most the engine's `gather_s`) for as many
-  requests as the last batch had: clients that finished together come back a little apart, and
-  should share the next batch instead of waiting a whole generation for each other.
+- An engine that batches statically (its format's row says batching="static") takes no request into a
+  batch once it runs: the next batch is admitted when the engine holds none, sized by what it
+  allocates (every row as long as the batch's longest), after waiting a moment (at most the engine's
+  `gather_s`) for as many requests as the last batch had: clients that finished together come back a
+  little apart, and should share the next batch instead of waiting a whole generation for each other.
 - Cancellation is immediate: a request whose client left, hit a stop string or timed out is cancelled
   in the engine before the next step, which frees its sequence and KV blocks there (a static batch
   keeps computing its row until the batch ends; the request is gone from the server's counts at once).
@@ -32,9 +32,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 from serve.errors import busy, unavailable
-from serve.llm import Generation, observe_end, observe_token
+from serve.llm_service import Generation, observe_end, observe_token
+
+if TYPE_CHECKING:
+    from engines.generation import BatchEngine, Sampling, StaticBatchEngine
+    from serve.llm import GenerativeModel
 
 log = logging.getLogger("serve")
 
@@ -45,16 +50,16 @@ class Sequence:
 
     generation: Generation
     prompt_ids: list[int]
-    sampling: object  # engines.genai_runner.Sampling
+    sampling: Sampling
     blocks: int  # KV blocks reserved for it at its longest
-    post: object  # posts an event to the request's queue from this thread
-    handle: object = None  # the engine's GenerationHandle once admitted
+    post: Any  # posts an event to the request's queue from this thread
+    handle: Any = None  # the engine's handle (engines.generation.BatchHandle) once admitted
     ids: list[int] | None = None
     emitted: str = ""
     text_stream: object = None  # the engine's streaming detokenizer, where it has one
 
     def push(self, *event) -> None:
-        self.post(self.generation.events.put_nowait, event)  # type: ignore[operator]
+        self.post(self.generation.events.put_nowait, event)
 
 
 class PrefixCacheCounter:
@@ -86,8 +91,10 @@ class PrefixCacheCounter:
 class ContinuousBatchingService:
     """The GenerationService interface (submit, stop) over an engine that batches continuously."""
 
-    def __init__(self, model, max_queue: int, metrics=None):
-        self.model, self.engine = model, model.runner
+    def __init__(self, model: GenerativeModel, max_queue: int, metrics=None):
+        assert model.batch_engine is not None
+        self.model = model
+        self.engine: BatchEngine = model.batch_engine
         self.max_queue = max_queue
         self.metrics = metrics
         self.waiting: collections.deque[Sequence] = collections.deque()
@@ -98,7 +105,10 @@ class ContinuousBatchingService:
         self.wakeup = threading.Condition()
         self.closing = False
         self.cancelled = False  # a sequence was cancelled since the last step
-        self.static = bool(getattr(self.engine, "static_batches", False))
+        # The row's word that this engine batches statically is what makes it a StaticBatchEngine.
+        self.static: StaticBatchEngine | None = (
+            cast("StaticBatchEngine", self.engine) if model.batching == "static" else None
+        )
         self.last_batch = 0  # requests the last static batch started with
         self.prefixes = (
             PrefixCacheCounter(self.engine.block_tokens, self.engine.num_blocks)
@@ -114,7 +124,7 @@ class ContinuousBatchingService:
 
     # --- on the event loop -------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], sampling) -> Generation:
+    def submit(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
         if self.closing:
             raise unavailable("the model is not accepting requests")
         loop = asyncio.get_running_loop()
@@ -185,12 +195,13 @@ class ContinuousBatchingService:
         taken = len(self.running) + len(self.starting)
         if taken >= self.engine.settings.max_num_seqs:
             return False
-        if self.static:  # only into the batch being formed, while the engine holds none
-            if self.starting and any(self.engine.runs_alone(s.sampling) for s in (*self.starting, sequence)):
+        static = self.static
+        if static is not None:  # only into the batch being formed, while the engine holds none
+            if self.starting and any(static.runs_alone(s.sampling) for s in (*self.starting, sequence)):
                 return False
             blocks = [s.blocks for s in self.starting] + [sequence.blocks]
-            idle = not self.running and not self.engine.in_flight
-            return idle and self.engine.batch_blocks(blocks) <= self.engine.num_blocks
+            idle = not self.running and not static.in_flight
+            return idle and static.batch_blocks(blocks) <= static.num_blocks
         return self.reserved + sequence.blocks <= self.engine.num_blocks
 
     def gather(self) -> None:
@@ -198,10 +209,12 @@ class ContinuousBatchingService:
         requests as the last one had (a full batch the first time): one client alone is not kept
         waiting, clients that come back together share a batch (called with the lock held; submit()
         notifies)."""
-        deadline = time.perf_counter() + self.engine.gather_s
-        full = self.engine.settings.max_num_seqs
+        static = self.static
+        assert static is not None
+        deadline = time.perf_counter() + static.gather_s
+        full = static.settings.max_num_seqs
         target = min(self.last_batch or full, full)
-        alone = self.engine.runs_alone(self.starting[0].sampling)
+        alone = static.runs_alone(self.starting[0].sampling)
         while not alone and len(self.starting) < target:
             left = deadline - time.perf_counter()
             if left <= 0:
@@ -236,7 +249,7 @@ class ContinuousBatchingService:
             sequence.push("error", exc)
             return self.release(sequence, None)
         sequence.ids = []
-        if hasattr(self.engine, "text_stream"):
+        if hasattr(self.engine, "text_stream"):  # optional: a streaming detokenizer per request
             sequence.text_stream = self.engine.text_stream()
         self.running[request_id] = sequence
         if self.metrics:
@@ -249,7 +262,7 @@ class ContinuousBatchingService:
         """Cancel in the engine every request nobody waits for any more; the next step frees its blocks."""
         for request_id, sequence in list(self.running.items()):
             if sequence.generation.cancel.is_set():
-                sequence.handle.cancel()  # type: ignore[attr-defined]
+                sequence.handle.cancel()
                 self.cancelled = True
                 self.finish(request_id, "cancelled")
 
@@ -266,7 +279,7 @@ class ContinuousBatchingService:
                 self.emit(sequence, token)
             if done:
                 observe_end(self.metrics, sequence.generation)
-                length = sequence.generation.tokens >= sequence.sampling.max_new_tokens  # type: ignore[attr-defined]
+                length = sequence.generation.tokens >= sequence.sampling.max_new_tokens
                 self.finish(request_id, "length" if length else "stop")
 
     def emit(self, sequence: Sequence, token: int) -> None:
@@ -296,7 +309,7 @@ class ContinuousBatchingService:
 
     def fail_running(self, exc: Exception) -> None:
         for request_id, sequence in list(self.running.items()):
-            sequence.handle.cancel()  # type: ignore[attr-defined]
+            sequence.handle.cancel()
             sequence.push("error", exc)
             self.finish(request_id, None)
 

@@ -20,9 +20,11 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from serve.body import arriving, read_body
-from serve.errors import HTTPError, bad_request, timed_out
+from serve.errors import HTTPError, bad_request, openai_error_body, timed_out
 from serve.jsonbody import FastJSONResponse, array
+from serve.openapi import OPENAI_ERRORS, SCHEMAS, errors, json_body, path_param, ref
 from serve.protocol import json_object, parse_chat_request, parse_completion_request, parse_embeddings_request
+from serve.spec import ProtocolSpec
 from serve.state import STREAM_FAILED, state_of
 
 
@@ -121,16 +123,14 @@ async def chat_completions(request: Request):
 
 
 async def generate(request: Request, parse, chat: bool):
-    from serve.llm import StopMatcher
+    from serve.stops import StopMatcher
 
     state = state_of(request)
     parsed = parse(await read_json(request, state))
     check_model(state, parsed.model, "completions")
     state.require_ready()
     model = state.model
-    prompt_ids = model.prompt_ids(parsed)
-    budget = model.token_budget(len(prompt_ids), parsed.max_tokens)
-    sampling = model.sampling(parsed, budget)
+    prompt_ids, sampling = model.prepare(parsed)
     state.metrics.prompt_tokens.inc(len(prompt_ids))
     generation = state.generator.submit(prompt_ids, sampling)
     reply = Reply(state.name, chat, len(prompt_ids), generation, StopMatcher(parsed.stop), request.scope)
@@ -244,3 +244,71 @@ class Reply:
     @staticmethod
     def sse(payload: dict) -> str:
         return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+# --- the protocol: routes, OpenAPI paths, error body ----------------------------------------------
+
+
+def openai_paths(state) -> dict:
+    def post(summary, schema, ok):
+        return {
+            "post": {
+                "tags": ["openai"],
+                "summary": summary,
+                "requestBody": {"required": True, **json_body(schema)},
+                "responses": {"200": ok, **errors("OpenAIError", *OPENAI_ERRORS)},
+            }
+        }
+
+    def streamable(schema):
+        return {
+            "description": "the completion, or server-sent events with stream: true",
+            "content": {
+                "application/json": {"schema": ref(schema)},
+                "text/event-stream": {"schema": {"type": "string"}},
+            },
+        }
+
+    def with_model(schema):
+        return {
+            **SCHEMAS[schema],
+            "properties": {
+                **SCHEMAS[schema]["properties"],
+                "model": {"type": "string", "example": state.name},
+            },
+        }
+
+    return {
+        "/v1/models": {
+            "get": {
+                "tags": ["openai"],
+                "summary": "the served model",
+                "responses": {"200": {"description": "models", **json_body(ref("ModelList"))}},
+            }
+        },
+        "/v1/models/{model}": {
+            "get": {
+                "tags": ["openai"],
+                "summary": "one model",
+                "parameters": [path_param("model", state.name)],
+                "responses": {
+                    "200": {"description": "model", **json_body(ref("Model"))},
+                    **errors("OpenAIError", 404, 405),
+                },
+            }
+        },
+        "/v1/embeddings": post(
+            "embeddings (encoders)",
+            with_model("EmbeddingsRequest"),
+            {"description": "embeddings", **json_body(ref("EmbeddingsResponse"))},
+        ),
+        "/v1/completions": post(
+            "text completion (causal LMs)", with_model("CompletionRequest"), streamable("CompletionResponse")
+        ),
+        "/v1/chat/completions": post(
+            "chat completion (causal LMs)", with_model("ChatRequest"), streamable("ChatResponse")
+        ),
+    }
+
+
+SPEC = ProtocolSpec("openai", routes, openai_paths, openai_error_body, prefixes=("/v1",))

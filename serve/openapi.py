@@ -3,11 +3,16 @@
 It describes what this server accepts and returns, status codes included, so that a
 schema-driven tester (schemathesis, tests/serve/test_serve_schema.py) can generate requests from it and
 check every response against it. Model names appear as examples; other names answer 404.
+
+Each protocol writes its own paths (its SPEC, serve/spec.py); this module assembles them and holds
+what they share: the helpers below and the component schemas they refer to.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from serve.spec import protocols
 
 
 def ref(name: str) -> dict:
@@ -57,7 +62,7 @@ def openapi_document(state) -> dict:
             "version": "1",
             "description": "KServe v2 / Triton HTTP and OpenAI-compatible endpoints for one gated artifact.",
         },
-        "paths": {**kserve_paths(state), **openai_paths(state), **misc_paths()},
+        "paths": {path: item for spec in protocols() for path, item in spec.paths(state).items()},
         "components": {"schemas": SCHEMAS},
     }
     if state.config.api_key:
@@ -71,125 +76,6 @@ def openapi_document(state) -> dict:
 
 def error_kind_of(operation: dict) -> str:
     return "KServeError" if "kserve" in operation.get("tags", []) else "OpenAIError"
-
-
-def kserve_paths(state) -> dict:
-    name = [path_param("name", state.name)]
-    versioned = name + [path_param("version", state.version)]
-    get = lambda summary, params, ok, *codes: {
-        "get": {
-            "tags": ["kserve"],
-            "summary": summary,
-            "parameters": params,
-            "responses": {"200": ok, **errors("KServeError", *codes)},
-        }
-    }
-    health = lambda summary: {
-        "get": {
-            "tags": ["kserve"],
-            "summary": summary,
-            "responses": {"200": {"description": "yes"}, "503": {"description": "not yet"}},
-        }
-    }
-    metadata = {"description": "model metadata", **json_body(ref("ModelMetadata"))}
-    ready = {"description": "ready"}
-    config = {"description": "Triton model configuration", **json_body({"type": "object"})}
-    paths = {
-        "/v2": get("server metadata", [], {"description": "server metadata", **json_body(ref("ServerMetadata"))}),
-        "/v2/health/live": health("the process is up"),
-        "/v2/health/ready": health("the model is loaded (503 until then)"),
-    }
-    for prefix, params in (("/v2/models/{name}", name), ("/v2/models/{name}/versions/{version}", versioned)):
-        paths[prefix] = get("model metadata", params, metadata, 404, 405)
-        paths[prefix + "/ready"] = get("model readiness", params, ready, 404, 405, 503)
-        paths[prefix]["get"]["responses"]["404"]["description"] = "unknown model or version"
-        paths[prefix + "/ready"]["get"]["responses"]["503"] = {"description": "not ready"}
-        paths[prefix + "/config"] = get("Triton model configuration", params, config, 404, 405)
-        paths[prefix + "/infer"] = {
-            "post": {
-                "tags": ["kserve"],
-                "summary": "inference on JSON tensors (binary tensor extension accepted too)",
-                "parameters": params,
-                "requestBody": {"required": True, **json_body(ref("InferRequest"))},
-                "responses": {
-                    "200": {"description": "output tensors", **json_body(ref("InferResponse"))},
-                    **errors("KServeError", *INFER_ERRORS),
-                },
-            }
-        }
-    return paths
-
-
-def openai_paths(state) -> dict:
-    post = lambda summary, schema, ok: {
-        "post": {
-            "tags": ["openai"],
-            "summary": summary,
-            "requestBody": {"required": True, **json_body(schema)},
-            "responses": {"200": ok, **errors("OpenAIError", *OPENAI_ERRORS)},
-        }
-    }
-    streamable = lambda schema: {
-        "description": "the completion, or server-sent events with stream: true",
-        "content": {"application/json": {"schema": ref(schema)}, "text/event-stream": {"schema": {"type": "string"}}},
-    }
-    with_model = lambda schema: {
-        **SCHEMAS[schema],
-        "properties": {
-            **SCHEMAS[schema]["properties"],
-            "model": {"type": "string", "example": state.name},
-        },
-    }
-    return {
-        "/v1/models": {
-            "get": {
-                "tags": ["openai"],
-                "summary": "the served model",
-                "responses": {"200": {"description": "models", **json_body(ref("ModelList"))}},
-            }
-        },
-        "/v1/models/{model}": {
-            "get": {
-                "tags": ["openai"],
-                "summary": "one model",
-                "parameters": [path_param("model", state.name)],
-                "responses": {
-                    "200": {"description": "model", **json_body(ref("Model"))},
-                    **errors("OpenAIError", 404, 405),
-                },
-            }
-        },
-        "/v1/embeddings": post(
-            "embeddings (encoders)",
-            with_model("EmbeddingsRequest"),
-            {"description": "embeddings", **json_body(ref("EmbeddingsResponse"))},
-        ),
-        "/v1/completions": post(
-            "text completion (causal LMs)", with_model("CompletionRequest"), streamable("CompletionResponse")
-        ),
-        "/v1/chat/completions": post(
-            "chat completion (causal LMs)", with_model("ChatRequest"), streamable("ChatResponse")
-        ),
-    }
-
-
-def misc_paths() -> dict:
-    return {
-        "/metrics": {
-            "get": {
-                "summary": "Prometheus metrics",
-                "responses": {
-                    "200": {"description": "text format", "content": {"text/plain": {"schema": {"type": "string"}}}}
-                },
-            }
-        },
-        "/openapi.json": {
-            "get": {
-                "summary": "this document",
-                "responses": {"200": {"description": "OpenAPI 3.0", **json_body({"type": "object"})}},
-            }
-        },
-    }
 
 
 TENSOR_META: dict[str, Any] = {

@@ -14,9 +14,11 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from serve.body import arriving, read_body
-from serve.errors import bad_request
+from serve.errors import bad_request, openai_error_body
 from serve.jsonbody import FastJSONResponse
+from serve.openapi import errors, json_body
 from serve.protocol import get_bool, json_object
+from serve.spec import ProtocolSpec
 from serve.state import state_of
 
 
@@ -51,3 +53,50 @@ async def predict(request: Request) -> FastJSONResponse:
     logits = (await run_encoder(state, item))["logits"]
     rows = state.model.predictions(logits, raw_scores)
     return FastJSONResponse(rows[0] if single else rows)
+
+
+# --- the protocol: routes, OpenAPI paths, error body ----------------------------------------------
+
+PREDICT_ERRORS = (400, 405, 413, 415, 422, 429, 503, 504)
+LABEL_SCORE = {
+    "type": "object",
+    "required": ["label", "score"],
+    "properties": {"label": {"type": "string"}, "score": {"type": "number"}},
+}
+PREDICT_REQUEST = {
+    "type": "object",
+    "required": ["inputs"],
+    "properties": {
+        "inputs": {"oneOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": {"type": "string"}}]},
+        "raw_scores": {"type": "boolean"},
+        "truncate": {"type": "boolean"},
+    },
+}
+PREDICT_RESPONSE = {
+    "anyOf": [
+        {"type": "array", "items": LABEL_SCORE},
+        {"type": "array", "items": {"type": "array", "items": LABEL_SCORE}},
+    ]
+}
+
+
+def predict_paths(state) -> dict:
+    return {
+        "/predict": {
+            "post": {
+                "tags": ["predict"],
+                "summary": "text classification, shaped like Text Embeddings Inference's /predict (classifiers)",
+                "requestBody": {"required": True, **json_body(PREDICT_REQUEST)},
+                "responses": {
+                    "200": {
+                        "description": "every label with its score, highest first (a list per text for a list)",
+                        **json_body(PREDICT_RESPONSE),
+                    },
+                    **errors("OpenAIError", *PREDICT_ERRORS),
+                },
+            }
+        }
+    }
+
+
+SPEC = ProtocolSpec("predict", routes, predict_paths, openai_error_body)

@@ -52,7 +52,7 @@ class ServeState:
         self.metrics = Metrics()
         self.model: Any = None  # an instance of the handler class, once loaded
         self.batcher: Any = None  # encoders: serve.batching.Batcher
-        self.generator: Any = None  # causal LMs: serve.llm.GenerationService
+        self.generator: Any = None  # causal LMs: serve.llm_service or serve.llm_batching
         self.load_error: str | None = None
         self.on_fatal: Callable[[str], None] = lambda message: None
         self.draining = False

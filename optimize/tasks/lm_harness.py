@@ -59,7 +59,7 @@ def greedy_ids(runner, prompt_ids, new_tokens: int) -> list[int]:
     """Greedy continuation token ids from either kind of runner."""
     if hasattr(runner, "greedy"):
         return runner.greedy(prompt_ids, new_tokens)
-    from engines.genai_runner import Sampling
+    from engines.generation import Sampling
 
     return [t for t, _ in runner.generate([int(i) for i in prompt_ids], Sampling(max_new_tokens=new_tokens))]
 

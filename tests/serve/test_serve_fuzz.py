@@ -17,7 +17,6 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from serve.errors import HTTPError
-from serve.llm import StopMatcher
 from serve.protocol import (
     KSERVE_DTYPES,
     parse_chat_request,
@@ -25,6 +24,7 @@ from serve.protocol import (
     parse_embeddings_request,
     parse_infer_request,
 )
+from serve.stops import StopMatcher
 from tests.support.serve import ROOT
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
