@@ -90,7 +90,7 @@ def check_lm(build, precision: str) -> dict:
 
     import torch
 
-    from engines.torch_cuda_runner import CudaLM, prepare
+    from engines.pytorch.cuda_runner import CudaLM, prepare
 
     source, origin = build
     model, swapped = prepare(copy.deepcopy(source), precision, INT4_GROUP["causal_lm"])
@@ -124,8 +124,8 @@ def check_encoder(build, precision: str) -> dict:
 
     import torch
 
-    from engines.pytorch_runner import sentence_embedding_module
-    from engines.torch_cuda_runner import prepare
+    from engines.pytorch.cuda_runner import prepare
+    from engines.pytorch.runner import sentence_embedding_module
 
     source, origin = build
     model, swapped = prepare(copy.deepcopy(source), precision, INT4_GROUP["sentence_embedding"])

@@ -31,7 +31,7 @@ def encode(tokenizer, texts: list[str]) -> dict[str, np.ndarray]:
 
 
 def torch_reference(model_dir: Path):
-    from engines.pytorch_runner import TorchRunner, load_hf_model, read_pooling, sentence_embedding_module
+    from engines.pytorch.runner import TorchRunner, load_hf_model, read_pooling, sentence_embedding_module
 
     module = sentence_embedding_module(load_hf_model(str(model_dir), "sentence_embedding"), read_pooling(model_dir))
     return TorchRunner(module, INPUT_NAMES, ["last_hidden_state", "sentence_embedding"])
@@ -42,9 +42,9 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 def build_runners(fused_onnx: Path, unfused_onnx: Path, work: Path, calibration: list[dict], threads: int) -> dict:
-    from engines.onnxruntime_runner import OrtRunner
-    from engines.openvino_build import count_ops, nncf_int8, onnx_to_ir
-    from engines.openvino_runner import OpenVINORunner
+    from engines.onnxruntime.runner import OrtRunner
+    from engines.openvino.build import count_ops, nncf_int8, onnx_to_ir
+    from engines.openvino.runner import OpenVINORunner
 
     fused_ir = onnx_to_ir(fused_onnx, work / "ov-fused")
     unfused_ir = onnx_to_ir(unfused_onnx, work / "ov-unfused")

@@ -6,7 +6,8 @@ Variants, all on the same tokenized evaluation texts, timed in one measure() cal
 - PyTorch FP32 (reference for cosine and speed ratios), ORT FP32 unfused and fused.
 - fused + INT8 of every weight MatMul (the project's ort_int8_dynamic call, fallback off): the
   fused Attention node keeps its QKV projection in FP32, as op_types=[MatMul, Gemm] leaves it.
-- fused + INT8 including the Attention node (QAttention): needs the graph edit in engines.ort_fusion.pack_attention_qkv.
+- fused + INT8 including the Attention node (QAttention): needs the graph edit in
+  engines.onnxruntime.fusion.pack_attention_qkv.
 - the artifact's model.onnx (the default recipe: fused, INT8, sensitivity fallback on).
 - unfused + INT8 per-channel, reduce_range false and true.
 - with --optimum-python: Optimum's own export + ORTQuantizer INT8 (the peer of benchmarks/peers.py).
@@ -92,7 +93,7 @@ def quantize(source: Path, out: Path, op_types: list[str], reduce_range: bool) -
 def build_graphs(module, example: dict, artifact: Path, work: Path) -> dict[str, Path]:
     import shutil
 
-    from engines.ort_fusion import fuse_for_onnxruntime, pack_attention_qkv
+    from engines.onnxruntime.fusion import fuse_for_onnxruntime, pack_attention_qkv
     from optimize.quantize.common import auto_reduce_range
 
     unfused = unfused_export(module, example, work / "unfused.onnx")
@@ -120,7 +121,7 @@ def op_counts(path: Path, work: Path) -> dict[str, dict[str, int]]:
     import onnx
     import onnxruntime as ort
 
-    from engines.onnxruntime_runner import session_options
+    from engines.onnxruntime.runner import session_options
 
     options = session_options()
     optimized = work / f"{path.stem}-{abs(hash(str(path)))}-ort.onnx"
@@ -138,7 +139,7 @@ def profile(path: Path, batch: dict, work: Path, runs: int = 3) -> dict[str, flo
     """Milliseconds per warm run spent in each op type (ORT's profiler); "(run)" is the whole run."""
     import onnxruntime as ort
 
-    from engines.onnxruntime_runner import session_options
+    from engines.onnxruntime.runner import session_options
 
     options = session_options()
     options.enable_profiling = True
@@ -212,8 +213,8 @@ def table(entries: list[Entry], counts: dict, latency: dict, keys: list[str]) ->
 
 def main(argv=None) -> dict:
     from engines.hardware import cpu_flags
-    from engines.onnxruntime_runner import OrtRunner
-    from engines.pytorch_runner import read_pooling
+    from engines.onnxruntime.runner import OrtRunner
+    from engines.pytorch.runner import read_pooling
     from optimize.evaluate.benchmark import BUSY_SHARE
     from optimize.evaluate.harness import batches_of
 

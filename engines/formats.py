@@ -64,36 +64,37 @@ def _function(path: str) -> Callable:
 FORMATS: dict[str, EngineFormat] = {
     f.name: f
     for f in (
-        EngineFormat(ONNXRUNTIME, "engines.onnxruntime_runner:load_ort_runner", ("onnxruntime",), "encoder"),
-        # On a CPU model (no PagedAttention) its Engine batches statically (engines/genai_runner.py says why).
+        EngineFormat(ONNXRUNTIME, "engines.onnxruntime.runner:load_ort_runner", ("onnxruntime",), "encoder"),
+        # On a CPU model (no PagedAttention) its Engine batches statically
+        # (engines/onnxruntime_genai/runner.py says why).
         EngineFormat(
             ONNXRUNTIME_GENAI,
-            "engines.genai_runner:load_genai_runner",
+            "engines.onnxruntime_genai.runner:load_genai_runner",
             ("onnxruntime_genai",),
             "causal_lm",
             batching="static",
-            batch_loader="engines.genai_runner:load_genai_batch_engine",
+            batch_loader="engines.onnxruntime_genai.batch:load_genai_batch_engine",
             seed_range=INT31_SEEDS,
         ),
-        EngineFormat(PYTORCH, "engines.pytorch_runner:load_pytorch_runner", ("torch",), None),
-        EngineFormat(MODELOPT_TORCH, "engines.modelopt_runner:load_modelopt_runner", ("torch",), None),
-        EngineFormat(OPENVINO, "engines.openvino_runner:load_openvino_runner", ("openvino",), "encoder"),
+        EngineFormat(PYTORCH, "engines.pytorch.runner:load_pytorch_runner", ("torch",), None),
+        EngineFormat(MODELOPT_TORCH, "engines.pytorch.modelopt_runner:load_modelopt_runner", ("torch",), None),
+        EngineFormat(OPENVINO, "engines.openvino.runner:load_openvino_runner", ("openvino",), "encoder"),
         EngineFormat(
             OPENVINO_GENAI,
-            "engines.openvino_genai_runner:load_ov_genai_runner",
+            "engines.openvino.genai_runner:load_ov_genai_runner",
             ("openvino", "openvino_genai"),
             "causal_lm",
             batching="continuous",
-            batch_loader="engines.openvino_genai_batch:load_ov_genai_batch_engine",
+            batch_loader="engines.openvino.genai_batch:load_ov_genai_batch_engine",
             seed_range=UINT64_SEEDS,
         ),
         # A plan built ahead of time for RTX-class GPUs; loading it refuses elsewhere, naming what is missing.
-        EngineFormat(TENSORRT_RTX, "engines.tensorrt_rtx_runner:load_rtx_runner", ("tensorrt_rtx",), "encoder"),
+        EngineFormat(TENSORRT_RTX, "engines.tensorrt_rtx.runner:load_rtx_runner", ("tensorrt_rtx",), "encoder"),
         # The pipeline's PyTorch model on one NVIDIA GPU (bf16, FP8 or INT4 Linears); measured, not served.
-        EngineFormat(TORCH_CUDA, "engines.torch_cuda_runner:load_torch_cuda_runner", ("torch",), None),
+        EngineFormat(TORCH_CUDA, "engines.pytorch.cuda_runner:load_torch_cuda_runner", ("torch",), None),
         # A compressed-tensors checkpoint measured in PyTorch (simulated integer numerics); vLLM serves it
         # (python -m optimize.export --to vllm), serve/ does not.
-        EngineFormat(COMPRESSED_TENSORS, "engines.compressed_tensors_runner:load_ct_runner", ("torch",), None),
+        EngineFormat(COMPRESSED_TENSORS, "engines.pytorch.compressed_tensors_runner:load_ct_runner", ("torch",), None),
     )
 }
 

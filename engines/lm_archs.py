@@ -35,7 +35,7 @@ GENAI_CLASSES = frozenset(
     }
 )
 # Decoders whose state is not a key/value cache of one shape per layer, which the OpenVINO GenAI export
-# (engines/openvino_genai_build.py: past key and value [batch, kv heads, tokens, head size] per layer)
+# (engines/openvino/genai_build.py: past key and value [batch, kv heads, tokens, head size] per layer)
 # cannot lay out.
 NOT_KV_CACHE = frozenset({"mamba", "mamba2", "falcon_mamba", "lfm2", "lfm2_moe", "jamba", "rwkv", "qwen3_next"})
 

@@ -194,7 +194,7 @@ class Context:
     @property
     def pooling(self) -> dict:
         """How the source's sentence embedding is pooled (sentence-transformers folders say so)."""
-        from engines.pytorch_runner import read_pooling
+        from engines.pytorch.runner import read_pooling
 
         folder = self.source.tokenizer_dir if self.source else None
         return read_pooling(Path(folder)) if folder else {"mode": "mean", "normalize": False}

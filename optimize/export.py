@@ -12,7 +12,7 @@ bundle too). `--ort-format` converts an encoder's ONNX graph to ONNX Runtime's O
 and minimal builds and keeps the reduced operator set (`model.required_operators.config`) that such a
 build is made from. `--tensorrt-rtx` bundles an engine=tensorrt_rtx artifact's plan instead of its
 ONNX graph, for an RTX-class GPU: run.py runs it with tensorrt-rtx and cuda-python (the bundle
-carries the plan runner, engines/tensorrt_rtx_runner.py) and refuses with one line elsewhere.
+carries the plan runner, engines/tensorrt_rtx/runner.py) and refuses with one line elsewhere.
 
 OpenVINO GenAI causal LMs, image classifiers and simulated-quantization checkpoints are refused with
 one line (`python -m serve` runs the OpenVINO GenAI ones).
@@ -52,7 +52,8 @@ BUNDLE_ASSETS = Path(__file__).resolve().parent / "assets" / "bundle"
 RUN_SCRIPT, RUNTIMES = BUNDLE_ASSETS / "run.py", BUNDLE_ASSETS / "runtimes.py"  # the command, its graph runners
 CHECKER = Path(checker.__file__).resolve().parent  # the package's folder: the bundle carries its modules
 CHECKER_DIR = "artifact"  # where they go in the bundle (run.py loads the package from there by its path)
-PLAN_RUNNER = CHECKER.parent / "tensorrt_rtx_runner.py"  # numpy and the standard library until a plan loads
+PLAN_RUNNER = CHECKER.parent / "tensorrt_rtx" / "runner.py"  # numpy and the standard library until a plan loads
+PLAN_RUNNER_NAME = "tensorrt_rtx_runner.py"  # its name in the bundle, where run.py loads it by its path
 ORT_FILE, OPERATORS_FILE = "model.ort", "model.required_operators.config"
 # The packages run.py imports, by engine format: what the bundle needs and nothing else.
 RUNTIME_PACKAGES = {
@@ -72,7 +73,7 @@ TASKS = {
     TENSORRT_RTX: ("sentence_embedding",),
 }
 LABELS_FILE = "labels.json"
-BUNDLE_FILES = ("run.py", RUNTIMES.name, "requirements.txt", PLAN_RUNNER.name)  # and every file under CHECKER_DIR/
+BUNDLE_FILES = ("run.py", RUNTIMES.name, "requirements.txt", PLAN_RUNNER_NAME)  # and every file under CHECKER_DIR/
 
 
 def main(argv: list[str]) -> int:
@@ -243,7 +244,7 @@ def write_bundle(root: Path, source: dict, bundle: Path, ort_format: bool) -> di
         for module in sorted(CHECKER.glob("*.py")):
             shutil.copyfile(module, stage / CHECKER_DIR / module.name)
         if engine["format"] == TENSORRT_RTX:
-            shutil.copyfile(PLAN_RUNNER, stage / PLAN_RUNNER.name)
+            shutil.copyfile(PLAN_RUNNER, stage / PLAN_RUNNER_NAME)
         manifest = write_manifest(stage, bundle_manifest(source, engine, requirements, ort_format))
         publish(stage, bundle)
     return manifest

@@ -14,7 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
-from engines.pytorch_runner import HF_TASKS, PICKLE_SUFFIXES
+from engines.pytorch.runner import HF_TASKS, PICKLE_SUFFIXES
 from optimize import tasks
 from optimize.context import SourceModel
 from optimize.errors import RecipeError
@@ -245,7 +245,7 @@ def load(cfg) -> SourceModel:
 
 
 def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
-    from engines.pytorch_runner import load_hf_model
+    from engines.pytorch.runner import load_hf_model
 
     location, gguf_file = (cfg.source if path is None else str(path)), cfg.gguf_file
     offline = False

@@ -1,7 +1,7 @@
 """A sentence-embedding encoder behind the batcher: tokenize, check, pad per batch, run, split.
 
 The Runner is the pipeline's OrtRunner with idle threads that sleep instead of spinning
-(engines/onnxruntime_runner.py says why): same graph, same call, same numbers. Requests arrive
+(engines/onnxruntime/runner.py says why): same graph, same call, same numbers. Requests arrive
 as int64 tensors [rows, sequence] (KServe clients send them; text is tokenized with the artifact's
 own tokenizer through engines.text.TextEncoder). A batch is padded to its longest sequence only:
 the graph mean-pools over the attention mask, so padding does not change an embedding, and

@@ -8,7 +8,7 @@ Two ways to generate, chosen by --max-num-seqs and the format's row in engines/f
   continuous-batching pipeline: requests join and leave the running batch at every step, the KV cache
   is paged and its size bounds admission. ONNX Runtime GenAI artifacts run its Engine, which on a CPU
   model batches statically: up to 4 requests start together and the next batch starts when that one
-  has ended (engines.genai_runner.GenAIBatchEngine says why).
+  has ended (engines.onnxruntime_genai.batch.GenAIBatchEngine says why).
 - 1, or a format that does not batch: one generation at a time in a dedicated thread, through the
   runner the pipeline measured (serve/llm_service.py).
 

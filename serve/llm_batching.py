@@ -1,8 +1,8 @@
 """Continuous batching for causal LMs: one engine shared by every request, one thread driving it.
 
-The engine does the scheduling: engines.openvino_genai_batch.OVGenAIBatchEngine (OpenVINO GenAI's
+The engine does the scheduling: engines.openvino.genai_batch.OVGenAIBatchEngine (OpenVINO GenAI's
 continuous-batching pipeline: which prompts to prefill, in what chunks, beside which running decodes)
-or engines.genai_runner.GenAIBatchEngine (ONNX Runtime GenAI's Engine, which on a CPU model runs
+or engines.onnxruntime_genai.batch.GenAIBatchEngine (ONNX Runtime GenAI's Engine, which on a CPU model runs
 static batches). This module only decides what enters the engine and carries tokens out of it:
 
 - Admission knows the KV cache. A request enters the engine only when the blocks it may need at its

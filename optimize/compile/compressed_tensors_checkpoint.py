@@ -1,7 +1,7 @@
 """Engine: a compressed-tensors quantized causal LM saved as the Hugging Face checkpoint vLLM loads
 (packed integer weights, their scales, config.json with the compressed-tensors quantization_config).
 
-The pipeline measures that saved checkpoint reloaded by transformers (engines/compressed_tensors_runner.py:
+The pipeline measures that saved checkpoint reloaded by transformers (engines/pytorch/compressed_tensors_runner.py:
 the integers dequantized and computed in FP32, W8A8's activations rounded per token), so what the gate
 judged is what `python -m optimize.export ARTIFACT --to vllm DIR` hands to `vllm serve`.
 """

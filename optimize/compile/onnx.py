@@ -36,15 +36,15 @@ def onnx_engine(model: Model, cfg: OnnxExportConfig, ctx: Context) -> Model:
     out = ctx.scratch / "onnx"
     out.mkdir(parents=True, exist_ok=True)
     if model.onnx_path is not None:  # already an ONNX graph: the engine ships it as it is
-        from engines.onnx_export import copy_onnx
+        from engines.onnxruntime.export import copy_onnx
 
         return model.with_onnx(copy_onnx(model.onnx_path, out))
     if model.kind != "torch":
         raise RecipeError("engine.method=onnx needs a PyTorch or ONNX model")
-    from engines.onnx_export import ExportMismatch, check_fidelity, export
-    from engines.onnxruntime_runner import OrtRunner
-    from engines.ort_fusion import fuse_for_onnxruntime
-    from engines.pytorch_runner import TorchRunner
+    from engines.onnxruntime.export import ExportMismatch, check_fidelity, export
+    from engines.onnxruntime.fusion import fuse_for_onnxruntime
+    from engines.onnxruntime.runner import OrtRunner
+    from engines.pytorch.runner import TorchRunner
 
     task = tasks.get(model.task)
     module = task.module(model.module, ctx)

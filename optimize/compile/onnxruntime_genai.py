@@ -80,7 +80,7 @@ def onnxruntime_genai_engine(model: Model, cfg: GenAIConfig, ctx: Context) -> Mo
     source_dir = _source_folder(model, ctx)
     out = ctx.scratch / "genai_engine"
     shutil.rmtree(out, ignore_errors=True)
-    from engines.genai_build import BuildError, build, weight_precision
+    from engines.onnxruntime_genai.build import BuildError, build, weight_precision
 
     options = cfg.builder_options() if cfg.precision in ("int4", "int8") else []
     try:

@@ -55,7 +55,7 @@ class OpenVINOConfig:
             raise RecipeError(f"engine.params.preset={self.preset} (use mixed or performance)")
         if min(self.calibration_count, self.calibration_batch) < 1:
             raise RecipeError("engine.params.calibration_count and calibration_batch must be at least 1")
-        from engines.openvino_runner import openvino_missing
+        from engines.openvino.runner import openvino_missing
 
         packages = {"openvino": "openvino", **({"nncf": "nncf"} if self.precision == "int8" else {})}
         missing = openvino_missing(packages, bf16=self.precision == "bf16")
@@ -75,7 +75,7 @@ class OpenVINOConfig:
 )
 def openvino_engine(model: Model, cfg: OpenVINOConfig, ctx: Context) -> Model:
     """OpenVINO IR on the CPU: FP32, bf16 inference precision, or NNCF post-training INT8."""
-    from engines.openvino_build import nncf_int8, onnx_to_ir, ov_version
+    from engines.openvino.build import nncf_int8, onnx_to_ir, ov_version
     from optimize.compile.onnx import OnnxExportConfig, onnx_engine
 
     exported = model if model.kind == "onnx" else onnx_engine(model, OnnxExportConfig(ort_fusions=cfg.ort_fusions), ctx)
@@ -98,7 +98,7 @@ def openvino_engine(model: Model, cfg: OpenVINOConfig, ctx: Context) -> Model:
         )
     final = out / ENGINE_DIR
     shutil.move(str(xml.parent), str(final))
-    from engines.openvino_build import int8_node_counts
+    from engines.openvino.build import int8_node_counts
 
     ops, kernels = _op_counts(final / xml.name), int8_node_counts(final / xml.name)
     record = {
@@ -130,7 +130,7 @@ def _calibration_batches(ctx, cfg: OpenVINOConfig) -> list[dict]:
 
 def _op_counts(xml) -> dict:
     """The op types that say what runs: FakeQuantize (INT8) against the MatMuls and convolutions."""
-    from engines.openvino_build import count_ops
+    from engines.openvino.build import count_ops
 
     counts = count_ops(xml)
     return {op: counts[op] for op in ("MatMul", "Convolution", "FakeQuantize") if op in counts}

@@ -2,7 +2,7 @@
 OpenVINO IR (KV cache held inside the model, weights FP32), its tokenizer converted with
 openvino_tokenizers, then NNCF compresses the weights (INT4 in groups with an INT8 remainder, or
 INT8), optionally data-aware (AWQ, scale estimation, GPTQ) on the recipe's calibration text.
-`openvino_genai.LLMPipeline` runs the result (engines/openvino_genai_runner.py).
+`openvino_genai.LLMPipeline` runs the result (engines/openvino/genai_runner.py).
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ class OVGenAIConfig:
             raise RecipeError(f"engine.params.inference_precision={self.inference_precision} (use f32 or bf16)")
         if self.kv_cache_precision not in (None, "f32", "bf16", "u8"):
             raise RecipeError(f"engine.params.kv_cache_precision={self.kv_cache_precision} (use f32, bf16 or u8)")
-        from engines.openvino_runner import openvino_missing
+        from engines.openvino.runner import openvino_missing
 
         packages = {
             "openvino": "openvino",
@@ -99,8 +99,8 @@ def openvino_genai_engine(model: Model, cfg: OVGenAIConfig, ctx: Context) -> Mod
     if model.kind != "torch":
         raise RecipeError("engine.method=openvino_genai needs a Hugging Face causal LM")
     _refuse_architecture(model)
-    from engines.openvino_genai_build import ExportError, export_stateful_lm
-    from engines.openvino_genai_compress import CompressionError, compress_weights, weight_precision
+    from engines.openvino.genai_build import ExportError, export_stateful_lm
+    from engines.openvino.genai_compress import CompressionError, compress_weights, weight_precision
 
     source_dir = _source_folder(model, ctx)
     out = ctx.scratch / "openvino_genai_engine"
@@ -179,7 +179,7 @@ def _nncf_record(cfg: OVGenAIConfig, calibration_texts: int) -> dict:
 def _calibration_batches(ctx, cfg: OVGenAIConfig) -> list[dict]:
     """Model inputs from the recipe's calibration text: each text's first max_tokens tokens as one
     sequence (tokenized by the artifact's own tokenizer)."""
-    from engines.openvino_genai_compress import calibration_inputs
+    from engines.openvino.genai_compress import calibration_inputs
     from optimize.evaluate.generation import Tokens
 
     tokens = Tokens(ctx)

@@ -80,7 +80,7 @@ class OpenVINOMixedConfig:
             )
         if self.preset not in ("mixed", "performance"):
             raise RecipeError(f"engine.params.preset={self.preset} (use mixed or performance)")
-        from engines.openvino_runner import openvino_missing
+        from engines.openvino.runner import openvino_missing
 
         missing = openvino_missing({"openvino": "openvino", "nncf": "nncf"}, bf16=self.inference_precision == "bf16")
         if missing:
@@ -88,7 +88,7 @@ class OpenVINOMixedConfig:
 
     def compute_precision(self) -> str:
         """The precision the float layers run in: bf16 only where the CPU plugin has it natively."""
-        from engines.openvino_runner import bf16_supported
+        from engines.openvino.runner import bf16_supported
 
         if self.inference_precision == "auto":
             return "bf16" if bf16_supported() else "f32"
@@ -105,7 +105,7 @@ class OpenVINOMixedConfig:
 )
 def openvino_mixed_engine(model: Model, cfg: OpenVINOMixedConfig, ctx: Context) -> Model:
     """OpenVINO INT8 with the layers NNCF's accuracy control reverts kept in bf16 (f32 without bf16)."""
-    from engines.openvino_build import onnx_to_ir
+    from engines.openvino.build import onnx_to_ir
     from optimize.compile.onnx import OnnxExportConfig, onnx_engine
 
     output, bar, compute = _deciding_output(model.task), _bar(cfg, ctx), cfg.compute_precision()
@@ -154,7 +154,7 @@ def _quantize(fp32: Path, calibration, validation, output: str, bar: float, cfg,
     rebuild, scores 0.985 on them when read back (not explained yet; mean 0.9967 either way): the
     record keeps the saved IR's score, and the race judges it on the evaluation texts.
     Returns the IR and {precision: {count, nodes}}; leaves only the engine folder."""
-    from engines.openvino_build import nncf_int8, nncf_int8_with_accuracy_control, weighted_node_precision
+    from engines.openvino.build import nncf_int8, nncf_int8_with_accuracy_control, weighted_node_precision
 
     settings = {
         "preset": cfg.preset,
@@ -212,7 +212,7 @@ def _bar(cfg: OpenVINOMixedConfig, ctx) -> float:
 
 def _data(ctx, cfg: OpenVINOMixedConfig, fp32_xml: Path, output: str) -> tuple[list[dict], list[tuple]]:
     """Calibration batches of one item, and validation items (inputs, the FP32 IR's output)."""
-    from engines.openvino_runner import OpenVINORunner
+    from engines.openvino.runner import OpenVINORunner
     from optimize.evaluate.harness import batches_of
 
     available = len(ctx.calibration().items)
@@ -278,7 +278,7 @@ def _nncf_version() -> str:
 
 
 def _record(cfg: OpenVINOMixedConfig, xml: Path, precision: str, export_record: dict, control: dict) -> dict:
-    from engines.openvino_build import count_ops, int8_node_counts, ov_version
+    from engines.openvino.build import count_ops, int8_node_counts, ov_version
 
     counts = count_ops(xml)
     if not control["reached"]:

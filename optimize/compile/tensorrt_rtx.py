@@ -3,7 +3,7 @@
 The graph is exported (without ONNX Runtime's contrib fusions: TensorRT cannot run com.microsoft
 ops), given its precision by the existing ONNX-side methods (TensorRT-RTX is strongly typed, so the
 precision is the graph's: ort_fp16 casts it, ort_int8_static_qdq writes symmetric INT8 Q/DQ pairs),
-and built into a plan in a child process (engines/tensorrt_rtx_build.py) with one optimization
+and built into a plan in a child process (engines/tensorrt_rtx/build.py) with one optimization
 profile per evaluated batch size. The plan ships beside the ONNX it was built from.
 
 Building needs no GPU; running the plan needs an RTX-class one. Without it the artifact's accuracy
@@ -58,7 +58,7 @@ class TensorrtRtxConfig:
     build_timeout_s: int = 1800
 
     def validate(self):
-        from engines.tensorrt_rtx_build import COMPUTE_CAPABILITIES
+        from engines.tensorrt_rtx.build import COMPUTE_CAPABILITIES
 
         if self.precision not in PRECISIONS:
             raise RecipeError(f"engine.params.precision={self.precision} (use {', '.join(PRECISIONS)})")
@@ -96,7 +96,7 @@ def _refuse_asymmetric_qdq(params: dict) -> None:
 )
 def tensorrt_rtx_engine(model: Model, cfg: TensorrtRtxConfig, ctx: Context) -> Model:
     """TensorRT-RTX plan (FP32, FP16 or Q/DQ INT8) built ahead of time from the checked ONNX export."""
-    from engines.tensorrt_rtx_build import BuildRefused, build_plan, missing_module
+    from engines.tensorrt_rtx.build import BuildRefused, build_plan, missing_module
     from optimize.compile.onnx import OnnxExportConfig, onnx_engine
 
     # Checked here rather than at plan time so that every preset still plans where the optional extra
@@ -108,7 +108,7 @@ def tensorrt_rtx_engine(model: Model, cfg: TensorrtRtxConfig, ctx: Context) -> M
     onnx_model = _with_precision(exported, cfg, ctx)
     out = ctx.scratch / "tensorrt_rtx"
     shutil.rmtree(out, ignore_errors=True)
-    from engines.onnx_export import copy_onnx
+    from engines.onnxruntime.export import copy_onnx
 
     onnx_path = copy_onnx(onnx_model.onnx_path, out)
     folded = fold_int32_dequantize(onnx_path) if cfg.precision == "int8_qdq" else 0
@@ -251,7 +251,7 @@ def _engine_block(onnx_path: Path, report: dict, cfg: TensorrtRtxConfig) -> tupl
     """(the engine block, what was measured on what). On an RTX GPU the pipeline measures the plan
     itself; elsewhere the ONNX it was built from, on ONNX Runtime's CPU provider, for accuracy only."""
     from engines import formats
-    from engines.tensorrt_rtx_runner import missing
+    from engines.tensorrt_rtx.runner import missing
 
     plan = {
         "file": PLAN,

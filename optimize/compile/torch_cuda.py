@@ -2,7 +2,7 @@
 it) on one NVIDIA GPU, in bf16, with FP8 Linears (e4m3 weights and dynamically scaled activations
 through torch._scaled_mm; Ada/Hopper) or INT4 weight-only Linears (aten._weight_int4pack_mm, groups
 of 32/64/128), compiled with torch.compile mode="reduce-overhead" so decoding replays CUDA graphs.
-Only kernels torch ships are used (engines/cuda_quant.py); runners in engines/torch_cuda_runner.py.
+Only kernels torch ships are used (engines/pytorch/cuda_quant.py); runners in engines/pytorch/cuda_runner.py.
 
 The artifact holds the bf16 weights plus the precision; the runner rebuilds the FP8/INT4 weights
 from them on load (deterministic round-to-nearest). Without a CUDA device the recipe is refused at
@@ -41,8 +41,8 @@ class TorchCudaConfig:
     compile: str = "reduce-overhead"  # torch.compile mode (reduce-overhead: CUDA graphs); none: eager
 
     def validate(self):
-        from engines.cuda_quant import INT4_GROUP_SIZES, PRECISIONS
-        from engines.torch_cuda_runner import cuda_missing
+        from engines.pytorch.cuda_quant import INT4_GROUP_SIZES, PRECISIONS
+        from engines.pytorch.cuda_runner import cuda_missing
 
         if self.precision not in PRECISIONS:
             raise RecipeError(f"engine.params.precision={self.precision} (use {', '.join(PRECISIONS)})")
@@ -62,7 +62,7 @@ def torch_cuda_engine(model: Model, cfg: TorchCudaConfig, ctx: Context) -> Model
         raise RecipeError("engine.method=torch_cuda needs a Hugging Face model from the torch-side stages")
     import copy
 
-    from engines.torch_cuda_runner import prepare
+    from engines.pytorch.cuda_runner import prepare
 
     out = ctx.scratch / "torch_cuda_engine"
     shutil.rmtree(out, ignore_errors=True)

@@ -147,7 +147,7 @@ class LogitObjective(Objective):
     def before_training(self, student, ctx) -> dict:
         """Held-out perplexity of the pruned-only student (the middle column of the report), scored
         on the same tokens the evaluation uses; a hook adds the row and the recovery figure."""
-        from engines.pytorch_runner import TorchLM
+        from engines.pytorch.runner import TorchLM
         from optimize.evaluate.generation import Tokens, perplexity
         from optimize.tasks.causal_lm import eval_config
 

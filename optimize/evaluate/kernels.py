@@ -43,7 +43,7 @@ def int8_gemm_speedup(threads: int = 0) -> dict:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     from engines.hardware import cpu_has_vnni
-    from engines.onnxruntime_runner import OrtRunner
+    from engines.onnxruntime.runner import OrtRunner
     from optimize.evaluate.benchmark import measure
 
     with tempfile.TemporaryDirectory(prefix="optimize-kernels-") as tmp:

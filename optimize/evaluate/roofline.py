@@ -34,7 +34,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from engines.pytorch_runner import torch_weight_bytes  # noqa: F401
+from engines.pytorch.runner import torch_weight_bytes  # noqa: F401
 from engines.weights import (  # noqa: F401  (re-exported: the roofline's inputs)
     KVShape,
     WeightBytes,

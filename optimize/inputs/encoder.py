@@ -37,7 +37,7 @@ class TensorEncoder:
     def for_onnx(cls, path: Path, given: dict, threads: int = 0) -> "TensorEncoder":
         import onnx
 
-        from engines.onnxruntime_runner import OrtRunner
+        from engines.onnxruntime.runner import OrtRunner
 
         runner = OrtRunner(path, threads=threads, quiet=True)
         metadata = {p.key: p.value for p in onnx.load(str(path), load_external_data=False).metadata_props}

@@ -68,7 +68,7 @@ class CalibrationReader:
 
 
 def onnx_input_names(path: Path) -> list[str]:
-    from engines.onnxruntime_runner import OrtRunner
+    from engines.onnxruntime.runner import OrtRunner
 
     return OrtRunner(path).input_names
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List
 
-from engines.ort_providers import PROVIDERS, missing_for
+from engines.onnxruntime.providers import PROVIDERS, missing_for
 from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.quantize.common import require_onnx, workdir

@@ -82,7 +82,7 @@ def ort_int8_dynamic(model: Model, cfg: OrtInt8DynamicConfig, ctx: Context) -> M
     out = workdir(ctx)
     source, packed = constants_to_initializers(model.onnx_file(), out), 0
     if cfg.quantize_attention:
-        from engines.ort_fusion import pack_attention_qkv
+        from engines.onnxruntime.fusion import pack_attention_qkv
 
         source, packed = pack_attention_qkv(source, out / "packed.onnx")
     op_types, chosen_by = resolve_op_types(cfg.op_types, source)

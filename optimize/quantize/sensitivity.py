@@ -77,7 +77,7 @@ def _rank_by_simulated_error(onnx_path: Path, inputs: dict, cfg, reduce_range: b
     import onnx
     from onnx import numpy_helper
 
-    from engines.onnxruntime_runner import OrtRunner
+    from engines.onnxruntime.runner import OrtRunner
 
     model = onnx.load(str(onnx_path))
     nodes = _weighted_matmuls(model.graph, cfg.op_types, cfg.nodes_to_exclude)
@@ -106,7 +106,7 @@ def sensitivity_fallback(model, cfg, ctx, quantize, reduce_range: bool, fidelity
 
     fidelity(reference outputs, quantized outputs) -> the score the target is compared with: the
     caller's (common.task_fidelity), so the search knows no task."""
-    from engines.onnxruntime_runner import OrtRunner
+    from engines.onnxruntime.runner import OrtRunner
 
     inputs = ctx.calibration_inputs(cfg.sensitivity_samples)
     reference = OrtRunner(model.onnx_path, threads=ctx.threads)(inputs)

@@ -33,7 +33,7 @@ class Task:
 
     def baseline_runner(self, module, ctx: Context):
         """The source module as the baseline runs it: PyTorch FP32 over the task's named inputs."""
-        from engines.pytorch_runner import TorchRunner
+        from engines.pytorch.runner import TorchRunner
 
         return TorchRunner(self.module(module, ctx), list(self.input_names), list(self.output_names), ctx.threads)
 

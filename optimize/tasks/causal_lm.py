@@ -85,7 +85,7 @@ class CausalLM(Task):
 
     def baseline_runner(self, module, ctx: Context):
         """PyTorch FP32 `generate` and scoring: the runner the LM race and evaluation compare against."""
-        from engines.pytorch_runner import TorchLM
+        from engines.pytorch.runner import TorchLM
 
         return TorchLM(module, ctx.threads)
 

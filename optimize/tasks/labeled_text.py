@@ -93,7 +93,7 @@ class LabeledTextTask(Task, abc.ABC):
     distill_loss: str | None = "class_logits"
 
     def module(self, model, ctx: Context):
-        from engines.pytorch_runner import logits_module
+        from engines.pytorch.runner import logits_module
 
         return logits_module(model)
 

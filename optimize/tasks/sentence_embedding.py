@@ -28,7 +28,7 @@ class SentenceEmbedding(Task):
     distill_loss: str | None = "embedding"
 
     def module(self, model, ctx: Context):
-        from engines.pytorch_runner import sentence_embedding_module
+        from engines.pytorch.runner import sentence_embedding_module
 
         return sentence_embedding_module(model, ctx.pooling)
 

@@ -114,8 +114,8 @@ def tiny_artifact(onnx_path: Path, model_dir: str, root: Path) -> Path:
 def test_a_tiny_race_runs_and_its_ratios_match_the_timings(tmp_path):
     pytest.importorskip("openvino")
     import engines
-    from engines.onnxruntime_runner import OrtRunner
-    from engines.pytorch_runner import read_pooling
+    from engines.onnxruntime.runner import OrtRunner
+    from engines.pytorch.runner import read_pooling
     from engines.text import TextEncoder
 
     model_dir = peers.default_model_dir()

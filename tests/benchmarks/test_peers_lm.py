@@ -110,7 +110,7 @@ def test_a_tiny_race_runs_and_its_ratios_match_the_timings(tmp_path):
     pytest.importorskip("onnxruntime_genai")
     import engines
     from engines.artifact import read_manifest
-    from engines.genai_runner import GenAIRunner
+    from engines.onnxruntime_genai.runner import GenAIRunner
     from tests.support.models import tiny_llama_folder
 
     model_dir = tiny_llama_folder(tmp_path / "hf")

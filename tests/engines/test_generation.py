@@ -29,7 +29,7 @@ def test_an_unhonoured_field_is_refused_by_name(field, sampling):
 
 
 def test_openvino_genai_refuses_before_it_builds_a_generation_config():
-    from engines.openvino_genai_runner import OVGenAIRunner
+    from engines.openvino.genai_runner import OVGenAIRunner
 
     runner = object.__new__(OVGenAIRunner)  # no model needed: the refusal comes first
     with pytest.raises(UnsupportedSampling, match="openvino-genai cannot honour Sampling.n"):

@@ -12,11 +12,12 @@ import pytest
 ov = pytest.importorskip("openvino", reason="openvino is not installed (pip install openvino nncf)")
 onnx = pytest.importorskip("onnx")
 
-from engines import load, load_engine, openvino_runner  # noqa: E402
+from engines import load, load_engine  # noqa: E402
 from engines.artifact import EngineUnavailable  # noqa: E402
-from engines.onnxruntime_runner import OrtRunner  # noqa: E402
-from engines.openvino_build import count_ops, onnx_to_ir  # noqa: E402
-from engines.openvino_runner import OpenVINORunner, load_openvino_runner  # noqa: E402
+from engines.onnxruntime.runner import OrtRunner  # noqa: E402
+from engines.openvino import runner as openvino_runner  # noqa: E402
+from engines.openvino.build import count_ops, onnx_to_ir  # noqa: E402
+from engines.openvino.runner import OpenVINORunner, load_openvino_runner  # noqa: E402
 
 VOCAB, WIDTH = 64, 64
 WEIGHT_PARAMS = VOCAB * WIDTH + 2 * WIDTH * WIDTH  # embedding + two MatMul weights
@@ -86,7 +87,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def int8_xml(tiny, tmp_path_factory):
-    from engines.openvino_build import nncf_int8
+    from engines.openvino.build import nncf_int8
 
     return nncf_int8(tiny["xml"], _token_batches(16), tmp_path_factory.mktemp("int8"), subset_size=16)
 
@@ -180,7 +181,7 @@ def test_nncf_int8_quantizes_and_stays_close(tiny, int8_xml):
 
 
 def test_ignored_scope_leaves_the_named_node_in_fp32(tiny, tmp_path):
-    from engines.openvino_build import nncf_int8
+    from engines.openvino.build import nncf_int8
 
     xml = nncf_int8(tiny["xml"], _token_batches(8), tmp_path, subset_size=8, ignored_scope={"names": ["fc1"]})
     matmuls = _matmuls(xml)
@@ -190,7 +191,7 @@ def test_ignored_scope_leaves_the_named_node_in_fp32(tiny, tmp_path):
 
 
 def test_ignored_scope_rejects_unknown_keys(tiny, tmp_path):
-    from engines.openvino_build import nncf_int8
+    from engines.openvino.build import nncf_int8
 
     with pytest.raises(ValueError, match="nodes"):
         nncf_int8(tiny["xml"], _token_batches(2), tmp_path, subset_size=2, ignored_scope={"nodes": ["fc1"]})
@@ -198,7 +199,7 @@ def test_ignored_scope_rejects_unknown_keys(tiny, tmp_path):
 
 @pytest.mark.slow
 def test_accuracy_control_keeps_the_metric_within_max_drop(tiny, tmp_path):
-    from engines.openvino_build import nncf_int8_with_accuracy_control
+    from engines.openvino.build import nncf_int8_with_accuracy_control
 
     reference = OpenVINORunner(tiny["xml"])
 

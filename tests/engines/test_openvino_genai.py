@@ -78,14 +78,14 @@ def tiny_hf(tiny_llm):
 
 @pytest.fixture(scope="module")
 def ov_fp32(tiny_llm, tmp_path_factory) -> Path:
-    from engines.openvino_genai_build import export_stateful_lm
+    from engines.openvino.genai_build import export_stateful_lm
 
     return export_stateful_lm(tiny_llm, tmp_path_factory.mktemp("ov_genai") / "fp32")
 
 
 @pytest.fixture(scope="module")
 def runner(ov_fp32):
-    from engines.openvino_genai_runner import OVGenAIRunner
+    from engines.openvino.genai_runner import OVGenAIRunner
 
     return OVGenAIRunner(ov_fp32.parent, threads=1)
 
@@ -187,7 +187,7 @@ def test_kv_cache_step_by_step_matches_one_pass(ov_fp32, tiny_hf, runner):
 
 
 def test_greedy_generation_matches_hugging_face(runner, tiny_hf):
-    from engines.genai_runner import Sampling
+    from engines.onnxruntime_genai.runner import Sampling
 
     for text in ("A class definition", "def main():", TEXT):
         prompt = runner.encode(text)
@@ -199,7 +199,7 @@ def test_greedy_generation_matches_hugging_face(runner, tiny_hf):
 
 
 def test_generate_streams_text_and_honours_limits(runner):
-    from engines.genai_runner import Sampling
+    from engines.onnxruntime_genai.runner import Sampling
 
     prompt = runner.encode("Once upon a time")
     tokens = list(runner.generate(prompt, Sampling(max_new_tokens=12)))
@@ -223,8 +223,8 @@ def test_generate_streams_text_and_honours_limits(runner):
 
 
 def test_int4_compression_changes_weights_and_keeps_perplexity_finite(ov_fp32, runner, tmp_path):
-    from engines.openvino_genai_compress import CompressionError, compress_weights, weight_precision
-    from engines.openvino_genai_runner import OVGenAIRunner
+    from engines.openvino.genai_compress import CompressionError, compress_weights, weight_precision
+    from engines.openvino.genai_runner import OVGenAIRunner
 
     before = weight_precision(ov_fp32)
     assert set(before) == {"float"} and before["float"]["count"] == 2 * 7 + 2  # 7 projections/layer, embed, head
@@ -242,7 +242,7 @@ def test_int4_compression_changes_weights_and_keeps_perplexity_finite(ov_fp32, r
 
 
 def test_data_aware_int4_and_mixed_ratio(ov_fp32, runner, tmp_path):
-    from engines.openvino_genai_compress import calibration_inputs, compress_weights, weight_precision
+    from engines.openvino.genai_compress import calibration_inputs, compress_weights, weight_precision
 
     batches = calibration_inputs([runner.encode(TEXT), runner.encode("A class definition creates a class object.")])
     xml = compress_weights(

@@ -3,10 +3,10 @@
 import numpy as np
 import pytest
 
-from engines.onnx_export import export
-from engines.onnxruntime_runner import OrtRunner
-from engines.ort_fusion import fuse_for_onnxruntime, pack_attention_qkv
-from engines.pytorch_runner import sentence_embedding_module
+from engines.onnxruntime.export import export
+from engines.onnxruntime.fusion import fuse_for_onnxruntime, pack_attention_qkv
+from engines.onnxruntime.runner import OrtRunner
+from engines.pytorch.runner import sentence_embedding_module
 from optimize.quantize.common import int8_node_counts
 from tests.support.models import encode, tiny_bert
 

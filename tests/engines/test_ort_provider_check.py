@@ -24,8 +24,8 @@ SCRIPT = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 import onnxruntime as ort
-from engines.onnxruntime_runner import OrtRunner
-from engines.ort_providers import ProviderFallback
+from engines.onnxruntime.runner import OrtRunner
+from engines.onnxruntime.providers import ProviderFallback
 
 results = {"available": ort.get_available_providers(), "refused": {}}
 for provider in ("TensorrtExecutionProvider", "CUDAExecutionProvider"):
@@ -99,8 +99,8 @@ def test_a_provider_missing_from_this_onnxruntime_is_refused_not_replaced(tmp_pa
     """The CPU wheel has no TensorRT provider at all: refused, never run on the next in the list."""
     import onnxruntime as ort
 
-    from engines.onnxruntime_runner import OrtRunner
-    from engines.ort_providers import ProviderFallback
+    from engines.onnxruntime.providers import ProviderFallback
+    from engines.onnxruntime.runner import OrtRunner
 
     if "TensorrtExecutionProvider" in ort.get_available_providers():
         pytest.skip("this onnxruntime has the TensorRT provider")
@@ -109,7 +109,7 @@ def test_a_provider_missing_from_this_onnxruntime_is_refused_not_replaced(tmp_pa
 
 
 def test_check_active_reads_the_first_active_provider():
-    from engines.ort_providers import ProviderFallback, check_active
+    from engines.onnxruntime.providers import ProviderFallback, check_active
 
     class Session:
         def __init__(self, active):
@@ -124,7 +124,7 @@ def test_check_active_reads_the_first_active_provider():
 
 
 def test_tensorrt_caches_live_in_the_artifact(tmp_path):
-    from engines.ort_providers import provider_options
+    from engines.onnxruntime.providers import provider_options
 
     options = provider_options(["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"], tmp_path)
     trt = options[0]

@@ -13,7 +13,7 @@ from tests.support.models import tiny_llama_folder
 @pytest.fixture(scope="module")
 def tiny_genai(tmp_path_factory) -> tuple[Path, dict]:
     """The tiny random Llama through ONNX Runtime GenAI's builder (FP32): (root, engine block)."""
-    from engines.genai_build import build
+    from engines.onnxruntime_genai.build import build
 
     root = tmp_path_factory.mktemp("genai")
     source = tiny_llama_folder(root / "src")

@@ -15,7 +15,7 @@ onnx = pytest.importorskip("onnx")
 
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
-from engines.tensorrt_rtx_build import BuildRefused, build_plan  # noqa: E402
+from engines.tensorrt_rtx.build import BuildRefused, build_plan  # noqa: E402
 
 PROFILES = [{"x": [[1, 16], [2, 16], [4, 16]]}, {"x": [[5, 16], [8, 16], [8, 16]]}]
 
@@ -104,14 +104,14 @@ def test_a_native_abort_of_the_builder_is_one_line_not_the_callers_death(tmp_pat
     aborting = tmp_path / "python"
     aborting.write_text("#!/bin/sh\necho 'terminate called' >&2\nkill -ABRT $$\n")
     aborting.chmod(aborting.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setattr("engines.tensorrt_rtx_build.sys.executable", str(aborting))
+    monkeypatch.setattr("engines.tensorrt_rtx.build.sys.executable", str(aborting))
     with pytest.raises(BuildRefused, match=r"stopped \(signal 6\).*terminate called"):
         build_plan(graph(tmp_path / "m.onnx"), tmp_path / "m.plan", PROFILES, [])
     assert not (tmp_path / "m.plan").exists()
 
 
 def test_the_runner_refuses_without_an_rtx_gpu_naming_what_is_missing(tmp_path):
-    from engines.tensorrt_rtx_runner import RtxPlanRunner, Unavailable, missing
+    from engines.tensorrt_rtx.runner import RtxPlanRunner, Unavailable, missing
 
     lacking = missing()
     if not lacking:

@@ -7,7 +7,8 @@ import importlib.util
 
 import pytest
 
-from engines import tensorrt_rtx_build, tensorrt_rtx_runner
+from engines.tensorrt_rtx import build as tensorrt_rtx_build
+from engines.tensorrt_rtx import runner as tensorrt_rtx_runner
 
 
 @pytest.fixture()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engines.cuda_quant import (
+from engines.pytorch.cuda_quant import (
     Fp8Linear,
     Int4Linear,
     int4_dequantize,

@@ -25,15 +25,15 @@ def tiny_llm(tmp_path_factory) -> Path:
 def tiny_torch(tiny_llm):
     from transformers import AutoModelForCausalLM
 
-    from engines.pytorch_runner import TorchLM
+    from engines.pytorch.runner import TorchLM
 
     return TorchLM(AutoModelForCausalLM.from_pretrained(str(tiny_llm), attn_implementation="sdpa"))
 
 
 @pytest.fixture(scope="module")
 def tiny_genai_fp32(tiny_llm, tmp_path_factory):
-    from engines.genai_build import build
-    from engines.genai_runner import GenAIRunner
+    from engines.onnxruntime_genai.build import build
+    from engines.onnxruntime_genai.runner import GenAIRunner
 
     out = tmp_path_factory.mktemp("genai") / "fp32"
     build(tiny_llm, out, "fp32", "cpu", [], out.parent / "cache")
@@ -228,8 +228,8 @@ def test_llm_recipes_compose():
 )
 def test_modelopt_methods_on_tiny_model(name, tiny_llm, tiny_torch, tmp_path):
     pytest.importorskip("modelopt.torch.quantization")
-    from engines.modelopt_runner import load_modelopt_runner
-    from engines.pytorch_runner import TorchLM
+    from engines.pytorch.modelopt_runner import load_modelopt_runner
+    from engines.pytorch.runner import TorchLM
     from optimize.compile.modelopt_checkpoint import CheckpointConfig, modelopt_checkpoint
     from optimize.context import Model
     from optimize.registry import build_config, get

@@ -196,7 +196,7 @@ def auto_generation_ms(metrics: dict) -> float:
 def test_an_openvino_engine_this_machine_cannot_run_is_refused_before_any_weights_load(monkeypatch):
     import importlib.util
 
-    from engines import openvino_runner
+    from engines.openvino import runner as openvino_runner
 
     method = get("engine", "openvino")
     monkeypatch.setattr(openvino_runner, "missing_cpu_features", lambda precision: ["avx512_bf16 or amx_bf16"])

@@ -251,7 +251,7 @@ def tiny_llm(tmp_path_factory) -> Path:
 def test_a_causal_lm_bundle_generates_as_the_server_does_with_onnxruntime_genai_and_numpy_only(tiny_llm, tmp_path):
     from engines import load_engine
     from engines.artifact import read_manifest
-    from engines.genai_runner import Sampling
+    from engines.onnxruntime_genai.runner import Sampling
 
     bundle = tmp_path / "bundle"
     proc = export(tiny_llm, "--bundle", bundle)

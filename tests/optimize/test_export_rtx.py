@@ -73,7 +73,7 @@ def test_the_plan_bundle_carries_the_plan_and_its_runner(rtx_artifact, tmp_path)
     assert requirements[2].startswith("tokenizers==") and requirements[3].startswith("numpy==")
     assert python("-m", "optimize.verify", bundle).returncode == 0
     # -I: no project on the path; without an RTX GPU (or cuda-python) run.py says what is missing.
-    from engines.tensorrt_rtx_runner import missing
+    from engines.tensorrt_rtx.runner import missing
 
     if missing():
         ran = python("-I", bundle / "run.py", *TEXTS)

@@ -149,7 +149,7 @@ def test_overlap_drop_is_recorded(tmp_path):
 
 
 def test_gpu_recipe_without_gpu_exits_2_naming_what_is_missing(tmp_path):
-    from engines.ort_providers import missing_for
+    from engines.onnxruntime.providers import missing_for
 
     if not missing_for("TensorrtExecutionProvider"):
         pytest.skip("this machine has a GPU with TensorRT")

@@ -45,7 +45,7 @@ def _ids(folder: Path) -> list[int]:
 def _torch(folder: Path, **kwargs):
     from transformers import AutoModelForCausalLM
 
-    from engines.pytorch_runner import TorchLM
+    from engines.pytorch.runner import TorchLM
 
     return TorchLM(AutoModelForCausalLM.from_pretrained(str(folder), **kwargs))
 
@@ -79,8 +79,8 @@ def test_genai_fp32_scores_like_transformers(arch, folders, tmp_path):
     from transformers import AutoConfig
 
     from engines import lm_archs
-    from engines.genai_build import build
-    from engines.genai_runner import GenAIRunner
+    from engines.onnxruntime_genai.build import build
+    from engines.onnxruntime_genai.runner import GenAIRunner
 
     folder = folders(arch)
     ids = _ids(folder)
@@ -97,8 +97,8 @@ def test_openvino_genai_fp32_scores_like_transformers(arch, folders, tmp_path):
     from transformers import AutoConfig
 
     from engines import lm_archs
-    from engines.openvino_genai_build import export_stateful_lm
-    from engines.openvino_genai_runner import OVGenAIRunner
+    from engines.openvino.genai_build import export_stateful_lm
+    from engines.openvino.genai_runner import OVGenAIRunner
 
     folder = folders(arch)
     ids = _ids(folder)
@@ -171,7 +171,7 @@ def test_the_architecture_table_refuses_in_one_line():
 def test_builder_config_writes_what_the_genai_builder_reads():
     """Transformers 5 nests Gemma 3's rope per layer type; the builder reads a flat rope_type and
     rope_local_base_freq (the reported KeyError: 'rope_type'), and Mistral's window per layer."""
-    from engines.genai_build import builder_config
+    from engines.onnxruntime_genai.build import builder_config
     from tests.support.tiny_archs import tiny_config
 
     gemma3 = builder_config(tiny_config("gemma3", 512))

@@ -76,7 +76,7 @@ def _build(model: Model, ctx, **params):
 def _cosines(built, source: Model, ctx) -> np.ndarray:
     """Per item: the built engine's embedding against the FP32 source's (ONNX Runtime)."""
     from engines import load_engine
-    from engines.onnxruntime_runner import OrtRunner
+    from engines.onnxruntime.runner import OrtRunner
 
     inputs = ctx.calibration_inputs(len(ctx.calibration().items))
     got = load_engine(built.engine_dir, built.engine, threads=1)(inputs)["sentence_embedding"]

@@ -33,9 +33,9 @@ def bert_outputs(module, texts=("a b c", "d e f g")):
 def test_structured_bert_shrinks_depth_heads_and_ffn_and_exports(tmp_path):
     import numpy as np
 
-    from engines.onnx_export import export
-    from engines.onnxruntime_runner import OrtRunner
-    from engines.pytorch_runner import sentence_embedding_module
+    from engines.onnxruntime.export import export
+    from engines.onnxruntime.runner import OrtRunner
+    from engines.pytorch.runner import sentence_embedding_module
 
     teacher = tiny_bert()
     out, ctx = structured(teacher, tmp_path, layers=2, heads=2, ffn_ratio=0.5)

@@ -56,7 +56,7 @@ def _run(method: str, model, ctx, **params):
 
 
 def _outputs(path: Path, x: np.ndarray) -> np.ndarray:
-    from engines.onnxruntime_runner import OrtRunner
+    from engines.onnxruntime.runner import OrtRunner
 
     return OrtRunner(path, threads=1)({"x": x})["y"]
 
@@ -130,7 +130,7 @@ def test_fp16_on_cpu_converts_weights(mlp, tmp_path):
 
 
 def test_fp16_for_a_missing_gpu_provider_is_one_clear_error():
-    from engines.ort_providers import missing_for
+    from engines.onnxruntime.providers import missing_for
 
     if not missing_for("TensorrtExecutionProvider"):
         pytest.skip("this machine has a GPU with TensorRT")

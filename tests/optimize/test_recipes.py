@@ -26,7 +26,7 @@ def expected_refusal(name: str) -> str | None:
     if name == "minilm_fp16_trt":
         import onnxruntime as ort
 
-        from engines.ort_providers import missing_for
+        from engines.onnxruntime.providers import missing_for
 
         missing = missing_for("TensorrtExecutionProvider")
         if not missing:
@@ -50,7 +50,7 @@ def expected_refusal(name: str) -> str | None:
             return "engine.params.tensorrt=true needs CUDA and TensorRT: the tensorrt package is not installed"
         return None
     if name == "smollm2_bf16_gpu":
-        from engines.torch_cuda_runner import cuda_missing
+        from engines.pytorch.cuda_runner import cuda_missing
 
         missing = cuda_missing("bf16")
         return f"engine.method=torch_cuda needs {missing}" if missing else None

@@ -273,9 +273,9 @@ def test_genai_and_torch_runners_tell_the_same_reads(tmp_path):
     builder reads the torch parameters plus one row each of the rotary cos/sin caches."""
     from transformers import AutoModelForCausalLM
 
-    from engines.genai_build import build
-    from engines.genai_runner import GenAIRunner
-    from engines.pytorch_runner import TorchLM
+    from engines.onnxruntime_genai.build import build
+    from engines.onnxruntime_genai.runner import GenAIRunner
+    from engines.pytorch.runner import TorchLM
     from tests.support.models import tiny_llama_folder
 
     src = tiny_llama_folder(tmp_path / "src")

@@ -14,7 +14,7 @@ import json, sys
 import serve, serve.__main__, serve.app, serve.kserve_routes, serve.openai_routes, serve.batching
 import serve.encoder, serve.llm, serve.llm_service, serve.stops, serve.metrics, serve.openapi, serve.protocol
 import serve.body, serve.config, serve.spec, serve.misc_routes, serve.predict_routes, engines.generation
-import engines.genai_runner
+import engines.onnxruntime_genai.runner
 from pathlib import Path
 from serve.app import create_app, load_model_for
 app = create_app(Path(sys.argv[1]))

@@ -143,7 +143,7 @@ def slow_generation(delay_s: float) -> None:
     the tiny test LLM writes a whole stream in milliseconds, too fast for a client to leave in the
     middle of one or for a stream to outlast a deadline. Continuous batching: every engine step
     takes that much longer, so every stream's tokens come that far apart."""
-    from engines.genai_runner import GenAIRunner
+    from engines.onnxruntime_genai.runner import GenAIRunner
 
     def slowed(generate):
         def slowed_generate(self, *args, **kwargs):
@@ -154,7 +154,7 @@ def slow_generation(delay_s: float) -> None:
         return slowed_generate
 
     GenAIRunner.generate = slowed(GenAIRunner.generate)  # type: ignore[method-assign]
-    from engines.genai_runner import GenAIBatchEngine
+    from engines.onnxruntime_genai.batch import GenAIBatchEngine
 
     genai_step = GenAIBatchEngine.step
 
@@ -164,8 +164,8 @@ def slow_generation(delay_s: float) -> None:
 
     GenAIBatchEngine.step = slowed_genai_step  # type: ignore[method-assign]
     with contextlib.suppress(ImportError):
-        from engines.openvino_genai_batch import OVGenAIBatchEngine
-        from engines.openvino_genai_runner import OVGenAIRunner
+        from engines.openvino.genai_batch import OVGenAIBatchEngine
+        from engines.openvino.genai_runner import OVGenAIRunner
 
         OVGenAIRunner.generate = slowed(OVGenAIRunner.generate)  # type: ignore[method-assign]
         step = OVGenAIBatchEngine.step

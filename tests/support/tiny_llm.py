@@ -81,8 +81,8 @@ def build(out: Path) -> Path:
 
 
 def build_openvino(out: Path) -> Path:
-    """The same tiny Llama as OpenVINO GenAI's stateful IR (engines.openvino_genai_build), FP32."""
-    from engines.openvino_genai_build import export_stateful_lm
+    """The same tiny Llama as OpenVINO GenAI's stateful IR (engines.openvino.genai_build), FP32."""
+    from engines.openvino.genai_build import export_stateful_lm
     from tests.support.models import tiny_llama_folder
 
     artifact = Path(out)

@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any, Optional
 
-from engines.onnx_export import copy_onnx
+from engines.onnxruntime.export import copy_onnx
 from optimize.compile.race import cache
 from optimize.compile.race.entry import Entry
 from optimize.errors import RecipeError

@@ -12,7 +12,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from engines.onnx_export import copy_onnx
+from engines.onnxruntime.export import copy_onnx
 from optimize.compile.race.candidates import Candidate
 
 

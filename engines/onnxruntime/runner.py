@@ -6,7 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.ort_providers import ProviderFallback
+from engines.onnxruntime.providers import ProviderFallback
 
 # ONNX element types as numpy dtypes, for feeding inputs the graph accepts.
 _ORT_DTYPES = {
@@ -53,7 +53,7 @@ class OrtRunner:
     ):
         import onnxruntime as ort
 
-        from engines.ort_providers import check_active, provider_options
+        from engines.onnxruntime.providers import check_active, provider_options
 
         self.path = Path(model_path)
         available = ort.get_available_providers()

@@ -3,7 +3,7 @@
 TensorRT-RTX builds without a GPU (the builder, the ONNX parser and build_serialized_network all run
 on a CPU); only loading the plan needs an RTX-class GPU. Native TensorRT code can abort the whole
 process (standard TensorRT does when it finds no CUDA device), so the build runs in a child
-interpreter: `python -m engines.tensorrt_rtx_build REQUEST.json` reads what to build and writes a
+interpreter: `python -m engines.tensorrt_rtx.build REQUEST.json` reads what to build and writes a
 JSON report beside the plan. The parent reads the report; a crash of the child is one line, never
 the parent's death.
 
@@ -73,7 +73,7 @@ def build_plan(
     request_path.write_text(json.dumps(request))
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "engines.tensorrt_rtx_build", str(request_path)],
+            [sys.executable, "-m", "engines.tensorrt_rtx.build", str(request_path)],
             capture_output=True,
             text=True,
             timeout=timeout_s,

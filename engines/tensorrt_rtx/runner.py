@@ -1,4 +1,4 @@
-"""TensorRT-RTX plan Runner: a plan built ahead of time (engines/tensorrt_rtx_build.py) run on an
+"""TensorRT-RTX plan Runner: a plan built ahead of time (engines/tensorrt_rtx/build.py) run on an
 RTX-class NVIDIA GPU, with device memory from cuda-python's CUDA runtime bindings.
 
 This file needs only the standard library and numpy until a plan loads (tensorrt_rtx and cuda-python

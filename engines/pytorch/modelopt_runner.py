@@ -17,7 +17,7 @@ def load_modelopt_runner(root: Path, engine: dict, threads: int = 0, spinning: b
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engines.pytorch_runner import TorchLM
+    from engines.pytorch.runner import TorchLM
 
     folder = Path(root) / engine.get("dir", "modelopt")
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(folder)), dtype=torch.float32)

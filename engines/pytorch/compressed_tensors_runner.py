@@ -15,7 +15,7 @@ def load_ct_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from engines.pytorch_runner import TorchLM
+    from engines.pytorch.runner import TorchLM
 
     folder = Path(root) / engine.get("dir", "checkpoint")
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)

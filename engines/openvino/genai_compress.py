@@ -1,5 +1,5 @@
 """NNCF weight-only compression (INT4/INT8) of an OpenVINO GenAI causal-LM IR (the stateful IR that
-engines/openvino_genai_build.py writes), and a summary of which weights ended at which precision."""
+engines/openvino/genai_build.py writes), and a summary of which weights ended at which precision."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from engines.openvino_genai_build import IR_FILE
+from engines.openvino.genai_build import IR_FILE
 
 WEIGHT_FORMATS = ("int4_sym", "int4_asym", "int8_asym")
 
@@ -56,7 +56,7 @@ def compress_weights(
     precision) to INT8 per channel; int8_asym quantizes every weight to INT8 per channel. awq,
     scale_estimation and gptq are data-aware and need `calibration_batches` (see calibration_inputs).
     The other files in xml's folder (tokenizer, configs) are copied when out_dir differs."""
-    from engines.openvino_build import no_telemetry
+    from engines.openvino.build import no_telemetry
 
     no_telemetry()
     import nncf
@@ -125,7 +125,7 @@ _PRECISION_NAMES = {
 
 def weight_precision(xml: str | Path) -> dict:
     """Which weights ended at which precision, {precision: {count, nodes}} (the shape of
-    engines.genai_build.weight_precision): every MatMul and Gather (the embedding) whose weight input
+    engines.onnxruntime_genai.build.weight_precision): every MatMul and Gather (the embedding) whose weight input
     is a constant, by the element type of that constant (u4/i4 -> int4, u8/i8 -> int8, else float);
     nodes are named like 'layers.3/self_attn/q_proj' or 'lm_head'."""
     import openvino as ov

@@ -1,15 +1,16 @@
 """OpenVINO GenAI runner for causal LMs: a ScoringGenerator (engines/generation.py), as
-engines.genai_runner.GenAIRunner is, so the causal-LM evaluation (optimize/tasks) and serve/ use either unchanged.
+engines.onnxruntime_genai.runner.GenAIRunner is, so the causal-LM evaluation (optimize/tasks) and serve/
+use either unchanged.
 
 A causal-LM artifact's engine block reads {"format": "openvino-genai", "dir": SUBDIR,
 "inference_precision": "f32" | "bf16", "kv_cache_precision": ..., "task": "causal_lm"}; SUBDIR holds
 the stateful IR (openvino_model.xml), openvino_tokenizer.xml / openvino_detokenizer.xml and the
-Hugging Face config files (engines/openvino_genai_build.py writes them).
+Hugging Face config files (engines/openvino/genai_build.py writes them).
 
 Generation runs through `openvino_genai.LLMPipeline` (a streamer receives each token as it is
 produced). Scoring (logits, log_likelihood) runs the same IR compiled with the same CPU properties,
 directly: state reset, the whole sequence in one forward pass, logits read back. (Many generations
-at once, continuous batching: engines/openvino_genai_batch.py.) Every numeric
+at once, continuous batching: engines/openvino/genai_batch.py.) Every numeric
 property is set explicitly: the CPU plugin otherwise computes in bf16 on bf16 CPUs and stores the KV
 cache in u8, and an artifact measured as FP32 must run as FP32. Torch-free: serve/ uses this directly.
 """
@@ -27,7 +28,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 
 from engines.generation import FALLBACK_CHAT_TEMPLATE, Sampling, ScoringGenerator, refuse_unhonoured, token_logprobs
-from engines.openvino_runner import PRECISIONS, compile_properties, require_cpu_features
+from engines.openvino.runner import PRECISIONS, compile_properties, require_cpu_features
 
 ENGINE = "openvino-genai"
 IR_FILE = "openvino_model.xml"

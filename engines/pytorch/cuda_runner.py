@@ -1,5 +1,5 @@
 """The torch_cuda engine's runners: the pipeline's Hugging Face model on one NVIDIA GPU in bf16,
-its Linears optionally swapped for FP8 or INT4 weight-only ones (engines/cuda_quant.py), compiled
+its Linears optionally swapped for FP8 or INT4 weight-only ones (engines/pytorch/cuda_quant.py), compiled
 with torch.compile mode="reduce-overhead" (CUDA graphs). A causal LM decodes with a static KV cache,
 the shape CUDA graphs need, which `generate` compiles on its own with the CompileConfig given here.
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.pytorch_runner import ENCODER_INPUTS, TorchLM, load_hf_model, read_pooling, sentence_embedding_module
+from engines.pytorch.runner import ENCODER_INPUTS, TorchLM, load_hf_model, read_pooling, sentence_embedding_module
 
 FP8_MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (8.9) and Hopper (9.0) onwards
 
@@ -41,7 +41,7 @@ def prepare(model, precision: str, group_size: int):
     """The model on the GPU in bf16 with its Linears swapped; returns (model, swap record)."""
     import torch
 
-    from engines.cuda_quant import swap_linears
+    from engines.pytorch.cuda_quant import swap_linears
 
     model = model.to(device="cuda", dtype=torch.bfloat16).eval()
     return model, swap_linears(model, precision, group_size)
@@ -111,7 +111,7 @@ class CudaLM(TorchLM):
         """perf_counter() at each new token, taken after the GPU has finished it."""
         import torch
 
-        from engines.pytorch_runner import token_stamps
+        from engines.pytorch.runner import token_stamps
 
         stamps = token_stamps(torch.cuda.synchronize)
         self._generate(prompt_ids, new_tokens, stamps)

@@ -1,6 +1,6 @@
 """OpenVINO GenAI continuous batching for causal LMs: many generations at once, scheduled by the
 engine (what serve runs when it takes several requests at once). The one-at-a-time runner, and what
-both share (tokenizer, chat template, generation settings, CPU properties): engines/openvino_genai_runner.py.
+both share (tokenizer, chat template, generation settings, CPU properties): engines/openvino/genai_runner.py.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from engines.generation import BatchEngine, BatchSettings, Sampling
-from engines.openvino_genai_runner import OVGenAIText, engine_settings, runner_properties
-from engines.openvino_runner import PRECISIONS
+from engines.openvino.genai_runner import OVGenAIText, engine_settings, runner_properties
+from engines.openvino.runner import PRECISIONS
 
 # Tokens per KV-cache block of the CPU plugin's paged attention (what the continuous-batching
 # pipeline allocates and frees); measured on this OpenVINO GenAI: 8 blocks hold 256 tokens.

@@ -1,6 +1,6 @@
 """Building OpenVINO GenAI causal-LM folders: a Hugging Face Llama-style model -> a stateful IR with its
 KV cache held inside the model (what `openvino_genai.LLMPipeline` runs), the OpenVINO tokenizer and
-detokenizer, the config files the pipeline reads (NNCF weight compression is engines/openvino_genai_compress.py).
+detokenizer, the config files the pipeline reads (NNCF weight compression is engines/openvino/genai_compress.py).
 Pure functions over folders; the pipeline decides what to build and records it.
 
 The IR's interface is the one LLMPipeline expects (and optimum-intel writes): inputs input_ids,
@@ -261,7 +261,7 @@ def export_stateful_lm(hf_folder: str | Path, out_dir: str | Path) -> Path:
     """A Hugging Face causal-LM folder (Llama-style, loaded in FP32 with SDPA attention) -> out_dir
     holding the stateful FP32 IR, the OpenVINO tokenizer/detokenizer and the config files that
     `openvino_genai.LLMPipeline(out_dir, "CPU")` reads. Returns the IR's path."""
-    from engines.openvino_build import no_telemetry
+    from engines.openvino.build import no_telemetry
 
     no_telemetry()
     hf_folder, out_dir = Path(hf_folder), Path(out_dir)

@@ -1,175 +1,18 @@
-"""ONNX Runtime GenAI runner for causal LMs: prompt in, tokens out, one token at a time.
-
-A causal-LM artifact's engine block reads {"format": "onnxruntime-genai", "dir": SUBDIR, "task":
-"causal_lm", ...}; SUBDIR holds genai_config.json, the ONNX decoder with its KV cache, and the
-tokenizer files the GenAI builder writes. Torch-free: serve/ uses this directly.
+"""ONNX Runtime GenAI's Engine for causal LMs: many generations at once (what serve runs when it
+takes several requests at once). On a CPU model it batches statically; the one-at-a-time runner it
+builds on is engines/onnxruntime_genai/runner.py. Torch-free: serve/ uses this directly.
 """
 
 from __future__ import annotations
 
-import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 
-from engines.generation import (
-    FALLBACK_CHAT_TEMPLATE,
-    BatchEngine,
-    BatchSettings,
-    Sampling,
-    ScoringGenerator,
-    StaticBatchEngine,
-    refuse_unhonoured,
-    token_logprobs,
-)
-from engines.hardware import usable_cores
-
-ENGINE = "onnxruntime-genai"
-
-
-def genai_dir(root: Path, engine: dict) -> Path:
-    return root / engine.get("dir", ".")
-
-
-class GenAIRunner:
-    # The Runner contract: {"input_ids": [B, T]} -> {"logits": [B, T, vocab]} (see __call__).
-    input_names = ["input_ids"]
-    output_names = ["logits"]
-
-    def __init__(self, model_dir: str | Path, threads: int = 0, providers: list[str] | None = None):
-        try:
-            import onnxruntime_genai as og
-        except ImportError:
-            raise RuntimeError("causal-LM artifacts need onnxruntime-genai: pip install onnxruntime-genai") from None
-        self.og = og
-        self.dir = Path(model_dir)
-        settings = json.loads((self.dir / "genai_config.json").read_text())["model"]
-        self.context_length = int(settings.get("context_length") or 2048)
-        self.vocab_size = int(settings.get("vocab_size") or 0)
-        config = og.Config(str(self.dir))
-        # The decoder's intra-op threads, always set: left to ONNX Runtime GenAI's default, SmolLM2 INT4
-        # decoded at 151 tok/s with a 94 ms first token on a 2-core AMD EPYC, against 229 tok/s and
-        # 57 ms with the thread count set to the 2 cores. threads=0 means every core this process may use.
-        threads = threads or usable_cores()
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {"intra_op_num_threads": threads}}}}))
-        self.model = og.Model(config)
-        self.tokenizer = og.Tokenizer(self.model)
-        self.eos_token_ids = set(int(t) for t in self.tokenizer.eos_token_ids)
-
-    def encode(self, text: str) -> list[int]:
-        return [int(t) for t in self.tokenizer.encode(text)]
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids)
-
-    def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The model's own chat template when it has one, a plain role-tagged one otherwise."""
-        payload = json.dumps(messages)
-        extra = {"tools": json.dumps(tools)} if tools else {}
-        try:
-            return self.tokenizer.apply_chat_template(payload, add_generation_prompt=True, **extra)
-        except Exception:  # no template in the folder (GenAI raises a generic error)
-            return self.tokenizer.apply_chat_template(
-                payload, template_str=FALLBACK_CHAT_TEMPLATE, add_generation_prompt=True, **extra
-            )
-
-    def generate(
-        self, prompt_ids: list[int], sampling: Sampling, cancelled: Callable[[], bool] = lambda: False
-    ) -> Iterator[tuple[int, str]]:
-        """Yield (token id, text piece) until EOS, max_new_tokens, the context end, or cancellation."""
-        refuse_unhonoured(sampling, ENGINE)
-        params = self.og.GeneratorParams(self.model)
-        params.set_search_options(**self.search_options(len(prompt_ids), sampling))
-        generator = self.og.Generator(self.model, params)
-        generator.append_tokens(prompt_ids)
-        stream = self.tokenizer.create_stream()
-        produced = 0
-        while produced < sampling.max_new_tokens and not generator.is_done() and not cancelled():
-            generator.generate_next_token()
-            token = int(generator.get_next_tokens()[0])
-            produced += 1
-            if token in self.eos_token_ids:
-                return
-            yield token, stream.decode(token)
-
-    def search_options(self, prompt_length: int, sampling: Sampling) -> dict:
-        options: dict[str, Any] = {
-            "max_length": min(self.context_length, prompt_length + sampling.max_new_tokens),
-            "do_sample": sampling.temperature > 0,
-        }
-        if sampling.temperature > 0:
-            # OpenAI semantics: temperature and top_p only, so top-k must not cut anything.
-            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=self.vocab_size or 1 << 20)
-            if sampling.seed is not None:
-                options["random_seed"] = sampling.seed
-        return options
-
-    # What one decode step reads from memory, for the report's roofline (optimize/evaluate/roofline.py).
-
-    def weight_bytes_per_token(self):
-        """Bytes of weights read per generated token: the decoder's ONNX initializers as stored
-        (MatMulNBits packed weights, scales, zero points), gathered tables one row per token."""
-        from engines.weights import onnx_weight_bytes
-
-        return onnx_weight_bytes(self._decoder_path())
-
-    def kv_shape(self):
-        """Layers, KV heads, head size (genai_config.json) and KV element bytes (the ONNX past inputs)."""
-        from engines.weights import kv_shape_from_genai_config, onnx_kv_dtype_bytes
-
-        config = json.loads((self.dir / "genai_config.json").read_text())
-        return kv_shape_from_genai_config(config, onnx_kv_dtype_bytes(self._decoder_path()) or 4)
-
-    def _decoder_path(self) -> Path:
-        config = json.loads((self.dir / "genai_config.json").read_text())
-        return self.dir / config["model"]["decoder"].get("filename", "model.onnx")
-
-    # Scoring and timing, used by the pipeline's causal-LM evaluation (optimize/evaluate/generation.py).
-
-    def _generator(self, max_length: int, min_length: int = 0):
-        params = self.og.GeneratorParams(self.model)
-        params.set_search_options(
-            do_sample=False, max_length=min(max_length, self.context_length), min_length=min_length
-        )
-        return self.og.Generator(self.model, params)
-
-    def logits(self, ids) -> np.ndarray:
-        """Logits at every position of one sequence, in one forward pass: [T, vocab]."""
-        ids = np.asarray(ids, dtype=np.int32)
-        generator = self._generator(len(ids) + 1)
-        generator.append_tokens(ids)
-        return np.asarray(generator.get_output("logits"))[0, : len(ids)]
-
-    def log_likelihood(self, ids, start: int = 1) -> np.ndarray:
-        """log p(token i | the tokens before it) for each i >= start (start >= 1)."""
-        return token_logprobs(self.logits(ids), ids)[start - 1 :]
-
-    def __call__(self, inputs: dict) -> dict:
-        return {"logits": np.stack([self.logits(row) for row in inputs["input_ids"]]).astype(np.float32)}
-
-    def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
-        """Greedy decoding of exactly `new_tokens` tokens (EOS may not end it early): perf_counter()
-        after each token. The prefill runs inside this call, so [0] minus the caller's start is the time
-        to first token."""
-        prompt_ids = np.asarray(prompt_ids, dtype=np.int32)
-        generator = self._generator(len(prompt_ids) + new_tokens, min_length=len(prompt_ids) + new_tokens)
-        generator.append_tokens(prompt_ids)
-        stamps = []
-        for _ in range(new_tokens):
-            generator.generate_next_token()
-            stamps.append(time.perf_counter())
-        return stamps
-
-
-def load_genai_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> GenAIRunner:
-    """Runner from an engine block: {'format': 'onnxruntime-genai', 'dir': SUBDIR, ...}."""
-    return GenAIRunner(genai_dir(Path(root), engine), threads=threads, providers=engine.get("providers"))
-
-
-# --- many generations at once: onnxruntime-genai's Engine --------------------------------------------
+from engines.generation import BatchEngine, BatchSettings, Sampling, StaticBatchEngine, refuse_unhonoured
+from engines.onnxruntime_genai.runner import ENGINE, GenAIRunner, genai_dir
 
 # What onnxruntime-genai 0.18's Engine does with a model built without PagedAttention (every CPU
 # build: its builder makes PagedAttention models for CUDA and WebGPU only): static batching. Up to
@@ -395,7 +238,6 @@ def load_genai_batch_engine(
     return GenAIBatchEngine(genai_dir(Path(root), engine), settings, threads=threads)
 
 
-# mypy checks that both classes implement the generation interface (engines/generation.py).
-_generator: type[ScoringGenerator] = GenAIRunner
+# mypy checks that the class implements the generation interface (engines/generation.py).
 _batch_engine: type[BatchEngine] = GenAIBatchEngine
 _static_batch_engine: type[StaticBatchEngine] = GenAIBatchEngine

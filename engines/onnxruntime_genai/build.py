@@ -25,7 +25,7 @@ def build(
     command = [
         sys.executable,
         "-m",
-        "engines.genai_build",  # the builder, reading transformers-5 configs (builder_config below)
+        "engines.onnxruntime_genai.build",  # the builder, reading transformers-5 configs (builder_config below)
         "-i",
         str(source_dir),
         "-m",
@@ -117,7 +117,7 @@ def builder_config(config: Any) -> Any:
 
 
 def _run_builder() -> None:
-    """python -m engines.genai_build ARGS: the builder's command line, on configs adapted as above."""
+    """python -m engines.onnxruntime_genai.build ARGS: the builder's command line, on configs adapted as above."""
     import runpy
 
     from transformers import AutoConfig

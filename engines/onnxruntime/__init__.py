@@ -1,0 +1,1 @@
+"""ONNX Runtime: the PyTorch -> ONNX export, graph fusion, execution providers and the ONNX Runtime runner."""

@@ -1,0 +1,1 @@
+"""OpenVINO and OpenVINO GenAI: IR and NNCF builds, the IR runner, the GenAI causal-LM builds and runners."""
