@@ -105,10 +105,10 @@ def tree(tmp_path, monkeypatch):
 
 def test_a_module_moved_into_a_new_package_makes_the_layout_stale(docs, tree, capsys):
     assert docs_tables.main(["--check", "--docs", str(docs)]) == 0
-    runtime = tree / "engines" / "onnxruntime"
+    runtime = tree / "engines" / "example_runtime"
     runtime.mkdir()
-    (runtime / "__init__.py").write_text('"""ONNX Runtime: its runner. More detail here."""\n')
-    (tree / "engines" / "onnxruntime_runner.py").rename(runtime / "runner.py")
+    (runtime / "__init__.py").write_text('"""An example runtime: its runner. More detail here."""\n')
+    (tree / "engines" / "onnxruntime" / "runner.py").rename(runtime / "runner.py")
     assert docs_tables.main(["--check", "--docs", str(docs)]) == 1
     assert (
         capsys.readouterr().err.strip()
@@ -117,8 +117,12 @@ def test_a_module_moved_into_a_new_package_makes_the_layout_stale(docs, tree, ca
 
     assert docs_tables.main(["--docs", str(docs)]) == 0
     layout = (docs / "design.md").read_text()
-    assert "| **`engines/onnxruntime/`** | ONNX Runtime: its runner. |\n| `runner` | ONNX Runtime Runner. |" in layout
-    assert "| `onnxruntime_runner` |" not in layout
+    assert (
+        "| **`engines/example_runtime/`** | An example runtime: its runner. |\n| `runner` | ONNX Runtime Runner. |"
+        in layout
+    )
+    onnxruntime = layout.split("| **`engines/onnxruntime/`** |")[1].split("| **`")[0]
+    assert "| `runner` |" not in onnxruntime and "| `export` |" in onnxruntime
 
 
 def test_a_renamed_contract_makes_the_contracts_list_stale(docs, tree, capsys):
