@@ -46,6 +46,13 @@ class EngineFormat:
     batching: Literal["continuous", "static", "none"] = "none"
     batch_loader: str | None = None
     seed_range: tuple[int, int] = INT31_SEEDS  # the seeds a request may ask for
+    # The platform name KServe v2 / Triton clients read in the model's metadata and configuration
+    # (Triton's own names where it has one); None: the format's name.
+    kserve_platform: str | None = None
+
+    @property
+    def platform(self) -> str:
+        return self.kserve_platform or self.name
 
     def load(self, root, engine: dict, threads: int = 0, spinning: bool = True):
         return _function(self.loader)(root, engine, threads=threads, spinning=spinning)
@@ -64,7 +71,13 @@ def _function(path: str) -> Callable:
 FORMATS: dict[str, EngineFormat] = {
     f.name: f
     for f in (
-        EngineFormat(ONNXRUNTIME, "engines.onnxruntime.runner:load_ort_runner", ("onnxruntime",), "encoder"),
+        EngineFormat(
+            ONNXRUNTIME,
+            "engines.onnxruntime.runner:load_ort_runner",
+            ("onnxruntime",),
+            "encoder",
+            kserve_platform="onnxruntime_onnx",
+        ),
         # On a CPU model (no PagedAttention) its Engine batches statically
         # (engines/onnxruntime_genai/runner.py says why).
         EngineFormat(
@@ -75,6 +88,7 @@ FORMATS: dict[str, EngineFormat] = {
             batching="static",
             batch_loader="engines.onnxruntime_genai.batch:load_genai_batch_engine",
             seed_range=INT31_SEEDS,
+            kserve_platform="onnxruntime_genai",
         ),
         EngineFormat(PYTORCH, "engines.pytorch.runner:load_pytorch_runner", ("torch",), None),
         EngineFormat(MODELOPT_TORCH, "engines.pytorch.modelopt_runner:load_modelopt_runner", ("torch",), None),

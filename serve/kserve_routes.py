@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from engines import formats
 from serve.body import arriving, read_body
 from serve.errors import HTTPError, not_found, too_large_batch, unprocessable
 from serve.jsonbody import FastJSONResponse, array
@@ -99,9 +100,9 @@ async def model_metadata(request: Request) -> JSONResponse:
 
 
 def platform(state) -> str:
-    return {"onnxruntime": "onnxruntime_onnx", "onnxruntime-genai": "onnxruntime_genai"}.get(
-        state.engine.get("format"), str(state.engine.get("format"))
-    )
+    """The engine's platform name, as its format's row gives it."""
+    row = formats.FORMATS.get(state.engine.get("format") or "")
+    return row.platform if row else str(state.engine.get("format"))
 
 
 def tensor_metadata(state) -> tuple[list[dict], list[dict]]:
