@@ -1,7 +1,5 @@
 """The engine race: its choice (accuracy first, then speed), its cache, and its refusals."""
 
-from types import SimpleNamespace
-
 import pytest
 from omegaconf import OmegaConf
 
@@ -26,7 +24,7 @@ def _entry(name: str, cosine_min: float, p50: float) -> Entry:
     return entry
 
 
-def _ctx(batches=None, **gate):
+def _recipe(batches=None, **gate):
     thresholds = {
         "min_cosine": None,
         "min_mean_cosine": None,
@@ -39,22 +37,22 @@ def _ctx(batches=None, **gate):
         **gate,
     }
     cfg = {"gate": thresholds, "evaluate": {"batch_sizes": [1, 32]}, "workload": {"batches": batches}}
-    return SimpleNamespace(cfg=OmegaConf.create(cfg))
+    return OmegaConf.create(cfg)
 
 
 def _thresholds(cfg) -> dict:
     return untimed_thresholds(recipe_dict(cfg.gate))
 
 
-def _choose(entries, ctx, baseline=None):
+def _choose(entries, recipe, baseline=None):
     """The race's choice with the workload the recipe resolves to (one point unless it declares more)."""
     base = baseline or {"1": 10.0, "32": 300.0}
-    return choice.choose(entries, workload.resolve(ctx.cfg), base, _thresholds(ctx.cfg))
+    return choice.choose(entries, workload.resolve(recipe), base, _thresholds(recipe))
 
 
 def test_a_candidate_that_fails_accuracy_is_never_shipped_however_fast():
     entries = [_entry("fast_but_wrong", 0.95, 1.0), _entry("slow", 0.999, 9.0), _entry("middle", 0.995, 4.0)]
-    winner = _choose(entries, _ctx(min_cosine=0.99, min_speedup=1.5))
+    winner = _choose(entries, _recipe(min_cosine=0.99, min_speedup=1.5))
     assert winner.name == "middle"
     assert entries[0].outcome == "lost: failed accuracy (min_cosine)" and not entries[0].passed
     assert entries[1].outcome == "lost: 2.25x the winner's p50 at batch 1"
@@ -63,7 +61,7 @@ def test_a_candidate_that_fails_accuracy_is_never_shipped_however_fast():
 
 def test_when_nothing_passes_the_most_accurate_ships_and_the_gate_will_say_so():
     entries = [_entry("a", 0.97, 1.0), _entry("b", 0.98, 5.0)]
-    winner = _choose(entries, _ctx(min_cosine=0.99))
+    winner = _choose(entries, _recipe(min_cosine=0.99))
     assert winner.name == "b" and not winner.passed
     assert all(e.outcome.startswith("failed accuracy") for e in entries)
 
@@ -71,7 +69,7 @@ def test_when_nothing_passes_the_most_accurate_ships_and_the_gate_will_say_so():
 def test_size_limits_are_part_of_the_race():
     entries = [_entry("big", 0.999, 1.0), _entry("small", 0.999, 2.0)]
     entries[0].size_mb = 100.0
-    assert _choose(entries, _ctx(min_cosine=0.99, max_size_mb=50)).name == "small"
+    assert _choose(entries, _recipe(min_cosine=0.99, max_size_mb=50)).name == "small"
 
 
 def test_race_config_refuses_unknown_candidates_and_stray_params():
@@ -222,7 +220,7 @@ def test_a_workload_of_one_point_races_exactly_as_before():
 
     def race(batches):
         entries = [_at("a", 4.0, 400.0), _at("b", 3.0, 500.0), _at("c", 2.0, 100.0, cosine_min=0.9)]
-        winner = _choose(entries, _ctx(batches, min_cosine=0.99, min_speedup=1.5), BASE_P50)
+        winner = _choose(entries, _recipe(batches, min_cosine=0.99, min_speedup=1.5), BASE_P50)
         return winner.name, [e.outcome for e in entries]
 
     assert (
@@ -241,7 +239,7 @@ def test_a_workload_of_one_point_races_exactly_as_before():
 
 def test_fastest_at_one_point_and_slower_than_the_baseline_at_another_does_not_ship():
     entries = [_at("spiky", 2.0, 320.0), _at("balanced", 4.0, 250.0), _at("wrong", 1.0, 50.0, cosine_min=0.9)]
-    winner = _choose(entries, _ctx([1, 32], min_cosine=0.99), BASE_P50)
+    winner = _choose(entries, _recipe([1, 32], min_cosine=0.99), BASE_P50)
     assert winner.name == "balanced" and winner.cost == pytest.approx(127.0)
     assert entries[0].slower_than_baseline_at == ["batch 32"]
     assert entries[0].outcome == "lost: slower than the baseline at batch 32"
@@ -250,14 +248,14 @@ def test_fastest_at_one_point_and_slower_than_the_baseline_at_another_does_not_s
     )
     # When every passing candidate is slower somewhere, the cheapest still ships, and says so.
     alone = [_at("spiky", 2.0, 320.0), _at("wrong", 1.0, 50.0, cosine_min=0.9)]
-    winner = _choose(alone, _ctx([1, 32], min_cosine=0.99), BASE_P50)
+    winner = _choose(alone, _recipe([1, 32], min_cosine=0.99), BASE_P50)
     assert winner.name == "spiky" and "slower than the baseline at batch 32, as every passing one" in winner.outcome
 
 
 def test_weights_decide_between_a_batch_1_and_a_batch_32_candidate():
     def winner(batches):
         entries = [_at("quick_single", 2.0, 200.0), _at("quick_batch", 5.0, 120.0)]
-        return _choose(entries, _ctx(batches, min_cosine=0.99), BASE_P50).name
+        return _choose(entries, _recipe(batches, min_cosine=0.99), BASE_P50).name
 
     assert winner({1: 0.999, 32: 0.001}) == "quick_single"
     assert winner({1: 0.7, 32: 0.3}) == "quick_batch"  # 0.7*5 + 0.3*120 = 39.5 against 61.4
@@ -266,7 +264,7 @@ def test_weights_decide_between_a_batch_1_and_a_batch_32_candidate():
 def test_within_noise_the_balanced_candidate_wins_and_the_lopsided_one_is_named():
     # Costs 101.0 and 100.5 (within 5%): "lopsided" is cheapest but 2x the best at batch 1.
     entries = [_at("even", 2.0, 200.0), _at("lopsided", 4.0, 197.0)]
-    winner = _choose(entries, _ctx([1, 32], min_cosine=0.99), BASE_P50)
+    winner = _choose(entries, _recipe([1, 32], min_cosine=0.99), BASE_P50)
     assert winner.name == "even"
     assert entries[1].outcome == (
         "lost: 1.00x the winner's weighted p50; within 5% of the winner's cost (within noise) but "
@@ -274,7 +272,7 @@ def test_within_noise_the_balanced_candidate_wins_and_the_lopsided_one_is_named(
     )
     # Out of noise, cost decides and nothing is named.
     entries = [_at("even", 2.0, 200.0), _at("lopsided", 4.0, 150.0)]
-    assert _choose(entries, _ctx([1, 32], min_cosine=0.99), BASE_P50).name == "lopsided"
+    assert _choose(entries, _recipe([1, 32], min_cosine=0.99), BASE_P50).name == "lopsided"
     assert "within noise" not in entries[0].outcome
 
 
