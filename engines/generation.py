@@ -48,13 +48,45 @@ class Sampling:
     logprobs: bool = False  # the log-probability of each generated token
     top_logprobs: int = 0  # ... and of this many most likely tokens at each position
     n: int = 1  # sequences generated from the prompt
+    top_k: int = 0  # sample from the k most likely tokens only; 0: no cut
+    min_p: float = 0.0  # drop tokens less likely than min_p x the most likely one
+    repetition_penalty: float = 1.0  # divide the logits of tokens already seen (prompt too); 1: none
+    presence_penalty: float = 0.0  # subtract from the logits of tokens generated at least once
+    frequency_penalty: float = 0.0  # ... this times the number of times each was generated
 
     def asked(self) -> list[str]:
         """The optional fields this request sets (those not at their "none" default)."""
         return [f.name for f in fields(self) if f.name in OPTIONAL_SAMPLING and getattr(self, f.name) != f.default]
 
 
-OPTIONAL_SAMPLING = ("constraint", "logprobs", "top_logprobs", "n")
+OPTIONAL_SAMPLING = (
+    "constraint",
+    "logprobs",
+    "top_logprobs",
+    "n",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """The log-probability of one generated token, and the most likely tokens at its position (most
+    likely first, as many as Sampling.top_logprobs asked and the engine gives)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def top_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
+    """A TokenLogprob from one position's logits [vocab]: the token's log softmax and the k best."""
+    logp = log_softmax(np.asarray(logits).reshape(1, -1))[0]
+    best = np.argsort(-logp, kind="stable")[:k]
+    return TokenLogprob(token, float(logp[token]), tuple((int(i), float(logp[i])) for i in best))
 
 
 class UnsupportedSampling(ValueError):
@@ -63,6 +95,12 @@ class UnsupportedSampling(ValueError):
     def __init__(self, field: str, engine: str):
         super().__init__(f"{engine} cannot honour Sampling.{field}; leave it at its default")
         self.field = field
+
+
+# An engine says what it honours with two class attributes, which serve reads before it submits a
+# request (and serve/fields.py for the field table), an engine without them honouring none:
+#   honours: tuple[str, ...]  -- the OPTIONAL_SAMPLING fields it carries out
+#   max_top_logprobs: int     -- the most alternatives per position it gives (Sampling.top_logprobs)
 
 
 def refuse_unhonoured(sampling: Sampling, engine: str, honours: tuple[str, ...] = ()) -> None:
@@ -122,9 +160,15 @@ class Generator(TextModel, Protocol):
     """One generation at a time."""
 
     def generate(
-        self, prompt_ids: list[int], sampling: Sampling, cancelled: Callable[[], bool] = ...
+        self,
+        prompt_ids: list[int],
+        sampling: Sampling,
+        cancelled: Callable[[], bool] = ...,
+        on_logprob: Callable[[TokenLogprob], None] | None = None,
     ) -> Iterator[tuple[int, str]]:
-        """Yield (token id, text piece) until EOS, max_new_tokens, the context end, or `cancelled()`."""
+        """Yield (token id, text piece) until EOS, max_new_tokens, the context end, or `cancelled()`.
+        With Sampling.logprobs (where the engine honours it), `on_logprob` is called with each
+        token's TokenLogprob before the token is yielded."""
         ...
 
 
@@ -185,6 +229,11 @@ class BatchEngine(TextModel, Protocol):
 
     def read(self, handle: Any) -> tuple[list[int], bool]:
         """The tokens `handle` produced since the last read (EOS left out), and whether it is done."""
+        ...
+
+    def read_logprobs(self, handle: Any) -> list[TokenLogprob]:
+        """The TokenLogprobs of the tokens the last read(handle) returned, one each, for a request
+        that asked for them (Sampling.logprobs, where the engine honours it); else []."""
         ...
 
 

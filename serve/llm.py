@@ -156,7 +156,46 @@ class GenerativeModel:
             raise bad_request(
                 f"'seed' must be between {low} and {high} for this model, got {request.seed}", param="seed"
             )
-        return Sampling(budget, request.temperature, request.top_p, request.seed)
+        sampling = Sampling(
+            budget,
+            request.temperature,
+            request.top_p,
+            request.seed,
+            logprobs=request.logprobs,
+            top_logprobs=request.top_logprobs,
+            top_k=request.top_k,
+            min_p=request.min_p,
+            repetition_penalty=request.repetition_penalty,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+        )
+        self.refuse_unhonoured(sampling, request)
+        return sampling
+
+    def refuse_unhonoured(self, sampling: Sampling, request: GenerationRequest) -> None:
+        """400 naming the request field of a Sampling field this engine does not honour (as the
+        engine declares it: `honours`, `max_top_logprobs`; serve/fields.py tabulates them)."""
+        from serve.fields import PARAM_OF_SAMPLING
+
+        chat = request.messages is not None
+        honours = getattr(self.runner, "honours", ())
+        for name in sampling.asked():
+            param = "logprobs" if name == "top_logprobs" and not chat else PARAM_OF_SAMPLING.get(name, name)
+            if name not in honours:
+                raise bad_request(f"{param!r} is not supported by {self.engine_mode()}", param=param)
+        limit = getattr(self.runner, "max_top_logprobs", 0)
+        if sampling.top_logprobs > limit:
+            param = "top_logprobs" if chat else "logprobs"
+            raise bad_request(
+                f"{self.engine_mode()} gives at most {limit} alternatives per token; {param!r} asked "
+                f"{sampling.top_logprobs}",
+                param=param,
+            )
+
+    def engine_mode(self) -> str:
+        """The engine as a refusal names it: its format, and how it is run."""
+        how = f"{self.batching} batching" if self.batching != "none" else "one generation at a time (--max-num-seqs 1)"
+        return f"{self.format} with {how}"
 
 
 def batch_settings(config: ServeConfig) -> BatchSettings:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from serve.errors import busy, unavailable
 from serve.llm_service import Generation, observe_end, observe_token
+from serve.logprobs import token_entry
 
 if TYPE_CHECKING:
     from engines.generation import BatchEngine, Sampling, StaticBatchEngine
@@ -275,28 +276,29 @@ class ContinuousBatchingService:
                 sequence.push("error", exc)
                 self.finish(request_id, None)
                 continue
-            for token in new:
-                self.emit(sequence, token)
+            scored = self.engine.read_logprobs(sequence.handle) if sequence.sampling.logprobs else []
+            for i, token in enumerate(new):
+                self.emit(sequence, token, token_entry(self.engine, scored[i]) if scored else None)
             if done:
                 observe_end(self.metrics, sequence.generation)
                 length = sequence.generation.tokens >= sequence.sampling.max_new_tokens
                 self.finish(request_id, "length" if length else "stop")
 
-    def emit(self, sequence: Sequence, token: int) -> None:
+    def emit(self, sequence: Sequence, token: int, entry: dict | None = None) -> None:
         assert sequence.ids is not None
         sequence.ids.append(token)
         if sequence.text_stream is not None:
-            return self.push_piece(sequence, sequence.text_stream.decode(token))  # type: ignore[attr-defined]
+            return self.push_piece(sequence, sequence.text_stream.decode(token), entry)  # type: ignore[attr-defined]
         text = self.engine.decode(sequence.ids)
         # Hold back an incomplete UTF-8 sequence (the decoder shows it as U+FFFD) until the token that
         # completes it arrives.
         piece = "" if text.endswith("\ufffd") else text[len(sequence.emitted) :]
-        self.push_piece(sequence, piece)
+        self.push_piece(sequence, piece, entry)
 
-    def push_piece(self, sequence: Sequence, piece: str) -> None:
+    def push_piece(self, sequence: Sequence, piece: str, entry: dict | None = None) -> None:
         sequence.emitted += piece
         observe_token(self.metrics, sequence.generation)
-        sequence.push("token", piece)
+        sequence.push("token", piece, *([] if entry is None else [entry]))
 
     def finish(self, request_id: int, reason: str | None) -> None:
         self.release(self.running.pop(request_id), reason)

@@ -21,7 +21,8 @@ from serve.errors import busy, unavailable
 
 @dataclass
 class Generation:
-    """One request's stream of events: ("token", text), then ("end", reason) or ("error", exc)."""
+    """One request's stream of events: ("token", text) (("token", text, entry) where the request asked
+    for logprobs: serve/logprobs.py's entry), then ("end", reason) or ("error", exc)."""
 
     events: asyncio.Queue
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -99,13 +100,25 @@ class GenerationService:
         if self.metrics:
             self.metrics.request_queue_time.observe(time.perf_counter() - generation.started)
         try:
-            for _, piece in self.generator.generate(prompt_ids, sampling, generation.cancel.is_set):
-                observe_token(self.metrics, generation)
-                post("token", piece)
+            if sampling.logprobs:
+                self.generate_scored(generation, prompt_ids, sampling, post)
+            else:
+                for _, piece in self.generator.generate(prompt_ids, sampling, generation.cancel.is_set):
+                    observe_token(self.metrics, generation)
+                    post("token", piece)
         except Exception as exc:
             return post("error", exc)
         observe_end(self.metrics, generation)
         post("end", "length" if generation.tokens >= sampling.max_new_tokens else "stop")
+
+    def generate_scored(self, generation: Generation, prompt_ids: list[int], sampling: Sampling, post) -> None:
+        """As run() does, with each token's logprob entry beside its text."""
+        from serve.logprobs import token_entry
+
+        scored: list = []  # the engine hands each token's TokenLogprob before it yields the token
+        for _, piece in self.generator.generate(prompt_ids, sampling, generation.cancel.is_set, scored.append):
+            observe_token(self.metrics, generation)
+            post("token", piece, token_entry(self.generator, scored.pop()))
 
     async def stop(self) -> None:
         """Drain: let queued and running generations finish, then release the thread."""

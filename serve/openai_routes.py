@@ -132,114 +132,220 @@ async def generate(request: Request, parse, chat: bool):
     model = state.model
     prompt_ids, sampling = model.prepare(parsed)
     state.metrics.prompt_tokens.inc(len(prompt_ids))
-    generation = state.generator.submit(prompt_ids, sampling)
-    reply = Reply(state.name, chat, len(prompt_ids), generation, StopMatcher(parsed.stop), request.scope)
+    generations = submit_choices(state.generator, prompt_ids, sampling, parsed.n, model.seed_range)
+    choices = [Choice(i, g, StopMatcher(parsed.stop)) for i, g in enumerate(generations)]
+    reply = Reply(state.name, chat, len(prompt_ids), choices, request.scope, sampling.logprobs)
     if parsed.stream:
         return await reply.stream(state.config.timeout_s, parsed.include_usage)
     return await reply.whole(state.config.timeout_s)
 
 
-class Reply:
-    """Turns one generation's events into an OpenAI response, whole or as server-sent events."""
+def submit_choices(service, prompt_ids: list[int], sampling, n: int, seed_range: tuple[int, int]) -> list:
+    """`n` independent generations of one prompt, each its own request to the engine's scheduler
+    (batched together where the engine batches); choice i of a seeded request takes seed + i (wrapped
+    into the engine's range), so the choices differ and the reply is reproducible. A refusal on the
+    way (a full queue) cancels those already submitted."""
+    from dataclasses import replace
 
-    def __init__(self, model: str, chat: bool, prompt_tokens: int, generation, stops, scope: MutableMapping):
-        self.model, self.chat, self.prompt_tokens = model, chat, prompt_tokens
-        self.generation, self.stops = generation, stops
-        self.scope = scope  # where a stream that fails after its headers reports it (serve.app counts it)
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
+    low, high = seed_range
+    generations = []
+    try:
+        for i in range(n):
+            seed = None if sampling.seed is None else low + (sampling.seed - low + i) % (high - low + 1)
+            generations.append(service.submit(prompt_ids, replace(sampling, seed=seed)))
+    except HTTPError:
+        for generation in generations:
+            generation.cancel.set()
+        raise
+    return generations
+
+
+class Choice:
+    """One generation of a reply: its events read as text pieces (stop strings applied) and the
+    logprob entries that came with them."""
+
+    def __init__(self, index: int, generation, stops):
+        self.index, self.generation, self.stops = index, generation, stops
         self.finish_reason: str | None = None
+        self.entries: list[dict] = []  # logprob entries, where the request asked for them
+        self.text_length = 0  # characters of text handed out so far (the legacy text_offset)
 
     async def pieces(self):
-        """Text pieces with stop strings applied; sets finish_reason at the end."""
+        """(text, logprob entries since the last piece); sets finish_reason at the end."""
+        fresh: list[dict] = []
         while True:
-            kind, value = await self.generation.events.get()
+            event = await self.generation.events.get()
+            kind, value = event[0], event[1]
             if kind == "error":
                 raise value
             if kind == "end":
                 tail = self.stops.flush()
-                if tail:
-                    yield tail
+                if tail or fresh:
+                    yield tail, fresh
                 self.finish_reason = "stop" if self.stops.stopped else value
                 return
+            if len(event) > 2:
+                fresh.append(event[2])
+                self.entries.append(event[2])
             text = self.stops.feed(value)
             if self.stops.stopped:
                 self.generation.cancel.set()  # no need to decode past a stop string
             if text:
-                yield text
+                yield text, fresh
+                fresh = []
+
+    def cancel(self) -> None:
+        self.generation.cancel.set()
+
+
+class Reply:
+    """Turns the choices' events into an OpenAI response, whole or as server-sent events."""
+
+    def __init__(
+        self,
+        model: str,
+        chat: bool,
+        prompt_tokens: int,
+        choices: list[Choice],
+        scope: MutableMapping,
+        logprobs: bool = False,
+    ):
+        self.model, self.chat, self.prompt_tokens = model, chat, prompt_tokens
+        self.choices, self.with_logprobs = choices, logprobs
+        self.scope = scope  # where a stream that fails after its headers reports it (serve.app counts it)
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def cancel(self) -> None:
+        for choice in self.choices:
+            choice.cancel()
 
     async def whole(self, timeout_s: float) -> JSONResponse:
-        async def collect():
-            return "".join([piece async for piece in self.pieces()])
+        async def collect(choice: Choice) -> str:
+            return "".join([text async for text, _ in choice.pieces()])
 
         try:
-            text = await asyncio.wait_for(collect(), timeout_s)
+            texts = await asyncio.wait_for(asyncio.gather(*(collect(c) for c in self.choices)), timeout_s)
         except asyncio.TimeoutError:
             raise timed_out(timeout_s) from None
         finally:
-            self.generation.cancel.set()
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+            self.cancel()
         return JSONResponse(
             {
                 "id": self.id,
                 "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created,
                 "model": self.model,
-                "choices": [choice],
+                "choices": [self.whole_choice(c, text) for c, text in zip(self.choices, texts)],
                 "usage": self.usage(),
             }
         )
 
+    def whole_choice(self, choice: Choice, text: str) -> dict:
+        out: dict[str, Any] = {
+            "index": choice.index,
+            "finish_reason": choice.finish_reason,
+            "logprobs": self.logprobs(choice.entries, 0) if self.with_logprobs else None,
+        }
+        out.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+        return out
+
+    def logprobs(self, entries: list[dict], offset: int) -> dict:
+        from serve.logprobs import chat_logprobs, completion_logprobs
+
+        return chat_logprobs(entries) if self.chat else completion_logprobs(entries, offset)
+
     def usage(self) -> dict:
-        done = self.generation.tokens
+        done = sum(c.generation.tokens for c in self.choices)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": done,
             "total_tokens": self.prompt_tokens + done,
         }
 
+    async def merged(self):
+        """(choice, (text, entries)) from every choice as they come, then (choice, None) at its end."""
+        if len(self.choices) == 1:  # the common case, without a task and a queue per token
+            choice = self.choices[0]
+            async for piece in choice.pieces():
+                yield choice, piece
+            yield choice, None
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(choice: Choice) -> None:
+            try:
+                async for piece in choice.pieces():
+                    await queue.put((choice, piece))
+                await queue.put((choice, None))
+            except Exception as exc:
+                await queue.put((choice, exc))
+
+        tasks = [asyncio.create_task(pump(c)) for c in self.choices]
+        try:
+            for _ in self.choices:
+                while True:
+                    choice, item = await queue.get()
+                    if isinstance(item, Exception):
+                        raise item
+                    yield choice, item
+                    if item is None:
+                        break
+        finally:
+            for task in tasks:
+                task.cancel()
+
     async def stream(self, timeout_s: float, include_usage: bool) -> StreamingResponse:
         """Wait for the first piece within the timeout (so a 504 is still possible), then stream."""
-        pieces = self.pieces()
+        items = self.merged()
         try:
-            first = await asyncio.wait_for(anext(pieces, None), timeout_s)
+            first = await asyncio.wait_for(anext(items), timeout_s)
         except asyncio.TimeoutError:
-            self.generation.cancel.set()
+            self.cancel()
             raise timed_out(timeout_s) from None
         return StreamingResponse(
-            self.events(first, pieces, include_usage),
+            self.events(first, items, include_usage),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def events(self, first, pieces, include_usage: bool):
+    async def events(self, first, items, include_usage: bool):
         try:
             if self.chat:
-                yield self.sse(self.chunk({"role": "assistant", "content": ""}))
-            if first is not None:
-                yield self.sse(self.chunk(first))
-                async for piece in pieces:
-                    yield self.sse(self.chunk(piece))
-            yield self.sse(self.chunk(None, self.finish_reason))
+                for choice in self.choices:
+                    yield self.sse(self.chunk(choice, {"role": "assistant", "content": ""}))
+            yield self.item_event(*first)
+            async for choice, item in items:
+                yield self.item_event(choice, item)
             if include_usage:
-                yield self.sse({**self.chunk(None), "choices": [], "usage": self.usage()})
+                yield self.sse({**self.envelope(), "choices": [], "usage": self.usage()})
         except Exception as exc:  # headers are sent: the error can only travel in the stream
             self.scope[STREAM_FAILED] = True
             yield self.sse({"error": {"message": f"generation failed: {exc}", "type": "server_error"}})
         finally:
-            self.generation.cancel.set()  # also when the client disconnects mid-stream
+            self.cancel()  # also when the client disconnects mid-stream
         yield "data: [DONE]\n\n"
 
-    def chunk(self, content, finish_reason=None) -> dict:
+    def item_event(self, choice: Choice, item) -> str:
+        if item is None:
+            return self.sse(self.chunk(choice, None, choice.finish_reason))
+        text, entries = item
+        logprobs = self.logprobs(entries, choice.text_length) if entries else None
+        choice.text_length += len(text)
+        return self.sse(self.chunk(choice, text, logprobs=logprobs))
+
+    def envelope(self) -> dict:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def chunk(self, choice: Choice, content, finish_reason=None, logprobs=None) -> dict:
+        out: dict[str, Any] = {"index": choice.index}
         if self.chat:
-            delta = content if isinstance(content, dict) else ({} if content is None else {"content": content})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
-            kind = "chat.completion.chunk"
+            out["delta"] = content if isinstance(content, dict) else ({} if content is None else {"content": content})
         else:
-            choice = {"index": 0, "text": content or "", "finish_reason": finish_reason, "logprobs": None}
-            kind = "text_completion"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
+            out["text"] = content or ""
+        out.update(finish_reason=finish_reason, logprobs=logprobs)
+        return {**self.envelope(), "choices": [out]}
 
     @staticmethod
     def sse(payload: dict) -> str:

@@ -18,6 +18,7 @@ import numpy as np
 
 from engines.artifact import JSONInputError, parse_json
 from serve.errors import bad_request, unprocessable
+from serve.fields import CHAT, COMPLETIONS, refuse_unserved_fields
 
 # KServe v2 datatypes this server can read, as little-endian numpy dtypes (the binary extension
 # sends raw little-endian bytes). BYTES is left out: the served graphs take no string tensors.
@@ -312,8 +313,18 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     seed: int | None = None
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
 
+MAX_CHOICES = 16  # `n`
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on `top_logprobs`
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -326,10 +337,28 @@ def parse_sampling(data: dict, request: GenerationRequest, max_tokens_key: str =
     request.stop = parse_stop(data.get("stop"))
     options = get_object(data, "stream_options")
     request.include_usage = get_bool(options, "include_usage")
-    if get_int(data, "n", 1) != 1 or get_int(data, "best_of", 1) != 1:
-        raise bad_request("only n=1 (one choice per request) is supported", param="n")
-    if data.get("logprobs") not in (None, False) or data.get("echo") not in (None, False):
-        raise bad_request("'logprobs' and 'echo' are not supported by this server")
+    if set(options) - {"include_usage"}:
+        raise bad_request("'stream_options' takes 'include_usage' only", param="stream_options")
+    request.n = get_int(data, "n", low=1, high=MAX_CHOICES) or 1
+    request.top_k = max(get_int(data, "top_k", low=-1) or 0, 0)  # vLLM's -1, like 0: no cut
+    request.min_p = get_number(data, "min_p", 0.0, 0.0, 1.0)
+    request.repetition_penalty = get_number(data, "repetition_penalty", 1.0, 0.01, 10.0)
+    request.presence_penalty = get_number(data, "presence_penalty", 0.0, -2.0, 2.0)
+    request.frequency_penalty = get_number(data, "frequency_penalty", 0.0, -2.0, 2.0)
+
+
+def parse_chat_logprobs(data: dict, request: GenerationRequest) -> None:
+    """Chat: `logprobs: true`, and `top_logprobs: k` alternatives, which need it."""
+    request.logprobs = get_bool(data, "logprobs")
+    request.top_logprobs = get_int(data, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS) or 0
+    if request.top_logprobs and not request.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+
+
+def parse_completion_logprobs(data: dict, request: GenerationRequest) -> None:
+    """Completions (the legacy API): `logprobs: k` asks for the chosen token's and k alternatives."""
+    k = get_int(data, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    request.logprobs, request.top_logprobs = k is not None, k or 0
 
 
 def parse_stop(raw) -> list[str]:
@@ -342,6 +371,7 @@ def parse_stop(raw) -> list[str]:
 
 
 def parse_completion_request(data: dict) -> GenerationRequest:
+    refuse_unserved_fields(data, COMPLETIONS)
     request = GenerationRequest(model=get_str(data, "model", required=True), max_tokens=16)
     prompt = data.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -353,10 +383,12 @@ def parse_completion_request(data: dict) -> GenerationRequest:
     else:
         raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)", param="prompt")
     parse_sampling(data, request)
+    parse_completion_logprobs(data, request)
     return request
 
 
 def parse_chat_request(data: dict) -> GenerationRequest:
+    refuse_unserved_fields(data, CHAT)
     request = GenerationRequest(model=get_str(data, "model", required=True))
     raw = data.get("messages")
     if not isinstance(raw, list) or not raw:
@@ -364,6 +396,7 @@ def parse_chat_request(data: dict) -> GenerationRequest:
     request.messages = [parse_message(m, i) for i, m in enumerate(raw)]
     key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
     parse_sampling(data, request, key)
+    parse_chat_logprobs(data, request)
     return request
 
 

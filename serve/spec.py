@@ -2,8 +2,8 @@
 clients read. The app is assembled from `protocols()` (serve/app.py) and /openapi.json is built from
 the same list (serve/openapi.py), so a route cannot be answered without being documented.
 
-A protocol is a module (serve/kserve_routes.py, serve/openai_routes.py, serve/predict_routes.py,
-serve/misc_routes.py) with one `SPEC`; adding one is that module plus its line in PROTOCOLS.
+A protocol is a module (serve/kserve_routes.py, serve/openai_routes.py, serve/tokenize_routes.py,
+serve/predict_routes.py, serve/misc_routes.py) with one `SPEC`; adding one is that module plus its line in PROTOCOLS.
 """
 
 from __future__ import annotations
@@ -19,7 +19,13 @@ if TYPE_CHECKING:
     from serve.state import ServeState
 
 # In the order the app routes them (and the document lists them).
-PROTOCOLS = ("serve.kserve_routes", "serve.openai_routes", "serve.predict_routes", "serve.misc_routes")
+PROTOCOLS = (
+    "serve.kserve_routes",
+    "serve.openai_routes",
+    "serve.tokenize_routes",
+    "serve.predict_routes",
+    "serve.misc_routes",
+)
 
 
 @dataclass(frozen=True)

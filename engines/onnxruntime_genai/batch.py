@@ -5,14 +5,21 @@ builds on is engines/onnxruntime_genai/runner.py. Torch-free: serve/ uses this d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
-from engines.generation import BatchEngine, BatchSettings, Sampling, StaticBatchEngine, refuse_unhonoured
-from engines.onnxruntime_genai.runner import ENGINE, GenAIRunner, genai_dir
+from engines.generation import (
+    BatchEngine,
+    BatchSettings,
+    Sampling,
+    StaticBatchEngine,
+    TokenLogprob,
+    refuse_unhonoured,
+)
+from engines.onnxruntime_genai.runner import ENGINE, GENERATOR_HONOURS, GenAIRunner, genai_dir
 
 # What onnxruntime-genai 0.18's Engine does with a model built without PagedAttention (every CPU
 # build: its builder makes PagedAttention models for CUDA and WebGPU only): static batching. Up to
@@ -41,6 +48,8 @@ class GenAIRequestHandle:
     cancelled: bool = False
     error: str | None = None
     alone: Iterator[tuple[int, str]] | None = None  # GenAIRunner.generate() of a request run alone
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of `tokens` (a request run alone)
+    last_logprobs: list[TokenLogprob] = field(default_factory=list)  # of the tokens the last read returned
 
     def cancel(self) -> None:
         """Ends the turn at the engine's next step (called from the thread that steps the engine)."""
@@ -61,6 +70,9 @@ class GenAIBatchEngine(GenAIRunner):
     settings.kv_cache_bytes, and a batch of n requests holds n x its longest."""
 
     gather_s = GENAI_BATCH_GATHER_S
+    # The Engine's TurnOptions take top_k and repetition_penalty; logprobs come from a request run
+    # alone through the Generator (the Engine's events carry no logits).
+    honours = GENERATOR_HONOURS
 
     def __init__(self, model_dir: str | Path, settings: BatchSettings, threads: int = 0):
         from dataclasses import replace
@@ -116,10 +128,11 @@ class GenAIBatchEngine(GenAIRunner):
         return self.tokenizer.create_stream()
 
     def runs_alone(self, sampling: Sampling) -> bool:
-        """Whether a request needs a batch of its own: a seeded sampled one. The static Engine takes no
-        seed per request ("A per-turn seed requires an Engine configured for dynamic batching"), so it
-        runs through a Generator as it would one at a time, and gives the same text for the same seed."""
-        return sampling.temperature > 0 and sampling.seed is not None
+        """Whether a request needs a batch of its own: a seeded sampled one, or one that asks for
+        logprobs. The static Engine takes no seed per request ("A per-turn seed requires an Engine
+        configured for dynamic batching") and its events carry no logits, so such a request runs
+        through a Generator as it would one at a time (the same text for the same seed)."""
+        return (sampling.temperature > 0 and sampling.seed is not None) or sampling.logprobs
 
     def batch_blocks(self, blocks: list[int]) -> int:
         """KV blocks a static batch of these sequences allocates: every row as long as its longest."""
@@ -128,11 +141,11 @@ class GenAIBatchEngine(GenAIRunner):
     def add(self, request_id: int, prompt_ids: list[int], sampling: Sampling) -> GenAIRequestHandle:
         """Queue a generation in the engine; returns its handle. request_id is the service's (the
         engine names requests by their object)."""
-        refuse_unhonoured(sampling, ENGINE)
+        refuse_unhonoured(sampling, ENGINE, self.honours)
         session = min(self.context_length, len(prompt_ids) + sampling.max_new_tokens)
         if self.runs_alone(sampling):
             handle = GenAIRequestHandle(None, 0, session, [])
-            handle.alone = self.generate(prompt_ids, sampling, lambda: handle.cancelled)
+            handle.alone = self.generate(prompt_ids, sampling, lambda: handle.cancelled, handle.logprobs.append)
             self.handles[id(handle)] = handle
             self.begin(session)
             return handle
@@ -156,10 +169,12 @@ class GenAIBatchEngine(GenAIRunner):
     def turn_options(self, turn, sampling: Sampling) -> None:
         turn.set_max_generated_tokens(sampling.max_new_tokens)
         turn.set_do_sample(sampling.temperature > 0)
-        if sampling.temperature > 0:  # OpenAI semantics: temperature and top_p only, top-k cuts nothing
+        if sampling.repetition_penalty != 1.0:
+            turn.set_repetition_penalty(sampling.repetition_penalty)
+        if sampling.temperature > 0:  # OpenAI semantics: temperature and top_p; top-k (0) cuts nothing unless asked
             turn.set_temperature(sampling.temperature)
             turn.set_top_p(sampling.top_p)
-            turn.set_top_k(0)
+            turn.set_top_k(sampling.top_k)
             if sampling.seed is not None:
                 turn.set_seed(sampling.seed)
 
@@ -224,9 +239,15 @@ class GenAIBatchEngine(GenAIRunner):
             self.close(handle)
             raise RuntimeError(handle.error)
         new, handle.tokens = handle.tokens, []
+        # A copy, then clear: the request's Generator appends to this very list (its on_logprob).
+        handle.last_logprobs = handle.logprobs[:]
+        handle.logprobs.clear()
         if handle.finished:
             self.close(handle)
         return new, handle.finished
+
+    def read_logprobs(self, handle: GenAIRequestHandle) -> list[TokenLogprob]:
+        return handle.last_logprobs
 
 
 def load_genai_batch_engine(

@@ -18,12 +18,19 @@ from engines.generation import (
     FALLBACK_CHAT_TEMPLATE,
     Sampling,
     ScoringGenerator,
+    TokenLogprob,
     refuse_unhonoured,
     token_logprobs,
+    top_logprobs,
 )
 from engines.hardware import usable_cores
 
 ENGINE = "onnxruntime-genai"
+# The Sampling fields its Generator carries out (search options; logprobs read from the logits of
+# each step, after the repetition penalty and before temperature, top-k and top-p). min_p and the
+# presence and frequency penalties have no search option in onnxruntime-genai 0.18.
+GENERATOR_HONOURS = ("logprobs", "top_logprobs", "top_k", "repetition_penalty")
+MAX_TOP_LOGPROBS = 20  # as OpenAI's API: any k fits the logits, the answer grows with it
 
 
 def genai_dir(root: Path, engine: dict) -> Path:
@@ -34,6 +41,8 @@ class GenAIRunner:
     # The Runner contract: {"input_ids": [B, T]} -> {"logits": [B, T, vocab]} (see __call__).
     input_names = ["input_ids"]
     output_names = ["logits"]
+    honours = GENERATOR_HONOURS
+    max_top_logprobs = MAX_TOP_LOGPROBS
 
     def __init__(self, model_dir: str | Path, threads: int = 0, providers: list[str] | None = None):
         try:
@@ -73,10 +82,15 @@ class GenAIRunner:
             )
 
     def generate(
-        self, prompt_ids: list[int], sampling: Sampling, cancelled: Callable[[], bool] = lambda: False
+        self,
+        prompt_ids: list[int],
+        sampling: Sampling,
+        cancelled: Callable[[], bool] = lambda: False,
+        on_logprob: Callable[[TokenLogprob], None] | None = None,
     ) -> Iterator[tuple[int, str]]:
-        """Yield (token id, text piece) until EOS, max_new_tokens, the context end, or cancellation."""
-        refuse_unhonoured(sampling, ENGINE)
+        """Yield (token id, text piece) until EOS, max_new_tokens, the context end, or cancellation;
+        with sampling.logprobs, each token's TokenLogprob goes to `on_logprob` first."""
+        refuse_unhonoured(sampling, ENGINE, GENERATOR_HONOURS)
         params = self.og.GeneratorParams(self.model)
         params.set_search_options(**self.search_options(len(prompt_ids), sampling))
         generator = self.og.Generator(self.model, params)
@@ -89,6 +103,9 @@ class GenAIRunner:
             produced += 1
             if token in self.eos_token_ids:
                 return
+            if sampling.logprobs and on_logprob is not None:
+                logits = np.asarray(generator.get_logits()).reshape(-1)
+                on_logprob(top_logprobs(logits, token, sampling.top_logprobs))
             yield token, stream.decode(token)
 
     def search_options(self, prompt_length: int, sampling: Sampling) -> dict:
@@ -96,9 +113,12 @@ class GenAIRunner:
             "max_length": min(self.context_length, prompt_length + sampling.max_new_tokens),
             "do_sample": sampling.temperature > 0,
         }
+        if sampling.repetition_penalty != 1.0:
+            options["repetition_penalty"] = sampling.repetition_penalty
         if sampling.temperature > 0:
-            # OpenAI semantics: temperature and top_p only, so top-k must not cut anything.
-            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=self.vocab_size or 1 << 20)
+            # OpenAI semantics: temperature and top_p only, so top-k cuts nothing unless it is asked.
+            top_k = sampling.top_k or self.vocab_size or 1 << 20
+            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=top_k)
             if sampling.seed is not None:
                 options["random_seed"] = sampling.seed
         return options

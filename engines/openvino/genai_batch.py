@@ -5,10 +5,12 @@ both share (tokenizer, chat template, generation settings, CPU properties): engi
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from engines.generation import BatchEngine, BatchSettings, Sampling
-from engines.openvino.genai_runner import OVGenAIText, engine_settings, runner_properties
+from engines.generation import BatchEngine, BatchSettings, Sampling, TokenLogprob
+from engines.openvino.genai_runner import SAMPLING_HONOURS, OVGenAIText, engine_settings, runner_properties
 from engines.openvino.runner import PRECISIONS
 
 # Tokens per KV-cache block of the CPU plugin's paged attention (what the continuous-batching
@@ -28,6 +30,19 @@ def kv_bytes_per_token(config: dict, kv_precision: str) -> int:
     return layers * 2 * kv_heads * per_head
 
 
+@dataclass
+class OVRequestHandle:
+    """One request in the pipeline: its GenerationHandle, and the log-probabilities of the tokens the
+    last read returned (where the request asked for them)."""
+
+    native: Any  # openvino_genai's GenerationHandle
+    logprobs: bool
+    last_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+    def cancel(self) -> None:
+        self.native.cancel()
+
+
 class OVGenAIBatchEngine(OVGenAIText):
     """Many generations at once through OpenVINO GenAI's continuous-batching pipeline: requests are
     added with add(), the caller drives step(), and each request's handle gives back the tokens of
@@ -35,7 +50,13 @@ class OVGenAIBatchEngine(OVGenAIText):
     caching); cancelling a handle frees its KV blocks at the next step.
 
     The KV cache is a fixed number of blocks (num_kv_blocks, from settings.kv_cache_bytes), allocated
-    at start, so what fits is known exactly: `num_blocks` blocks of `block_tokens` tokens."""
+    at start, so what fits is known exactly: `num_blocks` blocks of `block_tokens` tokens.
+
+    Its outputs carry each generated token's log-probability and no alternatives (max_top_logprobs
+    0), taken from the distribution the token was sampled from: after temperature, top-k, top-p,
+    min-p and the penalties (measured: top_k=5 on the tiny random model gives about log(1/5))."""
+
+    honours = (*SAMPLING_HONOURS, "logprobs", "top_logprobs")  # top_logprobs: up to max_top_logprobs (0)
 
     def __init__(
         self,
@@ -88,9 +109,9 @@ class OVGenAIBatchEngine(OVGenAIText):
         return -(-(tokens + 1) // self.block_tokens)
 
     def add(self, request_id: int, prompt_ids: list[int], sampling: Sampling):
-        """Queue a generation in the engine; returns its GenerationHandle."""
+        """Queue a generation in the engine; returns its handle."""
         config = self.generation_config(len(prompt_ids), sampling)
-        return self.pipe.add_request(request_id, self._tensor(prompt_ids), config)
+        return OVRequestHandle(self.pipe.add_request(request_id, self._tensor(prompt_ids), config), sampling.logprobs)
 
     def step(self) -> None:
         self.pipe.step()
@@ -102,13 +123,23 @@ class OVGenAIBatchEngine(OVGenAIText):
         """Fraction of the KV cache's blocks in use (0..1)."""
         return float(self.pipe.get_metrics().cache_usage) / 100.0
 
-    def read(self, handle) -> tuple[list[int], bool]:
+    def read(self, handle: OVRequestHandle) -> tuple[list[int], bool]:
         """The tokens a handle produced since the last read (EOS left out), and whether it is done."""
         new: list[int] = []
-        if handle.can_read():
-            for output in handle.read().values():
-                new.extend(int(t) for t in output.generated_ids if int(t) not in self.eos_token_ids)
-        return new, handle.get_status() != self.ov_genai.GenerationStatus.RUNNING
+        handle.last_logprobs = []
+        native = handle.native
+        if native.can_read():
+            for output in native.read().values():
+                logprobs = list(output.generated_log_probs) if handle.logprobs else []
+                for i, token in enumerate(int(t) for t in output.generated_ids):
+                    if token not in self.eos_token_ids:
+                        new.append(token)
+                        if handle.logprobs:
+                            handle.last_logprobs.append(TokenLogprob(token, float(logprobs[i])))
+        return new, native.get_status() != self.ov_genai.GenerationStatus.RUNNING
+
+    def read_logprobs(self, handle: OVRequestHandle) -> list[TokenLogprob]:
+        return handle.last_logprobs
 
 
 def load_ov_genai_batch_engine(

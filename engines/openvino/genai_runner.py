@@ -27,13 +27,25 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from engines.generation import FALLBACK_CHAT_TEMPLATE, Sampling, ScoringGenerator, refuse_unhonoured, token_logprobs
+from engines.generation import (
+    FALLBACK_CHAT_TEMPLATE,
+    Sampling,
+    ScoringGenerator,
+    TokenLogprob,
+    UnsupportedSampling,
+    refuse_unhonoured,
+    token_logprobs,
+)
 from engines.openvino.runner import PRECISIONS, compile_properties, require_cpu_features
 
 ENGINE = "openvino-genai"
 IR_FILE = "openvino_model.xml"
 KV_CACHE_PRECISIONS = ("f32", "bf16", "u8")
 _DONE = object()
+# The Sampling fields GenerationConfig carries for both pipelines. LLMPipeline's streamer and result
+# give no per-token log-probabilities; the continuous-batching pipeline's outputs do (for the chosen
+# token only): engines/openvino/genai_batch.py adds "logprobs".
+SAMPLING_HONOURS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 def runner_properties(threads: int, inference_precision: str, kv_cache_precision: str | None, spinning: bool) -> dict:
@@ -72,6 +84,8 @@ class OVGenAIText(abc.ABC):
     dir: Path
     tokenizer: Any
     eos_token_ids: set[int]
+    honours: tuple[str, ...] = SAMPLING_HONOURS
+    max_top_logprobs = 0
 
     def _read_limits(self) -> dict:
         config = json.loads((self.dir / "config.json").read_text())
@@ -121,16 +135,21 @@ class OVGenAIText(abc.ABC):
 
     def generation_config(self, prompt_length: int, sampling: Sampling):
         """The GenerationConfig of a request; a Sampling field it cannot carry is refused, not dropped."""
-        refuse_unhonoured(sampling, ENGINE)
+        refuse_unhonoured(sampling, ENGINE, self.honours)
+        if sampling.top_logprobs > self.max_top_logprobs:
+            raise UnsupportedSampling("top_logprobs", ENGINE)
         config = self.default_config()
         config.max_new_tokens = max(1, min(sampling.max_new_tokens, self.context_length - prompt_length))
         config.stop_token_ids = set(self.eos_token_ids)
         config.num_beam_groups, config.num_beams, config.num_return_sequences = 1, 1, 1
-        config.repetition_penalty, config.presence_penalty, config.frequency_penalty = 1.0, 0.0, 0.0
+        config.repetition_penalty = sampling.repetition_penalty
+        config.presence_penalty, config.frequency_penalty = sampling.presence_penalty, sampling.frequency_penalty
+        config.logprobs = 1 if sampling.logprobs else 0
         config.do_sample = sampling.temperature > 0
         if config.do_sample:
-            # OpenAI semantics: temperature and top_p only, so top-k must not cut anything.
-            config.temperature, config.top_p, config.top_k = sampling.temperature, sampling.top_p, 2**63 - 1
+            # OpenAI semantics: temperature and top_p, so top-k cuts nothing unless it is asked.
+            config.temperature, config.top_p = sampling.temperature, sampling.top_p
+            config.top_k, config.min_p = sampling.top_k or 2**63 - 1, sampling.min_p
             if sampling.seed is not None:
                 config.rng_seed = int(sampling.seed)
         return config
@@ -180,7 +199,11 @@ class OVGenAIRunner(OVGenAIText):
         return self.pipe.get_generation_config()
 
     def generate(
-        self, prompt_ids: list[int], sampling: Sampling, cancelled: Callable[[], bool] = lambda: False
+        self,
+        prompt_ids: list[int],
+        sampling: Sampling,
+        cancelled: Callable[[], bool] = lambda: False,
+        on_logprob: Callable[[TokenLogprob], None] | None = None,  # never called: logprobs are refused
     ) -> Iterator[tuple[int, str]]:
         """Yield (token id, text piece) until EOS, max_new_tokens, the context end, or cancellation.
 

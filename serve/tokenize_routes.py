@@ -1,0 +1,123 @@
+"""`POST /tokenize` and `POST /detokenize` for causal LMs, in llama.cpp server's shape, with vLLM's
+and OpenVINO Model Server's field names accepted too: text in, the token ids a completion prompt of
+that text becomes (what `max_tokens` and the context length count); token ids in, their text.
+
+    {"content": "Hello"}  ->  {"tokens": [...], "count": N, "max_model_len": CONTEXT}
+    {"tokens": [...]}     ->  {"content": "Hello", "prompt": "Hello"}
+
+The text goes in `content` (llama.cpp), `prompt` (vLLM) or `text` (OVMS); `messages` tokenizes a
+conversation as /v1/chat/completions renders it. `model` is optional and, when given, must name the
+served model.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from serve.errors import bad_request, openai_error_body
+from serve.openapi import OPENAI_ERRORS, errors, json_body
+from serve.spec import ProtocolSpec
+from serve.state import state_of
+
+TEXT_KEYS = ("content", "prompt", "text")
+
+
+def routes() -> list[Route]:
+    return [Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])]
+
+
+async def text_model(request: Request):
+    """The request's JSON body and the served causal LM's runner (its tokenizer)."""
+    from serve.openai_routes import check_model, read_json
+
+    state = state_of(request)
+    data = await read_json(request, state)
+    if data.get("model") is not None:
+        check_model(state, str(data["model"]))
+    state.require_answers("completions")
+    state.require_ready()
+    return data, state.model
+
+
+async def tokenize(request: Request) -> JSONResponse:
+    from serve.protocol import parse_message
+
+    data, model = await text_model(request)
+    given = [key for key in (*TEXT_KEYS, "messages") if data.get(key) is not None]
+    if len(given) != 1:
+        raise bad_request(f"give the text in one of {', '.join(TEXT_KEYS)} (or 'messages')", param="content")
+    key = given[0]
+    if key == "messages":
+        raw = data["messages"]
+        if not isinstance(raw, list) or not raw:
+            raise bad_request("'messages' must be a non-empty list", param="messages")
+        text = model.runner.chat_prompt([parse_message(m, i) for i, m in enumerate(raw)])
+    elif isinstance(data[key], str):
+        text = data[key]
+    else:
+        raise bad_request(f"'{key}' must be a string", param=key)
+    tokens = model.runner.encode(text)
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": model.context_length})
+
+
+async def detokenize(request: Request) -> JSONResponse:
+    from serve.protocol import is_int
+
+    data, model = await text_model(request)
+    tokens = data.get("tokens")
+    vocab = model.runner.vocab_size
+    if not isinstance(tokens, list) or not all(is_int(t) and t >= 0 and (not vocab or t < vocab) for t in tokens):
+        bound = f"[0, {vocab})" if vocab else "non-negative"
+        raise bad_request(f"'tokens' must be a list of token ids in {bound}", param="tokens")
+    text = model.runner.decode(tokens) if tokens else ""
+    return JSONResponse({"content": text, "prompt": text})
+
+
+def tokenize_paths(state) -> dict:
+    def post(summary: str, request: dict, response: dict) -> dict:
+        return {
+            "post": {
+                "tags": ["tokenize"],
+                "summary": summary,
+                "requestBody": {"required": True, **json_body(request)},
+                "responses": {
+                    "200": {"description": summary, **json_body(response)},
+                    **errors("OpenAIError", *OPENAI_ERRORS),
+                },
+            }
+        }
+
+    text = {"type": "string", "example": "Hello"}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+    return {
+        "/tokenize": post(
+            "text to token ids (causal LMs)",
+            {
+                "type": "object",
+                "properties": {
+                    **{key: text for key in TEXT_KEYS},
+                    "messages": {"type": "array", "items": {"type": "object"}},
+                    "model": {"type": "string", "example": state.name},
+                },
+            },
+            {
+                "type": "object",
+                "required": ["tokens"],
+                "properties": {"tokens": ids, "count": {"type": "integer"}, "max_model_len": {"type": "integer"}},
+            },
+        ),
+        "/detokenize": post(
+            "token ids to text (causal LMs)",
+            {
+                "type": "object",
+                "required": ["tokens"],
+                "properties": {"tokens": ids, "model": {"type": "string", "example": state.name}},
+            },
+            {"type": "object", "required": ["content"], "properties": {"content": text, "prompt": text}},
+        ),
+    }
+
+
+SPEC = ProtocolSpec("tokenize", routes, tokenize_paths, openai_error_body)
