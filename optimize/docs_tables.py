@@ -7,9 +7,11 @@
 - `race`: the engine race's candidates, what each is built with and which races run it by default;
 - `layout`: every package of optimize/, engines/, serve/ and calibration/ and its modules, each with
   the first sentence of its docstring (read from the source, nothing imported);
-- `contracts`: the import contracts `make lint` checks (`[tool.importlinter]` in pyproject.toml).
+- `contracts`: the import contracts `make lint` checks (`[tool.importlinter]` in pyproject.toml);
+- `serve-fields`: every field of the OpenAI completion and chat request bodies and what the server
+  does with it per engine (serve/fields.py), in serve/README.md.
 
-Each table sits in a docs/*.md file between two marker comments:
+Each table sits in a docs/*.md file (or one of EXTRA_DOCUMENTS) between two marker comments:
 
     <!-- generated:NAME (python -m optimize.docs_tables) -->
     | ... |
@@ -35,6 +37,8 @@ DOCS = ROOT / "docs"
 # The code packages, in the order the layout shows them.
 PACKAGES = ("optimize", "engines", "serve", "calibration")
 COMMAND = "python -m optimize.docs_tables"
+# Documents outside docs/ that hold generated tables too (the serve package's own README).
+EXTRA_DOCUMENTS = (ROOT / "serve" / "README.md",)
 BLOCK = re.compile(r"(<!-- generated:([\w-]+) .*?-->\n)(.*?)(<!-- end generated:\2 -->)", re.DOTALL)
 
 
@@ -118,6 +122,12 @@ def gate_table() -> str:
     return _table(["threshold", "what the check reads", "passes when", "checked at", "timed"], rows) + note
 
 
+def serve_fields_table() -> str:
+    from serve.fields import fields_table
+
+    return fields_table()
+
+
 def race_table() -> str:
     from optimize import tasks
     from optimize.compile.race.candidates import CANDIDATES, default_candidates
@@ -192,7 +202,13 @@ TABLES: dict[str, Callable[[], str]] = {
     "race": race_table,
     "layout": layout_table,
     "contracts": contracts_list,
+    "serve-fields": serve_fields_table,
 }
+
+
+def documents(docs: Path = DOCS) -> list[Path]:
+    """The files whose generated tables are kept current: docs/*.md, then EXTRA_DOCUMENTS."""
+    return sorted(docs.glob("*.md")) + [path for path in EXTRA_DOCUMENTS if path.is_file()]
 
 
 def update(docs: Path = DOCS) -> tuple[dict[Path, str], list[str]]:
@@ -202,7 +218,7 @@ def update(docs: Path = DOCS) -> tuple[dict[Path, str], list[str]]:
     changed: dict[Path, str] = {}
     problems: list[str] = []
     seen: set[str] = set()
-    for path in sorted(docs.glob("*.md")):
+    for path in documents(docs):
         text = path.read_text()
 
         def replace(match: re.Match, path: Path = path) -> str:

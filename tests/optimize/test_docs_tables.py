@@ -32,7 +32,7 @@ def test_the_docs_tables_are_current_as_make_lint_checks_them():
 def test_every_table_is_in_docs_once_with_every_method_threshold_and_candidate():
     from optimize.gate import gate_keys
 
-    text = "".join(p.read_text() for p in docs_tables.DOCS.glob("*.md"))
+    text = "".join(p.read_text() for p in docs_tables.documents())
     for name in docs_tables.TABLES:
         assert text.count(f"<!-- generated:{name} ") == 1 and text.count(f"<!-- end generated:{name} -->") == 1
     assert all(f"| `{m.name}` |" in text for m in registry.all_methods())
