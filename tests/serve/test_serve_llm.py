@@ -95,12 +95,13 @@ def test_limits_answer_400_with_a_reason(llm):
     too_long = complete(llm, prompt="word " * 400, max_tokens=2)  # context 256 tokens
     assert too_long.status_code == 400 and "prompt" in too_long.json()["error"]["message"]
     for bad in (
-        {"n": 2},
+        {"n": 17},
         {"temperature": 3},
         {"top_p": -1},
         {"stop": ["a"] * 5},
         {"max_tokens": 0},
-        {"logprobs": 2},
+        {"logprobs": 21},
+        {"echo": True},
         {"stream": "yes"},
     ):
         assert complete(llm, prompt="hi", **bad).status_code == 400, bad
