@@ -75,12 +75,18 @@ class GenerativeModel:
         # Tokens the KV cache holds at most (batching): a request must fit it on its own.
         cache = self.batch_engine
         self.cache_tokens = cache.num_blocks * cache.block_tokens if cache is not None else 0
+        from serve.tools import takes_tools
+
+        self.template_takes_tools = takes_tools(self.runner)
 
     def describe(self) -> str:
         """How generations are run, for the startup line."""
-        if self.batch_engine is not None:
-            return self.batch_engine.describe()
-        return "one generation at a time (--max-num-seqs 1)"
+        from serve.tools import FALLBACK
+
+        engine = self.batch_engine
+        how = engine.describe() if engine is not None else "one generation at a time (--max-num-seqs 1)"
+        tools = "the model's chat template renders tools" if self.template_takes_tools else FALLBACK
+        return f"{how}; {tools}"
 
     def prepare(self, request: GenerationRequest) -> tuple[list[int], Sampling]:
         """What the engine is handed for a request: its prompt's token ids and its sampling settings,
@@ -91,7 +97,10 @@ class GenerativeModel:
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
-            ids = self.runner.encode(self.runner.chat_prompt(request.messages))
+            from serve.tools import chat_prompt
+
+            text = chat_prompt(self.runner, request.messages, request.tools, self.template_takes_tools)
+            ids = self.runner.encode(text)
         elif request.prompt is not None:
             ids = self.runner.encode(request.prompt)
         else:
@@ -156,7 +165,22 @@ class GenerativeModel:
             raise bad_request(
                 f"'seed' must be between {low} and {high} for this model, got {request.seed}", param="seed"
             )
-        return Sampling(budget, request.temperature, request.top_p, request.seed)
+        if request.constraint is not None:
+            self.check_constraint(request)
+        return Sampling(budget, request.temperature, request.top_p, request.seed, constraint=request.constraint)
+
+    def check_constraint(self, request: GenerationRequest) -> None:
+        """The engine compiles (or checks) the request's constraint before it is queued: what it
+        cannot take is a 400 with its reason, never a failed stream or a failed batch."""
+        check = getattr(self.runner, "check_constraint", None)
+        if check is None:
+            raise bad_request(f"{self.format} cannot constrain its output", param=request.constraint_param)
+        try:
+            check(request.constraint)
+        except ValueError as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            message = f"{self.format} cannot take this constraint: {reason}"
+            raise bad_request(message, param=request.constraint_param) from None
 
 
 def batch_settings(config: ServeConfig) -> BatchSettings:

@@ -134,6 +134,10 @@ async def generate(request: Request, parse, chat: bool):
     state.metrics.prompt_tokens.inc(len(prompt_ids))
     generation = state.generator.submit(prompt_ids, sampling)
     reply = Reply(state.name, chat, len(prompt_ids), generation, StopMatcher(parsed.stop), request.scope)
+    if parsed.tools is not None and parsed.tools.active:
+        from serve.tools import ToolCallStream
+
+        reply.calls = ToolCallStream(parsed.tools)
     if parsed.stream:
         return await reply.stream(state.config.timeout_s, parsed.include_usage)
     return await reply.whole(state.config.timeout_s)
@@ -149,6 +153,7 @@ class Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.finish_reason: str | None = None
+        self.calls: Any = None  # serve.tools.ToolCallStream of a request whose tools are active
 
     async def pieces(self):
         """Text pieces with stop strings applied; sets finish_reason at the end."""
@@ -178,8 +183,8 @@ class Reply:
             raise timed_out(timeout_s) from None
         finally:
             self.generation.cancel.set()
-        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None}
-        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+        body: dict[str, Any] = {"message": self.message(text)} if self.chat else {"text": text}
+        choice: dict[str, Any] = {"index": 0, "finish_reason": self.finish_reason, "logprobs": None, **body}
         return JSONResponse(
             {
                 "id": self.id,
@@ -190,6 +195,16 @@ class Reply:
                 "usage": self.usage(),
             }
         )
+
+    def message(self, text: str) -> dict:
+        if self.calls is None:
+            return {"role": "assistant", "content": text}
+        self.calls.feed(text)
+        content, calls = self.calls.finish()
+        if not calls:
+            return {"role": "assistant", "content": text}
+        self.finish_reason = "tool_calls"
+        return {"role": "assistant", "content": content, "tool_calls": calls}
 
     def usage(self) -> dict:
         done = self.generation.tokens
@@ -218,9 +233,13 @@ class Reply:
             if self.chat:
                 yield self.sse(self.chunk({"role": "assistant", "content": ""}))
             if first is not None:
-                yield self.sse(self.chunk(first))
+                for text in self.content(first):
+                    yield text
                 async for piece in pieces:
-                    yield self.sse(self.chunk(piece))
+                    for text in self.content(piece):
+                        yield text
+            for text in self.held_back():
+                yield text
             yield self.sse(self.chunk(None, self.finish_reason))
             if include_usage:
                 yield self.sse({**self.chunk(None), "choices": [], "usage": self.usage()})
@@ -230,6 +249,27 @@ class Reply:
         finally:
             self.generation.cancel.set()  # also when the client disconnects mid-stream
         yield "data: [DONE]\n\n"
+
+    def content(self, piece: str):
+        """The chunk of a piece (none while a tool call may be being written)."""
+        if self.calls is not None:
+            piece = self.calls.feed(piece)
+        if piece:
+            yield self.sse(self.chunk(piece))
+
+    def held_back(self):
+        """At the end of a stream with tools: the tool calls written, or the text held back."""
+        if self.calls is None:
+            return
+        from serve.tools import call_deltas
+
+        content, calls = self.calls.finish()
+        if content:
+            yield self.sse(self.chunk(content))
+        for delta in call_deltas(calls):
+            yield self.sse(self.chunk(delta))
+        if calls:
+            self.finish_reason = "tool_calls"
 
     def chunk(self, content, finish_reason=None) -> dict:
         if self.chat:

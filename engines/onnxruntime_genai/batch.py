@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from engines.generation import BatchEngine, BatchSettings, Sampling, StaticBatchEngine, refuse_unhonoured
-from engines.onnxruntime_genai.runner import ENGINE, GenAIRunner, genai_dir
+from engines.onnxruntime_genai.runner import ENGINE, GenAIRunner, genai_dir, guidance
 
 # What onnxruntime-genai 0.18's Engine does with a model built without PagedAttention (every CPU
 # build: its builder makes PagedAttention models for CUDA and WebGPU only): static batching. Up to
@@ -128,7 +128,7 @@ class GenAIBatchEngine(GenAIRunner):
     def add(self, request_id: int, prompt_ids: list[int], sampling: Sampling) -> GenAIRequestHandle:
         """Queue a generation in the engine; returns its handle. request_id is the service's (the
         engine names requests by their object)."""
-        refuse_unhonoured(sampling, ENGINE)
+        refuse_unhonoured(sampling, ENGINE, honours=("constraint",))
         session = min(self.context_length, len(prompt_ids) + sampling.max_new_tokens)
         if self.runs_alone(sampling):
             handle = GenAIRequestHandle(None, 0, session, [])
@@ -162,6 +162,8 @@ class GenAIBatchEngine(GenAIRunner):
             turn.set_top_k(0)
             if sampling.seed is not None:
                 turn.set_seed(sampling.seed)
+        if sampling.constraint is not None:
+            turn.set_guidance(*guidance(sampling.constraint))
 
     def step(self) -> None:
         """One engine run: each event's token goes to its request's handle (or one token of a

@@ -27,7 +27,14 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from engines.generation import FALLBACK_CHAT_TEMPLATE, Sampling, ScoringGenerator, refuse_unhonoured, token_logprobs
+from engines.generation import (
+    FALLBACK_CHAT_TEMPLATE,
+    Constraint,
+    Sampling,
+    ScoringGenerator,
+    refuse_unhonoured,
+    token_logprobs,
+)
 from engines.openvino.runner import PRECISIONS, compile_properties, require_cpu_features
 
 ENGINE = "openvino-genai"
@@ -105,9 +112,12 @@ class OVGenAIText(abc.ABC):
         return self.tokenizer.decode([int(t) for t in ids])
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The model's own chat template when it has one, a plain role-tagged one otherwise."""
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        extra = {"tools": tools} if tools else {}
+        """The model's own chat template when it has one, a plain role-tagged one otherwise. Tools
+        go to a template that reads them only: for one that does not, the tokenizer would write its
+        own long description of them (serve/tools.py writes a compact one instead)."""
+        messages = [dict(m) for m in messages]  # tool_calls and tool_call_id included
+        template = self.tokenizer.chat_template or ""
+        extra = {"tools": tools} if tools and "tools" in template else {}
         try:
             if self.tokenizer.chat_template:
                 return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
@@ -121,7 +131,7 @@ class OVGenAIText(abc.ABC):
 
     def generation_config(self, prompt_length: int, sampling: Sampling):
         """The GenerationConfig of a request; a Sampling field it cannot carry is refused, not dropped."""
-        refuse_unhonoured(sampling, ENGINE)
+        refuse_unhonoured(sampling, ENGINE, honours=("constraint",))
         config = self.default_config()
         config.max_new_tokens = max(1, min(sampling.max_new_tokens, self.context_length - prompt_length))
         config.stop_token_ids = set(self.eos_token_ids)
@@ -133,7 +143,16 @@ class OVGenAIText(abc.ABC):
             config.temperature, config.top_p, config.top_k = sampling.temperature, sampling.top_p, 2**63 - 1
             if sampling.seed is not None:
                 config.rng_seed = int(sampling.seed)
+        if sampling.constraint is not None:
+            config.structured_output_config = self.check_constraint(sampling.constraint)
         return config
+
+    def check_constraint(self, constraint: Constraint):
+        """The StructuredOutputConfig of a constraint, or UnsupportedConstraint (a ValueError) saying
+        why the engine cannot take it: checked before the engine sees it (engines/openvino/structured.py)."""
+        from engines.openvino.structured import structured_output_config
+
+        return structured_output_config(self.ov_genai, constraint)
 
     @staticmethod
     def _tensor(ids) -> object:
