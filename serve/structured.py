@@ -132,12 +132,12 @@ def check_schema(schema, param: str, what: str = "the JSON schema") -> None:
         return
     if not isinstance(schema, dict):
         raise bad_request(f"{what} must be an object", param=param)
+    depth = nesting(schema)  # first: json.dumps of a deep schema would recurse as deep
+    if depth > LIMITS.schema_depth:
+        raise bad_request(f"{what} nests {depth} levels deep; at most {LIMITS.schema_depth}", param=param)
     size = len(json.dumps(schema, separators=(",", ":")))
     if size > LIMITS.schema_bytes:
         raise bad_request(f"{what} is {size} bytes as JSON; at most {LIMITS.schema_bytes}", param=param)
-    depth = nesting(schema)
-    if depth > LIMITS.schema_depth:
-        raise bad_request(f"{what} nests {depth} levels deep; at most {LIMITS.schema_depth}", param=param)
     problem = ref_problem(schema)
     if problem:
         raise bad_request(f"{what}: {problem}", param=param)

@@ -37,7 +37,7 @@ def as_call(obj, names: set[str]) -> dict | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if name not in names or not isinstance(arguments, dict):
         return None
@@ -51,7 +51,7 @@ def as_call(obj, names: set[str]) -> dict | None:
 def loads(text: str):
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 

@@ -176,7 +176,7 @@ def history_call(raw, index: int) -> dict:
     arguments = function.get("arguments") if isinstance(function, dict) else None
     try:
         parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except ValueError:
+    except (ValueError, RecursionError):
         parsed = None
     if not isinstance(name, str) or not isinstance(parsed, dict):
         raise bad_request(

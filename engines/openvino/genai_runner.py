@@ -79,6 +79,7 @@ class OVGenAIText(abc.ABC):
     dir: Path
     tokenizer: Any
     eos_token_ids: set[int]
+    ov_genai: Any  # the openvino_genai module
 
     def _read_limits(self) -> dict:
         config = json.loads((self.dir / "config.json").read_text())
