@@ -93,14 +93,37 @@ FIELDS: tuple[Field, ...] = (
     Field("modalities", (CHAT,), "refused", 'text only: `["text"]`', harmless=equals(["text"])),
     Field(
         "response_format",
-        (CHAT,),
-        "refused",
-        "structured output: not in this server yet",
-        harmless=equals({"type": "text"}),
+        BOTH,
+        "per engine",
+        "`text`, `json_object`, `json_schema` (with `strict`) through the engine's constrained decoding "
+        "(ONNX Runtime GenAI: llguidance; OpenVINO GenAI: xgrammar, on a checked subset of JSON Schema); "
+        "another type, or a schema the engine cannot take, is a 400 with the reason",
+        sampling="constraint",
     ),
-    Field("tools", (CHAT,), "refused", "tool calls: not in this server yet", harmless=equals([])),
-    Field("tool_choice", (CHAT,), "refused", "tool calls: not in this server yet", harmless=equals("none")),
-    Field("parallel_tool_calls", (CHAT,), "refused", "tool calls: not in this server yet"),
+    Field(
+        "structured_outputs",
+        BOTH,
+        "per engine",
+        "vLLM's extension: `regex`, `choice`, `json` (a schema) or `grammar` (Lark, ONNX Runtime GenAI only; "
+        "a 400 on OpenVINO GenAI); one of them, not with `response_format`",
+        sampling="constraint",
+    ),
+    Field(
+        "tools",
+        (CHAT,),
+        "honoured",
+        "up to 128 functions named `[a-zA-Z0-9_-]{1,64}`, rendered by the model's chat template (the "
+        "server's fallback where the template takes no tools; the startup line says which)",
+    ),
+    Field(
+        "tool_choice",
+        (CHAT,),
+        "per engine",
+        "`none`, `auto` (the output is parsed for calls), `required` or a named function (the output is "
+        "constrained to a call whose arguments match the tool's schema); `finish_reason` `tool_calls`",
+        sampling="constraint",
+    ),
+    Field("parallel_tool_calls", (CHAT,), "honoured", "`true` or `false`: a forced call is one call"),
     Field("functions", (CHAT,), "refused", "the deprecated form of `tools`", harmless=equals([])),
     Field("function_call", (CHAT,), "refused", "the deprecated form of `tool_choice`", harmless=equals("none")),
     Field("logit_bias", BOTH, "refused", "neither engine takes a bias per token", harmless=equals({})),

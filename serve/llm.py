@@ -75,12 +75,18 @@ class GenerativeModel:
         # Tokens the KV cache holds at most (batching): a request must fit it on its own.
         cache = self.batch_engine
         self.cache_tokens = cache.num_blocks * cache.block_tokens if cache is not None else 0
+        from serve.tools import takes_tools
+
+        self.template_takes_tools = takes_tools(self.runner)
 
     def describe(self) -> str:
         """How generations are run, for the startup line."""
-        if self.batch_engine is not None:
-            return self.batch_engine.describe()
-        return "one generation at a time (--max-num-seqs 1)"
+        from serve.tools import FALLBACK
+
+        engine = self.batch_engine
+        how = engine.describe() if engine is not None else "one generation at a time (--max-num-seqs 1)"
+        tools = "the model's chat template renders tools" if self.template_takes_tools else FALLBACK
+        return f"{how}; {tools}"
 
     def prepare(self, request: GenerationRequest) -> tuple[list[int], Sampling]:
         """What the engine is handed for a request: its prompt's token ids and its sampling settings,
@@ -91,7 +97,10 @@ class GenerativeModel:
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
-            ids = self.runner.encode(self.runner.chat_prompt(request.messages))
+            from serve.tools import chat_prompt
+
+            text = chat_prompt(self.runner, request.messages, request.tools, self.template_takes_tools)
+            ids = self.runner.encode(text)
         elif request.prompt is not None:
             ids = self.runner.encode(request.prompt)
         else:
@@ -156,6 +165,8 @@ class GenerativeModel:
             raise bad_request(
                 f"'seed' must be between {low} and {high} for this model, got {request.seed}", param="seed"
             )
+        if request.constraint is not None:
+            self.check_constraint(request)
         sampling = Sampling(
             budget,
             request.temperature,
@@ -168,6 +179,7 @@ class GenerativeModel:
             repetition_penalty=request.repetition_penalty,
             presence_penalty=request.presence_penalty,
             frequency_penalty=request.frequency_penalty,
+            constraint=request.constraint,
         )
         self.refuse_unhonoured(sampling, request)
         return sampling
@@ -181,6 +193,8 @@ class GenerativeModel:
         honours = getattr(self.runner, "honours", ())
         for name in sampling.asked():
             param = "logprobs" if name == "top_logprobs" and not chat else PARAM_OF_SAMPLING.get(name, name)
+            if name == "constraint":  # asked by response_format, structured_outputs or a forced tool call
+                param = request.constraint_param
             if name not in honours:
                 raise bad_request(f"{param!r} is not supported by {self.engine_mode()}", param=param)
         limit = getattr(self.runner, "max_top_logprobs", 0)
@@ -196,6 +210,19 @@ class GenerativeModel:
         """The engine as a refusal names it: its format, and how it is run."""
         how = f"{self.batching} batching" if self.batching != "none" else "one generation at a time (--max-num-seqs 1)"
         return f"{self.format} with {how}"
+
+    def check_constraint(self, request: GenerationRequest) -> None:
+        """The engine compiles (or checks) the request's constraint before it is queued: what it
+        cannot take is a 400 with its reason, never a failed stream or a failed batch."""
+        check = getattr(self.runner, "check_constraint", None)
+        if check is None:
+            raise bad_request(f"{self.format} cannot constrain its output", param=request.constraint_param)
+        try:
+            check(request.constraint)
+        except ValueError as exc:
+            reason = " ".join(str(exc).split()) or type(exc).__name__
+            message = f"{self.format} cannot take this constraint: {reason}"
+            raise bad_request(message, param=request.constraint_param) from None
 
 
 def batch_settings(config: ServeConfig) -> BatchSettings:

@@ -133,11 +133,20 @@ async def generate(request: Request, parse, chat: bool):
     prompt_ids, sampling = model.prepare(parsed)
     state.metrics.prompt_tokens.inc(len(prompt_ids))
     generations = submit_choices(state.generator, prompt_ids, sampling, parsed.n, model.seed_range)
-    choices = [Choice(i, g, StopMatcher(parsed.stop)) for i, g in enumerate(generations)]
+    choices = [Choice(i, g, StopMatcher(parsed.stop), tool_calls(parsed)) for i, g in enumerate(generations)]
     reply = Reply(state.name, chat, len(prompt_ids), choices, request.scope, sampling.logprobs)
     if parsed.stream:
         return await reply.stream(state.config.timeout_s, parsed.include_usage)
     return await reply.whole(state.config.timeout_s)
+
+
+def tool_calls(parsed):
+    """A choice's tool-call reader (serve/tools.py), for a chat request whose tools are active."""
+    if parsed.tools is None or not parsed.tools.active:
+        return None
+    from serve.tools import ToolCallStream
+
+    return ToolCallStream(parsed.tools)
 
 
 def submit_choices(service, prompt_ids: list[int], sampling, n: int, seed_range: tuple[int, int]) -> list:
@@ -162,10 +171,11 @@ def submit_choices(service, prompt_ids: list[int], sampling, n: int, seed_range:
 
 class Choice:
     """One generation of a reply: its events read as text pieces (stop strings applied) and the
-    logprob entries that came with them."""
+    logprob entries that came with them; with tools, the calls its text holds (`calls`)."""
 
-    def __init__(self, index: int, generation, stops):
+    def __init__(self, index: int, generation, stops, calls=None):
         self.index, self.generation, self.stops = index, generation, stops
+        self.calls = calls  # serve.tools.ToolCallStream, or None
         self.finish_reason: str | None = None
         self.entries: list[dict] = []  # logprob entries, where the request asked for them
         self.text_length = 0  # characters of text handed out so far (the legacy text_offset)
@@ -247,8 +257,20 @@ class Reply:
             "finish_reason": choice.finish_reason,
             "logprobs": self.logprobs(choice.entries, 0) if self.with_logprobs else None,
         }
-        out.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+        out.update({"message": self.message(choice, text)} if self.chat else {"text": text})
         return out
+
+    @staticmethod
+    def message(choice: Choice, text: str) -> dict:
+        """The assistant message of a choice: its text, or the tool calls it wrote."""
+        if choice.calls is None:
+            return {"role": "assistant", "content": text}
+        choice.calls.feed(text)
+        content, calls = choice.calls.finish()
+        if not calls:
+            return {"role": "assistant", "content": text}
+        choice.finish_reason = "tool_calls"
+        return {"role": "assistant", "content": content, "tool_calls": calls}
 
     def logprobs(self, entries: list[dict], offset: int) -> dict:
         from serve.logprobs import chat_logprobs, completion_logprobs
@@ -314,9 +336,11 @@ class Reply:
             if self.chat:
                 for choice in self.choices:
                     yield self.sse(self.chunk(choice, {"role": "assistant", "content": ""}))
-            yield self.item_event(*first)
+            for event in self.item_events(*first):
+                yield event
             async for choice, item in items:
-                yield self.item_event(choice, item)
+                for event in self.item_events(choice, item):
+                    yield event
             if include_usage:
                 yield self.sse({**self.envelope(), "choices": [], "usage": self.usage()})
         except Exception as exc:  # headers are sent: the error can only travel in the stream
@@ -326,13 +350,34 @@ class Reply:
             self.cancel()  # also when the client disconnects mid-stream
         yield "data: [DONE]\n\n"
 
-    def item_event(self, choice: Choice, item) -> str:
+    def item_events(self, choice: Choice, item):
+        """The chunks of one item of a choice: a piece of text (none while a tool call may be being
+        written), or at its end what tools held back and the finish."""
         if item is None:
-            return self.sse(self.chunk(choice, None, choice.finish_reason))
+            yield from self.held_back(choice)
+            yield self.sse(self.chunk(choice, None, choice.finish_reason))
+            return
         text, entries = item
+        if choice.calls is not None:
+            text = choice.calls.feed(text)
         logprobs = self.logprobs(entries, choice.text_length) if entries else None
         choice.text_length += len(text)
-        return self.sse(self.chunk(choice, text, logprobs=logprobs))
+        if text or logprobs is not None:
+            yield self.sse(self.chunk(choice, text, logprobs=logprobs))
+
+    def held_back(self, choice: Choice):
+        """At the end of a choice with tools: the tool calls it wrote, or the text held back."""
+        if choice.calls is None:
+            return
+        from serve.tools import call_deltas
+
+        content, calls = choice.calls.finish()
+        if content:
+            yield self.sse(self.chunk(choice, content))
+        for delta in call_deltas(calls):
+            yield self.sse(self.chunk(choice, delta))
+        if calls:
+            choice.finish_reason = "tool_calls"
 
     def envelope(self) -> dict:
         kind = "chat.completion.chunk" if self.chat else "text_completion"

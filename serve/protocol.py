@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal, overload
+from typing import TYPE_CHECKING, Literal, overload
 
 import numpy as np
 
 from engines.artifact import JSONInputError, parse_json
 from serve.errors import bad_request, unprocessable
 from serve.fields import CHAT, COMPLETIONS, refuse_unserved_fields
+
+if TYPE_CHECKING:
+    from engines.generation import Constraint
+    from serve.tools import ToolRequest
 
 # KServe v2 datatypes this server can read, as little-endian numpy dtypes (the binary extension
 # sends raw little-endian bytes). BYTES is left out: the served graphs take no string tensors.
@@ -321,6 +325,9 @@ class GenerationRequest:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    constraint: Constraint | None = None  # response_format / structured_outputs (serve/structured.py)
+    constraint_param: str = "response_format"  # the field a refusal of the constraint names
+    tools: ToolRequest | None = None  # chat: tools and tool_choice (serve/tools.py)
 
 
 MAX_CHOICES = 16  # `n`
@@ -384,7 +391,32 @@ def parse_completion_request(data: dict) -> GenerationRequest:
         raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)", param="prompt")
     parse_sampling(data, request)
     parse_completion_logprobs(data, request)
+    parse_structured(data, request)
     return request
+
+
+def parse_structured(data: dict, request: GenerationRequest, chat: bool = False) -> None:
+    """response_format / structured_outputs, and on chat tools / tool_choice: the constraint the
+    output is decoded under (a forced tool call's, or the response format's)."""
+    from serve.structured import parse_response_format
+    from serve.tools import call_constraint, parse_tools
+
+    request.constraint = parse_response_format(data)
+    if data.get("structured_outputs") is not None:
+        request.constraint_param = "structured_outputs"
+    if not chat:
+        for key in ("tools", "tool_choice"):
+            if data.get(key) is not None:
+                raise bad_request(f"'{key}' is taken on /v1/chat/completions only", param=key)
+        return
+    request.tools = parse_tools(data)
+    if request.tools is not None and request.tools.forced:
+        if request.constraint is not None:
+            raise bad_request(
+                f"'{request.constraint_param}' and a forced tool call both constrain the output: give one",
+                param="tool_choice",
+            )
+        request.constraint, request.constraint_param = call_constraint(request.tools), "tools"
 
 
 def parse_chat_request(data: dict) -> GenerationRequest:
@@ -397,6 +429,7 @@ def parse_chat_request(data: dict) -> GenerationRequest:
     key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
     parse_sampling(data, request, key)
     parse_chat_logprobs(data, request)
+    parse_structured(data, request, chat=True)
     return request
 
 
@@ -406,7 +439,9 @@ def parse_message(raw, index: int) -> dict:
     role = raw.get("role")
     if role not in CHAT_ROLES:
         raise bad_request(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}", param="messages")
-    return {"role": role, "content": message_text(raw.get("content"), index)}
+    from serve.tools import history_fields
+
+    return {"role": role, "content": message_text(raw.get("content"), index), **history_fields(raw, index)}
 
 
 def message_text(content, index: int) -> str:

@@ -19,7 +19,7 @@ from engines.generation import (
     TokenLogprob,
     refuse_unhonoured,
 )
-from engines.onnxruntime_genai.runner import ENGINE, GENERATOR_HONOURS, GenAIRunner, genai_dir
+from engines.onnxruntime_genai.runner import ENGINE, GENERATOR_HONOURS, GenAIRunner, genai_dir, guidance
 
 # What onnxruntime-genai 0.18's Engine does with a model built without PagedAttention (every CPU
 # build: its builder makes PagedAttention models for CUDA and WebGPU only): static batching. Up to
@@ -177,6 +177,8 @@ class GenAIBatchEngine(GenAIRunner):
             turn.set_top_k(sampling.top_k)
             if sampling.seed is not None:
                 turn.set_seed(sampling.seed)
+        if sampling.constraint is not None:
+            turn.set_guidance(*guidance(sampling.constraint))
 
     def step(self) -> None:
         """One engine run: each event's token goes to its request's handle (or one token of a

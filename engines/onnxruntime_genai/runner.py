@@ -16,6 +16,7 @@ import numpy as np
 
 from engines.generation import (
     FALLBACK_CHAT_TEMPLATE,
+    Constraint,
     Sampling,
     ScoringGenerator,
     TokenLogprob,
@@ -26,11 +27,41 @@ from engines.generation import (
 from engines.hardware import usable_cores
 
 ENGINE = "onnxruntime-genai"
-# The Sampling fields its Generator carries out (search options; logprobs read from the logits of
-# each step, after the repetition penalty and before temperature, top-k and top-p). min_p and the
-# presence and frequency penalties have no search option in onnxruntime-genai 0.18.
-GENERATOR_HONOURS = ("logprobs", "top_logprobs", "top_k", "repetition_penalty")
+# The Sampling fields its Generator carries out (the constraint through set_guidance; search options;
+# logprobs read from the logits of each step, after the repetition penalty and before temperature,
+# top-k and top-p). min_p and the presence and frequency penalties have no search option in
+# onnxruntime-genai 0.18.
+GENERATOR_HONOURS = ("constraint", "logprobs", "top_logprobs", "top_k", "repetition_penalty")
 MAX_TOP_LOGPROBS = 20  # as OpenAI's API: any k fits the logits, the answer grows with it
+
+# How a Constraint's kind is named to set_guidance (llguidance underneath; grammars are Lark).
+GUIDANCE_KINDS = {"json_schema": "json_schema", "regex": "regex", "grammar": "lark_grammar"}
+
+
+def guidance(constraint: Constraint) -> tuple[str, str]:
+    """set_guidance's arguments for a constraint. A JSON schema is written compact: llguidance lets
+    whitespace run between JSON tokens otherwise, and a model that likes a whitespace token (the tiny
+    test model does) writes "{" and spaces until max_tokens."""
+    value = constraint.value
+    if constraint.kind == "json_schema":
+        schema = json.loads(value)
+        schema = closed_objects({} if schema is True else schema)
+        value = json.dumps({**schema, "x-guidance": {"whitespace_flexible": False}})
+    return GUIDANCE_KINDS[constraint.kind], value
+
+
+def closed_objects(node):
+    """The schema with `additionalProperties: false` on each object with properties that does not
+    say otherwise: the output is still valid (its properties are all allowed), and a small model
+    cannot wander into writing a new key until max_tokens."""
+    if isinstance(node, list):
+        return [closed_objects(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    node = {key: closed_objects(value) for key, value in node.items()}
+    if isinstance(node.get("properties"), dict) and "additionalProperties" not in node:
+        node["additionalProperties"] = False
+    return node
 
 
 def genai_dir(root: Path, engine: dict) -> Path:
@@ -93,6 +124,8 @@ class GenAIRunner:
         refuse_unhonoured(sampling, ENGINE, GENERATOR_HONOURS)
         params = self.og.GeneratorParams(self.model)
         params.set_search_options(**self.search_options(len(prompt_ids), sampling))
+        if sampling.constraint is not None:
+            params.set_guidance(*guidance(sampling.constraint))
         generator = self.og.Generator(self.model, params)
         generator.append_tokens(prompt_ids)
         stream = self.tokenizer.create_stream()
@@ -107,6 +140,17 @@ class GenAIRunner:
                 logits = np.asarray(generator.get_logits()).reshape(-1)
                 on_logprob(top_logprobs(logits, token, sampling.top_logprobs))
             yield token, stream.decode(token)
+
+    def check_constraint(self, constraint: Constraint) -> None:
+        """Compile a constraint as a generation would (a generator of two tokens, never run); a
+        ValueError carries the engine's reason when it cannot."""
+        params = self.og.GeneratorParams(self.model)
+        params.set_search_options(max_length=2)
+        params.set_guidance(*guidance(constraint))
+        try:
+            self.og.Generator(self.model, params)
+        except Exception as exc:  # onnxruntime-genai raises a plain RuntimeError with llguidance's words
+            raise ValueError(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from None
 
     def search_options(self, prompt_length: int, sampling: Sampling) -> dict:
         options: dict[str, Any] = {

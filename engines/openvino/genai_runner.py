@@ -29,6 +29,7 @@ import numpy as np
 
 from engines.generation import (
     FALLBACK_CHAT_TEMPLATE,
+    Constraint,
     Sampling,
     ScoringGenerator,
     TokenLogprob,
@@ -42,10 +43,11 @@ ENGINE = "openvino-genai"
 IR_FILE = "openvino_model.xml"
 KV_CACHE_PRECISIONS = ("f32", "bf16", "u8")
 _DONE = object()
-# The Sampling fields GenerationConfig carries for both pipelines. LLMPipeline's streamer and result
-# give no per-token log-probabilities; the continuous-batching pipeline's outputs do (for the chosen
-# token only): engines/openvino/genai_batch.py adds "logprobs".
-SAMPLING_HONOURS = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+# The Sampling fields GenerationConfig carries for both pipelines (the constraint as a
+# StructuredOutputConfig). LLMPipeline's streamer and result give no per-token log-probabilities; the
+# continuous-batching pipeline's outputs do (for the chosen token only): engines/openvino/genai_batch.py
+# adds "logprobs".
+SAMPLING_HONOURS = ("constraint", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
 def runner_properties(threads: int, inference_precision: str, kv_cache_precision: str | None, spinning: bool) -> dict:
@@ -86,6 +88,7 @@ class OVGenAIText(abc.ABC):
     eos_token_ids: set[int]
     honours: tuple[str, ...] = SAMPLING_HONOURS
     max_top_logprobs = 0
+    ov_genai: Any  # the openvino_genai module
 
     def _read_limits(self) -> dict:
         config = json.loads((self.dir / "config.json").read_text())
@@ -119,9 +122,12 @@ class OVGenAIText(abc.ABC):
         return self.tokenizer.decode([int(t) for t in ids])
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The model's own chat template when it has one, a plain role-tagged one otherwise."""
-        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-        extra = {"tools": tools} if tools else {}
+        """The model's own chat template when it has one, a plain role-tagged one otherwise. Tools
+        go to a template that reads them only: for one that does not, the tokenizer would write its
+        own long description of them (serve/tools.py writes a compact one instead)."""
+        messages = [dict(m) for m in messages]  # tool_calls and tool_call_id included
+        template = self.tokenizer.chat_template or ""
+        extra = {"tools": tools} if tools and "tools" in template else {}
         try:
             if self.tokenizer.chat_template:
                 return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
@@ -152,7 +158,16 @@ class OVGenAIText(abc.ABC):
             config.top_k, config.min_p = sampling.top_k or 2**63 - 1, sampling.min_p
             if sampling.seed is not None:
                 config.rng_seed = int(sampling.seed)
+        if sampling.constraint is not None:
+            config.structured_output_config = self.check_constraint(sampling.constraint)
         return config
+
+    def check_constraint(self, constraint: Constraint):
+        """The StructuredOutputConfig of a constraint, or UnsupportedConstraint (a ValueError) saying
+        why the engine cannot take it: checked before the engine sees it (engines/openvino/structured.py)."""
+        from engines.openvino.structured import structured_output_config
+
+        return structured_output_config(self.ov_genai, constraint)
 
     @staticmethod
     def _tensor(ids) -> object:
