@@ -252,13 +252,14 @@ class Reply:
         )
 
     def whole_choice(self, choice: Choice, text: str) -> dict:
-        out: dict[str, Any] = {
+        # The message first: the tool calls it finds set the choice's finish_reason.
+        body = {"message": self.message(choice, text)} if self.chat else {"text": text}
+        return {
             "index": choice.index,
             "finish_reason": choice.finish_reason,
             "logprobs": self.logprobs(choice.entries, 0) if self.with_logprobs else None,
+            **body,
         }
-        out.update({"message": self.message(choice, text)} if self.chat else {"text": text})
-        return out
 
     @staticmethod
     def message(choice: Choice, text: str) -> dict:
