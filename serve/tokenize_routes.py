@@ -45,7 +45,8 @@ async def tokenize(request: Request) -> JSONResponse:
     from serve.protocol import parse_message
 
     data, model = await text_model(request)
-    given = [key for key in (*TEXT_KEYS, "messages") if data.get(key) is not None]
+    # A key given as null counts as given (and is refused as not a string): the document types them.
+    given = [key for key in (*TEXT_KEYS, "messages") if key in data]
     if len(given) != 1:
         raise bad_request(f"give the text in one of {', '.join(TEXT_KEYS)} (or 'messages')", param="content")
     key = given[0]
