@@ -90,6 +90,8 @@ def test_n_gives_independent_choices_whole_and_streamed(served):
     assert sorted(c.index for c in reply.choices) == [0, 1]
     again = client.completions.create(model=NAME, prompt="Hello", max_tokens=4, temperature=1.0, seed=5, n=2)
     assert [c.text for c in again.choices] == [c.text for c in reply.choices]  # choice i: seed + i
+    unseeded = client.completions.create(model=NAME, prompt="Hello", max_tokens=12, temperature=1.0, n=2)
+    assert unseeded.choices[0].text != unseeded.choices[1].text  # sampled independently, not one fixed seed
     stream = client.chat.completions.create(
         model=NAME, messages=MESSAGES, max_tokens=4, temperature=0, n=2, stream=True
     )
