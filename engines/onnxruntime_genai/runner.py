@@ -131,13 +131,15 @@ class GenAIRunner:
         stream = self.tokenizer.create_stream()
         produced = 0
         while produced < sampling.max_new_tokens and not generator.is_done() and not cancelled():
+            # The logits the next token is chosen from, read before it is: after generate_next_token()
+            # get_logits() runs the model on the new token and returns the position after it.
+            logits = np.asarray(generator.get_logits()).reshape(-1) if sampling.logprobs else None
             generator.generate_next_token()
             token = int(generator.get_next_tokens()[0])
             produced += 1
             if token in self.eos_token_ids:
                 return
-            if sampling.logprobs and on_logprob is not None:
-                logits = np.asarray(generator.get_logits()).reshape(-1)
+            if logits is not None and on_logprob is not None:
                 on_logprob(top_logprobs(logits, token, sampling.top_logprobs))
             yield token, stream.decode(token)
 

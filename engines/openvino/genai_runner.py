@@ -20,6 +20,7 @@ from __future__ import annotations
 import abc
 import json
 import queue
+import secrets
 import threading
 import time
 from pathlib import Path
@@ -156,8 +157,9 @@ class OVGenAIText(abc.ABC):
             # OpenAI semantics: temperature and top_p, so top-k cuts nothing unless it is asked.
             config.temperature, config.top_p = sampling.temperature, sampling.top_p
             config.top_k, config.min_p = sampling.top_k or 2**63 - 1, sampling.min_p
-            if sampling.seed is not None:
-                config.rng_seed = int(sampling.seed)
+            # Unseeded, a fresh seed: the pipeline's default rng_seed is one fixed number, so every
+            # unseeded request of a prompt sampled the same text (and n=2 two equal choices).
+            config.rng_seed = int(sampling.seed) if sampling.seed is not None else secrets.randbits(63)
         if sampling.constraint is not None:
             config.structured_output_config = self.check_constraint(sampling.constraint)
         return config

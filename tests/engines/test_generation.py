@@ -34,3 +34,17 @@ def test_openvino_genai_refuses_before_it_builds_a_generation_config():
     runner = object.__new__(OVGenAIRunner)  # no model needed: the refusal comes first
     with pytest.raises(UnsupportedSampling, match="openvino-genai cannot honour Sampling.n"):
         runner.generation_config(4, Sampling(8, n=3))
+
+
+def test_openvino_genai_draws_a_fresh_seed_for_an_unseeded_sampled_request():
+    """Its pipeline's default rng_seed is one fixed number: left there, every unseeded request of a
+    prompt would sample the same text."""
+    ov_genai = pytest.importorskip("openvino_genai")
+    from engines.openvino.genai_runner import OVGenAIRunner
+
+    runner = object.__new__(OVGenAIRunner)
+    runner.default_config = ov_genai.GenerationConfig
+    runner.eos_token_ids, runner.context_length = {2}, 128
+    seeds = {runner.generation_config(4, Sampling(8, temperature=1.0)).rng_seed for _ in range(4)}
+    assert len(seeds) == 4
+    assert runner.generation_config(4, Sampling(8, temperature=1.0, seed=7)).rng_seed == 7

@@ -90,6 +90,8 @@ def test_n_gives_independent_choices_whole_and_streamed(served):
     assert sorted(c.index for c in reply.choices) == [0, 1]
     again = client.completions.create(model=NAME, prompt="Hello", max_tokens=4, temperature=1.0, seed=5, n=2)
     assert [c.text for c in again.choices] == [c.text for c in reply.choices]  # choice i: seed + i
+    unseeded = client.completions.create(model=NAME, prompt="Hello", max_tokens=12, temperature=1.0, n=2)
+    assert unseeded.choices[0].text != unseeded.choices[1].text  # sampled independently, not one fixed seed
     stream = client.chat.completions.create(
         model=NAME, messages=MESSAGES, max_tokens=4, temperature=0, n=2, stream=True
     )
@@ -147,3 +149,23 @@ def test_tokenize_round_trips_and_models_lists_the_model(served):
     reply = client.completions.create(model=NAME, prompt=tokens, max_tokens=2, temperature=0)
     assert reply.usage.prompt_tokens == len(tokens)
     assert [m.id for m in client.models.list()] == [NAME]
+
+
+def test_onnxruntime_genai_logprobs_are_of_the_position_each_token_was_chosen_at(tiny_llm_artifact):
+    """Each generated token's logprob and alternatives come from the logits it was chosen from: a
+    greedy token is its position's best, and its logprob is the teacher-forced one of the same text
+    (read one step late, they were the next position's)."""
+    import numpy as np
+
+    from engines.generation import Sampling
+    from engines.onnxruntime_genai.runner import GenAIRunner
+
+    runner = GenAIRunner(tiny_llm_artifact / "genai", threads=1)
+    prompt = runner.encode("hello world")
+    entries: list = []
+    sampling = Sampling(6, temperature=0.0, logprobs=True, top_logprobs=2)
+    tokens = [token for token, _ in runner.generate(prompt, sampling, on_logprob=entries.append)]
+    assert [e.token for e in entries] == tokens and tokens
+    assert [e.top[0][0] for e in entries] == tokens
+    forced = runner.log_likelihood(prompt + tokens, start=len(prompt))
+    np.testing.assert_allclose([e.logprob for e in entries], forced, atol=1e-3)
