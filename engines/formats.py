@@ -8,6 +8,7 @@ generating one implements engines/generation.py's Generator, and its row says ho
 from __future__ import annotations
 
 import importlib
+import typing
 from dataclasses import dataclass
 from typing import Callable, Literal
 
@@ -54,6 +55,25 @@ class EngineFormat:
     def platform(self) -> str:
         return self.kserve_platform or self.name
 
+    def loaded_class(self) -> type:
+        """The class its loader returns (its return annotation): the one-at-a-time engine."""
+        return _returned_class(self.loader)
+
+    def batch_class(self) -> type | None:
+        """The class its batch loader returns, or None where it has none."""
+        return _returned_class(self.batch_loader) if self.batch_loader else None
+
+    @property
+    def constrains_output(self) -> bool:
+        """Whether it can serve constrained output (a JSON schema, a regex, a forced tool call): a
+        generating format whose every engine class, batched and one at a time, declares it honours
+        a constraint (`honours`, engines/generation.py). Read from the classes, so it cannot drift
+        from what the server does with the request."""
+        if self.serves != "causal_lm":
+            return False
+        classes = [self.loaded_class(), self.batch_class()]
+        return all("constraint" in getattr(cls, "honours", ()) for cls in classes if cls is not None)
+
     def load(self, root, engine: dict, threads: int = 0, spinning: bool = True):
         return _function(self.loader)(root, engine, threads=threads, spinning=spinning)
 
@@ -66,6 +86,10 @@ class EngineFormat:
 def _function(path: str) -> Callable:
     module, function = path.split(":")
     return getattr(importlib.import_module(module), function)
+
+
+def _returned_class(path: str) -> type:
+    return typing.get_type_hints(_function(path))["return"]
 
 
 FORMATS: dict[str, EngineFormat] = {
@@ -115,6 +139,11 @@ FORMATS: dict[str, EngineFormat] = {
 
 class UnknownFormat(KeyError):
     pass
+
+
+def constraining() -> list[str]:
+    """The formats that can serve constrained output, by name."""
+    return [f.name for f in FORMATS.values() if f.constrains_output]
 
 
 def get(name: str | None) -> EngineFormat:

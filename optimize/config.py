@@ -174,6 +174,10 @@ class ServeDefaults:
     max_queue_delay_ms: float = 5.0
     max_queue: int = 256
     timeout_s: float = 30.0
+    # The artifact must serve constrained output (`response_format` json_object / json_schema, vLLM's
+    # `structured_outputs`, forced tool calls): the plan refuses an engine whose format cannot
+    # constrain (engines/formats.py), and the race builds only candidates that can.
+    structured_output: bool = False
 
 
 @dataclass

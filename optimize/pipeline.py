@@ -66,6 +66,7 @@ def plan(cfg, run_dir: Path) -> Plan:
         )
     final = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else run_dir / "artifact"
     the_plan = plans.resolve(cfg, task, stages, the_workload, final)
+    _refuse_unconstrained_engine(the_plan)
     lm_served.check_plan(the_plan)
     if cfg.evaluate.overlap not in ("error", "drop"):
         raise RecipeError(f"evaluate.overlap={cfg.evaluate.overlap} (use error or drop)")
@@ -84,6 +85,23 @@ def _refuse_after_candidates(stages) -> None:
             f"engine.method={engine.name} builds its own quantized candidates, and "
             f"{onnx_side[0].stage}.method={onnx_side[0].name} works on the ONNX graph after the engine: "
             f"set {onnx_side[0].stage}=none"
+        )
+
+
+def _refuse_unconstrained_engine(the_plan: Plan) -> None:
+    """serve.structured_output=true: refuse an engine method none of whose engine formats can
+    constrain output (a race builds only its candidates that can, optimize/compile/race/budget.py)."""
+    if not the_plan.serve.structured_output:
+        return
+    from engines import formats
+
+    method, config = next((m, c) for m, c in the_plan.stages if m.stage == "engine")
+    made = method.formats(config, the_plan.task)
+    if not any(formats.get(name).constrains_output for name in made):
+        built = " or ".join(made) if made else "engines of no declared format"
+        raise RecipeError(
+            f"serve.structured_output=true: engine.method={method.name} builds {built}, which cannot "
+            f"constrain output (engine formats that can: {', '.join(formats.constraining())})"
         )
 
 

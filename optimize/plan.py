@@ -140,6 +140,18 @@ class MethodSettings:
 
 
 @dataclass(frozen=True)
+class ServeSettings:
+    """`serve`: what the artifact must serve (the rest of the section is recorded for the server)."""
+
+    structured_output: bool  # constrained output (JSON schemas, forced tool calls) on its engine
+
+    @classmethod
+    def of(cls, node) -> "ServeSettings":
+        # Read with get: a manifest's recorded recipe may predate the key.
+        return cls(structured_output=bool(node.get("structured_output", False)) if node is not None else False)
+
+
+@dataclass(frozen=True)
 class Plan:
     """The recipe checked and resolved before any weights load."""
 
@@ -151,6 +163,7 @@ class Plan:
     evaluate: EvaluateSettings
     gate: Mapping[str, Any]  # the thresholds and selectors as gate.judge reads them (null: not checked)
     prune: MethodSettings  # recorded by the distill stage, which learns back what pruning took
+    serve: ServeSettings
     final_dir: Path  # where the artifact goes
 
     @property
@@ -169,5 +182,6 @@ def resolve(cfg, task: Task, stages, the_workload: Workload, final_dir: Path) ->
         evaluate=EvaluateSettings.of(cfg.evaluate),
         gate=recipe_dict(cfg.gate),
         prune=MethodSettings.of(cfg.prune),
+        serve=ServeSettings.of(cfg.get("serve")),
         final_dir=final_dir,
     )

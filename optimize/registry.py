@@ -57,6 +57,9 @@ class Method:
     # What it refuses before any stage runs, from its config and the model's ONNX graph:
     # refusal(method name, config, onnx path) -> the one-line reason, or None when it can run.
     refusal: Callable[[str, Any, Path], str | None] | None = None
+    # Engine methods: the engine formats (engines/formats.py names) the artifact it builds may run on,
+    # or, for one that chooses among candidates (the race), a function of its config and the task.
+    engine_formats: tuple[str, ...] | Callable[[Any, Any], tuple[str, ...]] = ()
     summary: str = ""
 
     def supports(self, task) -> bool:
@@ -64,6 +67,10 @@ class Method:
         if self.tasks is None:
             return True
         return self.tasks(task) if callable(self.tasks) else task.name in self.tasks
+
+    def formats(self, config, task) -> tuple[str, ...]:
+        """The engine formats an engine method's artifact may run on, with `config` for `task`."""
+        return self.engine_formats(config, task) if callable(self.engine_formats) else self.engine_formats
 
     def refuses(self, config, onnx_path: Path) -> str | None:
         """Why it cannot run with `config` on the graph at `onnx_path`, known before any stage runs."""

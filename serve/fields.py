@@ -163,22 +163,16 @@ def refuse_unserved_fields(data: dict, route: str) -> None:
 def engine_modes() -> list[tuple[str, type]]:
     """(column title, engine class) for each generating format, batched and one at a time, read from
     the loaders' return types in engines/formats.py (the classes declare what they honour)."""
-    import importlib
-    import typing
-
     from engines import formats
-
-    def loaded_class(spec: str) -> type:
-        module, function = spec.split(":")
-        return typing.get_type_hints(getattr(importlib.import_module(module), function))["return"]
 
     modes = []
     for row in formats.FORMATS.values():
         if row.serves != "causal_lm":
             continue
-        if row.batch_loader is not None:
-            modes.append((f"{row.name} ({row.batching} batching)", loaded_class(row.batch_loader)))
-        modes.append((f"{row.name} (--max-num-seqs 1)", loaded_class(row.loader)))
+        batched = row.batch_class()
+        if batched is not None:
+            modes.append((f"{row.name} ({row.batching} batching)", batched))
+        modes.append((f"{row.name} (--max-num-seqs 1)", row.loaded_class()))
     return modes
 
 

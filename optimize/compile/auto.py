@@ -17,6 +17,15 @@ from optimize.errors import RecipeError
 from optimize.registry import register
 
 
+def race_formats(cfg: EngineRaceConfig, task) -> tuple[str, ...]:
+    """The engine formats the race's candidates build for `task` (each once, in candidate order)."""
+    from optimize import registry
+
+    names = cfg.candidates or default_candidates(task.generates)
+    found = [f for name in names for f in registry.get("engine", cfg.spec(name).engine).formats(None, task)]
+    return tuple(dict.fromkeys(found))
+
+
 @register(
     "engine",
     "auto",
@@ -24,6 +33,7 @@ from optimize.registry import register
     needs_calibration=True,
     input_format="torch",
     builds_candidates=True,
+    engine_formats=race_formats,
 )
 def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
     """Race ONNX Runtime and OpenVINO candidates on this machine; ship the fastest over the recipe's
@@ -38,6 +48,8 @@ def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
     entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates or default_candidates(lm_race)]
     if lm_race:
         budgets.refuse_at_plan_time(entries, model)
+    if ctx.plan.serve.structured_output:
+        budgets.refuse_unconstrained(entries, ctx.plan.task)
     key_base = cache.identity(model, ctx)
     budget = budgets.Budget(cfg, entries, model)  # its clock starts here, at the first build
     with progress(len(entries)) as bar:

@@ -29,7 +29,12 @@ class CompressedCheckpointConfig:
 
 
 @register(
-    "engine", "compressed_tensors_checkpoint", CompressedCheckpointConfig, input_format="torch", tasks=("causal_lm",)
+    "engine",
+    "compressed_tensors_checkpoint",
+    CompressedCheckpointConfig,
+    input_format="torch",
+    tasks=("causal_lm",),
+    engine_formats=(formats.COMPRESSED_TENSORS,),
 )
 def compressed_tensors_checkpoint(model: Model, cfg: CompressedCheckpointConfig, ctx: Context) -> Model:
     """Pack and save the compressed-tensors quantized module as a Hugging Face checkpoint (vLLM's format)."""

@@ -41,7 +41,14 @@ class CheckpointConfig:
                 raise RecipeError(f"engine.params.tensorrt=true needs CUDA and TensorRT: {missing}")
 
 
-@register("engine", "modelopt_checkpoint", CheckpointConfig, input_format="torch", tasks=("causal_lm",))
+@register(
+    "engine",
+    "modelopt_checkpoint",
+    CheckpointConfig,
+    input_format="torch",
+    tasks=("causal_lm",),
+    engine_formats=(formats.MODELOPT_TORCH,),
+)
 def modelopt_checkpoint(model: Model, cfg: CheckpointConfig, ctx: Context) -> Model:
     """Save the modelopt-quantized module (state + weights) so the artifact reloads to what was measured."""
     if model.kind != "torch" or not _is_quantized(model.module):

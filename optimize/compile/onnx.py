@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from engines import formats
 from optimize import tasks
 from optimize.context import Context, Model
 from optimize.errors import RecipeError
@@ -30,7 +31,7 @@ class OnnxExportConfig:
             raise RecipeError("engine.params.check_samples must be at least 1")
 
 
-@register("engine", "onnx", OnnxExportConfig, input_format="torch")
+@register("engine", "onnx", OnnxExportConfig, input_format="torch", engine_formats=(formats.ONNXRUNTIME,))
 def onnx_engine(model: Model, cfg: OnnxExportConfig, ctx: Context) -> Model:
     """Export to ONNX (dynamo exporter), verified against PyTorch; runs on ONNX Runtime."""
     out = ctx.scratch / "onnx"

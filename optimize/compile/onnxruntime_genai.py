@@ -65,7 +65,14 @@ class GenAIConfig:
         return [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in options.items() if v is not None]
 
 
-@register("engine", "onnxruntime_genai", GenAIConfig, input_format="torch", tasks=("causal_lm",))
+@register(
+    "engine",
+    "onnxruntime_genai",
+    GenAIConfig,
+    input_format="torch",
+    tasks=("causal_lm",),
+    engine_formats=(formats.ONNXRUNTIME_GENAI,),
+)
 def onnxruntime_genai_engine(model: Model, cfg: GenAIConfig, ctx: Context) -> Model:
     """Build an ONNX Runtime GenAI decoder with KV cache (weight-only INT4/INT8 via MatMulNBits)."""
     if model.kind != "torch":

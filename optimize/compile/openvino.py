@@ -72,6 +72,7 @@ class OpenVINOConfig:
     OpenVINOConfig,
     input_format="torch",
     tasks=takes_tensors,
+    engine_formats=(formats.OPENVINO,),
 )
 def openvino_engine(model: Model, cfg: OpenVINOConfig, ctx: Context) -> Model:
     """OpenVINO IR on the CPU: FP32, bf16 inference precision, or NNCF post-training INT8."""

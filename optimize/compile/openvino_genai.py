@@ -93,7 +93,15 @@ class OVGenAIConfig:
         return self.weight_format.split("_")[0]
 
 
-@register("engine", "openvino_genai", OVGenAIConfig, input_format="torch", tasks=("causal_lm",), needs_calibration=True)
+@register(
+    "engine",
+    "openvino_genai",
+    OVGenAIConfig,
+    input_format="torch",
+    tasks=("causal_lm",),
+    needs_calibration=True,
+    engine_formats=(formats.OPENVINO_GENAI,),
+)
 def openvino_genai_engine(model: Model, cfg: OVGenAIConfig, ctx: Context) -> Model:
     """OpenVINO GenAI: stateful IR with KV cache, NNCF weight-only INT4/INT8, LLMPipeline decoding."""
     if model.kind != "torch":

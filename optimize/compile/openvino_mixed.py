@@ -102,6 +102,7 @@ class OpenVINOMixedConfig:
     needs_calibration=True,
     input_format="torch",
     tasks=("sentence_embedding", "image_classification", "generic"),
+    engine_formats=(formats.OPENVINO,),
 )
 def openvino_mixed_engine(model: Model, cfg: OpenVINOMixedConfig, ctx: Context) -> Model:
     """OpenVINO INT8 with the layers NNCF's accuracy control reverts kept in bf16 (f32 without bf16)."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from engines import formats
 from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.registry import register
@@ -92,7 +93,13 @@ def _refuse_asymmetric_qdq(params: dict) -> None:
 
 
 @register(
-    "engine", "tensorrt_rtx", TensorrtRtxConfig, input_format="torch", needs_calibration=True, builds_candidates=True
+    "engine",
+    "tensorrt_rtx",
+    TensorrtRtxConfig,
+    input_format="torch",
+    needs_calibration=True,
+    builds_candidates=True,
+    engine_formats=(formats.TENSORRT_RTX, formats.ONNXRUNTIME),  # ONNX Runtime where no plan fits
 )
 def tensorrt_rtx_engine(model: Model, cfg: TensorrtRtxConfig, ctx: Context) -> Model:
     """TensorRT-RTX plan (FP32, FP16 or Q/DQ INT8) built ahead of time from the checked ONNX export."""
@@ -250,7 +257,6 @@ def _graph_inputs(model) -> dict[str, list]:
 def _engine_block(onnx_path: Path, report: dict, cfg: TensorrtRtxConfig) -> tuple[dict, dict]:
     """(the engine block, what was measured on what). On an RTX GPU the pipeline measures the plan
     itself; elsewhere the ONNX it was built from, on ONNX Runtime's CPU provider, for accuracy only."""
-    from engines import formats
     from engines.tensorrt_rtx.runner import missing
 
     plan = {

@@ -55,7 +55,9 @@ class TorchCudaConfig:
             raise RecipeError(f"engine.method=torch_cuda needs {missing}")
 
 
-@register("engine", "torch_cuda", TorchCudaConfig, input_format="torch", tasks=TASKS)
+@register(
+    "engine", "torch_cuda", TorchCudaConfig, input_format="torch", tasks=TASKS, engine_formats=(formats.TORCH_CUDA,)
+)
 def torch_cuda_engine(model: Model, cfg: TorchCudaConfig, ctx: Context) -> Model:
     """PyTorch on an NVIDIA GPU: bf16, FP8 (torch._scaled_mm) or INT4 weight-only, CUDA graphs."""
     if model.kind != "torch" or not hasattr(model.module, "save_pretrained"):

@@ -29,6 +29,24 @@ def refuse_at_plan_time(entries: list[Entry], model) -> None:
             log.info("race: %s refused at plan time: %s", entry.name, reason)
 
 
+def refuse_unconstrained(entries: list[Entry], task) -> None:
+    """serve.structured_output=true: candidates whose engine format cannot constrain output
+    (engines/formats.py) are refused, one line each, before anything is built."""
+    from engines import formats
+    from optimize import registry
+
+    for entry in entries:
+        if entry.refused:
+            continue
+        made = registry.get("engine", entry.spec.engine).formats(None, task)
+        if any(formats.get(name).constrains_output for name in made):
+            continue
+        reason = f"serve.structured_output=true, and {' or '.join(made) or 'its engine'} cannot constrain output"
+        entry.refused = True
+        entry.outcome = f"refused at plan time: {reason}"
+        log.info("race: %s refused at plan time: %s", entry.name, reason)
+
+
 class Budget:
     """The race's build budget: the recipe's time_budget_s, or the sum of the candidates' own budgets
     (candidate_budget_s, else scaled by the model's size). Counted from the first build; a candidate
