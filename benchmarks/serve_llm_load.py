@@ -15,7 +15,13 @@ p50/p95 (gaps between text chunks). Then:
   as a deployment's fixed system prompt would be warm), prefix caching on against off;
 - churn: three rounds of 16 clients where half close their stream after the first token: the server's
   sequences in flight read from /metrics right after the closes, and its resident memory after
-  each round.
+  each round;
+- schema mix (--structured-share S, e.g. 0.5): 16 clients (--mix-clients) where a share S of them send
+  every request with `response_format` json_schema (MIX_SCHEMA, a small fixed schema whose replies
+  always end within 64 tokens), against the same load with no schema: the two loads alternate for
+  --rounds rounds after a warm-up of each, and the report gives the medians of both (tokens/s, TTFT
+  p95, and for the mix each half's own), their ratio, and every constrained reply checked with
+  jsonschema_rs (a reply that does not parse or validate, or fails, counts as invalid).
 
 Prompts are sent as token ids (the artifact's tokenizer), so every server sees the same tokens.
 Requests and time are bounded (--requests-per-level, --timeout-s); --rounds N runs each level N
@@ -185,6 +191,163 @@ def churn(server: ServedServer, model: str, prompts, args) -> dict:
     return {"rounds": rounds, "rss_growth": round(growth, 3), "running_peak": peak, "running_low_while_streaming": low}
 
 
+# --- schema mix ------------------------------------------------------------------------------------
+
+# Every reply it allows is short (a bounded string, an enum, a bounded integer, a boolean): about 26
+# tokens of structure and the title's at most 24 characters (SmolLM2 writes a digit a token: with
+# maxLength 32 a title of 32 digits was cut at 64 tokens), so a 64-token reply ends its JSON.
+MIX_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 24},
+        "kind": {"type": "string", "enum": ["function", "class", "module", "statement", "other"]},
+        "lines": {"type": "integer", "minimum": 0, "maximum": 999},
+        "deprecated": {"type": "boolean"},
+    },
+    "required": ["title", "kind", "lines", "deprecated"],
+    "additionalProperties": False,
+}
+MIX_FORMAT = {"type": "json_schema", "json_schema": {"name": "doc_summary", "schema": MIX_SCHEMA, "strict": True}}
+
+
+async def mix_request(client, url: str, model: str, prompt_ids: list[int], new_tokens: int, constrained: bool):
+    """One streamed completion as served.one_request measures it, with MIX_FORMAT when `constrained`;
+    returns the Result and the text (to validate)."""
+    from optimize.evaluate.served import Result
+
+    payload = {
+        "model": model,
+        "prompt": prompt_ids,
+        "max_tokens": new_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **({"response_format": MIX_FORMAT} if constrained else {}),
+    }
+    result, start, last, pieces = Result(), time.perf_counter(), 0.0, []
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=payload) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                result.error = (await response.aread()).decode(errors="replace")[:200]
+                return result, ""
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    result.tokens = int(chunk["usage"].get("completion_tokens") or 0)
+                choices = chunk.get("choices") or []
+                if not (choices and choices[0].get("text")):
+                    continue
+                now = time.perf_counter()
+                pieces.append(choices[0]["text"])
+                if result.ttft_s is None:
+                    result.ttft_s = now - start
+                else:
+                    result.gaps_s.append(now - last)
+                last = now
+    except Exception as exc:  # counted, not raised: one failed request must not end the run
+        result.error = f"{type(exc).__name__}: {exc}"[:200]
+    result.tokens = result.tokens or len(pieces)
+    return result, "".join(pieces)
+
+
+def valid_reply(validator, text: str) -> bool:
+    try:
+        return validator.is_valid(json.loads(text))
+    except ValueError:  # json.JSONDecodeError: cut short or not JSON
+        return False
+
+
+async def drive_mix_async(url, model, prompts, clients: int, per_client: int, new_tokens: int, timeout_s, share):
+    """Closed-loop streaming clients, the first round(clients * share) of them constrained. Returns
+    the overall figures, each half's, and the constrained replies that were not valid."""
+    import httpx
+    import jsonschema_rs
+
+    from optimize.evaluate.served import summarize
+
+    validator = jsonschema_rs.validator_for(MIX_SCHEMA)
+    constrained_clients = round(clients * share)
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+
+        async def closed_loop(index: int) -> list[tuple]:
+            constrained = index < constrained_clients
+            out = []
+            for k in range(per_client):
+                prompt = prompts[(index * per_client + k) % len(prompts)]
+                out.append((constrained, *await mix_request(client, url, model, prompt, new_tokens, constrained)))
+            return out
+
+        start = time.perf_counter()
+        per = await asyncio.wait_for(asyncio.gather(*(closed_loop(i) for i in range(clients))), timeout_s * 4)
+        wall = time.perf_counter() - start
+    rows = [row for rows in per for row in rows]
+    invalid = [text for constrained, _, text in rows if constrained and not valid_reply(validator, text)]
+    figures = summarize([r for _, r, _ in rows], wall, clients)
+    halves = (("constrained", True, constrained_clients), ("free", False, clients - constrained_clients))
+    for name, want, count in halves:
+        half = [r for constrained, r, _ in rows if constrained == want]
+        figures[name] = summarize(half, wall, count) if half else None  # its tokens/s over the same wall
+    figures["constrained_requests"] = sum(1 for constrained, _, _ in rows if constrained)
+    figures["invalid"] = len(invalid)
+    figures["invalid_samples"] = [text[:120] for text in invalid[:3]]
+    return figures
+
+
+MIX_KEYS = ("tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "itl_p50_ms", "itl_p95_ms")
+
+
+def medians(rounds: list[dict], keys=MIX_KEYS) -> dict:
+    import statistics
+
+    out = {}
+    for key in keys:
+        values = [r[key] for r in rounds if r and r.get(key) is not None]
+        out[key] = round(statistics.median(values), 1) if values else None
+    return out
+
+
+def schema_mix(server: ServedServer, model: str, prompts, args) -> dict:
+    """The mixed load against the same load without schemas, alternating, after a warm-up of each
+    (the warm-up compiles nothing ahead: each request's schema is compiled when it arrives)."""
+    clients, share = args.mix_clients, args.structured_share
+    per_client = max(1, args.requests_per_level // clients)
+
+    def once(part: float) -> dict:
+        return asyncio.run(
+            drive_mix_async(server.url, model, prompts, clients, per_client, args.new_tokens, args.timeout_s, part)
+        )
+
+    once(0.0), once(share)  # warm-up, not counted
+    plain, mixed = [], []
+    for _ in range(args.rounds):
+        plain.append(once(0.0))
+        mixed.append(once(share))
+        print(
+            f"  schema mix round {len(mixed)}: plain {plain[-1]['tokens_per_s']} tok/s, "
+            f"mixed {mixed[-1]['tokens_per_s']} tok/s, invalid {mixed[-1]['invalid']}"
+        )
+    entry = {
+        "clients": clients,
+        "structured_share": share,
+        "rounds": args.rounds,
+        "plain": {**medians(plain), "failed": sum(r["failed"] for r in plain)},
+        "mixed": {**medians(mixed), "failed": sum(r["failed"] for r in mixed)},
+        "mixed_constrained": medians([r["constrained"] for r in mixed]),
+        "mixed_free": medians([r["free"] for r in mixed]),
+        "constrained_requests": sum(r["constrained_requests"] for r in mixed),
+        "invalid": sum(r["invalid"] for r in mixed),
+        "invalid_samples": [s for r in mixed for s in r["invalid_samples"]][:3],
+        "per_round": [{"plain": p["tokens_per_s"], "mixed": m["tokens_per_s"]} for p, m in zip(plain, mixed)],
+    }
+    p, m = entry["plain"]["tokens_per_s"], entry["mixed"]["tokens_per_s"]
+    entry["ratio"] = round(m / p, 3) if p and m else None
+    return entry
+
+
 # --- the run ---------------------------------------------------------------------------------------
 
 
@@ -265,6 +428,8 @@ def run(args) -> dict:
             entry: dict = {"levels": levels(server, model, sent, args)}
             if name.startswith("serve, continuous") and "churn" in args.scenarios:
                 entry["churn"] = churn(server, model, prompts, args)
+            if name.startswith("serve, continuous") and args.structured_share > 0:
+                entry["schema_mix"] = with_other_cpu_share(server, schema_mix, model, prompts, args)
         finally:
             own += server.cpu_seconds()
             server.stop()
@@ -285,6 +450,17 @@ def run(args) -> dict:
     others = busy_cpu_seconds() - start_busy - own - own_cpu_seconds()
     report["machine"]["other_cpu_share"] = round(max(0.0, others / (wall * (os.cpu_count() or 1))), 2)
     return report
+
+
+def with_other_cpu_share(server: ServedServer, measure, *args) -> dict:
+    """`measure(server, *args)`'s figures and the share of all CPUs something else used while it ran."""
+    wall, busy, own, served = time.monotonic(), busy_cpu_seconds(), own_cpu_seconds(), server.cpu_seconds()
+    figures = measure(server, *args)
+    wall = time.monotonic() - wall
+    used = (own_cpu_seconds() - own) + (server.cpu_seconds() - served)
+    others = busy_cpu_seconds() - busy - used
+    figures["other_cpu_share"] = round(max(0.0, others / (wall * (os.cpu_count() or 1))), 2)
+    return figures
 
 
 def busy_cpu_seconds() -> float:
@@ -332,14 +508,39 @@ def markdown(report: dict) -> str:
             lines += ["", f"{name}, churn (16 clients, half leave after the first token): RSS after each of 3 rounds "
                       f"{rss} MB (growth {c['rss_growth']:+.1%}); sequences in flight: peak {c['running_peak']:.0f}, "
                       f"lowest while the rest streamed {c['running_low_while_streaming']}"]  # fmt: skip
+    for name, entry in report["servers"].items():
+        if "schema_mix" in entry:
+            lines += ["", *schema_mix_lines(name, entry["schema_mix"])]
     lines += ["", *(f"- {n}" for n in report["notes"])]
     return "\n".join(lines)
+
+
+def schema_mix_lines(name: str, mix: dict) -> list[str]:
+    share = f"{mix['structured_share']:.0%}"
+    row = lambda label, r, failed="": (  # noqa: E731
+        f"| {label} | {r['tokens_per_s']} | {r['ttft_p50_ms']} / {r['ttft_p95_ms']} | "
+        f"{r['itl_p50_ms']} / {r['itl_p95_ms']} | {failed} |"
+    )
+    return [
+        f"{name}, schema mix: {mix['clients']} clients, {share} of them with a JSON schema, against the same "
+        f"load without; medians of {mix['rounds']} alternating rounds; other_cpu_share {mix['other_cpu_share']}",
+        "",
+        "| Load | Output tok/s | TTFT p50 / p95 ms | ITL p50 / p95 ms | Failed |",
+        "|---|---|---|---|---|",
+        row("no schemas", mix["plain"], mix["plain"]["failed"]),
+        row(f"{share} with a schema", mix["mixed"], mix["mixed"]["failed"]),
+        row("... its constrained requests", mix["mixed_constrained"]),
+        row("... its free requests", mix["mixed_free"]),
+        "",
+        f"Ratio mixed / no schemas: **{mix['ratio']}**; constrained replies invalid: **{mix['invalid']}** of "
+        f"{mix['constrained_requests']}",
+    ]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifact", type=Path, help="a causal-LM artifact (OpenVINO GenAI for continuous batching)")
-    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=list(LEVELS))
+    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",") if x], default=list(LEVELS))
     p.add_argument("--requests-per-level", type=int, default=32, help="requests per level (split over clients)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=64)
@@ -357,6 +558,13 @@ def parse_args(argv=None):
         default=["prefix", "churn"],
         help="beside the levels, of prefix,churn ('' for the levels only)",
     )
+    p.add_argument(
+        "--structured-share",
+        type=float,
+        default=0.0,
+        help="with the continuous-batching server, the schema mix: this share of --mix-clients send MIX_SCHEMA",
+    )
+    p.add_argument("--mix-clients", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1, help="rounds per level; the table gives each figure's median")
     p.add_argument("--llamacpp-python", default=os.environ.get("PEERS_LLAMACPP_PYTHON", ""))
     p.add_argument("--vllm-python", default=os.environ.get("PEERS_VLLM_PYTHON", DEFAULT_VLLM_PYTHON))

