@@ -103,3 +103,17 @@ def test_the_table_says_how_many_constrained_replies_were_invalid():
     note = "4 of 8 requests constrained to a JSON schema, 1 cut by max_tokens"
     assert rows[-1] == ["served constrained replies invalid", "", "0", note]
     assert all("constrained" not in r[0] for r in lm_served.table_rows({**served, "structured": None}))
+
+
+def test_the_invalid_reply_check_without_a_structured_share_is_refused_at_plan_time(tmp_path):
+    from optimize import pipeline
+    from tests.support.context import compose_recipe
+
+    cfg = compose_recipe(
+        "recipe=smollm2_int4_cpu", "gate.max_served_invalid_structured=0", f"output_dir={tmp_path / 'out'}"
+    )
+    with pytest.raises(RecipeError, match="set gate.served_structured_share"):
+        pipeline.plan(cfg, tmp_path)
+    cfg = compose_recipe("recipe=smollm2_int4_cpu", "gate.served_structured_share=2", f"output_dir={tmp_path / 'o'}")
+    with pytest.raises(RecipeError, match="gate.served_structured_share=2"):
+        pipeline.plan(cfg, tmp_path)
