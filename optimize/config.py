@@ -147,6 +147,11 @@ class GateConfig:
     served_prompt_tokens: Optional[int] = None  # null: the workload's first request shape
     served_output_tokens: Optional[int] = None
     served_requests_per_client: int = 2  # each client sends this many requests, one after another
+    # This share (0..1) of the served requests carry a `response_format` json_schema (a small fixed
+    # schema, optimize/evaluate/served.py); every constrained reply is parsed and validated, and the
+    # check max_served_invalid_structured (null: 0 whenever the share is above 0) counts those that fail.
+    served_structured_share: float = 0.0
+    max_served_invalid_structured: Optional[int] = None
     min_distill_recovery: Optional[float] = None  # prune+distill: share of the pruning perplexity loss won back (0..1)
 
 

@@ -41,6 +41,10 @@ class CheckSpec:
     # Where the share of the CPUs other processes used while this figure was timed is kept (the
     # served load's own); empty: the evaluation's timing.
     busy_path: tuple[str, ...] = ()
+    # The threshold the check takes when its own key is null, from the other thresholds (None: not
+    # checked): a setting that asks for a measurement implies the check that judges it.
+    implied: Optional[Callable[[Mapping[str, Any]], Optional[float]]] = None
+    served: bool = False  # measured on the served artifact (optimize/tasks/lm_served.py), after any race
 
 
 def _dig(metrics: Any, *keys) -> Any:
@@ -58,6 +62,27 @@ def _served(candidate: dict, key: str) -> Any:
     if not isinstance(served, dict) or served.get("failed"):
         return None
     return served.get(key)
+
+
+def _invalid_structured(candidate: dict) -> Any:
+    """Constrained replies of the served load that did not parse or match their schema; not measured
+    when no constrained reply could be judged (every one cut by max_tokens, or none sent)."""
+    structured = _served(candidate, "structured")
+    if not isinstance(structured, dict) or not (structured.get("valid", 0) + structured.get("invalid", 0)):
+        return None
+    return structured["invalid"]
+
+
+def _structured_note(candidate: dict) -> str:
+    structured = _dig(candidate, "served", "structured") or {}
+    if not structured:
+        return ""
+    valid, cut, sent = structured.get("valid"), structured.get("cut"), structured.get("requests")
+    return f"{valid} valid, {cut} cut by max_tokens, of {sent} constrained requests"
+
+
+def _structured_share(thresholds: Mapping[str, Any]) -> Optional[float]:
+    return 0 if (thresholds.get("served_structured_share") or 0) > 0 else None
 
 
 def _decode_speedup(candidate: dict, shape: Optional[str]) -> Any:
@@ -175,6 +200,7 @@ CHECKS = (
         "<=",
         True,
         busy_path=("served", "other_cpu_share"),
+        served=True,
     ),
     CheckSpec(
         "min_served_tokens_per_s",
@@ -184,6 +210,17 @@ CHECKS = (
         ">=",
         True,
         busy_path=("served", "other_cpu_share"),
+        served=True,
+    ),
+    CheckSpec(
+        "max_served_invalid_structured",
+        "served constrained replies not matching their JSON schema",
+        lambda b, c, point: _invalid_structured(c),
+        operator.le,
+        "<=",
+        note=_structured_note,
+        implied=_structured_share,
+        served=True,
     ),
     CheckSpec(
         "max_lm_eval_drop",
@@ -231,6 +268,8 @@ def judge(
     busy = _dig(candidate, "timing", "other_cpu_share") or 0.0  # while the latency figures were timed
     for spec in CHECKS:
         threshold = thresholds.get(spec.threshold_key)
+        if threshold is None and spec.implied is not None:
+            threshold = spec.implied(thresholds)
         if threshold is None:
             continue
         for name, metric, point in _points(spec, thresholds, candidate, workload):
@@ -290,5 +329,10 @@ def gate_keys() -> set[str]:
 
 
 def untimed_keys() -> set[str]:
-    """Thresholds on what does not depend on timing: accuracy, size and memory."""
-    return {spec.threshold_key for spec in CHECKS if not spec.timed}
+    """Thresholds on what does not depend on timing, measured before serving: accuracy, size, memory."""
+    return {spec.threshold_key for spec in CHECKS if not spec.timed and not spec.served}
+
+
+def served_keys() -> set[str]:
+    """Thresholds on what the served load measures (optimize/tasks/lm_served.py)."""
+    return {spec.threshold_key for spec in CHECKS if spec.served}

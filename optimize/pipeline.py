@@ -46,7 +46,7 @@ def plan(cfg, run_dir: Path) -> Plan:
     _refuse_after_candidates(stages)
     if not any(m.stage == "engine" for m, _ in stages):
         raise RecipeError("engine.method is required (the artifact needs an engine to run on)")
-    if not any(cfg.gate[k] is not None for k in gate.gate_keys()):
+    if not any(cfg.gate[k] is not None for k in gate.gate_keys()) and not lm_served.asked(cfg.gate):
         raise RecipeError("the gate checks nothing: set at least one gate threshold (for example gate.min_cosine=0.99)")
     if cfg.evaluate.inputs not in ("data", "random"):
         raise RecipeError(f"evaluate.inputs={cfg.evaluate.inputs} (use data or random)")

@@ -5,6 +5,10 @@ Used by benchmarks/serve_llm_load.py and by a served-latency gate: `served_load(
 `python -m serve ARTIFACT` on 127.0.0.1 (a free port), drives `clients` concurrent streams with the
 given prompts (token ids), stops the server and returns the figures. Clients are an httpx AsyncClient
 in this process, one asyncio loop; requests and time are bounded.
+
+With a `structured_share`, that share of the requests (spread evenly over the load) carry a
+`response_format` json_schema (STRUCTURED_SCHEMA), and each constrained reply is parsed and validated
+against it: the figures then hold a `structured` block (structured_summary).
 """
 
 from __future__ import annotations
@@ -34,6 +38,65 @@ class Result:
     tokens: int = 0
     status: int = 0
     error: str = ""
+    text: str = ""  # the reply's text, streamed chunks joined
+    finish_reason: str | None = None
+    schema: dict | None = None  # the JSON schema the request asked the reply to match, if any
+
+
+# The schema a constrained request of the load asks for: small, and bounded in length (a short string,
+# a bounded integer, no other key), so a reply ends well within a few dozen tokens on any engine.
+STRUCTURED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["name", "count"],
+    "additionalProperties": False,
+}
+
+
+def structured_response_format(schema: dict = STRUCTURED_SCHEMA) -> dict:
+    """The `response_format` a constrained request sends (what `openai`'s parse() sends for a model)."""
+    return {"type": "json_schema", "json_schema": {"name": "record", "schema": schema, "strict": True}}
+
+
+def carries_schema(index: int, share: float) -> bool:
+    """Whether request `index` of a load (numbered round by round over the clients) is constrained:
+    `share` of them, spread evenly (0.5: every second request, so half the clients at any time)."""
+    return int((index + 1) * share + 1e-9) > int(index * share + 1e-9)
+
+
+def structured_verdict(result: Result) -> str:
+    """A constrained reply judged: "valid" (parses, matches its schema), "cut" (stopped by max_tokens
+    before it was whole: not the engine's fault, not judged) or "invalid"."""
+    import jsonschema_rs
+
+    try:
+        value = json.loads(result.text)
+    except ValueError:
+        value = None
+    else:
+        if jsonschema_rs.validator_for(result.schema or {}).is_valid(value):
+            return "valid"
+    return "cut" if result.finish_reason == "length" else "invalid"
+
+
+def structured_summary(results: list[Result], share: float) -> dict:
+    """What the constrained requests of a load returned: how many were sent, answered valid, cut by
+    max_tokens, invalid (with up to three of the invalid texts), of those answered 200."""
+    asked = [r for r in results if r.schema is not None]
+    answered = [r for r in asked if r.status == 200 and not r.error]
+    verdicts = [structured_verdict(r) for r in answered]
+    return {
+        "share": share,
+        "requests": len(asked),
+        "answered": len(answered),
+        "valid": verdicts.count("valid"),
+        "cut": verdicts.count("cut"),
+        "invalid": verdicts.count("invalid"),
+        "invalid_examples": [r.text[:120] for r, v in zip(answered, verdicts) if v == "invalid"][:3],
+    }
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -44,9 +107,16 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 async def one_request(
-    client, url: str, model: str, prompt_ids: list[int], new_tokens: int, leave_after_first: bool = False
+    client,
+    url: str,
+    model: str,
+    prompt_ids: list[int],
+    new_tokens: int,
+    leave_after_first: bool = False,
+    schema: dict | None = None,
 ) -> Result:
-    """One streamed completion; TTFT and gaps are taken at text chunks (the usage chunk has none)."""
+    """One streamed completion; TTFT and gaps are taken at text chunks (the usage chunk has none).
+    With `schema`, the request asks for JSON matching it (response_format json_schema)."""
     payload = {
         "model": model,
         "prompt": prompt_ids,
@@ -55,7 +125,9 @@ async def one_request(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    result, start, last = Result(), time.perf_counter(), 0.0
+    if schema is not None:
+        payload["response_format"] = structured_response_format(schema)
+    result, start, last = Result(schema=schema), time.perf_counter(), 0.0
     chunks = 0
     try:
         async with client.stream("POST", url + "/v1/completions", json=payload) as response:
@@ -70,8 +142,11 @@ async def one_request(
                 if chunk.get("usage"):
                     result.tokens = int(chunk["usage"].get("completion_tokens") or 0)
                 choices = chunk.get("choices") or []
+                if choices and choices[0].get("finish_reason"):
+                    result.finish_reason = choices[0]["finish_reason"]
                 if not (choices and choices[0].get("text")):
                     continue
+                result.text += choices[0]["text"]
                 now = time.perf_counter()
                 chunks += 1
                 if result.ttft_s is None:
@@ -87,7 +162,9 @@ async def one_request(
     return result
 
 
-async def drive_async(url, model, prompts, clients, per_client, new_tokens, timeout_s, leave_share=0.0):
+async def drive_async(
+    url, model, prompts, clients, per_client, new_tokens, timeout_s, leave_share=0.0, structured_share=0.0
+):
     import httpx
 
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
@@ -98,7 +175,8 @@ async def drive_async(url, model, prompts, clients, per_client, new_tokens, time
             for k in range(per_client):
                 prompt = prompts[(index * per_client + k) % len(prompts)]
                 leave = index < round(clients * leave_share)
-                out.append(await one_request(client, url, model, prompt, new_tokens, leave))
+                schema = STRUCTURED_SCHEMA if carries_schema(k * clients + index, structured_share) else None
+                out.append(await one_request(client, url, model, prompt, new_tokens, leave, schema))
             return out
 
         start = time.perf_counter()
@@ -107,11 +185,26 @@ async def drive_async(url, model, prompts, clients, per_client, new_tokens, time
     return [r for rs in per for r in rs], wall
 
 
-def drive(url: str, model: str, prompts, clients: int, per_client: int, new_tokens: int, timeout_s: float = 120):
-    """Closed-loop load: `clients` concurrent streams, each sending `per_client` requests in turn.
-    Returns the figures a report (or a gate) reads."""
-    results, wall = asyncio.run(drive_async(url, model, prompts, clients, per_client, new_tokens, timeout_s))
-    return summarize(results, wall, clients)
+def drive(
+    url: str,
+    model: str,
+    prompts,
+    clients: int,
+    per_client: int,
+    new_tokens: int,
+    timeout_s: float = 120,
+    structured_share: float = 0.0,
+):
+    """Closed-loop load: `clients` concurrent streams, each sending `per_client` requests in turn
+    (`structured_share` of them constrained to STRUCTURED_SCHEMA). Returns the figures a report (or a
+    gate) reads."""
+    results, wall = asyncio.run(
+        drive_async(url, model, prompts, clients, per_client, new_tokens, timeout_s, 0.0, structured_share)
+    )
+    figures = summarize(results, wall, clients)
+    if structured_share > 0:
+        figures["structured"] = structured_summary(results, structured_share)
+    return figures
 
 
 def summarize(results: list[Result], wall: float, clients: int) -> dict:
@@ -212,6 +305,7 @@ def served_load(
     new_tokens: int = 64,
     flags: tuple[str, ...] = (),
     timeout_s: float = 120,
+    structured_share: float = 0.0,
 ) -> dict:
     """Start the real server on the artifact, warm it with one request, drive the load, stop it.
     The artifact need not have passed its gate yet (the gate is what this measures for)."""
@@ -222,6 +316,6 @@ def served_load(
     try:
         server.wait_ready()
         asyncio.run(drive_async(server.url, model, prompts[-1:], 1, 1, 8, timeout_s))
-        return drive(server.url, model, prompts, clients, requests_per_client, new_tokens, timeout_s)
+        return drive(server.url, model, prompts, clients, requests_per_client, new_tokens, timeout_s, structured_share)
     finally:
         server.stop()

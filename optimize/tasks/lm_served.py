@@ -7,6 +7,11 @@ clients, each sending `gate.served_requests_per_client` requests of held-out pro
 measured is the candidate's `served` block, which the gate's served checks read. The load is the one
 benchmarks/serve_llm_load.py drives (optimize/evaluate/served.py).
 
+With `gate.served_structured_share` above 0, that share of the requests carry a `response_format`
+json_schema; every constrained reply is parsed and validated against it, and the check
+`max_served_invalid_structured` (0 unless the recipe sets it) fails the gate on any that does not
+match (a reply cut by max_tokens before it was whole is counted apart, not judged).
+
 Like every timed check these fail as untrusted when other processes took more than a quarter of the
 CPUs while the load ran; a request that failed (a 4xx or 5xx, a stream cut short) leaves the figures
 unmeasured, so the checks fail rather than judge the requests that happened to succeed.
@@ -29,9 +34,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-SERVED_THRESHOLDS = ("max_served_ttft_p95_ms", "min_served_tokens_per_s")
+SERVED_THRESHOLDS = ("max_served_ttft_p95_ms", "min_served_tokens_per_s", "max_served_invalid_structured")
 # The gate keys that shape the served load (not thresholds: nothing is checked against them).
-SERVED_SETTINGS = ("served_concurrency", "served_prompt_tokens", "served_output_tokens", "served_requests_per_client")
+SERVED_SETTINGS = (
+    "served_concurrency",
+    "served_prompt_tokens",
+    "served_output_tokens",
+    "served_requests_per_client",
+    "served_structured_share",
+)
 
 
 @dataclass(frozen=True)
@@ -40,6 +51,7 @@ class ServedLoad:
     prompt_tokens: int
     output_tokens: int
     requests_per_client: int
+    structured_share: float = 0.0  # of the requests, constrained to a JSON schema
 
     @property
     def key(self) -> str:
@@ -47,7 +59,22 @@ class ServedLoad:
 
 
 def asked(gate: Mapping[str, Any]) -> bool:
-    return any(gate.get(key) is not None for key in SERVED_THRESHOLDS)
+    """Whether the gate measures the served load: a served threshold, or a structured share (which
+    implies its check)."""
+    return any(gate.get(key) is not None for key in SERVED_THRESHOLDS) or _share_given(gate)
+
+
+def _share_given(gate: Mapping[str, Any]) -> bool:
+    share = gate.get("served_structured_share")
+    return share is not None and share != 0
+
+
+def _share(gate: Mapping[str, Any]) -> float:
+    value = gate.get("served_structured_share")
+    value = 0.0 if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise RecipeError(f"gate.served_structured_share={value}: give a share of the requests from 0 to 1")
+    return float(value)
 
 
 def _whole(gate: Mapping[str, Any], key: str, default: int) -> int:
@@ -67,6 +94,7 @@ def settings(gate: Mapping[str, Any], workload: Workload) -> ServedLoad:
         prompt_tokens=_whole(gate, "served_prompt_tokens", first.prompt),
         output_tokens=_whole(gate, "served_output_tokens", first.output),
         requests_per_client=_whole(gate, "served_requests_per_client", 2),
+        structured_share=_share(gate),
     )
 
 
@@ -75,13 +103,17 @@ def check_plan(plan: Plan) -> None:
     with timing turned off."""
     if not asked(plan.gate):
         return
-    key = next(k for k in SERVED_THRESHOLDS if plan.gate.get(k) is not None)
+    key = next((k for k in SERVED_THRESHOLDS if plan.gate.get(k) is not None), "served_structured_share")
     if not plan.task.generates:
         task = plan.model.task
         raise RecipeError(f"gate.{key}: served latency is measured for causal LMs (model.task=causal_lm), not {task}")
     if not plan.evaluate.latency:
         raise RecipeError(f"gate.{key}: served latency is a timing, and evaluate.latency=false turns timing off")
-    settings(plan.gate, plan.workload)
+    load = settings(plan.gate, plan.workload)
+    if plan.gate.get("max_served_invalid_structured") is not None and not load.structured_share:
+        raise RecipeError(
+            "gate.max_served_invalid_structured: no served request is constrained; set gate.served_structured_share"
+        )
 
 
 def measure(stage: Path, ctx: Context, load: ServedLoad) -> dict:
@@ -95,7 +127,15 @@ def measure(stage: Path, ctx: Context, load: ServedLoad) -> dict:
     flags = ("--threads", str(ctx.threads)) if ctx.threads else ()
     log.info("served load: %s, %d requests per client", load.key, load.requests_per_client)
     with OtherCpuUse() as others:
-        figures = served_load(stage, prompts, load.clients, load.requests_per_client, load.output_tokens, flags)
+        figures = served_load(
+            stage,
+            prompts,
+            load.clients,
+            load.requests_per_client,
+            load.output_tokens,
+            flags,
+            structured_share=load.structured_share,
+        )
     return {
         **figures,
         "prompt_tokens": load.prompt_tokens,
@@ -112,4 +152,9 @@ def table_rows(served: dict) -> list[list[str]]:
     for pct in ("p50", "p95"):
         rows.append([f"served time to first token {pct} ms", "", str(served.get(f"ttft_{pct}_ms")), at])
     rows.append(["served inter-token latency p95 ms", "", str(served.get("itl_p95_ms")), at])
+    structured = served.get("structured")
+    if structured:
+        cut = f", {structured['cut']} cut by max_tokens" if structured.get("cut") else ""
+        note = f"{structured['requests']} of {served['requests']} requests constrained to a JSON schema{cut}"
+        rows.append(["served constrained replies invalid", "", str(structured.get("invalid")), note])
     return rows

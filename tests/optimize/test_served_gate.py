@@ -85,3 +85,24 @@ def test_a_failed_request_leaves_the_served_figures_unmeasured():
     busy = {**served, "failed": 0, "other_cpu_share": 0.4}
     (check,) = judge({}, {"served": busy, "timing": {"other_cpu_share": 0.0}}, {"max_served_ttft_p95_ms": 100.0}).checks
     assert check.passed is False and "untrusted" in check.note  # the load's own share, not the evaluation's
+
+
+def test_a_structured_share_gates_on_every_constrained_reply_being_valid(tiny_llm, tmp_path):
+    out = tmp_path / "artifact"
+    proc = run_optimize(
+        *base_overrides(tiny_llm, tmp_path),
+        "serve.structured_output=true",
+        "gate.served_structured_share=0.5",
+        "gate.served_concurrency=2",
+        "gate.served_output_tokens=48",
+        f"output_dir={out}",
+    )
+    manifest = json.loads((out / "manifest.json").read_text())
+    served = manifest["metrics"]["candidate"]["served"]
+    structured = served["structured"]
+    assert served["failed"] == 0 and structured["share"] == 0.5 and structured["requests"] == 2, served
+    checks = {c["name"]: c for c in manifest["gate"]["checks"]}
+    check = checks["max_served_invalid_structured"]
+    assert check["threshold"] == 0 and check["value"] == structured["invalid"] == 0, check
+    assert check["passed"] is True and "served constrained replies invalid" in proc.stdout
+    assert manifest["recipe"]["resolved"]["serve"]["structured_output"] is True

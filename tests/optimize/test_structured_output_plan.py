@@ -92,6 +92,7 @@ def test_an_engine_that_cannot_constrain_is_refused_naming_the_key_and_the_engin
     assert "modelopt-torch" in line and "\n" not in line
 
 
+@pytest.mark.slow  # the command line
 def test_the_command_line_refusal_is_one_line_and_writes_nothing(tmp_path):
     out = tmp_path / "out"
     proc = run_optimize("recipe=minilm_int8_cpu", "serve.structured_output=true", f"output_dir={out}")

@@ -41,3 +41,15 @@ def test_served_load_starts_and_stops_the_server(tiny_ov_llm_artifact, prompts):
 
     figures = served_load(tiny_ov_llm_artifact, prompts, clients=2, requests_per_client=1, new_tokens=4)
     assert figures["requests"] == 2 and figures["failed"] == 0, figures
+
+
+def test_a_structured_share_constrains_that_share_and_every_reply_validates(tiny_ov_llm_artifact, prompts):
+    from optimize.evaluate.served import drive
+
+    with running_server(tiny_ov_llm_artifact, "--max-tokens", "48") as server:
+        figures = drive(server.url, NAME, prompts, 4, 2, 48, timeout_s=60, structured_share=0.5)
+    assert figures["failed"] == 0, figures
+    structured = figures["structured"]
+    assert structured["requests"] == 4 and structured["answered"] == 4, structured
+    assert structured["invalid"] == 0 and structured["valid"] + structured["cut"] == 4, structured
+    assert structured["valid"] >= 1  # the compact grammar ends well within 48 tokens
