@@ -207,50 +207,15 @@ MIX_SCHEMA = {
     "required": ["title", "kind", "lines", "deprecated"],
     "additionalProperties": False,
 }
-MIX_FORMAT = {"type": "json_schema", "json_schema": {"name": "doc_summary", "schema": MIX_SCHEMA, "strict": True}}
 
 
 async def mix_request(client, url: str, model: str, prompt_ids: list[int], new_tokens: int, constrained: bool):
-    """One streamed completion as served.one_request measures it, with MIX_FORMAT when `constrained`;
-    returns the Result and the text (to validate)."""
-    from optimize.evaluate.served import Result
+    """One streamed completion measured by served.one_request, asking for MIX_SCHEMA when
+    `constrained`; returns the Result and the text (to validate)."""
+    from optimize.evaluate.served import one_request
 
-    payload = {
-        "model": model,
-        "prompt": prompt_ids,
-        "max_tokens": new_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        **({"response_format": MIX_FORMAT} if constrained else {}),
-    }
-    result, start, last, pieces = Result(), time.perf_counter(), 0.0, []
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=payload) as response:
-            result.status = response.status_code
-            if response.status_code != 200:
-                result.error = (await response.aread()).decode(errors="replace")[:200]
-                return result, ""
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    result.tokens = int(chunk["usage"].get("completion_tokens") or 0)
-                choices = chunk.get("choices") or []
-                if not (choices and choices[0].get("text")):
-                    continue
-                now = time.perf_counter()
-                pieces.append(choices[0]["text"])
-                if result.ttft_s is None:
-                    result.ttft_s = now - start
-                else:
-                    result.gaps_s.append(now - last)
-                last = now
-    except Exception as exc:  # counted, not raised: one failed request must not end the run
-        result.error = f"{type(exc).__name__}: {exc}"[:200]
-    result.tokens = result.tokens or len(pieces)
-    return result, "".join(pieces)
+    result = await one_request(client, url, model, prompt_ids, new_tokens, schema=MIX_SCHEMA if constrained else None)
+    return result, result.text
 
 
 def valid_reply(validator, text: str) -> bool:
