@@ -161,8 +161,8 @@ class OVGenAIBatchEngine(OVGenAIText):
         )
         return (
             f"continuous batching in OpenVINO GenAI's scheduler: up to {s.max_num_seqs} sequences, "
-            f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB {self.kv_cache_precision}{group} "
-            f"({self.num_blocks} blocks of {self.block_tokens} tokens, {self.block_bytes} bytes each), "
+            f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.num_blocks} blocks of {self.block_tokens} tokens) "
+            f"{self.kv_cache_precision}{group} at {self.block_bytes} bytes a block, "
             f"{s.max_batched_tokens} tokens per step, prefix caching {'on' if s.prefix_caching else 'off'}, {lookup}"
         )
 
