@@ -13,7 +13,9 @@ from engines.generation import BatchEngine, BatchSettings, Sampling, TokenLogpro
 from engines.openvino.genai_runner import (
     SAMPLING_HONOURS,
     OVGenAIText,
+    check_kv_group,
     engine_settings,
+    head_dim,
     prompt_lookup_settings,
     runner_properties,
 )
@@ -37,17 +39,16 @@ def kv_block_bytes(
     A u4 block takes twice its packed size on this OpenVINO (2026.4): its data and its scales are
     allocated as if each 4-bit code took a byte, so u4 holds fewer tokens per GB than u8."""
     layers = int(config["num_hidden_layers"])
-    heads = int(config.get("num_attention_heads") or 1)
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+    kv_heads = int(config.get("num_key_value_heads") or config.get("num_attention_heads") or 1)
+    width = head_dim(config)
     if kv_precision in KV_ELEMENT_BYTES:
-        per_head = 2 * block_tokens * head_dim * KV_ELEMENT_BYTES[kv_precision]
+        per_head = 2 * block_tokens * width * KV_ELEMENT_BYTES[kv_precision]
     else:
-        groups = -(-head_dim // (group_size or head_dim))
-        keys = block_tokens * head_dim + QUANT_PARAM_BYTES * head_dim
-        values = block_tokens * (head_dim + QUANT_PARAM_BYTES * groups)
+        groups = -(-width // (group_size or width))
+        keys = block_tokens * width + QUANT_PARAM_BYTES * width
+        values = block_tokens * (width + QUANT_PARAM_BYTES * groups)
         # u4: half the codes' bytes, twice everything (u8's size plus its scales once more)
-        scales = QUANT_PARAM_BYTES * (head_dim + block_tokens * groups)
+        scales = QUANT_PARAM_BYTES * (width + block_tokens * groups)
         per_head = keys + values + (scales if kv_precision == "u4" else 0)
     return layers * kv_heads * per_head
 
@@ -124,6 +125,7 @@ class OVGenAIBatchEngine(OVGenAIText):
         if self.prompt_lookup:
             properties["prompt_lookup"] = True
         config = self._read_limits()
+        check_kv_group(config, kv_cache_group_size)
         self.block_tokens = CPU_KV_BLOCK_TOKENS
         self.block_bytes = kv_block_bytes(config, self.kv_cache_precision, kv_cache_group_size, self.block_tokens)
         self.num_blocks = max(1, settings.kv_cache_bytes // self.block_bytes)

@@ -88,6 +88,17 @@ def runner_properties(
     return properties
 
 
+def head_dim(config: dict) -> int:
+    heads = int(config.get("num_attention_heads") or 1)
+    return int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+
+
+def check_kv_group(config: dict, group_size: int) -> None:
+    """A KV-cache group size must divide the head's width (the plugin fails to compile otherwise)."""
+    if group_size and head_dim(config) % group_size:
+        raise ValueError(f"kv_cache_group_size {group_size} does not divide the head width {head_dim(config)}")
+
+
 def prompt_lookup_settings(value) -> dict | None:
     """An engine block's or a server's prompt-lookup setting: None / False (off), True (the defaults)
     or {num_assistant_tokens, max_ngram_size} (missing ones from the defaults)."""
@@ -255,6 +266,7 @@ class OVGenAIRunner(OVGenAIText):
         )
         self.prompt_lookup = prompt_lookup_settings(prompt_lookup)
         config = self._read_limits()
+        check_kv_group(config, kv_cache_group_size)
         # ATTENTION_BACKEND=SDPA: the stateful model as exported (the one scoring runs), not the
         # paged-attention rewrite the pipeline may otherwise pick. Prompt lookup runs only on paged
         # attention (the pipeline refuses SDPA with it); scoring is the same IR either way.

@@ -137,6 +137,7 @@ def openvino_genai_engine(model: Model, cfg: OVGenAIConfig, ctx: Context) -> Mod
     if model.kind != "torch":
         raise RecipeError("engine.method=openvino_genai needs a Hugging Face causal LM")
     _refuse_architecture(model)
+    _refuse_kv_group(model, cfg)
     from engines.openvino.genai_build import ExportError, export_stateful_lm
     from engines.openvino.genai_compress import CompressionError, compress_weights, weight_precision
 
@@ -243,6 +244,16 @@ def _source_folder(model, ctx) -> Path:
         if path.suffix in (".json", ".jinja", ".txt", ".model") and path.name != "config.json":
             shutil.copy2(path, folder / path.name)
     return folder
+
+
+def _refuse_kv_group(model, cfg: OVGenAIConfig) -> None:
+    """A KV-cache group size the model's heads cannot take, before any conversion: one line, exit 2."""
+    from engines.openvino.genai_runner import check_kv_group
+
+    try:
+        check_kv_group(model.module.config.to_dict(), cfg.kv_cache_group_size)
+    except ValueError as exc:
+        raise RecipeError(f"engine.params.{exc}") from None
 
 
 def _refuse_architecture(model) -> None:
