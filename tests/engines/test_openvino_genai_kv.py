@@ -141,3 +141,21 @@ def test_prompt_lookup_runner_matches_the_plain_runner(ov_dir):
     assert [t for t, _ in lookup.generate(ids, Sampling(max_new_tokens=20))] == run
     # scoring is the same IR either way
     np.testing.assert_allclose(lookup.logits(ids[:20]), plain.logits(ids[:20]), atol=1e-5)
+
+
+def test_recipe_kv_settings_are_checked_before_any_build():
+    """engine.params: a pairing the plugin refuses, or a negative group, is a RecipeError naming the key;
+    what the engine block records is what scoring and serve load."""
+    from optimize.compile.openvino_genai import OVGenAIConfig
+    from optimize.errors import RecipeError
+
+    for params in ({"kv_cache_precision": "bf16"}, {"kv_cache_precision": "q8"}, {"kv_cache_group_size": -1}):
+        with pytest.raises(RecipeError, match="engine.params.kv_cache"):
+            OVGenAIConfig(weight_format="fp32", **params).validate()
+    assert OVGenAIConfig().serving() == {"kv_cache_precision": "f32"}
+    cfg = OVGenAIConfig(kv_cache_precision="u4", kv_cache_group_size=32, prompt_lookup=True, num_assistant_tokens=4)
+    assert cfg.serving() == {
+        "kv_cache_precision": "u4",
+        "kv_cache_group_size": 32,
+        "prompt_lookup": {"num_assistant_tokens": 4, "max_ngram_size": 3},
+    }
