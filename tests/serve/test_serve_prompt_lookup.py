@@ -42,3 +42,13 @@ def test_prompt_lookup_serves_the_plain_text_and_counts_what_it_accepted(tiny_ov
         assert metric_value(text, "serve_spec_decode_num_draft_tokens_total") == 5 * steps
         assert metric_value(text, "serve_spec_decode_tokens_per_step") == pytest.approx(1 + accepted / steps)
         assert metric_value(text, "serve_spec_decode_acceptance_rate") == pytest.approx(accepted / (5 * steps))
+
+
+def test_capacity_is_counted_for_the_declared_request_shape():
+    from serve.llm_batching import DEFAULT_SEQUENCE_TOKENS, declared_sequence_tokens
+
+    workload = {"declared": True, "requests": [{"prompt": 64, "output": 64}, {"prompt": 1024, "output": 128}]}
+    assert declared_sequence_tokens({"metrics": {"workload": workload}}) == 1152
+    # the one-point default a recipe gets without declaring one is not a declared shape
+    assert declared_sequence_tokens({"metrics": {"workload": {**workload, "declared": False}}}) == 1024
+    assert declared_sequence_tokens({}) == DEFAULT_SEQUENCE_TOKENS == 1024
