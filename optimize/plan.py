@@ -177,6 +177,7 @@ def resolve(cfg, task: Task, stages, the_workload: Workload, final_dir: Path) ->
     """The plan of a composed recipe whose task, stages and workload the pipeline already resolved."""
     check_finite(_recipe_only(cfg))
     check_serve(cfg.get("serve"))
+    check_packages(stages)
     return Plan(
         task=task,
         stages=tuple(stages),
@@ -228,3 +229,12 @@ def check_serve(node) -> None:
         problem = setting_problem(key, node.get(key))
         if problem:
             raise RecipeError(f"serve.{key}: {problem} (as python -m serve --{key.replace('_', '-')} checks it)")
+
+
+def check_packages(stages) -> None:
+    """Each stage's method has the optional packages it requires (its registration says which):
+    found now, not after minutes of loading the model."""
+    for method, _ in stages:
+        missing = method.missing_package()
+        if missing:
+            raise RecipeError(missing)

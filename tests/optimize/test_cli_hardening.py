@@ -40,3 +40,26 @@ def test_an_unexpected_error_at_plan_time_is_exit_3(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3, proc.stderr[-2000:]
     assert "internal error" in proc.stderr and "ZeroDivisionError" in proc.stderr
+
+
+def test_a_missing_optional_package_is_found_at_plan_time_in_one_line(tmp_path):
+    import importlib.util
+
+    if importlib.util.find_spec("compressed_tensors") is not None:
+        pytest.skip("compressed-tensors is installed here")
+    out = tmp_path / "out"
+    proc = run_optimize("recipe=smollm2_int8_vllm", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
+    one_error_line(proc, "quantize.method=ct_int8_w8a8 needs the compressed_tensors package", "pip install")
+    assert not out.exists() and "Loading" not in proc.stderr  # refused before any weights load
+
+
+def test_every_method_names_what_it_requires_and_a_missing_one_is_refused():
+    from optimize import registry
+
+    method = registry.get("engine", "compressed_tensors_checkpoint")
+    assert [module for module, _ in method.requires] == ["compressed_tensors"]
+    absent = registry.Method("quantize", "needs_nothing_real", object, print, requires=(("no_such_pkg_q", "pip x"),))
+    assert absent.missing_package() == (
+        "quantize.method=needs_nothing_real needs the no_such_pkg_q package, which is not installed: pip x"
+    )
+    assert registry.Method("quantize", "plain", object, print).missing_package() is None
