@@ -10,6 +10,10 @@ evaluation split is text from modules never trained on). A few minutes on 2 CPU 
 Hugging Face folder (config.json with id2label, model.safetensors, tokenizer) under the cache
 (OPTIMIZE_CACHE, default ~/.cache/optimize) at classifiers/minilm_docstrings, where the recipe
 minilm_cls_int8_cpu looks for it.
+
+OUT_DIR must be new, empty, or a folder this tool wrote before (it leaves a .optimize-train-classifier
+marker in each): any other folder is refused, never emptied. The new folder is staged beside it and
+swapped in only when complete; a budget spent before the first step writes nothing.
 """
 
 from __future__ import annotations
