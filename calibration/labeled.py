@@ -49,7 +49,7 @@ def labeled(
             raise DataError(f"{path} has no column {column!r} (columns: {', '.join(sorted(columns))})")
     items, labels = columns[field], columns[label_field]
     if label_field in names:  # a ClassLabel column: ids back to the names the model's id2label holds
-        labels = [_names_of(value, names[label_field]) for value in labels]
+        labels = [_names_of(value, names[label_field], path, label_field) for value in labels]
     rows = [(_item(x, path, field), _label(y, x, path, label_field)) for x, y in zip(items, labels)]
     rows = [(x, y) for x, y in rows if not isinstance(x, str) or len(x) >= min_chars]
     if dataset_split is None:
@@ -116,10 +116,19 @@ def _read_saved_dataset(local: Path, dataset_split: str | None) -> tuple[dict[st
     return {c: saved[c] for c in saved.column_names}, names
 
 
-def _names_of(value, names: list[str]):
+def _names_of(value, names: list[str], path: str, label_field: str):
+    """A ClassLabel id (or a row's list of them) as its name. -1 is `datasets`' "no label" (a GLUE
+    test split holds only that): refused, never read as names[-1], the last class."""
     if isinstance(value, list):
-        return [names[v] for v in value]
-    return names[value]
+        return [_names_of(v, names, path, label_field) for v in value]
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < len(names):
+        return names[value]
+    if value == -1:
+        raise DataError(
+            f"{path}: column {label_field!r} holds -1, datasets' 'no label' (a test split without labels?): "
+            "choose a labeled split with dataset_split=NAME, or drop the unlabeled rows"
+        )
+    raise DataError(f"{path}: column {label_field!r} holds {value!r}, not one of its {len(names)} ClassLabel ids")
 
 
 def _item(value, path: str, field: str):

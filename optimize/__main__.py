@@ -15,6 +15,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from typing import NoReturn
 
 from optimize import EXIT_BAD_INPUT, EXIT_GATE_FAILED, EXIT_INTERNAL_ERROR, EXIT_PASSED, EXIT_SIGINT, EXIT_SIGTERM
 from optimize.errors import RecipeError, bad_input_message
@@ -58,7 +59,7 @@ FREE_FORM = (
 log = logging.getLogger("optimize")
 
 
-def fail(message: str) -> None:
+def fail(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     sys.exit(EXIT_BAD_INPUT)
 
@@ -68,6 +69,7 @@ def precheck(argv: list[str]) -> None:
     the plan can see is one line and exit 2 with nothing written (Hydra itself prints several lines
     and exits 1, which CI would read as a failed gate, and writes .hydra/ and a log first). A sweep
     is checked job by job, before any job is launched."""
+    check_flags(argv)
     flags = {a.split("=")[0] for a in argv}
     overrides = overrides_of(argv)
     if flags & _HELP_FLAGS:
@@ -79,6 +81,24 @@ def precheck(argv: list[str]) -> None:
             check_job(job, plan=True, sweep=True)
         return
     check_job(overrides, plan=not {"-c", "--cfg"} & set(argv))
+
+
+def check_flags(argv: list[str]) -> None:
+    """The command line parsed as Hydra will parse it, so an unknown flag, or an override after a flag
+    (`--cfg job key=value`: argparse takes no positionals after the flag), is one line and exit 2
+    instead of Hydra's usage block."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+
+    def refuse(message: str) -> NoReturn:
+        hint = ""
+        if "unrecognized arguments" in message and any(not a.startswith("-") for a in message.split(":", 1)[1].split()):
+            hint = " (key=value overrides go before Hydra's flags: recipe=NAME key=value --cfg job)"
+        fail(f"{' '.join(message.split())}{hint}")
+
+    parser.error = refuse  # type: ignore[method-assign]
+    parser.parse_args(argv)
 
 
 def check_job(overrides: list[str], plan: bool, sweep: bool = False) -> None:
@@ -104,8 +124,15 @@ def check_job(overrides: list[str], plan: bool, sweep: bool = False) -> None:
     except Exception as exc:
         message = bad_input_message(exc)
         if message is None:
-            raise
+            internal_error("nothing was written")
         fail(message)
+
+
+def internal_error(what: str) -> NoReturn:
+    """A bug: its traceback, and exit 3 (Python's own exit 1 would read as a failed gate)."""
+    traceback.print_exc()
+    print(f"internal error: this is a bug in optimize; {what}", file=sys.stderr)
+    sys.exit(EXIT_INTERNAL_ERROR)
 
 
 def check_launcher(cfg) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -107,13 +108,26 @@ def write_manifest(stage: Path, manifest: dict) -> dict:
     signed with the key ARTIFACT_SIGNING_KEY names, if set), then write."""
     try:
         key = signing_key_from_env()
-        manifest = seal({"schema_version": SCHEMA_VERSION, **manifest, "files": file_table(stage)}, key)
+        manifest = seal(json_safe({"schema_version": SCHEMA_VERSION, **manifest, "files": file_table(stage)}), key)
     except ArtifactError as exc:
         raise RecipeError(str(exc)) from None
     tmp = stage / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False) + "\n")
+    tmp.write_text(json.dumps(manifest, indent=2, sort_keys=False, allow_nan=False) + "\n")
     os.replace(tmp, stage / MANIFEST)
     return manifest
+
+
+def json_safe(value):
+    """`value` with every non-finite float as null: NaN and inf are not JSON, and a manifest that
+    holds them (a metric a diverged candidate measured) could not be read by a strict parser. The
+    recipe's numbers are finite already (optimize/plan.py refuses the rest)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def publish(stage: Path, final: Path) -> None:

@@ -25,8 +25,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import errno
+import os
 import re
+import stat
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
@@ -208,7 +212,40 @@ TABLES: dict[str, Callable[[], str]] = {
 
 def documents(docs: Path = DOCS) -> list[Path]:
     """The files whose generated tables are kept current: docs/*.md, then EXTRA_DOCUMENTS."""
-    return sorted(docs.glob("*.md")) + [path for path in EXTRA_DOCUMENTS if path.is_file()]
+    return sorted(docs.glob("*.md")) + [path for path in EXTRA_DOCUMENTS if os.path.lexists(path)]
+
+
+def read_document(path: Path) -> str:
+    """The text of a regular UTF-8 file, opened without following a link (a linked .md would have the
+    rewrite land outside --docs) and without blocking (a FIFO named *.md would hang the read)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError("a symbolic link") from None
+        raise ValueError(exc.strerror or str(exc)) from None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(file.fileno()).st_mode):
+            raise ValueError("not a regular file")
+        raw = file.read()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text (byte {exc.start})") from None
+
+
+def write_document(path: Path, text: str) -> None:
+    """Replace the file whole (a temporary file renamed over it: a link put there meanwhile is replaced,
+    never followed)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as file:
+            file.write(text)
+        os.chmod(tmp, stat.S_IMODE(os.stat(path, follow_symlinks=False).st_mode))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def update(docs: Path = DOCS) -> tuple[dict[Path, str], list[str]]:
@@ -219,7 +256,11 @@ def update(docs: Path = DOCS) -> tuple[dict[Path, str], list[str]]:
     problems: list[str] = []
     seen: set[str] = set()
     for path in documents(docs):
-        text = path.read_text()
+        try:
+            text = read_document(path)
+        except (OSError, ValueError) as exc:
+            problems.append(f"{path}: {exc}; not read or rewritten")
+            continue
 
         def replace(match: re.Match, path: Path = path) -> str:
             name = match.group(2)
@@ -251,7 +292,7 @@ def main(argv: list[str]) -> int:
             print(line, file=sys.stderr)
         return 1 if problems else 0
     for path, text in changed.items():
-        path.write_text(text)
+        write_document(path, text)
         print(f"rewrote {path}")
     missing = [line for line in problems if "is stale" not in line]
     for line in missing:

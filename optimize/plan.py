@@ -9,12 +9,14 @@ composed (`recipe_dict(cfg)`): the plan is what the run reads, not what it repor
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optimize.config import recipe_dict
+from optimize.errors import RecipeError
 
 if TYPE_CHECKING:
     from optimize.registry import Method
@@ -173,6 +175,9 @@ class Plan:
 
 def resolve(cfg, task: Task, stages, the_workload: Workload, final_dir: Path) -> Plan:
     """The plan of a composed recipe whose task, stages and workload the pipeline already resolved."""
+    check_finite(_recipe_only(cfg))
+    check_serve(cfg.get("serve"))
+    check_packages(stages)
     return Plan(
         task=task,
         stages=tuple(stages),
@@ -185,3 +190,51 @@ def resolve(cfg, task: Task, stages, the_workload: Workload, final_dir: Path) ->
         serve=ServeSettings.of(cfg.get("serve")),
         final_dir=final_dir,
     )
+
+
+def check_finite(recipe: Mapping[str, Any]) -> None:
+    """Every number of the recipe finite: NaN passes every `<= 0` check (a NaN learning rate trains to
+    NaN, a NaN budget never runs out) and neither NaN nor inf is JSON, which the manifest must be."""
+    for key, value in _leaves(recipe, ""):
+        if isinstance(value, float) and not math.isfinite(value):
+            raise RecipeError(f"{key}={value}: give a finite number")
+
+
+def _recipe_only(cfg) -> dict[str, Any]:
+    """The recipe resolved without Hydra's own settings (composed before a run, they do not resolve)."""
+    from omegaconf import OmegaConf
+
+    return recipe_dict(OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"]))
+
+
+def _leaves(node: Any, prefix: str):
+    if isinstance(node, Mapping):
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    elif isinstance(node, (list, tuple)):
+        for i, value in enumerate(node):
+            yield from _leaves(value, f"{prefix.rstrip('.')}[{i}].")
+    else:
+        yield prefix.rstrip("."), node
+
+
+def check_serve(node) -> None:
+    """The recipe's `serve` settings checked as `python -m serve` checks its flags (one validator,
+    serve/config.py): an artifact recording max_batch_size=0 would answer every request 500."""
+    if node is None:
+        return
+    from serve.config import RECIPE_KEYS, setting_problem
+
+    for key in RECIPE_KEYS:
+        problem = setting_problem(key, node.get(key))
+        if problem:
+            raise RecipeError(f"serve.{key}: {problem} (as python -m serve --{key.replace('_', '-')} checks it)")
+
+
+def check_packages(stages) -> None:
+    """Each stage's method has the optional packages it requires (its registration says which):
+    found now, not after minutes of loading the model."""
+    for method, _ in stages:
+        missing = method.missing_package()
+        if missing:
+            raise RecipeError(missing)

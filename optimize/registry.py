@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 import typing
@@ -60,6 +61,10 @@ class Method:
     # Engine methods: the engine formats (engines/formats.py names) the artifact it builds may run on,
     # or, for one that chooses among candidates (the race), a function of its config and the task.
     engine_formats: tuple[str, ...] | Callable[[Any, Any], tuple[str, ...]] = ()
+    # The optional packages it cannot run without: (module to import, how to install it). Checked at
+    # plan time (optimize/plan.py), before any weights load; the module itself is imported only when
+    # the stage runs.
+    requires: tuple[tuple[str, str], ...] = ()
     summary: str = ""
 
     def supports(self, task) -> bool:
@@ -71,6 +76,17 @@ class Method:
     def formats(self, config, task) -> tuple[str, ...]:
         """The engine formats an engine method's artifact may run on, with `config` for `task`."""
         return self.engine_formats(config, task) if callable(self.engine_formats) else self.engine_formats
+
+    def missing_package(self) -> str | None:
+        """The one-line reason when a package it requires is not installed, else None."""
+        for module, install in self.requires:
+            try:
+                found = importlib.util.find_spec(module) is not None
+            except (ImportError, ValueError):  # a parent package that is absent or broken
+                found = False
+            if not found:
+                return f"{self.stage}.method={self.name} needs the {module} package, which is not installed: {install}"
+        return None
 
     def refuses(self, config, onnx_path: Path) -> str | None:
         """Why it cannot run with `config` on the graph at `onnx_path`, known before any stage runs."""

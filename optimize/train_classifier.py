@@ -10,21 +10,32 @@ evaluation split is text from modules never trained on). A few minutes on 2 CPU 
 Hugging Face folder (config.json with id2label, model.safetensors, tokenizer) under the cache
 (OPTIMIZE_CACHE, default ~/.cache/optimize) at classifiers/minilm_docstrings, where the recipe
 minilm_cls_int8_cpu looks for it.
+
+OUT_DIR must be new, empty, or a folder this tool wrote before (it leaves a .optimize-train-classifier
+marker in each): any other folder is refused, never emptied. The new folder is staged beside it and
+swapped in only when complete; a budget spent before the first step writes nothing.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+import tempfile
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
 
-from optimize.errors import ArgumentParser
+from optimize.errors import ArgumentParser, RecipeError, bad_input_message
 
 DEFAULT_NAME = "classifiers/minilm_docstrings"  # optimize.models.TRAINED_IN_CACHE names it too
+# Written into every folder this tool makes: the only kind of non-empty folder it replaces.
+MARKER = ".optimize-train-classifier"
+BASE_NAME = "sentence-transformers/all-MiniLM-L6-v2"
+MAX_SEED = 2**32 - 1  # numpy's and torch's seeds both take it
 
 
 def default_dir() -> Path:
@@ -41,6 +52,7 @@ def base_model_dir() -> Path:
 
 def train(
     out_dir: Path,
+    stage: Path,
     steps: int = 400,
     seed: int = 0,
     batch_size: int = 16,
@@ -94,10 +106,15 @@ def train(
         schedule.step()
         if step % 25 == 0 or step == steps - 1:
             print(f"step {step + 1}/{steps} loss {loss.item():.3f} ({time.monotonic() - started:.0f} s)", flush=True)
+    if steps_done == 0:
+        raise RecipeError(
+            f"--budget-s {budget_s:g}: spent before the first training step; nothing was written "
+            f"(give more seconds, or leave it unset)"
+        )
     model.eval()
     accuracy = heldout_accuracy(model, tokenizer, test_set, label2id, heldout, max_length)
     trained = {
-        "base": "sentence-transformers/all-MiniLM-L6-v2",
+        "base": BASE_NAME,
         "data": "package_docstrings, calibration split (held out by module file)",
         "labels": list(DOCSTRING_PACKAGES),
         "train_items": len(train_set.items),
@@ -113,7 +130,7 @@ def train(
         "heldout_items": min(heldout, len(test_set.items)),
         "heldout_accuracy": round(accuracy, 4),
     }
-    save(model, tokenizer, out_dir, trained)
+    save(model, tokenizer, stage, out_dir, trained)
     return trained
 
 
@@ -150,16 +167,60 @@ def heldout_accuracy(model, tokenizer, test_set, label2id: dict, count: int, max
     return correct / len(chosen)
 
 
-def save(model, tokenizer, out_dir: Path, trained: dict) -> None:
-    """The folder appears whole or not at all (written beside it, then renamed)."""
-    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp))
-    tokenizer.save_pretrained(str(tmp))
-    (tmp / "training.json").write_text(json.dumps(trained, indent=2) + "\n")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+def save(model, tokenizer, stage: Path, out_dir: Path, trained: dict) -> None:
+    """The folder appears whole or not at all: written into `stage` (beside it), then swapped in; a
+    previous output is moved aside first and removed only once the new one is in place."""
+    model.save_pretrained(str(stage))
+    tokenizer.save_pretrained(str(stage))
+    (stage / "training.json").write_text(json.dumps(trained, indent=2, allow_nan=False) + "\n")
+    (stage / MARKER).write_text("written by python -m optimize.train_classifier; it replaces this folder\n")
+    old = None
+    if out_dir.exists():
+        check_replaceable(out_dir)  # again: the folder may have changed during training
+        old = out_dir.with_name(f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(out_dir, old)
+    os.replace(stage, out_dir)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def is_previous_output(folder: Path) -> bool:
+    """A folder this tool wrote: its marker, or (written before the marker existed) its training record."""
+    if (folder / MARKER).is_file():
+        return True
+    try:
+        return json.loads((folder / "training.json").read_text()).get("base") == BASE_NAME
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_replaceable(out_dir: Path) -> None:
+    """Refuse an output folder that holds anything this tool did not write."""
+    if os.path.lexists(out_dir) and (out_dir.is_symlink() or not out_dir.is_dir()):
+        raise RecipeError(f"{out_dir} exists and is not a folder")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not is_previous_output(out_dir):
+        raise RecipeError(
+            f"{out_dir} is a folder this tool did not write (it holds files and no {MARKER}): "
+            "give a new or empty folder; nothing there is replaced"
+        )
+
+
+def prepare_output(out_dir: Path) -> tuple[Path, Path]:
+    """The output folder, absolute, and a fresh staging folder beside it, made now: an unusable place
+    (a read-only or virtual file system, a path under a file, a folder holding other files) is
+    refused before any training."""
+    out_dir = Path(os.path.abspath(out_dir.expanduser()))
+    if out_dir.parent == out_dir:
+        raise RecipeError(f"{out_dir}: give a folder to write the classifier into, not a file system root")
+    check_replaceable(out_dir)
+    if out_dir.parent.exists() and not out_dir.parent.is_dir():
+        raise RecipeError(f"{out_dir}: {out_dir.parent} is not a folder")
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        stage = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    except OSError as exc:
+        raise RecipeError(f"{out_dir}: cannot write there ({exc.strerror or exc})") from None
+    return out_dir, stage
 
 
 def main() -> None:
@@ -181,14 +242,28 @@ def main() -> None:
         parser.error(f"--trained-layers {args.trained_layers}: give at least 1")
     if args.threads < 0:
         parser.error(f"--threads {args.threads}: give 0 (all cores) or more")
-    if args.out_dir is not None and args.out_dir.exists() and not args.out_dir.is_dir():
-        parser.error(f"{args.out_dir} exists and is not a folder")
-    if args.threads:
-        import torch
+    if args.budget_s is not None and not math.isfinite(args.budget_s):
+        parser.error(f"--budget-s {args.budget_s}: give a finite number of seconds")
+    if not 0 <= args.seed <= MAX_SEED:
+        parser.error(f"--seed {args.seed}: give a whole number from 0 to {MAX_SEED}")
+    stage = None
+    try:
+        out_dir, stage = prepare_output(args.out_dir or default_dir())
+        if args.threads:
+            import torch
 
-        torch.set_num_threads(args.threads)
-    out_dir = args.out_dir or default_dir()
-    trained = train(out_dir, args.steps, args.seed, budget_s=args.budget_s, trained_layers=args.trained_layers)
+            torch.set_num_threads(args.threads)
+        trained = train(
+            out_dir, stage, args.steps, args.seed, budget_s=args.budget_s, trained_layers=args.trained_layers
+        )
+    except Exception as exc:
+        message = bad_input_message(exc)
+        if message is None:
+            raise
+        parser.error(message)
+    finally:
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)  # gone once swapped in; else what a failure left
     print(json.dumps(trained))
 
 

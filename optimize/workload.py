@@ -9,6 +9,7 @@ the workload existed, so such a recipe behaves exactly as it did.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -123,14 +124,21 @@ def _whole(value, key: str) -> int:
 
 
 def _weight(value, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
-        raise RecipeError(f"{key}: weight {value!r} must be a positive number")
-    return float(value)
+    try:  # an int past float's range (10**400) overflows float()
+        weight = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    except OverflowError:
+        weight = math.inf
+    if not 0 < weight < math.inf:
+        raise RecipeError(f"{key}: weight {repr(value)[:40]} must be a positive number, and finite")
+    return weight
 
 
 def _normalised(weights: list[float]) -> list[float]:
-    total = sum(weights)
-    return [w / total for w in weights]
+    # Scaled by the largest first: {1: 1e308, 2: 1e308} would overflow the sum to inf (weights 0.0).
+    largest = max(weights)
+    scaled = [w / largest for w in weights]
+    total = sum(scaled)
+    return [w / total for w in scaled]
 
 
 def _batches(raw) -> tuple[BatchPoint, ...]:

@@ -10,13 +10,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import math
 import signal
 import sys
 from pathlib import Path
 from typing import NoReturn
 
-from serve.config import API_KEY_ENV
+from serve.config import API_KEY_ENV, LIMITS, number_problem
 
 
 def one_line(message: str) -> str:
@@ -38,17 +37,18 @@ def number(kind, low, inclusive: bool, high=None):
             value = kind(text)
         except (ValueError, OverflowError):  # int() refuses over 4300 digits with a ValueError too
             raise argparse.ArgumentTypeError(f"not a number: {text[:40]!r}") from None
-        if isinstance(value, float) and not math.isfinite(
-            value
-        ):  # nan passes every comparison; inf overflows uvicorn's timers
-            raise argparse.ArgumentTypeError(f"must be a finite number, got {text[:40]!r}")
-        if value < low or (value == low and not inclusive):
-            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low}, got {text[:40]!r}")
-        if high is not None and value > high:
-            raise argparse.ArgumentTypeError(f"must be <= {high}, got {text[:40]!r}")
+        problem = number_problem(value, kind, low, inclusive, high)
+        if problem:
+            raise argparse.ArgumentTypeError(problem)
         return value
 
     return parse
+
+
+def setting(name: str):
+    """An argparse type for a setting a recipe may carry too: checked as the plan checks the recipe's."""
+    kind, low, inclusive, high = LIMITS[name]
+    return number(kind, low, inclusive, high)
 
 
 def api_key(text: str) -> str:
@@ -86,32 +86,34 @@ def build_parser() -> OneLineParser:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=number(int, 0, True, high=65535), default=8000, help="0 picks a free port")
     p.add_argument("--model-name", help="name clients use (default: the recipe's name)")
-    p.add_argument("--max-batch-size", type=positive(int), help="rows per model call (default 32 or the recipe's)")
+    p.add_argument(
+        "--max-batch-size", type=setting("max_batch_size"), help="rows per model call (default 32 or the recipe's)"
+    )
     p.add_argument(
         "--max-queue-delay-ms",
-        type=non_negative(float),
+        type=setting("max_queue_delay_ms"),
         help="longest a batch waits to fill (default 5 or the recipe's)",
     )
-    p.add_argument("--max-queue", type=positive(int), help="queued requests before 429 (default 256)")
-    p.add_argument("--timeout-s", type=positive(float), help="per-request timeout, queueing included (default 30)")
+    p.add_argument("--max-queue", type=setting("max_queue"), help="queued requests before 429 (default 256)")
+    p.add_argument("--timeout-s", type=setting("timeout_s"), help="per-request timeout, queueing included (default 30)")
     p.add_argument("--max-request-bytes", type=positive(int), help="body size limit, 413 past it (default 4 MiB)")
     p.add_argument("--max-inputs", type=positive(int), help="texts per embeddings request (default 2048)")
     p.add_argument("--max-prompt-tokens", type=positive(int), help="causal LMs: prompt limit (default: context - 1)")
     p.add_argument("--max-tokens", type=positive(int), help="causal LMs: cap on max_tokens (default 512)")
     p.add_argument(
         "--max-num-seqs",
-        type=number(int, 1, True, high=4096),
+        type=setting("max_num_seqs"),
         help="causal LMs: sequences generated together by an engine that batches continuously "
         "(OpenVINO GenAI; default 16 or the recipe's; 1: one at a time)",
     )
     p.add_argument(
         "--kv-cache-gb",
-        type=number(float, 0, False, high=4096),
+        type=setting("kv_cache_gb"),
         help="causal LMs, continuous batching: KV cache size in GB (default 1 or the recipe's)",
     )
     p.add_argument(
         "--max-batched-tokens",
-        type=number(int, 1, True, high=1 << 20),
+        type=setting("max_batched_tokens"),
         help="causal LMs, continuous batching: prompt and decode tokens per scheduling step (default 512)",
     )
     p.add_argument(

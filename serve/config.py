@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 
@@ -56,6 +57,45 @@ RECIPE_KEYS = (
     "prefix_caching",
     "prompt_lookup",
 )
+
+
+# What each setting a recipe may carry takes: (kind, low, low allowed, high or None). The one check of
+# them: `python -m serve`'s flags parse with it (serve/__main__.py), and the plan checks a recipe's
+# `serve` block with it (optimize/plan.py), so a recipe cannot record what the server would refuse.
+LIMITS: dict[str, tuple[type, float, bool, float | None]] = {
+    "max_batch_size": (int, 0, False, None),
+    "max_queue_delay_ms": (float, 0, True, None),
+    "max_queue": (int, 0, False, None),
+    "timeout_s": (float, 0, False, None),
+    "max_num_seqs": (int, 1, True, 4096),
+    "kv_cache_gb": (float, 0, False, 4096),
+    "max_batched_tokens": (int, 1, True, 1 << 20),
+    "prefix_caching": (bool, 0, True, None),
+}
+
+
+def number_problem(value, kind: type, low: float, inclusive: bool, high: float | None = None) -> str | None:
+    """Why `value` is not a finite number of `kind` above `low` (or at least `low`) and at most `high`;
+    None when it is. NaN passes every comparison, and inf overflows uvicorn's timers: both refused."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and isinstance(value, float)):
+        return f"must be {'a whole number' if kind is int else 'a number'}, got {repr(value)[:40]}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return f"must be a finite number, got {value!r}"
+    if value < low or (value == low and not inclusive):
+        return f"must be {'>=' if inclusive else '>'} {low}, got {repr(value)[:40]}"
+    if high is not None and value > high:
+        return f"must be <= {high}, got {repr(value)[:40]}"
+    return None
+
+
+def setting_problem(name: str, value) -> str | None:
+    """Why `value` cannot be the setting `name` (one of RECIPE_KEYS), or None (None: the default)."""
+    if value is None:
+        return None
+    kind, low, inclusive, high = LIMITS[name]
+    if kind is bool:
+        return None if isinstance(value, bool) else f"must be true or false, got {repr(value)[:40]}"
+    return number_problem(value, kind, low, inclusive, high)
 
 
 def resolve(cli: dict, manifest: dict) -> ServeConfig:

@@ -35,6 +35,7 @@ class CompressedCheckpointConfig:
     input_format="torch",
     tasks=("causal_lm",),
     engine_formats=(formats.COMPRESSED_TENSORS,),
+    requires=(("compressed_tensors", 'pip install "compressed-tensors>=0.17"  (the [vllm] extra)'),),
 )
 def compressed_tensors_checkpoint(model: Model, cfg: CompressedCheckpointConfig, ctx: Context) -> Model:
     """Pack and save the compressed-tensors quantized module as a Hugging Face checkpoint (vLLM's format)."""

@@ -72,6 +72,7 @@ class GenAIConfig:
     input_format="torch",
     tasks=("causal_lm",),
     engine_formats=(formats.ONNXRUNTIME_GENAI,),
+    requires=(("onnxruntime_genai", "pip install onnxruntime-genai"),),
 )
 def onnxruntime_genai_engine(model: Model, cfg: GenAIConfig, ctx: Context) -> Model:
     """Build an ONNX Runtime GenAI decoder with KV cache (weight-only INT4/INT8 via MatMulNBits)."""

@@ -28,6 +28,7 @@ from optimize.registry import register
 # method name -> compressed-tensors preset scheme
 SCHEMES = {"ct_int8_w8a8": "W8A8", "ct_int4_w4a16": "W4A16"}
 INSTALL = 'pip install "compressed-tensors>=0.17"  (the [vllm] extra)'
+REQUIRES = (("compressed_tensors", INSTALL),)
 
 
 @dataclass
@@ -74,13 +75,13 @@ def _import_compressed_tensors():
     return ctq
 
 
-@register("quantize", "ct_int8_w8a8", Int8W8A8Config, input_format="torch", tasks=("causal_lm",))
+@register("quantize", "ct_int8_w8a8", Int8W8A8Config, input_format="torch", tasks=("causal_lm",), requires=REQUIRES)
 def int8_w8a8(model: Model, cfg: Int8W8A8Config, ctx: Context) -> Model:
     """compressed-tensors INT8 W8A8: per-channel weights, dynamic per-token activations (vLLM serves it)"""
     return quantize(model, cfg, ctx, "ct_int8_w8a8")
 
 
-@register("quantize", "ct_int4_w4a16", Int4W4A16Config, input_format="torch", tasks=("causal_lm",))
+@register("quantize", "ct_int4_w4a16", Int4W4A16Config, input_format="torch", tasks=("causal_lm",), requires=REQUIRES)
 def int4_w4a16(model: Model, cfg: Int4W4A16Config, ctx: Context) -> Model:
     """compressed-tensors INT4 W4A16: group-wise weights, activations unquantized (vLLM serves it)"""
     return quantize(model, cfg, ctx, "ct_int4_w4a16")

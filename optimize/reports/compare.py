@@ -157,6 +157,10 @@ def output_folder(out: Path | None, dirs: list[Path], artifacts: list[Path]) -> 
     for artifact in artifacts:
         if target == artifact.resolve() or artifact.resolve() in target.parents:
             raise RecipeError(f"--out {out} is inside the artifact {artifact}; it would no longer match its manifest")
+    # Any artifact, compared or not: files written into one make it fail verify, and serve refuses it.
+    for folder in (target, *target.parents):
+        if os.path.lexists(folder / MANIFEST):
+            raise RecipeError(f"--out {out} is inside the artifact {folder}; it would no longer match its manifest")
     return out
 
 

@@ -108,3 +108,13 @@ def test_two_dirs_each_holding_an_artifact_get_two_names(minilm_artifact, tmp_pa
         assert [r["artifact"] for r in csv.DictReader(f)] == ["run1/artifact", "run2/artifact"]
     assert "| run1/artifact |" in (out / "compare.md").read_text()
     one_error_line(compare(tmp_path / "run1", "--out", tmp_path / "run1" / "artifact"), "inside the artifact")
+
+
+def test_out_inside_an_artifact_not_compared_is_refused(minilm_artifact, tmp_path):
+    shutil.copytree(minilm_artifact, tmp_path / "run1" / "artifact")
+    other = tmp_path / "other"
+    shutil.copytree(minilm_artifact, other)
+    (other / "tokenizer" / "sub").mkdir(parents=True, exist_ok=True)
+    for out in (other, other / "tokenizer" / "sub"):
+        one_error_line(compare(tmp_path / "run1", "--out", out), "inside the artifact", str(other))
+    assert not list(other.rglob("compare.*"))

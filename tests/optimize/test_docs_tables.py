@@ -131,3 +131,26 @@ def test_a_renamed_contract_makes_the_contracts_list_stale(docs, tree, capsys):
     assert "the 'contracts' table is stale" in capsys.readouterr().err
     assert docs_tables.main(["--docs", str(docs)]) == 0
     assert "- renamed (`forbidden`)\n" in (docs / "design.md").read_text()
+
+
+def test_hostile_md_files_are_named_in_one_line_and_never_followed(docs, tmp_path, capsys):
+    import os
+    import threading
+
+    (docs / "latin1.md").write_bytes(b"caf\xe9\n")
+    os.mkfifo(docs / "pipe.md")
+    outside = tmp_path / "outside.md"
+    outside.write_text((docs / "gate.md").read_text().replace("| `gate.min_cosine` |", "| `stale` |"))
+    (docs / "linked.md").symlink_to(outside)
+    before = outside.read_text()
+    result: list[int] = []
+    runner = threading.Thread(target=lambda: result.append(docs_tables.main(["--docs", str(docs)])), daemon=True)
+    runner.start()
+    runner.join(120)
+    assert result == [1], "hung on the FIFO" if not result else result  # a FIFO read would block forever
+    err = capsys.readouterr().err.strip().splitlines()
+    assert any("latin1.md: not UTF-8 text" in line for line in err)
+    assert any("pipe.md: not a regular file" in line for line in err)
+    assert any("linked.md: a symbolic link" in line for line in err)
+    assert all("Traceback" not in line for line in err)
+    assert outside.read_text() == before  # the link's target, outside --docs, is untouched

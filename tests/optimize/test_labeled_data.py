@@ -87,3 +87,12 @@ def test_package_docstrings_is_balanced_and_held_out_by_module():
     counts = {name: evaluation.labels.count(name) for name in set(evaluation.labels)}
     assert len(set(counts.values())) == 1 and len(counts) == len(calibration.labeled.DOCSTRING_PACKAGES)
     assert not set(evaluation.items) & set(calibration.labeled.package_docstrings("calibration").items)
+
+
+def test_a_classlabel_without_a_label_is_refused_not_read_as_the_last_class(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    features = datasets.Features({"text": datasets.Value("string"), "label": datasets.ClassLabel(names=["neg", "pos"])})
+    rows = {"text": ["a fine film", "an unlabeled test row"], "label": [0, -1]}
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "glue"))
+    with pytest.raises(calibration.DataError, match="'no label'"):
+        labeled("evaluation", path=str(tmp_path / "glue"), dataset_split="all")

@@ -11,6 +11,7 @@ import pytest
 
 from optimize import pipeline, workload
 from optimize.config import recipe_dict
+from optimize.errors import RecipeError
 from optimize.plan import Plan
 from tests.support.context import compose_recipe, recipe_context
 
@@ -89,3 +90,55 @@ def test_the_context_loads_its_data_from_the_plan(tmp_path):
     ctx = recipe_context(tmp_path, "calibration=random", "calibration.shape=[4]", "calibration.count=6")
     data = ctx.calibration()
     assert data.source == "random" and len(data.items) == 6 and data.items[0].shape == (4,)
+
+
+@pytest.mark.parametrize(
+    "override, fragment",
+    [
+        ("serve.max_batch_size=0", "serve.max_batch_size: must be > 0"),
+        ("serve.max_queue=-3", "serve.max_queue: must be > 0"),
+        ("serve.timeout_s=nan", "serve.timeout_s"),
+        ("serve.max_queue_delay_ms=-1", "serve.max_queue_delay_ms: must be >= 0"),
+    ],
+)
+def test_serve_settings_are_checked_at_plan_time_as_the_server_checks_its_flags(override, fragment, tmp_path):
+    from serve.__main__ import build_parser
+
+    with pytest.raises(RecipeError, match=fragment):
+        pipeline.plan(compose_recipe(override, f"output_dir={tmp_path / 'out'}"), tmp_path)
+    # the server refuses the same value as a flag, with the same words
+    key, value = override.split("=")
+    flag = "--" + key.split(".")[1].replace("_", "-")
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["artifact", flag, value])
+    assert exited.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "distill=logit_hidden_kd",
+        "engine=auto",
+    ],
+)
+def test_nan_and_inf_are_refused_wherever_a_number_goes(override, tmp_path):
+    bad = {
+        "distill=logit_hidden_kd": ["distill.params.lr=inf", "distill.params.temperature=nan"],
+        "engine=auto": ["engine.params.time_budget_s=nan", "+engine.params.candidate_budget_s.ort_fp32=inf"],
+    }[override]
+    for value in [*bad, "gate.min_cosine=nan"]:
+        with pytest.raises(RecipeError, match="give a finite number") as err:
+            pipeline.plan(compose_recipe(override, value, f"output_dir={tmp_path / 'out'}"), tmp_path)
+        assert value.lstrip("+").split("=")[0] in str(err.value)
+
+
+def test_a_manifest_is_json_whatever_a_metric_measured(tmp_path):
+    import json
+
+    from optimize import artifact
+
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    written = artifact.write_manifest(stage, {"metrics": {"candidate": {"loss": float("nan"), "p95": float("inf")}}})
+    assert written["metrics"]["candidate"] == {"loss": None, "p95": None}
+    json.loads((stage / "manifest.json").read_text(), parse_constant=lambda name: pytest.fail(f"{name} in JSON"))

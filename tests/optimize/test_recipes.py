@@ -72,6 +72,19 @@ def untrained_refusal(cfg) -> str | None:
     return None
 
 
+def package_refusal(cfg) -> str | None:
+    """A recipe whose methods need an optional package this machine lacks (compressed-tensors for
+    smollm2_int8_vllm) refuses at plan time with the line naming it and how to install it."""
+    from optimize import registry
+
+    for stage in registry.STAGES:
+        if cfg[stage].method not in (None, "none"):
+            missing = registry.get(stage, cfg[stage].method).missing_package()
+            if missing:
+                return missing
+    return None
+
+
 def compose_recipe(name: str, *overrides: str):
     register_schema()
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
@@ -86,7 +99,7 @@ def test_there_is_a_default_recipe():
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if "smollm2" in n else n for n in RECIPES])
 def test_recipe_composes_and_plans(name, tmp_path):
     cfg = compose_recipe(name, f"output_dir={tmp_path / 'out'}")
-    refusal = expected_refusal(name) if name in GPU_RECIPES else untrained_refusal(cfg)
+    refusal = expected_refusal(name) if name in GPU_RECIPES else untrained_refusal(cfg) or package_refusal(cfg)
     if refusal is not None:
         with pytest.raises(RecipeError) as refused:
             pipeline.plan(cfg, tmp_path)

@@ -37,6 +37,20 @@ def test_weights_are_normalised_and_a_list_means_equal_weights():
     assert [(p.key, p.weight) for p in w.requests] == [("64x64", 0.25), ("1024x128", 0.75)]
 
 
+def test_weights_near_the_float_limit_are_normalised_without_overflow():
+    w = workload.resolve(_cfg({"batches": {1: 1e308, 2: 1e308}}))
+    assert [(p.batch, p.weight) for p in w.batches] == [(1, 0.5), (2, 0.5)]
+    w = workload.resolve(
+        _cfg(
+            {
+                "requests": [{"prompt": 8, "output": 8, "weight": 1.7e308}] * 1
+                + [{"prompt": 9, "output": 8, "weight": 1.7e308}]
+            }
+        )
+    )
+    assert [p.weight for p in w.requests] == [0.5, 0.5]
+
+
 def test_an_undeclared_workload_is_the_one_point_the_race_and_gate_used_before():
     w = workload.resolve(_cfg(min_speedup=1.5, speedup_batch_size=32))
     assert [(p.batch, p.weight) for p in w.batches] == [(32, 1.0)] and not w.declared
@@ -49,6 +63,9 @@ def test_an_undeclared_workload_is_the_one_point_the_race_and_gate_used_before()
     ("block", "gate_keys", "message"),
     [
         ({"batches": {1: -1}}, {}, "workload.batches.1: weight -1 must be a positive number"),
+        ({"batches": {1: float("nan")}}, {}, "workload.batches.1: weight nan must be a positive number"),
+        ({"batches": {1: float("inf")}}, {}, "workload.batches.1: weight inf must be a positive number"),
+        ({"batches": {1: 10**400}}, {}, "workload.batches.1: weight 1000"),
         ({"batches": [0, 32]}, {}, "workload.batches: 0 is not a whole number of at least 1"),
         ({"batches": [1, 1]}, {}, "list each batch size once"),
         ({"batches": "big"}, {}, "give a list of batch sizes"),
