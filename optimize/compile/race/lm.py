@@ -5,20 +5,25 @@ Every candidate decoder is scored against the PyTorch FP32 baseline on the held-
 evaluation uses (perplexity, and lm-eval where the gate checks it), then every candidate and the
 baseline generate the same prompts in turn (time to first token and decode tokens/s) at every request
 shape of the workload (`workload.requests`: prompt and output lengths with weights), each candidate
-in a process of its own with only its runtime loaded, as a server runs it. The winner is the
-candidate that passes the gate's accuracy checks with the shortest weighted request time, a request's
-time being TTFT + (output - 1) / decode, so first token and decode count together, as a user waiting
-for an answer sees them: a runtime that decodes faster but prefills slower wins short prompts and
-may lose long ones.
+in a process of its own with only its runtime loaded, as a server runs it; a request's time is
+TTFT + (output - 1) / decode, so first token and decode count together, as a user waiting for an
+answer sees them: a runtime that decodes faster but prefills slower wins short prompts and may lose
+long ones.
+
+Then every candidate that passes the gate's accuracy checks is served (`python -m serve` on loopback,
+race/served.py) and driven at every shape and every level of `workload.concurrency`, with successive
+halving; the winner is the passing candidate with the lowest served cost: at each level its weighted
+request time as served over the best candidate's, weighted over the levels. An engine that answers
+one request soonest but batches statically loses a workload that is mostly sixteen clients at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import asdict
 from typing import Any
 
-from optimize.compile.race.cells import serving
 from optimize.compile.race.choice import pick
 
 log = logging.getLogger(__name__)
@@ -104,45 +109,67 @@ def _lm_eval(entries, runners, baseline, base, tokens, paragraphs, cfg, ctx) -> 
         entry.metrics.update(lm_eval=scores, lm_eval_drop_pts=lm_eval_drop(base["lm_eval"], scores))
 
 
-def concurrency_note(entries: list, winner, workload) -> str:
-    """For a workload with concurrent requests: say when the winner, timed one request at a time, would
-    serve them in static batches or one by one while a passing candidate batches continuously. The
-    served-latency gate (gate.max_served_ttft_p95_ms, min_served_tokens_per_s) measures what it costs."""
-    if workload.concurrency <= 1 or serving(winner)[1]:
-        return ""
-    batching = [e for e in entries if e.passed and serving(e)[1]]
-    if not batching:
-        return ""
-    return (
-        f"serves {serving(winner)[0]}; under workload.concurrency={workload.concurrency} "
-        f"{batching[0].name} (passing, {serving(batching[0])[0]}) may answer sooner: "
-        "gate.max_served_ttft_p95_ms and gate.min_served_tokens_per_s measure it as served"
-    )
+def serve_passing(entries: list, ctx, workload, thresholds: dict) -> dict:
+    """Time every candidate that passes accuracy as served, at each shape and concurrency level
+    (race/served.py, with successive halving); returns the halving record for the race's."""
+    from optimize.compile.race.served import time_served
+
+    passing = [e for e in entries if accuracy_verdict(e, thresholds).passed]
+    if not passing:
+        return {"rounds": [], "cut": {}}
+    return time_served(passing, ctx, workload)
+
+
+def accuracy_verdict(entry, thresholds: dict):
+    """The gate's accuracy and size checks on one candidate (what pick judges)."""
+    from optimize import gate
+
+    return gate.judge({}, {**entry.metrics, "size_mb": entry.size_mb}, thresholds)
 
 
 def choose(entries: list, workload, baseline: dict, thresholds: dict):
-    """The candidate with the shortest request time over the workload (weighted over its shapes) among
-    those that pass every accuracy and size check of the gate (perplexity increase, lm-eval drop,
-    size), preferring those never slower than the baseline at any shape; none passing: the lowest
-    perplexity ships."""
+    """The candidate with the lowest cost over the workload among those that pass every accuracy and
+    size check of the gate (perplexity increase, lm-eval drop, size), preferring those never slower
+    than the baseline at any shape; none passing: the lowest perplexity ships. The cost is the served
+    one (served_costs) where the passing candidates were timed as served, else the request time
+    (weighted over the shapes) one request at a time."""
+    from optimize.compile.race.served import served_costs
+
     points = workload.requests
+    served = [e for e in entries if "served" in e.metrics and not e.served_cut]
+    cut = [e for e in entries if e.served_cut]
+    pool = [e for e in entries if not e.served_cut]
     words = ("shortest generation", "generation time")
-    if len(points) > 1:
+    if served:
+        for name, value in served_costs(served, workload).items():
+            next(e for e in served if e.name == name).cost = value
+        mix = ", ".join(f"{c.clients} clients: {c.weight:.2f}" for c in workload.concurrency)
+        words = (f"lowest served cost ({mix})", "served cost")
+    elif len(points) > 1:
         for entry in entries:
             entry.cost = sum(p.weight * entry.metrics["requests"][p.key]["request_ms"] for p in points)
         words = ("shortest weighted request time", "weighted request time")
     winner = pick(
-        entries,
+        pool,
         thresholds,
         measured=lambda e: e.metrics,
         cost=lambda e: e.cost if e.cost is not None else e.metrics["generation_ms"],
         error=lambda e: e.metrics["perplexity"],
         cost_words=words,
-        per_point=lambda e: {f"{p.key} tokens": e.metrics["requests"][p.key]["request_ms"] for p in points},
+        per_point=lambda e: _per_point(e, workload),
         baseline={f"{p.key} tokens": baseline["requests"][p.key]["request_ms"] for p in points},
     )
-    note = concurrency_note(entries, winner, workload)
-    if note:
-        log.warning("race: %s %s", winner.name, note)
-        winner.outcome += f"; {note}"
+    for entry in cut:
+        verdict = accuracy_verdict(entry, thresholds)
+        entry.accuracy_checks, entry.passed = [asdict(c) for c in verdict.checks], verdict.passed
+        entry.outcome = f"lost: cut after the first served round ({entry.served_cut})"
     return winner
+
+
+def _per_point(entry, workload) -> dict:
+    """Request time at each shape one request at a time, and as served at each shape and level."""
+    points = {f"{p.key} tokens": entry.metrics["requests"][p.key]["request_ms"] for p in workload.requests}
+    for shape, levels in (entry.metrics.get("served") or {}).items():
+        for level, cell in levels.items():
+            points[f"{shape} tokens at {level} clients"] = cell["request_ms"] or float("inf")
+    return points

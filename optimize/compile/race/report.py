@@ -52,6 +52,15 @@ def race_record(
     }
 
 
+def cut_note(halving: dict) -> Optional[str]:
+    """One line naming the candidates successive halving cut after the first served round, and why."""
+    cut = halving.get("cut") or {}
+    if not cut:
+        return None
+    said = "; ".join(f"{name}: {why}" for name, why in cut.items())
+    return f"successive halving cut {len(cut)} candidate(s) after the first served round ({said})"
+
+
 def _retimed_points(entries: list[Entry]) -> int:
     """Points the race timed again because other processes took CPU time (all candidates share a run)."""
     for entry in entries:
