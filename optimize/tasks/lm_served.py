@@ -2,9 +2,11 @@
 
 A recipe that sets `gate.max_served_ttft_p95_ms` or `gate.min_served_tokens_per_s` has, after the
 in-process evaluation, `python -m serve` started on the candidate artifact (on 127.0.0.1, with the
-serve settings the artifact records) and driven by `gate.served_concurrency` closed-loop streaming
-clients, each sending `gate.served_requests_per_client` requests of held-out prompts. What they
-measured is the candidate's `served` block, which the gate's served checks read. The load is the one
+serve settings the artifact records) and driven at each level of `workload.concurrency` (or only
+`gate.served_concurrency` when it names a number) by that many closed-loop streaming clients, each
+sending `gate.served_requests_per_client` requests of held-out prompts. What they measured is the
+candidate's `served` block (every level under `levels`), which the gate's served checks read, one
+check per level when there are several (max_served_ttft_p95_ms[concurrency=16]). The load is the one
 benchmarks/serve_llm_load.py drives (optimize/evaluate/served.py).
 
 With `gate.served_structured_share` above 0, that share of the requests carry a `response_format`

@@ -29,36 +29,53 @@ from optimize.compile.race.choice import pick
 log = logging.getLogger(__name__)
 
 
-def score(entries: list, ctx, workload, race_cfg, thresholds: dict) -> dict:
+def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: str | None = None) -> dict:
     """Fill each entry's `metrics` (perplexity, lm-eval where the gate's `thresholds` check it, TTFT
-    and decode at each request shape); returns the baseline's."""
+    and decode at each request shape); returns the baseline's. With `key_base` (the race cache's
+    identity of the model and machine), the baseline's figures are taken from an earlier race on the
+    same data, shapes, runs and threads, or kept for the next one."""
     from engines import engine_bytes, load_engine
     from engines.runner_process import RunnerProcess
+    from optimize.compile.race import cache
     from optimize.evaluate.generation import Tokens, perplexity, request_ms, timed_requests
     from optimize.tasks.causal_lm import eval_config
 
     cfg, tokens, data = eval_config(ctx), Tokens(ctx), ctx.evaluation_data()
     ids = tokens("\n\n".join(data.items))[: cfg.perplexity_tokens]
     baseline = ctx.baseline.runner
+    runs = max(2, min(ctx.plan.evaluate.repeats, race_cfg.timing_repeats, 5))
+    lm_eval = thresholds.get("max_lm_eval_drop") is not None and bool(cfg.lm_eval_tasks)
+    what = {"data": data.describe(), "eval": asdict(cfg), "lm_eval": lm_eval, "runs": runs, "threads": ctx.threads}
+    what["shapes"] = [r.key for r in workload.requests]
+    key = cache.baseline_key(key_base, what) if key_base else None
+    reused = cache.load_baseline(key) if key else None
     runners = {e.name: load_engine(e.model.engine_dir, e.model.engine, threads=ctx.threads) for e in entries}
     for entry in entries:
         entry.size_mb = engine_bytes(entry.model.engine_dir, entry.model.engine) / 2**20
-    base: dict[str, Any] = {"perplexity": perplexity(baseline, ids, cfg.perplexity_window)}
+    base: dict[str, Any] = {
+        "perplexity": reused["perplexity"] if reused else perplexity(baseline, ids, cfg.perplexity_window)
+    }
     for entry in entries:
         ppl = perplexity(runners[entry.name], ids, cfg.perplexity_window)
         entry.metrics = {"perplexity": ppl, "perplexity_increase_pct": (ppl / base["perplexity"] - 1) * 100}
-    if thresholds.get("max_lm_eval_drop") is not None and cfg.lm_eval_tasks:
-        _lm_eval(entries, runners, baseline, base, tokens, data.items, cfg, ctx)
-    runs = max(2, min(ctx.plan.evaluate.repeats, race_cfg.timing_repeats, 5))
+    if lm_eval:
+        _lm_eval(entries, runners, baseline, base, tokens, data.items, cfg, ctx, reused)
     runners.clear()  # scored; each candidate is timed in a process of its own (engines/runner_process.py)
     with contextlib.ExitStack() as stack:
         timed_runners = {
             e.name: stack.enter_context(RunnerProcess(e.model.engine_dir, e.model.engine, ctx.threads)) for e in entries
         }
-        timed = timed_requests(
-            {"baseline": baseline, **timed_runners}, tokens, data.items, workload.requests, warmup=1, runs=runs
-        )
+        subjects = timed_runners if reused else {"baseline": baseline, **timed_runners}
+        timed = timed_requests(subjects, tokens, data.items, workload.requests, warmup=1, runs=runs)
+    if reused:
+        log.info("race: the baseline's perplexity and timings are reused from an earlier race on this machine")
+        for r in workload.requests:
+            timed[r.key]["runs"]["baseline"] = reused["requests"][r.key]
     on_baseline = {r.key: timed[r.key]["runs"]["baseline"] for r in workload.requests}
+    if key and not reused:
+        cache.save_baseline(
+            key, {"perplexity": base["perplexity"], "lm_eval": base.get("lm_eval"), "requests": on_baseline}
+        )
     first = workload.requests[0]
     base.update(
         requests={
@@ -66,6 +83,7 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict) -> dict:
             for r in workload.requests
         },
         generation=on_baseline[first.key],
+        reused=bool(reused),
     )
     for entry in entries:
         entry.metrics["requests"] = {r.key: _at(timed[r.key], entry.name, r.output) for r in workload.requests}
@@ -100,10 +118,13 @@ def generation_ms(result: dict, new_tokens: int) -> float:
     return request_ms(result, new_tokens)
 
 
-def _lm_eval(entries, runners, baseline, base, tokens, paragraphs, cfg, ctx) -> None:
+def _lm_eval(entries, runners, baseline, base, tokens, paragraphs, cfg, ctx, reused: dict | None) -> None:
     from optimize.tasks.lm_harness import lm_eval_accuracy, lm_eval_drop
 
-    base["lm_eval"], _ = lm_eval_accuracy(baseline, tokens, paragraphs, cfg, ctx.scratch, "baseline")
+    if reused and reused.get("lm_eval") is not None:
+        base["lm_eval"] = reused["lm_eval"]
+    else:
+        base["lm_eval"], _ = lm_eval_accuracy(baseline, tokens, paragraphs, cfg, ctx.scratch, "baseline")
     for entry in entries:
         scores, _ = lm_eval_accuracy(runners[entry.name], tokens, paragraphs, cfg, ctx.scratch, entry.name)
         entry.metrics.update(lm_eval=scores, lm_eval_drop_pts=lm_eval_drop(base["lm_eval"], scores))
@@ -163,6 +184,8 @@ def choose(entries: list, workload, baseline: dict, thresholds: dict):
         verdict = accuracy_verdict(entry, thresholds)
         entry.accuracy_checks, entry.passed = [asdict(c) for c in verdict.checks], verdict.passed
         entry.outcome = f"lost: cut after the first served round ({entry.served_cut})"
+    if cut and winner.outcome.startswith("won"):
+        winner.outcome += f" and were timed to the end ({len(cut)} more cut after the first served round)"
     return winner
 
 

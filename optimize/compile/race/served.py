@@ -25,9 +25,9 @@ CUT_RATIO = 1.5
 
 
 def requests_per_client(clients: int, round_no: int) -> int:
-    """Requests each client sends: enough for a few samples at one client, at least one (two in the
-    second round) at many."""
-    return max(1, 4 // clients) if round_no == 1 else max(2, 8 // clients)
+    """Requests each client sends: in the first round two at one client and one at many (sixteen
+    clients already give sixteen samples), in the second eight at one client and two at many."""
+    return max(1, 2 // clients) if round_no == 1 else max(2, 8 // clients)
 
 
 def time_served(entries: list, ctx, workload) -> dict:
