@@ -72,7 +72,11 @@ def test_served_checks_are_refused_where_they_cannot_be_measured(tiny_llm, tmp_p
         f"output_dir={tmp_path / 'c'}",
     )  # fmt: skip
     one_error_line(proc, "gate.min_served_tokens_per_s", "evaluate.latency=false")
-    assert not any((tmp_path / name).exists() for name in "abc")
+    proc = run_optimize(
+        *base_overrides(tiny_llm, tmp_path), "workload.concurrency=[1,0]", f"output_dir={tmp_path / 'd'}"
+    )
+    one_error_line(proc, "workload.concurrency=[1, 0]: 0 is not a whole number of at least 1")
+    assert not any((tmp_path / name).exists() for name in "abcd")
 
 
 def test_a_failed_request_leaves_the_served_figures_unmeasured():
@@ -112,7 +116,7 @@ def test_the_served_gate_checks_every_declared_concurrency_level_on_its_own(tiny
     out = tmp_path / "artifact"
     proc = run_optimize(
         *base_overrides(tiny_llm, tmp_path),
-        "workload.concurrency={1: 0.5, 3: 0.5}",
+        "workload.concurrency=[1,3]",
         "gate.max_served_ttft_p95_ms=0.001",  # fails at every level: no server answers in a microsecond
         "gate.min_served_tokens_per_s=0.001",
         "gate.served_output_tokens=4",
