@@ -400,3 +400,38 @@ def test_a_candidate_cut_by_successive_halving_keeps_its_first_round_figures_and
 
     note = cut_note({"cut": {"far_behind": entries[1].served_cut}})
     assert note.startswith("successive halving cut 1 candidate(s) after the first served round (far_behind: 3.50x")
+
+
+def test_the_per_level_table_shows_every_candidate_at_every_level():
+    from optimize.compile.race.report import level_table
+
+    entries = [
+        _served(_lm("ort_static", 500.0, 0.0), (160.0, 60.0), (230.0, 3000.0)),
+        _served(_lm("ov_continuous", 600.0, 0.0), (110.0, 70.0), (610.0, 400.0)),
+    ]
+    entries[0].cost, entries[1].cost = 1.83, 1.23
+    race = {
+        "workload": {"requests": [{"prompt": 64, "output": 64}], "concurrency": {"1": 0.5, "16": 0.5}},
+        "candidates": [{**e.report(), "outcome": "won" if i else "lost"} for i, e in enumerate(entries)],
+    }
+    rows = level_table(race)
+    assert rows[0] == ["candidate", "clients", "64x64 tok/s (TTFT p95 ms)", "served cost", "outcome"]
+    assert rows[1:] == [
+        ["ort_static", "1", "160 (60)", "1.83", "lost"],
+        ["ort_static", "16", "230 (3000)", "1.83", "lost"],
+        ["ov_continuous", "1", "110 (70)", "1.23", "won"],
+        ["ov_continuous", "16", "610 (400)", "1.23", "won"],
+    ]
+
+
+def test_the_baseline_figures_are_kept_under_what_they_were_measured_on(tmp_path, monkeypatch):
+    from optimize.compile.race import cache
+
+    monkeypatch.setenv("OPTIMIZE_CACHE", str(tmp_path))
+    what = {"data": {"sha256": "ab"}, "shapes": ["64x64"], "runs": 5, "threads": 0}
+    key = cache.baseline_key("model-and-machine", what)
+    assert cache.load_baseline(key) is None
+    cache.save_baseline(key, {"perplexity": 18.2, "requests": {"64x64": {"ttft_ms": {"p50": 40.0}}}})
+    assert cache.load_baseline(key)["perplexity"] == 18.2
+    assert cache.baseline_key("model-and-machine", {**what, "shapes": ["64x64", "1024x128"]}) != key
+    assert cache.baseline_key("another-cpu", what) != key
