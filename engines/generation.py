@@ -118,6 +118,7 @@ class BatchSettings:
     kv_cache_bytes: int = 1 << 30
     max_batched_tokens: int = 512
     prefix_caching: bool = True
+    prompt_lookup: bool | None = None  # n-gram speculation where the engine has it; None: as the artifact says
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:

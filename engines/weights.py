@@ -223,7 +223,8 @@ def genai_read_bytes(model_dir: str | Path) -> tuple[WeightBytes, KVShape]:
     return onnx_weight_bytes(onnx_path), kv_shape_from_genai_config(config, dtype)
 
 
-OV_KV_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1, "i8": 1}
+# u4: a byte per code as OpenVINO 2026.4 allocates it (engines/openvino/genai_batch.py)
+OV_KV_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1, "i8": 1, "u4": 1}
 
 
 def openvino_folder_read_bytes(model_dir: str | Path, kv_cache_precision: str = "f32") -> tuple[WeightBytes, KVShape]:

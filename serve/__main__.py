@@ -121,6 +121,13 @@ def build_parser() -> OneLineParser:
         help="causal LMs, continuous batching: reuse the KV cache of shared prompt prefixes (default on)",
     )
     p.add_argument(
+        "--prompt-lookup",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="causal LMs, OpenVINO GenAI continuous batching: n-gram speculation from the prompt, no draft "
+        "model; pays where answers quote their prompt (default: as the artifact's engine block says)",
+    )
+    p.add_argument(
         "--header-timeout-s",
         type=positive(float),
         default=10.0,

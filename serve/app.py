@@ -98,7 +98,7 @@ def start_serving(state: ServeState, model) -> None:
     if generates and model.batch_engine is not None:
         from serve.llm_batching import ContinuousBatchingService
 
-        state.generator = ContinuousBatchingService(model, cfg.max_queue, state.metrics)
+        state.generator = ContinuousBatchingService(model, cfg.max_queue, state.metrics, state.manifest)
     elif generates:
         from serve.llm_service import GenerationService
 

@@ -33,6 +33,7 @@ class ServeConfig:
     kv_cache_gb: float = 1.0
     max_batched_tokens: int = 512
     prefix_caching: bool = True
+    prompt_lookup: bool | None = None  # n-gram speculation (OpenVINO GenAI); None: as the artifact says
 
     @property
     def max_queue_delay_s(self) -> float:
@@ -53,6 +54,7 @@ RECIPE_KEYS = (
     "kv_cache_gb",
     "max_batched_tokens",
     "prefix_caching",
+    "prompt_lookup",
 )
 
 

@@ -234,4 +234,5 @@ def batch_settings(config: ServeConfig) -> BatchSettings:
         kv_cache_bytes=int(config.kv_cache_gb * 2**30),
         max_batched_tokens=config.max_batched_tokens,
         prefix_caching=config.prefix_caching,
+        prompt_lookup=config.prompt_lookup,
     )

@@ -21,6 +21,9 @@ static batches). This module only decides what enters the engine and carries tok
   keeps computing its row until the batch ends; the request is gone from the server's counts at once).
 - After every step each running request's new tokens are decoded and posted to its own asyncio queue,
   the same events the one-at-a-time service posts.
+- Capacity is counted in the engine's own blocks (KVCapacity): how many sequences of the recipe's
+  declared request shape fit the cache at once, printed at startup and exported in /metrics. With
+  prompt lookup, each decode step's accepted tokens are counted there too.
 """
 
 from __future__ import annotations
@@ -43,6 +46,53 @@ if TYPE_CHECKING:
     from serve.llm import GenerativeModel
 
 log = logging.getLogger("serve")
+# The sequence length capacity is reported for when the recipe declared no request shape.
+DEFAULT_SEQUENCE_TOKENS = 1024
+
+
+def declared_sequence_tokens(manifest: dict | None) -> int:
+    """Prompt + output tokens of the longest request shape the artifact's recipe declared (the
+    workload its manifest records), else DEFAULT_SEQUENCE_TOKENS."""
+    workload = ((manifest or {}).get("metrics") or {}).get("workload") or {}
+    shapes = [r for r in workload.get("requests") or [] if isinstance(r, dict)] if workload.get("declared") else []
+    lengths = [int(r.get("prompt") or 0) + int(r.get("output") or 0) for r in shapes]
+    return max(lengths) if lengths and max(lengths) > 0 else DEFAULT_SEQUENCE_TOKENS
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """What the engine's KV cache holds, in its own blocks: `sequences` concurrent sequences of
+    `sequence_tokens` tokens each (every one reserving its blocks at its longest, as admission does)."""
+
+    blocks: int
+    block_tokens: int
+    cache_bytes: int
+    sequence_tokens: int
+    sequences: int
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_tokens
+
+    @property
+    def tokens_per_gb(self) -> float:
+        return self.tokens / (self.cache_bytes / 2**30) if self.cache_bytes else 0.0
+
+    @property
+    def sequences_per_gb(self) -> float:
+        return self.sequences / (self.cache_bytes / 2**30) if self.cache_bytes else 0.0
+
+    def describe(self) -> str:
+        return (
+            f"KV cache {self.blocks} blocks of {self.block_tokens} tokens in {self.cache_bytes / 2**30:.3f} GB: "
+            f"{self.tokens} tokens ({self.tokens_per_gb:,.0f} per GB), {self.sequences} concurrent sequences "
+            f"of {self.sequence_tokens} tokens"
+        )
+
+
+def kv_capacity(engine: BatchEngine, sequence_tokens: int) -> KVCapacity:
+    sequences = engine.num_blocks // max(1, engine.blocks_for(sequence_tokens))
+    return KVCapacity(engine.num_blocks, engine.block_tokens, int(engine.kv_cache_bytes), sequence_tokens, sequences)
 
 
 @dataclass
@@ -92,7 +142,7 @@ class PrefixCacheCounter:
 class ContinuousBatchingService:
     """The GenerationService interface (submit, stop) over an engine that batches continuously."""
 
-    def __init__(self, model: GenerativeModel, max_queue: int, metrics=None):
+    def __init__(self, model: GenerativeModel, max_queue: int, metrics=None, manifest: dict | None = None):
         assert model.batch_engine is not None
         self.model = model
         self.engine: BatchEngine = model.batch_engine
@@ -116,6 +166,12 @@ class ContinuousBatchingService:
             if self.engine.settings.prefix_caching
             else None
         )
+        self.capacity = kv_capacity(self.engine, declared_sequence_tokens(manifest))
+        self.proposed_per_step = int(getattr(self.engine, "proposed_per_step", 0))  # 0: no speculation
+        self.speculated = [0, 0]  # speculative decode steps of all sequences, tokens they accepted
+        log.info("serve: %s", self.capacity.describe())
+        if metrics:
+            metrics.observe_kv_capacity(self.capacity, getattr(self.engine, "kv_cache_precision", ""))
         self.thread = threading.Thread(target=self.loop, name="generate-batch", daemon=True)
         self.thread.start()
 
@@ -276,6 +332,8 @@ class ContinuousBatchingService:
                 sequence.push("error", exc)
                 self.finish(request_id, None)
                 continue
+            if self.proposed_per_step:
+                self.count_speculation(getattr(sequence.handle, "last_accepted", None))
             scored = self.engine.read_logprobs(sequence.handle) if sequence.sampling.logprobs else []
             for i, token in enumerate(new):
                 self.emit(sequence, token, token_entry(self.engine, scored[i]) if scored else None)
@@ -283,6 +341,15 @@ class ContinuousBatchingService:
                 observe_end(self.metrics, sequence.generation)
                 length = sequence.generation.tokens >= sequence.sampling.max_new_tokens
                 self.finish(request_id, "length" if length else "stop")
+
+    def count_speculation(self, accepted: int | None) -> None:
+        """One sequence's speculative decode step (None: its step was not one)."""
+        if accepted is None:
+            return
+        self.speculated[0] += 1
+        self.speculated[1] += accepted
+        if self.metrics:
+            self.metrics.observe_speculation(accepted, self.proposed_per_step, *self.speculated)
 
     def emit(self, sequence: Sequence, token: int, entry: dict | None = None) -> None:
         assert sequence.ids is not None

@@ -58,6 +58,7 @@ class Metrics:
         )
         self.generated_tokens = Counter("serve_generated_tokens", "Causal LMs: tokens generated", registry=r)
         self.add_generation_metrics(r)
+        self.add_capacity_metrics(r)
         self.prompt_tokens = Counter("serve_prompt_tokens", "Tokens read from prompts and inputs", registry=r)
         self.ready = Gauge("serve_model_ready", "1 once the model is loaded and serving", registry=r)
 
@@ -110,6 +111,62 @@ class Metrics:
             "(counted by the server over whole blocks; the engine does not report its own hits)",
             registry=r,
         )
+
+    def add_capacity_metrics(self, r) -> None:
+        """Causal LMs on a paged KV cache: what it holds (set once, at startup), and prompt lookup's yield."""
+        from prometheus_client import Counter, Gauge
+
+        self.kv_blocks = Gauge("serve_kv_cache_blocks", "Causal LMs: KV-cache blocks the engine holds", registry=r)
+        self.kv_block_tokens = Gauge("serve_kv_cache_block_tokens", "Causal LMs: tokens per KV-cache block", registry=r)
+        self.kv_bytes = Gauge(
+            "serve_kv_cache_bytes", "Causal LMs: KV-cache bytes, at the cache's precision", ["precision"], registry=r
+        )
+        self.kv_tokens_per_gb = Gauge(
+            "serve_kv_cache_tokens_per_gb", "Causal LMs: tokens the KV cache holds per GiB", registry=r
+        )
+        self.kv_max_sequences = Gauge(
+            "serve_kv_cache_max_sequences",
+            "Causal LMs: concurrent sequences of the declared request shape (prompt + output tokens) "
+            "that fit the KV cache",
+            ["sequence_tokens"],
+            registry=r,
+        )
+        self.spec_drafts = Counter(
+            "serve_spec_decode_num_drafts", "Prompt lookup: decode steps of a sequence that proposed tokens", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "serve_spec_decode_num_draft_tokens",
+            "Prompt lookup: tokens proposed, counted as the most a step proposes (the engine does not report fewer)",
+            registry=r,
+        )
+        self.spec_accepted = Counter(
+            "serve_spec_decode_num_accepted_tokens", "Prompt lookup: proposed tokens the model accepted", registry=r
+        )
+        self.spec_acceptance = Gauge(
+            "serve_spec_decode_acceptance_rate",
+            "Prompt lookup: accepted over proposed tokens since start (a lower bound: see num_draft_tokens)",
+            registry=r,
+        )
+        self.spec_per_step = Gauge(
+            "serve_spec_decode_tokens_per_step",
+            "Prompt lookup: tokens a sequence's decode step produced on average since start (1 + accepted)",
+            registry=r,
+        )
+
+    def observe_kv_capacity(self, capacity, precision: str) -> None:
+        self.kv_blocks.set(capacity.blocks)
+        self.kv_block_tokens.set(capacity.block_tokens)
+        self.kv_bytes.labels(precision=precision or "unknown").set(capacity.cache_bytes)
+        self.kv_tokens_per_gb.set(capacity.tokens_per_gb)
+        self.kv_max_sequences.labels(sequence_tokens=str(capacity.sequence_tokens)).set(capacity.sequences)
+
+    def observe_speculation(self, accepted: int, proposed: int, steps: int, accepted_total: int) -> None:
+        """One speculative step's figures, and the totals since start (steps, accepted tokens)."""
+        self.spec_drafts.inc()
+        self.spec_draft_tokens.inc(proposed)
+        self.spec_accepted.inc(accepted)
+        self.spec_acceptance.set(accepted_total / (steps * proposed))
+        self.spec_per_step.set(1 + accepted_total / steps)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

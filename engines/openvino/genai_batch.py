@@ -10,24 +10,52 @@ from pathlib import Path
 from typing import Any
 
 from engines.generation import BatchEngine, BatchSettings, Sampling, TokenLogprob
-from engines.openvino.genai_runner import SAMPLING_HONOURS, OVGenAIText, engine_settings, runner_properties
+from engines.openvino.genai_runner import (
+    SAMPLING_HONOURS,
+    OVGenAIText,
+    check_kv_group,
+    engine_settings,
+    head_dim,
+    prompt_lookup_settings,
+    runner_properties,
+)
 from engines.openvino.runner import PRECISIONS
 
 # Tokens per KV-cache block of the CPU plugin's paged attention (what the continuous-batching
-# pipeline allocates and frees); measured on this OpenVINO GenAI: 8 blocks hold 256 tokens.
+# pipeline allocates and frees), whatever the cache precision: measured on this OpenVINO GenAI by the
+# share of blocks a sequence of known length takes (tests/engines/test_openvino_genai_kv.py).
 CPU_KV_BLOCK_TOKENS = 32
-KV_ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1}
+KV_ELEMENT_BYTES = {"f32": 4, "bf16": 2, "f16": 2}
+QUANT_PARAM_BYTES = 8  # a float32 scale and zero point
 
 
-def kv_bytes_per_token(config: dict, kv_precision: str) -> int:
-    """Bytes one token takes in the KV cache: key and value of every layer's KV heads. A u8 cache
-    also keeps a float32 scale and zero point per head and token."""
+def kv_block_bytes(
+    config: dict, kv_precision: str, group_size: int = 0, block_tokens: int = CPU_KV_BLOCK_TOKENS
+) -> int:
+    """Bytes one KV-cache block takes: key and value of every layer's KV heads for block_tokens tokens,
+    as the CPU plugin lays them out (checked against the engine's own kv_cache_size_in_bytes):
+    f32/bf16/f16 one element per channel; u8 keys by channel (a scale and zero point per channel for
+    the block) and values by token (one per group of `group_size` channels; 0: the head's width).
+    A u4 block takes twice its packed size on this OpenVINO (2026.4): its data and its scales are
+    allocated as if each 4-bit code took a byte, so u4 holds fewer tokens per GB than u8."""
     layers = int(config["num_hidden_layers"])
-    heads = int(config.get("num_attention_heads") or 1)
-    kv_heads = int(config.get("num_key_value_heads") or heads)
-    head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    per_head = head_dim * KV_ELEMENT_BYTES[kv_precision] + (8 if kv_precision == "u8" else 0)
-    return layers * 2 * kv_heads * per_head
+    kv_heads = int(config.get("num_key_value_heads") or config.get("num_attention_heads") or 1)
+    width = head_dim(config)
+    if kv_precision in KV_ELEMENT_BYTES:
+        per_head = 2 * block_tokens * width * KV_ELEMENT_BYTES[kv_precision]
+    else:
+        groups = -(-width // (group_size or width))
+        keys = block_tokens * width + QUANT_PARAM_BYTES * width
+        values = block_tokens * (width + QUANT_PARAM_BYTES * groups)
+        # u4: half the codes' bytes, twice everything (u8's size plus its scales once more)
+        scales = QUANT_PARAM_BYTES * (width + block_tokens * groups)
+        per_head = keys + values + (scales if kv_precision == "u4" else 0)
+    return layers * kv_heads * per_head
+
+
+def kv_bytes_per_token(config: dict, kv_precision: str, group_size: int = 0) -> float:
+    """Bytes one token takes in the KV cache (a block's over its tokens: u8 keys' scales are per block)."""
+    return kv_block_bytes(config, kv_precision, group_size) / CPU_KV_BLOCK_TOKENS
 
 
 @dataclass
@@ -38,6 +66,10 @@ class OVRequestHandle:
     native: Any  # openvino_genai's GenerationHandle
     logprobs: bool
     last_logprobs: list[TokenLogprob] = field(default_factory=list)
+    started: bool = False  # its first token (the prefill's) was read
+    # With prompt lookup: the proposed tokens the last decode step accepted (its tokens less the one
+    # the model makes anyway); None where that step was no speculative decode step.
+    last_accepted: int | None = None
 
     def cancel(self) -> None:
         self.native.cancel()
@@ -50,7 +82,14 @@ class OVGenAIBatchEngine(OVGenAIText):
     caching); cancelling a handle frees its KV blocks at the next step.
 
     The KV cache is a fixed number of blocks (num_kv_blocks, from settings.kv_cache_bytes), allocated
-    at start, so what fits is known exactly: `num_blocks` blocks of `block_tokens` tokens.
+    at start, so what fits is known exactly: `num_blocks` blocks of `block_tokens` tokens, each
+    `block_bytes` at the cache's precision (kv_block_bytes).
+
+    With prompt lookup (the artifact's engine block, or settings.prompt_lookup) each decode step
+    proposes up to num_assistant_tokens tokens that continue an n-gram of the prompt and keeps those
+    the model agrees with: greedy output is the plain engine's, several tokens a step where the answer
+    quotes the prompt. The pipeline does not report how many it proposed, so proposed_per_step is the
+    most (num_assistant_tokens).
 
     Its outputs carry each generated token's log-probability and no alternatives (max_top_logprobs
     0), taken from the distribution the token was sampled from: after temperature, top-k, top-p,
@@ -66,6 +105,8 @@ class OVGenAIBatchEngine(OVGenAIText):
         inference_precision: str = "f32",
         kv_cache_precision: str | None = None,
         spinning: bool = True,
+        kv_cache_group_size: int = 0,
+        prompt_lookup: dict | None = None,
     ):
         import openvino_genai as ov_genai
 
@@ -74,11 +115,20 @@ class OVGenAIBatchEngine(OVGenAIText):
         self.ov_genai = ov_genai
         self.dir = Path(model_dir)
         self.settings = settings
-        properties = runner_properties(threads, inference_precision, kv_cache_precision, spinning)
+        properties = runner_properties(threads, inference_precision, kv_cache_precision, spinning, kv_cache_group_size)
+        self.kv_cache_precision = str(properties["KV_CACHE_PRECISION"])
+        self.kv_cache_group_size = kv_cache_group_size
+        lookup: dict | bool | None = prompt_lookup
+        if settings.prompt_lookup is not None:  # the server's --prompt-lookup / --no-prompt-lookup
+            lookup = (prompt_lookup or True) if settings.prompt_lookup else None
+        self.prompt_lookup = prompt_lookup_settings(lookup)
+        if self.prompt_lookup:
+            properties["prompt_lookup"] = True
         config = self._read_limits()
+        check_kv_group(config, kv_cache_group_size)
         self.block_tokens = CPU_KV_BLOCK_TOKENS
-        block_bytes = self.block_tokens * kv_bytes_per_token(config, properties["KV_CACHE_PRECISION"])
-        self.num_blocks = max(1, settings.kv_cache_bytes // block_bytes)
+        self.block_bytes = kv_block_bytes(config, self.kv_cache_precision, kv_cache_group_size, self.block_tokens)
+        self.num_blocks = max(1, settings.kv_cache_bytes // self.block_bytes)
         scheduler = ov_genai.SchedulerConfig()
         scheduler.cache_size = 0  # sized by num_kv_blocks instead: a fixed cache, allocated once
         scheduler.num_kv_blocks = self.num_blocks
@@ -89,24 +139,39 @@ class OVGenAIBatchEngine(OVGenAIText):
         self.pipe = ov_genai.ContinuousBatchingPipeline(str(self.dir), scheduler, "CPU", properties)
         self.tokenizer = self.pipe.get_tokenizer()
         self.eos_token_ids = self._eos_ids(config)
-        self.kv_cache_bytes = int(self.pipe.get_metrics().kv_cache_size_in_bytes) or self.num_blocks * block_bytes
+        # The pipeline allocates its blocks at the first step; until then it reports 0.
+        self.kv_cache_bytes = self.num_blocks * self.block_bytes
 
     def default_config(self):
         return self.pipe.get_config()
 
+    @property
+    def proposed_per_step(self) -> int:
+        """Tokens prompt lookup proposes at most per decode step (0: off)."""
+        return self.prompt_lookup["num_assistant_tokens"] if self.prompt_lookup else 0
+
     def describe(self) -> str:
         """The startup line: the scheduler's limits."""
         s = self.settings
+        group = f" (value groups of {self.kv_cache_group_size})" if self.kv_cache_group_size else ""
+        lookup = (
+            "prompt lookup {num_assistant_tokens} tokens per step, n-grams up to {max_ngram_size}".format(
+                **self.prompt_lookup
+            )
+            if self.prompt_lookup
+            else "prompt lookup off"
+        )
         return (
             f"continuous batching in OpenVINO GenAI's scheduler: up to {s.max_num_seqs} sequences, "
-            f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.num_blocks} blocks of {self.block_tokens} tokens), "
-            f"{s.max_batched_tokens} tokens per step, prefix caching {'on' if s.prefix_caching else 'off'}"
+            f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.num_blocks} blocks of {self.block_tokens} tokens) "
+            f"{self.kv_cache_precision}{group} at {self.block_bytes} bytes a block, "
+            f"{s.max_batched_tokens} tokens per step, prefix caching {'on' if s.prefix_caching else 'off'}, {lookup}"
         )
 
     def blocks_for(self, tokens: int) -> int:
         """KV blocks a sequence of `tokens` tokens holds at its longest (one more for the token being
-        written)."""
-        return -(-(tokens + 1) // self.block_tokens)
+        written, and with prompt lookup the tokens a step proposes beyond it)."""
+        return -(-(tokens + 1 + self.proposed_per_step) // self.block_tokens)
 
     def add(self, request_id: int, prompt_ids: list[int], sampling: Sampling):
         """Queue a generation in the engine; returns its handle."""
@@ -127,11 +192,16 @@ class OVGenAIBatchEngine(OVGenAIText):
         """The tokens a handle produced since the last read (EOS left out), and whether it is done."""
         new: list[int] = []
         handle.last_logprobs = []
+        handle.last_accepted = None
         native = handle.native
         if native.can_read():
             for output in native.read().values():
                 logprobs = list(output.generated_log_probs) if handle.logprobs else []
-                for i, token in enumerate(int(t) for t in output.generated_ids):
+                generated = [int(t) for t in output.generated_ids]
+                if self.prompt_lookup and generated:
+                    handle.last_accepted = len(generated) - 1 if handle.started else None
+                    handle.started = True
+                for i, token in enumerate(generated):
                     if token not in self.eos_token_ids:
                         new.append(token)
                         if handle.logprobs:
@@ -147,8 +217,8 @@ def load_ov_genai_batch_engine(
 ) -> OVGenAIBatchEngine:
     """The continuous-batching engine of an {"format": "openvino-genai", ...} artifact (what serve runs
     when it takes several requests at once)."""
-    folder, precisions = engine_settings(root, engine)
-    return OVGenAIBatchEngine(folder, settings, threads=threads, spinning=spinning, **precisions)
+    folder, engine_kw = engine_settings(root, engine)
+    return OVGenAIBatchEngine(folder, settings, threads=threads, spinning=spinning, **engine_kw)
 
 
 # mypy checks that the engine implements the generation interface (engines/generation.py).

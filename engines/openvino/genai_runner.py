@@ -3,13 +3,17 @@ engines.onnxruntime_genai.runner.GenAIRunner is, so the causal-LM evaluation (op
 use either unchanged.
 
 A causal-LM artifact's engine block reads {"format": "openvino-genai", "dir": SUBDIR,
-"inference_precision": "f32" | "bf16", "kv_cache_precision": ..., "task": "causal_lm"}; SUBDIR holds
+"inference_precision": "f32" | "bf16", "kv_cache_precision": ..., "kv_cache_group_size": N,
+"prompt_lookup": {"num_assistant_tokens": K, "max_ngram_size": N} (optional), "task": "causal_lm"}; SUBDIR holds
 the stateful IR (openvino_model.xml), openvino_tokenizer.xml / openvino_detokenizer.xml and the
 Hugging Face config files (engines/openvino/genai_build.py writes them).
 
 Generation runs through `openvino_genai.LLMPipeline` (a streamer receives each token as it is
 produced). Scoring (logits, log_likelihood) runs the same IR compiled with the same CPU properties,
-directly: state reset, the whole sequence in one forward pass, logits read back. (Many generations
+directly: state reset, the sequence in forward passes, logits read back. A quantized KV cache (u8,
+u4) is only read back for tokens of an earlier pass (measured: one pass over the whole sequence gives
+the f32 cache's logits whatever the cache precision), so with one the sequence is scored in passes of
+SCORING_CHUNK_TOKENS tokens, and perplexity is that of the cache generation reads. (Many generations
 at once, continuous batching: engines/openvino/genai_batch.py.) Every numeric
 property is set explicitly: the CPU plugin otherwise computes in bf16 on bf16 CPUs and stores the KV
 cache in u8, and an artifact measured as FP32 must run as FP32. Torch-free: serve/ uses this directly.
@@ -42,7 +46,16 @@ from engines.openvino.runner import PRECISIONS, compile_properties, require_cpu_
 
 ENGINE = "openvino-genai"
 IR_FILE = "openvino_model.xml"
-KV_CACHE_PRECISIONS = ("f32", "bf16", "u8")
+# KV-cache element types the CPU plugin takes. f32 needs f32 inference and bf16 bf16 inference (its
+# paged attention refuses the other pairings); f16, u8 and u4 go with either. u8 and u4 keep keys by
+# channel (a scale and zero point per channel for each block of tokens) and values by token (per group
+# of kv_cache_group_size channels; 0: the head's width).
+KV_CACHE_PRECISIONS = ("f32", "bf16", "f16", "u8", "u4")
+QUANTIZED_KV = ("u8", "u4")
+SCORING_CHUNK_TOKENS = 16  # tokens per scoring pass over a quantized KV cache
+# Prompt lookup (n-gram speculation from the prompt, no draft model): tokens proposed per step and the
+# longest n-gram matched, where the artifact or the server turns it on without saying.
+PROMPT_LOOKUP_DEFAULTS = {"num_assistant_tokens": 5, "max_ngram_size": 3}
 _DONE = object()
 # The Sampling fields GenerationConfig carries for both pipelines (the constraint as a
 # StructuredOutputConfig). LLMPipeline's streamer and result give no per-token log-probabilities; the
@@ -51,14 +64,54 @@ _DONE = object()
 SAMPLING_HONOURS = ("constraint", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 
 
-def runner_properties(threads: int, inference_precision: str, kv_cache_precision: str | None, spinning: bool) -> dict:
-    """CPU plugin properties shared by the pipeline and the scoring model."""
+def resolve_kv_precision(inference_precision: str, kv_cache_precision: str | None) -> str:
+    """The KV cache's element type (None: as the inference precision); a pairing the CPU plugin
+    refuses is a ValueError naming it."""
     kv = kv_cache_precision or inference_precision
     if kv not in KV_CACHE_PRECISIONS:
         raise ValueError(f"kv_cache_precision {kv!r}: use one of {KV_CACHE_PRECISIONS}")
+    if kv in ("f32", "bf16") and kv != inference_precision:
+        raise ValueError(f"kv_cache_precision {kv} needs inference_precision {kv} (not {inference_precision})")
+    return kv
+
+
+def runner_properties(
+    threads: int, inference_precision: str, kv_cache_precision: str | None, spinning: bool, kv_cache_group_size: int = 0
+) -> dict:
+    """CPU plugin properties shared by the pipeline and the scoring model."""
     properties = compile_properties(threads, inference_precision, "LATENCY", spinning)
-    properties["KV_CACHE_PRECISION"] = kv
+    properties["KV_CACHE_PRECISION"] = resolve_kv_precision(inference_precision, kv_cache_precision)
+    if kv_cache_group_size:
+        if kv_cache_group_size < 0:
+            raise ValueError(f"kv_cache_group_size {kv_cache_group_size}: a positive channel count, or 0")
+        properties["KEY_CACHE_GROUP_SIZE"] = properties["VALUE_CACHE_GROUP_SIZE"] = kv_cache_group_size
     return properties
+
+
+def head_dim(config: dict) -> int:
+    heads = int(config.get("num_attention_heads") or 1)
+    return int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+
+
+def check_kv_group(config: dict, group_size: int) -> None:
+    """A KV-cache group size must divide the head's width (the plugin fails to compile otherwise)."""
+    if group_size and head_dim(config) % group_size:
+        raise ValueError(f"kv_cache_group_size {group_size} does not divide the head width {head_dim(config)}")
+
+
+def prompt_lookup_settings(value) -> dict | None:
+    """An engine block's or a server's prompt-lookup setting: None / False (off), True (the defaults)
+    or {num_assistant_tokens, max_ngram_size} (missing ones from the defaults)."""
+    if not value:
+        return None
+    given = value if isinstance(value, dict) else {}
+    stray = set(given) - set(PROMPT_LOOKUP_DEFAULTS)
+    if stray:
+        raise ValueError(f"prompt_lookup takes {', '.join(PROMPT_LOOKUP_DEFAULTS)}, not {sorted(stray)}")
+    settings = {**PROMPT_LOOKUP_DEFAULTS, **given}
+    if any(not isinstance(v, int) or v < 1 for v in settings.values()):
+        raise ValueError(f"prompt_lookup {settings}: every setting is a positive integer")
+    return settings
 
 
 class _TokenStreamer:
@@ -90,6 +143,7 @@ class OVGenAIText(abc.ABC):
     honours: tuple[str, ...] = SAMPLING_HONOURS
     max_top_logprobs = 0
     ov_genai: Any  # the openvino_genai module
+    prompt_lookup: dict | None = None  # {num_assistant_tokens, max_ngram_size} where prompt lookup is on
 
     def _read_limits(self) -> dict:
         config = json.loads((self.dir / "config.json").read_text())
@@ -162,6 +216,9 @@ class OVGenAIText(abc.ABC):
             config.rng_seed = int(sampling.seed) if sampling.seed is not None else secrets.randbits(63)
         if sampling.constraint is not None:
             config.structured_output_config = self.check_constraint(sampling.constraint)
+        if self.prompt_lookup:  # a prompt-lookup pipeline refuses a request that does not set both
+            config.num_assistant_tokens = self.prompt_lookup["num_assistant_tokens"]
+            config.max_ngram_size = self.prompt_lookup["max_ngram_size"]
         return config
 
     def check_constraint(self, constraint: Constraint):
@@ -190,6 +247,8 @@ class OVGenAIRunner(OVGenAIText):
         inference_precision: str = "f32",
         kv_cache_precision: str | None = None,
         spinning: bool = True,
+        kv_cache_group_size: int = 0,
+        prompt_lookup: dict | None = None,
     ):
         try:
             import openvino_genai as ov_genai
@@ -202,11 +261,17 @@ class OVGenAIRunner(OVGenAIText):
         self.ov_genai = ov_genai
         self.dir = Path(model_dir)
         self.inference_precision = inference_precision
-        self.properties = runner_properties(threads, inference_precision, kv_cache_precision, spinning)
+        self.properties = runner_properties(
+            threads, inference_precision, kv_cache_precision, spinning, kv_cache_group_size
+        )
+        self.prompt_lookup = prompt_lookup_settings(prompt_lookup)
         config = self._read_limits()
+        check_kv_group(config, kv_cache_group_size)
         # ATTENTION_BACKEND=SDPA: the stateful model as exported (the one scoring runs), not the
-        # paged-attention rewrite the pipeline may otherwise pick.
-        self.pipe = ov_genai.LLMPipeline(str(self.dir), "CPU", ATTENTION_BACKEND="SDPA", **self.properties)
+        # paged-attention rewrite the pipeline may otherwise pick. Prompt lookup runs only on paged
+        # attention (the pipeline refuses SDPA with it); scoring is the same IR either way.
+        backend = {"prompt_lookup": True} if self.prompt_lookup else {"ATTENTION_BACKEND": "SDPA"}
+        self.pipe = ov_genai.LLMPipeline(str(self.dir), "CPU", **backend, **self.properties)
         self.tokenizer = self.pipe.get_tokenizer()
         self.eos_token_ids = self._eos_ids(config)
         self._request = None  # the scoring model, compiled on first use (serve never scores)
@@ -294,23 +359,29 @@ class OVGenAIRunner(OVGenAIText):
         return self._request
 
     def logits(self, ids) -> np.ndarray:
-        """Logits at every position of one sequence, in one forward pass from an empty cache: [T, vocab]."""
+        """Logits at every position of one sequence, from an empty cache: [T, vocab]. One forward
+        pass, or passes of SCORING_CHUNK_TOKENS over a quantized KV cache (the module docstring says why)."""
         ids = np.asarray(ids, dtype=np.int64).reshape(1, -1)
+        length = ids.shape[1]
+        chunk = SCORING_CHUNK_TOKENS if self.properties["KV_CACHE_PRECISION"] in QUANTIZED_KV else length
         request = self._scoring_request()
+        parts = []
         with self._lock:
             request.reset_state()
-            request.infer(
-                {
-                    "input_ids": ids,
-                    "attention_mask": np.ones_like(ids),
-                    "position_ids": np.arange(ids.shape[1], dtype=np.int64)[None, :],
-                    "beam_idx": np.zeros(1, dtype=np.int32),
-                },
-                share_inputs=True,
-            )
-            logits = np.array(request.get_tensor("logits").data[0])  # a copy: the next call overwrites it
+            for start in range(0, length, chunk):
+                end = min(length, start + chunk)
+                request.infer(
+                    {
+                        "input_ids": ids[:, start:end],
+                        "attention_mask": np.ones((1, end), dtype=np.int64),
+                        "position_ids": np.arange(start, end, dtype=np.int64)[None, :],
+                        "beam_idx": np.zeros(1, dtype=np.int32),
+                    },
+                    share_inputs=True,
+                )
+                parts.append(np.array(request.get_tensor("logits").data[0]))  # a copy: the next pass overwrites it
             request.reset_state()
-        return logits
+        return np.concatenate(parts)
 
     def log_likelihood(self, ids, start: int = 1) -> np.ndarray:
         """log p(token i | the tokens before it) for each i >= start (start >= 1)."""
@@ -321,18 +392,24 @@ class OVGenAIRunner(OVGenAIText):
 
 
 def engine_settings(root: Path, engine: dict) -> tuple[Path, dict]:
-    """The folder and the precisions of an artifact's {"format": "openvino-genai", ...} engine block;
-    refuses, with the missing CPU feature named, a precision this CPU cannot run."""
+    """The folder and the settings of an artifact's {"format": "openvino-genai", ...} engine block
+    (precisions, KV-cache group size, prompt lookup); refuses, with the missing CPU feature named, a
+    precision this CPU cannot run."""
     precision = engine.get("inference_precision", "f32")
     folder = Path(root) / engine.get("dir", ".")
     require_cpu_features(precision, what=str(folder))
-    return folder, {"inference_precision": precision, "kv_cache_precision": engine.get("kv_cache_precision")}
+    return folder, {
+        "inference_precision": precision,
+        "kv_cache_precision": engine.get("kv_cache_precision"),
+        "kv_cache_group_size": int(engine.get("kv_cache_group_size") or 0),
+        "prompt_lookup": prompt_lookup_settings(engine.get("prompt_lookup")),
+    }
 
 
 def load_ov_genai_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> OVGenAIRunner:
     """The Runner of an artifact's {"format": "openvino-genai", ...} engine block."""
-    folder, precisions = engine_settings(root, engine)
-    return OVGenAIRunner(folder, threads=threads, spinning=spinning, **precisions)
+    folder, settings = engine_settings(root, engine)
+    return OVGenAIRunner(folder, threads=threads, spinning=spinning, **settings)
 
 
 # mypy checks that the runner implements the generation interface (engines/generation.py).

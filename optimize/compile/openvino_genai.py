@@ -48,7 +48,16 @@ class OVGenAIConfig:
     max_tokens: int = 256  # tokens per calibration text
     ignored_names: List[str] = field(default_factory=list)  # weight MatMuls kept FP32 (OpenVINO node names)
     inference_precision: str = "f32"  # f32 | bf16 (refused on CPUs without native bf16)
-    kv_cache_precision: Optional[str] = None  # null: as inference_precision | u8 (the CPU plugin's default)
+    # The KV cache the artifact serves with, and is scored with (perplexity, lm-eval): null (as
+    # inference_precision) | f32 | bf16 | f16 | u8 (the CPU plugin's default: keys by channel, values by
+    # token) | u4. u8 holds about 3.4x the tokens per GB of f32 (head width 64).
+    kv_cache_precision: Optional[str] = None
+    kv_cache_group_size: int = 0  # u8/u4 values: channels per scale; 0: the head's width
+    # Prompt lookup (n-gram speculation from the prompt) in the served engine: pays where answers quote
+    # their prompt, at low concurrency. `python -m serve --prompt-lookup/--no-prompt-lookup` overrides.
+    prompt_lookup: bool = False
+    num_assistant_tokens: int = 5  # tokens proposed per decode step
+    max_ngram_size: int = 3  # longest prompt n-gram matched
 
     @property
     def int4(self) -> bool:
@@ -71,8 +80,16 @@ class OVGenAIConfig:
             raise RecipeError("engine.params.calibration_samples must be >= 1 and max_tokens >= 2")
         if self.inference_precision not in ("f32", "bf16"):
             raise RecipeError(f"engine.params.inference_precision={self.inference_precision} (use f32 or bf16)")
-        if self.kv_cache_precision not in (None, "f32", "bf16", "u8"):
-            raise RecipeError(f"engine.params.kv_cache_precision={self.kv_cache_precision} (use f32, bf16 or u8)")
+        from engines.openvino.genai_runner import resolve_kv_precision
+
+        try:
+            resolve_kv_precision(self.inference_precision, self.kv_cache_precision)
+        except ValueError as exc:
+            raise RecipeError(f"engine.params.kv_cache_precision={self.kv_cache_precision}: {exc}") from None
+        if self.kv_cache_group_size < 0:
+            raise RecipeError(f"engine.params.kv_cache_group_size={self.kv_cache_group_size} (channels, or 0)")
+        if self.num_assistant_tokens < 1 or self.max_ngram_size < 1:
+            raise RecipeError("engine.params.num_assistant_tokens and max_ngram_size must be >= 1")
         from engines.openvino.runner import openvino_missing
 
         packages = {
@@ -84,6 +101,19 @@ class OVGenAIConfig:
         missing = openvino_missing(packages, bf16=self.inference_precision == "bf16")
         if missing:  # checked before any weights load
             raise RecipeError(f"engine.method=openvino_genai inference_precision={self.inference_precision}: {missing}")
+
+    def serving(self) -> dict:
+        """The engine block's serving settings: the KV cache (always named: the CPU plugin's default
+        differs by CPU) and prompt lookup where on."""
+        out: dict[str, Any] = {"kv_cache_precision": self.kv_cache_precision or self.inference_precision}
+        if self.kv_cache_group_size:
+            out["kv_cache_group_size"] = self.kv_cache_group_size
+        if self.prompt_lookup:
+            out["prompt_lookup"] = {
+                "num_assistant_tokens": self.num_assistant_tokens,
+                "max_ngram_size": self.max_ngram_size,
+            }
+        return out
 
     @property
     def precision(self) -> str:
@@ -107,6 +137,7 @@ def openvino_genai_engine(model: Model, cfg: OVGenAIConfig, ctx: Context) -> Mod
     if model.kind != "torch":
         raise RecipeError("engine.method=openvino_genai needs a Hugging Face causal LM")
     _refuse_architecture(model)
+    _refuse_kv_group(model, cfg)
     from engines.openvino.genai_build import ExportError, export_stateful_lm
     from engines.openvino.genai_compress import CompressionError, compress_weights, weight_precision
 
@@ -123,7 +154,7 @@ def openvino_genai_engine(model: Model, cfg: OVGenAIConfig, ctx: Context) -> Mod
         "openvino": metadata.version("openvino"),
         "openvino_genai": metadata.version("openvino-genai"),
         "inference_precision": cfg.inference_precision,
-        "kv_cache_precision": cfg.kv_cache_precision or cfg.inference_precision,
+        **cfg.serving(),
     }
     if cfg.weight_format == "fp32":
         final = xml.parent
@@ -157,9 +188,10 @@ def openvino_genai_engine(model: Model, cfg: OVGenAIConfig, ctx: Context) -> Mod
     shutil.move(str(final), str(out / ENGINE_DIR))
     layers = weight_precision(out / ENGINE_DIR / xml.name)
     record["layer_precision"] = layers
+    # The KV cache and prompt lookup as the engine block says are what scoring (optimize/tasks) and
+    # serve both load: the gate's perplexity is the served cache's.
     engine = {"format": formats.OPENVINO_GENAI, "dir": ENGINE_DIR, "inference_precision": cfg.inference_precision}
-    if cfg.kv_cache_precision:
-        engine["kv_cache_precision"] = cfg.kv_cache_precision
+    engine.update(cfg.serving())
     built = model.with_engine(out, engine, precision=cfg.precision)
     return dataclasses.replace(built, layer_precision=layers).recorded(record)
 
@@ -212,6 +244,16 @@ def _source_folder(model, ctx) -> Path:
         if path.suffix in (".json", ".jinja", ".txt", ".model") and path.name != "config.json":
             shutil.copy2(path, folder / path.name)
     return folder
+
+
+def _refuse_kv_group(model, cfg: OVGenAIConfig) -> None:
+    """A KV-cache group size the model's heads cannot take, before any conversion: one line, exit 2."""
+    from engines.openvino.genai_runner import check_kv_group
+
+    try:
+        check_kv_group(model.module.config.to_dict(), cfg.kv_cache_group_size)
+    except ValueError as exc:
+        raise RecipeError(f"engine.params.{exc}") from None
 
 
 def _refuse_architecture(model) -> None:

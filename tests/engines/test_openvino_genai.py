@@ -280,6 +280,8 @@ def test_engine_method_through_the_command_line(cli_artifact):
     engine = manifest["engine"]
     assert engine["format"] == "openvino-genai" and engine["inference_precision"] == "f32"
     assert engine["precision"] == "int4" and engine["task"] == "causal_lm"
+    # the engine config's KV cache, recorded where scoring and serve both read it
+    assert engine["kv_cache_precision"] == "u8" and manifest["stages"]["engine"]["kv_cache_precision"] == "u8"
     assert (out / engine["dir"] / "openvino_model.xml").is_file()
     stage = manifest["stages"]["engine"]
     assert stage["nncf"]["group_size"] == 32 and stage["nncf"]["mode"] == "int4_asym"
@@ -301,9 +303,10 @@ def test_group_size_the_model_cannot_take_is_one_error_line(tiny_llm, tmp_path):
 
 
 def test_served_over_the_openai_protocol(cli_artifact):
+    import httpx
     import openai
 
-    from tests.support.serve import running_server
+    from tests.support.serve import metric_value, running_server
 
     proc, out = cli_artifact
     assert (out / "manifest.json").is_file(), proc.stderr[-2000:]
@@ -329,3 +332,6 @@ def test_served_over_the_openai_protocol(cli_artifact):
             )
         ]
         assert "".join(deltas) == reply.choices[0].message.content
+        # served with the KV cache the gate scored
+        text = httpx.get(server.url + "/metrics", timeout=10).text
+        assert metric_value(text, "serve_kv_cache_bytes", precision="u8") > 0

@@ -67,6 +67,22 @@ CANDIDATES.update(
         "openvino_genai_int8": Candidate("openvino_genai", {"weight_format": "int8_asym"}),
     }
 )
+# The same AWQ INT4 build served (and scored) with a quantized KV cache: u8 (keys by channel, values by
+# token) holds about 3.4x the tokens per GB of f32; u4 with value groups of 32 channels is there to be
+# measured (on OpenVINO 2026.4 its blocks take more bytes than u8's: engines/openvino/genai_batch.py).
+# Prompt lookup: n-gram speculation from the prompt, for input-grounded work at low concurrency.
+_AWQ = {"weight_format": "int4_asym", "group_size": 64, "awq": True, "scale_estimation": True}
+CANDIDATES.update(
+    {
+        "openvino_genai_int4_awq_kv_u8": Candidate("openvino_genai", {**_AWQ, "kv_cache_precision": "u8"}),
+        "openvino_genai_int4_awq_kv_u4_g32": Candidate(
+            "openvino_genai", {**_AWQ, "kv_cache_precision": "u4", "kv_cache_group_size": 32}
+        ),
+        "openvino_genai_int4_awq_kv_u8_prompt_lookup": Candidate(
+            "openvino_genai", {**_AWQ, "kv_cache_precision": "u8", "prompt_lookup": True}
+        ),
+    }
+)
 # What the race builds when the recipe names no candidates: decoders for a task that generates
 # (a causal LM), graph engines for every other.
 DEFAULT_GENERATING = [
