@@ -66,8 +66,13 @@ def served_costs(entries: list, workload) -> dict[str, float]:
     entry's at that level (so a level's larger times do not outweigh the others), weighted over levels."""
     per_level = {e.name: {c.key: level_ms(e, workload, c.key) for c in workload.concurrency} for e in entries}
     best = {c.key: min(per_level[e.name][c.key] for e in entries) for c in workload.concurrency}
+
+    def ratio(mine: float, best: float) -> float:  # a level where every request failed counts alike for all
+        return 1.0 if mine == best else mine / best
+
     return {
-        e.name: sum(c.weight * per_level[e.name][c.key] / best[c.key] for c in workload.concurrency) for e in entries
+        e.name: sum(c.weight * ratio(per_level[e.name][c.key], best[c.key]) for c in workload.concurrency)
+        for e in entries
     }
 
 
