@@ -143,7 +143,9 @@ class GateConfig:
     # driven by served_concurrency closed-loop streaming clients; the figures are what the clients saw.
     max_served_ttft_p95_ms: Optional[float] = None  # time to first token, p95 over every request
     min_served_tokens_per_s: Optional[float] = None  # output tokens/s of all clients together
-    served_concurrency: Optional[int] = None  # clients at once; null: workload.concurrency
+    # Clients at once: a number (one level, checked under the plain names), or all / null: every level
+    # of workload.concurrency, one check each (max_served_ttft_p95_ms[concurrency=16]).
+    served_concurrency: Any = None
     served_prompt_tokens: Optional[int] = None  # null: the workload's first request shape
     served_output_tokens: Optional[int] = None
     served_requests_per_client: int = 2  # each client sends this many requests, one after another
@@ -168,7 +170,10 @@ class WorkloadConfig:
     # (prompt and output in tokens; weight default 1). null: one request of evaluate.task_params'
     # prompt_tokens and new_tokens.
     requests: Any = None
-    concurrency: int = 1  # requests in flight at once (recorded; served-latency checks use it)
+    # Requests in flight at once: {1: 0.5, 16: 0.5} (clients -> share of the time), a list of levels
+    # (equal weights) or one number. null: causal LMs 1 and 16 clients, half each; other tasks 1. The
+    # LM race times every passing candidate as served at each level; the served gate checks each.
+    concurrency: Any = None
 
 
 @dataclass

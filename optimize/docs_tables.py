@@ -107,7 +107,11 @@ def gate_table() -> str:
     unknown = sorted(set(specs) - set(schema))
     if unknown:
         raise ValueError(f"optimize/gate.py checks {unknown}, which GateConfig (optimize/config.py) does not have")
-    points = {"batch": "a batch size or `all`", "request": "a request shape, `all` or null (the first)"}
+    points = {
+        "batch": "a batch size or `all`",
+        "request": "a request shape, `all` or null (the first)",
+        "concurrency": "a number of clients, `all` or null (every level of `workload.concurrency`)",
+    }
     rows = [
         [
             f"`gate.{key}`",

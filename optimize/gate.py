@@ -6,9 +6,11 @@ check fails too when other processes took more than BUSY_SHARE of the CPUs while
 contention slows the baseline and the candidate unequally, so the ratio says nothing.
 
 Speed checks are made at the points they are asked to: gate.min_speedup and gate.max_p95_ms at one
-batch size or at `all` the workload's batch sizes, min_decode_speedup at one request shape or `all`;
-each point of `all` is a check of its own (min_speedup[batch=32]), so CI shows which point failed
-(a workload of one point keeps the plain name).
+batch size or at `all` the workload's batch sizes, min_decode_speedup at one request shape or `all`,
+the served checks at every concurrency level the load was driven at (gate.served_concurrency, else
+workload.concurrency); each point of `all` is a check of its own (min_speedup[batch=32],
+max_served_ttft_p95_ms[concurrency=16]), so CI shows which point failed (a workload of one point
+keeps the plain name).
 """
 
 from __future__ import annotations
@@ -55,19 +57,22 @@ def _dig(metrics: Any, *keys) -> Any:
     return metrics
 
 
-def _served(candidate: dict, key: str) -> Any:
-    """A figure of the served load (optimize/tasks/lm_served.py); not measured when any of its requests
-    failed, so the check fails instead of judging only the requests that succeeded."""
+def _served(candidate: dict, key: str, level: Optional[str] = None) -> Any:
+    """A figure of the served load (optimize/tasks/lm_served.py), at `level` clients where the load was
+    driven at several; not measured when any of its requests failed, so the check fails instead of
+    judging only the requests that succeeded."""
     served = _dig(candidate, "served")
+    if level is not None and isinstance(served, dict) and "levels" in served:
+        served = _dig(served, "levels", level)
     if not isinstance(served, dict) or served.get("failed"):
         return None
     return served.get(key)
 
 
-def _invalid_structured(candidate: dict) -> Any:
+def _invalid_structured(candidate: dict, level: Optional[str] = None) -> Any:
     """Constrained replies of the served load that did not parse or match their schema; not measured
     when no constrained reply could be judged (every one cut by max_tokens, or none sent)."""
-    structured = _served(candidate, "structured")
+    structured = _served(candidate, "structured", level)
     if not isinstance(structured, dict) or not (structured.get("valid", 0) + structured.get("invalid", 0)):
         return None
     return structured["invalid"]
@@ -195,29 +200,35 @@ CHECKS = (
     CheckSpec(
         "max_served_ttft_p95_ms",
         "served time to first token p95 (ms)",
-        lambda b, c, point: _served(c, "ttft_p95_ms"),
+        lambda b, c, point: _served(c, "ttft_p95_ms", point),
         operator.le,
         "<=",
         True,
+        "served_concurrency",
+        "concurrency",
         busy_path=("served", "other_cpu_share"),
         served=True,
     ),
     CheckSpec(
         "min_served_tokens_per_s",
         "served output tok/s, all clients",
-        lambda b, c, point: _served(c, "tokens_per_s"),
+        lambda b, c, point: _served(c, "tokens_per_s", point),
         operator.ge,
         ">=",
         True,
+        "served_concurrency",
+        "concurrency",
         busy_path=("served", "other_cpu_share"),
         served=True,
     ),
     CheckSpec(
         "max_served_invalid_structured",
         "served constrained replies not matching their JSON schema",
-        lambda b, c, point: _invalid_structured(c),
+        lambda b, c, point: _invalid_structured(c, point),
         operator.le,
         "<=",
+        selector="served_concurrency",
+        per="concurrency",
         note=_structured_note,
         implied=_structured_share,
         served=True,
@@ -279,6 +290,8 @@ def judge(
                 continue
             share = _dig(candidate, "timing", "points", point) if point is not None else None
             share = _dig(candidate, *spec.busy_path) if spec.busy_path else share
+            if spec.per == "concurrency" and point is not None and _dig(candidate, "served", "levels", point):
+                share = _dig(candidate, "served", "levels", point, "other_cpu_share")
             share = busy if share is None else share
             untrusted = spec.timed and share > BUSY_SHARE
             note = f"untrusted: other processes used {share:.0%} of the CPUs while timing" if untrusted else ""
@@ -313,7 +326,24 @@ def _points(spec: CheckSpec, thresholds: Mapping[str, Any], candidate: dict, wor
             return [(name, f"{metric}, shape {selector}", str(selector).strip().lower())]
         keys = [p.key for p in workload.requests] if workload is not None else list(_dig(candidate, "requests") or {})
         return _each(name, metric, "shape", keys)
+    if spec.per == "concurrency":
+        return _each(name, metric, "concurrency", _levels(thresholds, candidate, workload))
     return [(name, metric, None)]
+
+
+def _levels(thresholds: Mapping[str, Any], candidate: dict, workload: Optional[Workload]) -> list[str]:
+    """The client counts the served load was driven at (gate.served_concurrency, else every level of
+    workload.concurrency): what was measured, else what was asked for (its checks then fail unmeasured)."""
+    measured = _dig(candidate, "served", "levels")
+    if isinstance(measured, dict) and measured:
+        return list(measured)
+    asked = thresholds.get("served_concurrency")
+    if asked is not None and not _is_all(asked):
+        return [str(asked)]
+    if workload is not None:
+        return [level.key for level in workload.concurrency]
+    clients = _dig(candidate, "served", "clients")
+    return [str(clients)] if clients is not None else []
 
 
 def _each(name: str, metric: str, kind: str, keys: list[str]) -> list:

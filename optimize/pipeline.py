@@ -57,7 +57,7 @@ def plan(cfg, run_dir: Path) -> Plan:
             f"evaluate.batch_sizes has {max(cfg.evaluate.batch_sizes)}, more than the "
             f"{cfg.evaluate.data.count} evaluation samples (evaluate.data.count)"
         )
-    the_workload = workload.resolve(cfg)
+    the_workload = workload.resolve(cfg, generates=task.generates)
     largest = max(p.batch for p in the_workload.batches)
     if not task.generates and cfg.evaluate.latency and largest > cfg.evaluate.data.count:
         raise RecipeError(

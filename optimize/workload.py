@@ -5,6 +5,11 @@ The race minimises the weighted cost over the points, the evaluation times every
 checks the points it is asked to (`gate.speedup_batch_size=all`, `gate.request_shape=all`). A recipe
 that declares nothing gets one point: the batch size (or request) the race and the gate used before
 the workload existed, so such a recipe behaves exactly as it did.
+
+`workload.concurrency` is how many requests are in flight at once, as levels with weights ({1: 0.5,
+16: 0.5}, a list of levels with equal weights, or one number). A causal LM that declares none is
+served at 1 and 16 clients, half each: the race times every passing candidate as served at each
+level and the served gate checks each (optimize/tasks/lm_served.py); other tasks get the one level 1.
 """
 
 from __future__ import annotations
@@ -48,11 +53,33 @@ class RequestPoint:
 
 
 @dataclass(frozen=True)
+class ConcurrencyLevel:
+    clients: int  # requests in flight at once
+    weight: float  # share of the time the artifact serves this many (the weights sum to 1)
+
+    @property
+    def label(self) -> str:
+        return f"concurrency={self.clients}"
+
+    @property
+    def key(self) -> str:
+        return str(self.clients)
+
+
+# What a causal LM recipe that declares no concurrency serves: one client, and sixteen at once.
+DEFAULT_LM_CONCURRENCY = {1: 0.5, 16: 0.5}
+
+
+@dataclass(frozen=True)
 class Workload:
     batches: tuple[BatchPoint, ...]
     requests: tuple[RequestPoint, ...]
-    concurrency: int = 1
+    concurrency: tuple[ConcurrencyLevel, ...] = (ConcurrencyLevel(1, 1.0),)
     declared: bool = False  # the recipe said what it serves (not the one-point default)
+
+    @property
+    def most_clients(self) -> int:
+        return max(level.clients for level in self.concurrency)
 
     def batch_sizes_timed(self, evaluated: list[int]) -> list[int]:
         """evaluate.batch_sizes, then any declared batch size they lack: every point is timed."""
@@ -63,18 +90,18 @@ class Workload:
             "declared": self.declared,
             "batches": {p.key: p.weight for p in self.batches},
             "requests": [{"prompt": p.prompt, "output": p.output, "weight": p.weight} for p in self.requests],
-            "concurrency": self.concurrency,
+            "concurrency": {level.key: level.weight for level in self.concurrency},
         }
 
 
-def resolve(cfg) -> Workload:
-    """The recipe's workload, checked: bad input is a RecipeError naming the key."""
+def resolve(cfg, generates: bool = False) -> Workload:
+    """The recipe's workload, checked: bad input is a RecipeError naming the key. `generates`: the task
+    is a causal LM (its undeclared concurrency is DEFAULT_LM_CONCURRENCY)."""
     node = cfg.get("workload") if hasattr(cfg, "get") else None
     batches_raw = _plain(node.get("batches")) if node is not None else None
     requests_raw = _plain(node.get("requests")) if node is not None else None
-    concurrency = node.get("concurrency", 1) if node is not None else 1
-    if not isinstance(concurrency, int) or isinstance(concurrency, bool) or concurrency < 1:
-        raise RecipeError(f"workload.concurrency={concurrency}: give a whole number of at least 1")
+    concurrency_raw = _plain(node.get("concurrency")) if node is not None else None
+    concurrency = _concurrency(concurrency_raw) if concurrency_raw is not None else _default_concurrency(generates)
     for key in ("speedup_batch_size", "latency_batch_size"):
         selector_batch(cfg.gate.get(key, 1), f"gate.{key}")
     batches = _batches(batches_raw) if batches_raw is not None else _default_batches(cfg)
@@ -176,6 +203,34 @@ def _requests(raw) -> tuple[RequestPoint, ...]:
         raise RecipeError("workload.requests: list each prompt/output shape once")
     weights = _normalised([w for _, _, w in shapes])
     return tuple(RequestPoint(p, o, w) for (p, o, _), w in zip(shapes, weights))
+
+
+def _concurrency(raw) -> tuple[ConcurrencyLevel, ...]:
+    """16, [1, 16] (equal weights) or {1: 0.7, 16: 0.3}; every level a whole number of at least 1."""
+    shown = f"workload.concurrency={raw!r}"
+    if isinstance(raw, dict):
+        pairs = [(_level(k, shown), _weight(v, f"{shown}: level {k}")) for k, v in raw.items()]
+    elif isinstance(raw, list):
+        pairs = [(_level(c, shown), 1.0) for c in raw]
+    else:
+        pairs = [(_level(raw, shown), 1.0)]
+    levels = [c for c, _ in pairs]
+    if not pairs or len(set(levels)) != len(levels):
+        raise RecipeError(f"{shown}: list each level once, at least one")
+    return tuple(ConcurrencyLevel(c, w) for (c, _), w in zip(pairs, _normalised([w for _, w in pairs])))
+
+
+def _level(value, shown: str) -> int:
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise RecipeError(f"{shown}: {value!r} is not a whole number of at least 1 (clients at once)")
+    return value
+
+
+def _default_concurrency(generates: bool) -> tuple[ConcurrencyLevel, ...]:
+    """Causal LMs: DEFAULT_LM_CONCURRENCY; every other task: one request at a time."""
+    return _concurrency(dict(DEFAULT_LM_CONCURRENCY)) if generates else (ConcurrencyLevel(1, 1.0),)
 
 
 def _default_batches(cfg) -> tuple[BatchPoint, ...]:

@@ -71,8 +71,10 @@ def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
             "engine.method=auto: no candidate could be built here: "
             + "; ".join(f"{e.name}: {e.outcome}" for e in entries)
         )
+    halving = None
     if lm_race:
-        baseline = lm.score(built, ctx, workload, cfg, thresholds)
+        baseline = lm.score(built, ctx, workload, cfg, thresholds, key_base if cfg.cache else None)
+        halving = lm.serve_passing(built, ctx, workload, thresholds)  # each passing one as served, per level
         winner = lm.choose(built, workload, baseline, thresholds)
     else:
         baseline = scoring.score(built, ctx, workload, cfg)
@@ -80,6 +82,8 @@ def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
     plot = report.plot_front(entries, workload, ctx.scratch / "race_front.png")
     record = report.race_record(ctx, workload, entries, winner, baseline, export, plot, time.monotonic() - started)
     record.update(budget=budget.record(entries), fewer_than_asked=budgets.fewer_than_asked(entries))
+    if halving is not None:
+        record.update(served_halving=halving, served_cut_note=report.cut_note(halving))
     # The winner's engine record is in the race's (winner_engine); its quantize record is filed as its own.
     inner = {stage: info for stage, info in winner.records.items() if stage != "engine"}
     return winner.model.recorded(record, files={report.PLOT: plot} if plot else None, inner_records=inner)

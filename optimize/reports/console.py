@@ -148,6 +148,8 @@ def render(manifest: dict, path) -> str:
         parts += [f"engine race ({race['seconds']:.0f} s; won on {race['won_on']}):"]
         if race.get("fewer_than_asked"):  # said before the table that names the winner
             parts += [f"NOTE: {race['fewer_than_asked']}"]
+        if race.get("served_cut_note"):  # successive halving: who was cut after the first served round
+            parts += [f"NOTE: {race['served_cut_note']}"]
         parts += [_table(race_rows(race)), ""]
     parts += [
         _table(metrics_rows(manifest["metrics"])),

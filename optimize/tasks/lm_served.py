@@ -2,9 +2,11 @@
 
 A recipe that sets `gate.max_served_ttft_p95_ms` or `gate.min_served_tokens_per_s` has, after the
 in-process evaluation, `python -m serve` started on the candidate artifact (on 127.0.0.1, with the
-serve settings the artifact records) and driven by `gate.served_concurrency` closed-loop streaming
-clients, each sending `gate.served_requests_per_client` requests of held-out prompts. What they
-measured is the candidate's `served` block, which the gate's served checks read. The load is the one
+serve settings the artifact records) and driven at each level of `workload.concurrency` (or only
+`gate.served_concurrency` when it names a number) by that many closed-loop streaming clients, each
+sending `gate.served_requests_per_client` requests of held-out prompts. What they measured is the
+candidate's `served` block (every level under `levels`), which the gate's served checks read, one
+check per level when there are several (max_served_ttft_p95_ms[concurrency=16]). The load is the one
 benchmarks/serve_llm_load.py drives (optimize/evaluate/served.py).
 
 With `gate.served_structured_share` above 0, that share of the requests carry a `response_format`
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optimize.errors import RecipeError
+from optimize.workload import ALL
 
 if TYPE_CHECKING:
     from optimize.context import Context
@@ -47,15 +50,20 @@ SERVED_SETTINGS = (
 
 @dataclass(frozen=True)
 class ServedLoad:
-    clients: int
+    levels: tuple[int, ...]  # clients at once: the load is driven once at each, one check each
     prompt_tokens: int
     output_tokens: int
     requests_per_client: int
     structured_share: float = 0.0  # of the requests, constrained to a JSON schema
 
     @property
+    def clients(self) -> int:  # the most clients of any level (the figures at the top of the block)
+        return max(self.levels)
+
+    @property
     def key(self) -> str:
-        return f"{self.clients} clients, {self.prompt_tokens}x{self.output_tokens}"
+        clients = "/".join(str(c) for c in self.levels)
+        return f"{clients} clients, {self.prompt_tokens}x{self.output_tokens}"
 
 
 def asked(gate: Mapping[str, Any]) -> bool:
@@ -85,12 +93,25 @@ def _whole(gate: Mapping[str, Any], key: str, default: int) -> int:
     return value
 
 
+def levels(gate: Mapping[str, Any], workload: Workload) -> tuple[int, ...]:
+    """The clients the served load is driven with: gate.served_concurrency (a number), else (null or
+    all) every level of workload.concurrency."""
+    value = gate.get("served_concurrency")
+    if value is None or (isinstance(value, str) and value.strip().lower() == ALL):
+        return tuple(level.clients for level in workload.concurrency)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise RecipeError(f"gate.served_concurrency={value}: give a whole number of at least 1, or all")
+    return (value,)
+
+
 def settings(gate: Mapping[str, Any], workload: Workload) -> ServedLoad:
     """The load the served checks are measured under: the gate's served_* keys, else the workload's
-    concurrency and first request shape."""
+    concurrency levels and first request shape."""
     first = workload.requests[0]
     return ServedLoad(
-        clients=_whole(gate, "served_concurrency", workload.concurrency),
+        levels=levels(gate, workload),
         prompt_tokens=_whole(gate, "served_prompt_tokens", first.prompt),
         output_tokens=_whole(gate, "served_output_tokens", first.output),
         requests_per_client=_whole(gate, "served_requests_per_client", 2),
@@ -117,20 +138,27 @@ def check_plan(plan: Plan) -> None:
 
 
 def measure(stage: Path, ctx: Context, load: ServedLoad) -> dict:
-    """Serve the staged artifact (its manifest written), drive the load, return what the clients saw,
-    with the share of the CPUs other processes used meanwhile."""
-    from optimize.evaluate.benchmark import OtherCpuUse
+    """Serve the staged artifact (its manifest written), drive the load at each level, return what the
+    clients saw: the most clients' figures, and every level's under `levels` (what per-level checks
+    read), each with the share of the CPUs other processes used meanwhile."""
     from optimize.evaluate.generation import Tokens, prompts_of
-    from optimize.evaluate.served import served_load
 
     prompts = prompts_of(Tokens(ctx), ctx.evaluation_data().items, load.prompt_tokens)
     flags = ("--threads", str(ctx.threads)) if ctx.threads else ()
     log.info("served load: %s, %d requests per client", load.key, load.requests_per_client)
+    at = {str(c): _measure_at(stage, prompts, flags, load, c) for c in load.levels}
+    return {**at[str(load.clients)], "levels": at}
+
+
+def _measure_at(stage: Path, prompts: list, flags: tuple, load: ServedLoad, clients: int) -> dict:
+    from optimize.evaluate.benchmark import OtherCpuUse
+    from optimize.evaluate.served import served_load
+
     with OtherCpuUse() as others:
         figures = served_load(
             stage,
             prompts,
-            load.clients,
+            clients,
             load.requests_per_client,
             load.output_tokens,
             flags,
@@ -145,7 +173,12 @@ def measure(stage: Path, ctx: Context, load: ServedLoad) -> dict:
 
 
 def table_rows(served: dict) -> list[list[str]]:
-    """End-of-run table rows: [metric, baseline, candidate, note]."""
+    """End-of-run table rows: [metric, baseline, candidate, note], for each level the load was driven at."""
+    levels = served.get("levels") or {str(served.get("clients")): served}
+    return [row for figures in levels.values() for row in _level_rows(figures)]
+
+
+def _level_rows(served: dict) -> list[list[str]]:
     at = f"{served['clients']} clients, {served['prompt_tokens']}x{served['requested_tokens']}"
     failed = f"{served['failed']} of {served['requests']} requests failed" if served.get("failed") else ""
     rows = [["served output tok/s (all clients)", "", str(served.get("tokens_per_s")), failed or at]]

@@ -174,13 +174,21 @@ def test_causal_lm_race_on_a_tiny_llama_ships_the_fastest_generation_within_the_
     winner = by_name[race["winner"]]
     assert winner["outcome"].startswith("won")
     passing = [c for c in by_name.values() if c["passed_accuracy"]]
-    never_slower = [c for c in passing if not c["slower_than_baseline_at"]] or passing
+    survivors = [c for c in passing if not c["served_cut"]]
+    never_slower = [c for c in survivors if not c["slower_than_baseline_at"]] or survivors
     assert winner in never_slower and winner["cost"] <= min(c["cost"] for c in never_slower) * 1.05
-    for candidate in by_name.values():  # every declared shape timed, the cost weighted over them
-        shapes = candidate["metrics"]["requests"]
-        assert set(shapes) == {"16x8", "40x8"}
-        assert candidate["cost"] == pytest.approx(sum(0.5 * s["request_ms"] for s in shapes.values()))
+    for candidate in by_name.values():  # every declared shape timed one request at a time
+        assert set(candidate["metrics"]["requests"]) == {"16x8", "40x8"}
+    for candidate in passing:  # and as served, on a real server on loopback, at every shape and level
+        served = candidate["metrics"]["served"]
+        assert {shape: set(levels) for shape, levels in served.items()} == {"16x8": {"1", "16"}, "40x8": {"1", "16"}}
+        assert all(cell["tokens_per_s"] > 0 and not cell["failed"] for lv in served.values() for cell in lv.values())
+        assert candidate["cost"] >= 1.0  # the served cost: 1 is the best at every level
+    halving = race["served_halving"]
+    assert halving["rounds"][0] == [c["name"] for c in passing]
+    assert set(halving["cut"]) == {c["name"] for c in passing if c["served_cut"]}
     assert "TTFT ms 40x8" in proc.stdout and "request ms 40x8" in proc.stdout
+    assert "served 16 clients tok/s (TTFT p95 ms)" in proc.stdout
     assert manifest["engine"]["format"] == {"ort_genai_int4": "onnxruntime-genai"}.get(race["winner"], "openvino-genai")
     assert "engine race" in proc.stdout and "generation ms" in proc.stdout
 
@@ -319,12 +327,28 @@ def test_the_lm_race_ranks_by_weighted_request_time_over_the_declared_shapes():
     assert name == "fast_decode" and entries[1].outcome == "lost: 1.40x the winner's generation time"
 
 
-def test_under_concurrent_load_the_race_says_when_its_winner_cannot_batch_continuously():
+def _served(entry: Entry, at_1: tuple[float, float], at_16: tuple[float, float]) -> Entry:
+    """Served figures at one shape (64x64): (tokens/s, TTFT p95 ms) at 1 and at 16 clients; a request's
+    time is what a closed loop of that many clients measures (clients x output / tokens/s)."""
+
+    def cell(clients, figures):
+        rate, ttft = figures
+        return {"tokens_per_s": rate, "ttft_p95_ms": ttft, "request_ms": 1e3 * clients * 64 / rate, "failed": 0}
+
+    entry.metrics["served"] = {"64x64": {"1": cell(1, at_1), "16": cell(16, at_16)}}
+    return entry
+
+
+def test_the_declared_concurrency_levels_decide_between_a_static_and_a_continuous_batcher():
     base = {"requests": {"64x64": {"request_ms": 3000.0}}}
 
     def race(concurrency):
-        # ONNX Runtime GenAI answers one request sooner; OpenVINO GenAI batches continuously.
-        entries = [_lm("ort_fast", 500.0, 0.0), _lm("ov_batching", 600.0, 0.0)]
+        # ONNX Runtime GenAI answers one client sooner; OpenVINO GenAI batches sixteen continuously
+        # (the shape of serve/README.md's measurement: 1.7x one client against 5.6x).
+        entries = [
+            _served(_lm("ort_static", 500.0, 0.0), (160.0, 60.0), (230.0, 3000.0)),
+            _served(_lm("ov_continuous", 600.0, 0.0), (110.0, 70.0), (610.0, 400.0)),
+        ]
         entries[1].spec = CANDIDATES["openvino_genai_int4"]
         cfg = OmegaConf.create(
             {
@@ -336,11 +360,78 @@ def test_under_concurrent_load_the_race_says_when_its_winner_cannot_batch_contin
         winner = race_lm.choose(entries, workload.resolve(cfg), base, _thresholds(cfg))
         return winner, entries
 
-    winner, entries = race(16)
-    assert winner.name == "ort_fast"  # timed one request at a time, it is the faster answer
-    assert "serves static batches of at most 4; under workload.concurrency=16 ov_batching" in winner.outcome
-    assert "gate.max_served_ttft_p95_ms" in winner.outcome
-    assert entries[0].columns()["serves concurrent requests"] == "static batches of at most 4"
+    winner, entries = race({1: 0.9, 16: 0.1})  # mostly one user at a time
+    assert winner.name == "ort_static"
+    winner, entries = race({1: 0.5, 16: 0.5})  # half the time sixteen at once
+    assert winner.name == "ov_continuous"
+    # At each level the cost is the request time over the best candidate's there, weighted.
+    assert entries[1].cost == pytest.approx(0.5 * 160.0 / 110.0 + 0.5 * 1.0)
+    assert entries[0].cost == pytest.approx(0.5 * 1.0 + 0.5 * 610.0 / 230.0)
+    assert entries[0].outcome.startswith("lost: ") and "served cost" in entries[0].outcome
+    columns = entries[0].columns()  # every candidate at every level
+    assert columns["served 1 clients tok/s (TTFT p95 ms)"] == "160 (60)"
+    assert columns["served 16 clients tok/s (TTFT p95 ms)"] == "230 (3000)"
+    assert columns["serves concurrent requests"] == "static batches of at most 4"
     assert entries[1].columns()["serves concurrent requests"] == "continuous batching"
-    winner, _ = race(1)
-    assert "concurrency" not in winner.outcome  # one request at a time: nothing to say
+
+
+def test_a_candidate_cut_by_successive_halving_keeps_its_first_round_figures_and_says_why():
+    base = {"requests": {"64x64": {"request_ms": 3000.0}}}
+    entries = [
+        _served(_lm("leader", 500.0, 0.0), (130.0, 60.0), (600.0, 400.0)),
+        _served(_lm("far_behind", 600.0, 0.0), (40.0, 90.0), (100.0, 4000.0)),
+    ]
+    entries[1].served_cut, entries[1].cost = "3.50x the leader's served cost after the first round", 3.5
+    cfg = OmegaConf.create(
+        {
+            "gate": {"max_ppl_increase_pct": 15.0, "request_shape": None},
+            "evaluate": {"batch_sizes": [1]},
+            "workload": {"requests": None, "concurrency": [1, 16]},
+        }
+    )
+    winner = race_lm.choose(entries, workload.resolve(cfg), base, _thresholds(cfg))
+    assert winner.name == "leader" and entries[1].passed is True
+    assert (
+        entries[1].outcome
+        == "lost: cut after the first served round (3.50x the leader's served cost after the first round)"
+    )
+    assert entries[1].columns()["served cost (1 = best at every level)"] == "3.50"
+    from optimize.compile.race.report import cut_note
+
+    note = cut_note({"cut": {"far_behind": entries[1].served_cut}})
+    assert note.startswith("successive halving cut 1 candidate(s) after the first served round (far_behind: 3.50x")
+
+
+def test_the_per_level_table_shows_every_candidate_at_every_level():
+    from optimize.compile.race.report import level_table
+
+    entries = [
+        _served(_lm("ort_static", 500.0, 0.0), (160.0, 60.0), (230.0, 3000.0)),
+        _served(_lm("ov_continuous", 600.0, 0.0), (110.0, 70.0), (610.0, 400.0)),
+    ]
+    entries[0].cost, entries[1].cost = 1.83, 1.23
+    race = {
+        "workload": {"requests": [{"prompt": 64, "output": 64}], "concurrency": {"1": 0.5, "16": 0.5}},
+        "candidates": [{**e.report(), "outcome": "won" if i else "lost"} for i, e in enumerate(entries)],
+    }
+    rows = level_table(race)
+    assert rows[0] == ["candidate", "clients", "64x64 tok/s (TTFT p95 ms)", "served cost", "outcome"]
+    assert rows[1:] == [
+        ["ort_static", "1", "160 (60)", "1.83", "lost"],
+        ["ort_static", "16", "230 (3000)", "1.83", "lost"],
+        ["ov_continuous", "1", "110 (70)", "1.23", "won"],
+        ["ov_continuous", "16", "610 (400)", "1.23", "won"],
+    ]
+
+
+def test_the_baseline_figures_are_kept_under_what_they_were_measured_on(tmp_path, monkeypatch):
+    from optimize.compile.race import cache
+
+    monkeypatch.setenv("OPTIMIZE_CACHE", str(tmp_path))
+    what = {"data": {"sha256": "ab"}, "shapes": ["64x64"], "runs": 5, "threads": 0}
+    key = cache.baseline_key("model-and-machine", what)
+    assert cache.load_baseline(key) is None
+    cache.save_baseline(key, {"perplexity": 18.2, "requests": {"64x64": {"ttft_ms": {"p50": 40.0}}}})
+    assert cache.load_baseline(key)["perplexity"] == 18.2
+    assert cache.baseline_key("model-and-machine", {**what, "shapes": ["64x64", "1024x128"]}) != key
+    assert cache.baseline_key("another-cpu", what) != key

@@ -72,7 +72,7 @@ def test_the_plan_holds_the_recipe_resolved_and_is_frozen(tmp_path):
 def test_the_workload_is_resolved_once_per_plan(tmp_path, monkeypatch):
     calls = []
     real = workload.resolve
-    monkeypatch.setattr(workload, "resolve", lambda cfg: calls.append(1) or real(cfg))
+    monkeypatch.setattr(workload, "resolve", lambda cfg, **kw: calls.append(1) or real(cfg, **kw))
     ctx = recipe_context(tmp_path, "workload.batches=[1,4]")
     assert len(calls) == 1
     assert [p.batch for p in ctx.plan.workload.batches] == [1, 4]

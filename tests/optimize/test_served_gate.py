@@ -72,7 +72,11 @@ def test_served_checks_are_refused_where_they_cannot_be_measured(tiny_llm, tmp_p
         f"output_dir={tmp_path / 'c'}",
     )  # fmt: skip
     one_error_line(proc, "gate.min_served_tokens_per_s", "evaluate.latency=false")
-    assert not any((tmp_path / name).exists() for name in "abc")
+    proc = run_optimize(
+        *base_overrides(tiny_llm, tmp_path), "workload.concurrency=[1,0]", f"output_dir={tmp_path / 'd'}"
+    )
+    one_error_line(proc, "workload.concurrency=[1, 0]: 0 is not a whole number of at least 1")
+    assert not any((tmp_path / name).exists() for name in "abcd")
 
 
 def test_a_failed_request_leaves_the_served_figures_unmeasured():
@@ -106,3 +110,28 @@ def test_a_structured_share_gates_on_every_constrained_reply_being_valid(tiny_ll
     assert check["threshold"] == 0 and check["value"] == structured["invalid"] == 0, check
     assert check["passed"] is True and "served constrained replies invalid" in proc.stdout
     assert manifest["recipe"]["resolved"]["serve"]["structured_output"] is True
+
+
+def test_the_served_gate_checks_every_declared_concurrency_level_on_its_own(tiny_llm, tmp_path):
+    out = tmp_path / "artifact"
+    proc = run_optimize(
+        *base_overrides(tiny_llm, tmp_path),
+        "workload.concurrency=[1,3]",
+        "gate.max_served_ttft_p95_ms=0.001",  # fails at every level: no server answers in a microsecond
+        "gate.min_served_tokens_per_s=0.001",
+        "gate.served_output_tokens=4",
+        "gate.served_requests_per_client=1",
+        f"output_dir={out}",
+    )
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    served = manifest["metrics"]["candidate"]["served"]
+    assert set(served["levels"]) == {"1", "3"} and served["clients"] == 3
+    assert [served["levels"][k]["requests"] for k in ("1", "3")] == [1, 3]
+    checks = {c["name"]: c for c in manifest["gate"]["checks"]}
+    for level in ("1", "3"):
+        ttft = checks[f"max_served_ttft_p95_ms[concurrency={level}]"]
+        assert ttft["value"] == served["levels"][level]["ttft_p95_ms"] and ttft["passed"] is False
+        assert checks[f"min_served_tokens_per_s[concurrency={level}]"]["value"] > 0
+    assert "max_served_ttft_p95_ms" not in checks  # one check per level, none for the run as a whole
+    assert "max_served_ttft_p95_ms[concurrency=3]" in proc.stdout

@@ -59,6 +59,25 @@ def test_an_undeclared_workload_is_the_one_point_the_race_and_gate_used_before()
     assert [p.key for p in workload.resolve(_cfg()).requests] == ["64x64"]  # the LM task's defaults
 
 
+def test_concurrency_is_levels_with_weights_and_the_old_single_number_still_reads():
+    def levels(block):
+        return [(c.clients, c.weight) for c in workload.resolve(_cfg(block)).concurrency]
+
+    assert levels({"concurrency": {1: 3, 16: 1}}) == [(1, 0.75), (16, 0.25)]
+    assert levels({"concurrency": [1, 16]}) == [(1, 0.5), (16, 0.5)]
+    assert levels({"concurrency": 8}) == [(8, 1.0)]  # the old single int
+    assert levels({"concurrency": "4"}) == [(4, 1.0)]  # as the command line may give it
+    w = workload.resolve(_cfg({"concurrency": {1: 1, 16: 1}}))
+    assert w.most_clients == 16 and w.record()["concurrency"] == {"1": 0.5, "16": 0.5}
+
+
+def test_an_lm_recipe_that_declares_no_concurrency_is_raced_at_1_and_16_clients():
+    cfg = _cfg({"concurrency": None})
+    lm = workload.resolve(cfg, generates=True)
+    assert [(c.clients, c.weight) for c in lm.concurrency] == [(1, 0.5), (16, 0.5)]
+    assert [c.clients for c in workload.resolve(cfg).concurrency] == [1]  # encoders: one request at a time
+
+
 @pytest.mark.parametrize(
     ("block", "gate_keys", "message"),
     [
@@ -72,7 +91,17 @@ def test_an_undeclared_workload_is_the_one_point_the_race_and_gate_used_before()
         ({"requests": [{"prompt": 64}]}, {}, "workload.requests[0]="),
         ({"requests": [{"prompt": 64, "output": 64, "tokens": 3}]}, {}, "workload.requests[0]="),
         ({"requests": [{"prompt": 1, "output": 64}]}, {}, "at least 2 tokens"),
-        ({"concurrency": 0}, {}, "workload.concurrency=0"),
+        ({"concurrency": 0}, {}, "workload.concurrency=0: 0 is not a whole number of at least 1"),
+        ({"concurrency": [1, 2.5]}, {}, "workload.concurrency=[1, 2.5]: 2.5 is not a whole number"),
+        ({"concurrency": [1, 16, 1]}, {}, "list each level once"),
+        ({"concurrency": []}, {}, "list each level once, at least one"),
+        ({"concurrency": True}, {}, "True is not a whole number"),
+        ({"concurrency": "many"}, {}, "'many' is not a whole number"),
+        ({"concurrency": {1: 0.5, 16: 0}}, {}, "level 16: weight 0 must be a positive number"),
+        ({"concurrency": {1: 0.5, 16: float("inf")}}, {}, "level 16: weight inf must be a positive number"),
+        ({"concurrency": {1: 0.5, 16: float("nan")}}, {}, "level 16: weight nan must be a positive number"),
+        ({"concurrency": {1: 0.5, 16: "half"}}, {}, "level 16: weight 'half' must be a positive number"),
+        ({"concurrency": {-4: 1}}, {}, "-4 is not a whole number of at least 1"),
         ({}, {"speedup_batch_size": "some"}, "gate.speedup_batch_size=some: give a batch size"),
         ({}, {"request_shape": "64x9"}, "gate.request_shape=64x9: not a workload request (declared: 64x64"),
     ],
@@ -108,6 +137,42 @@ def test_the_gate_checks_every_point_asked_for_each_as_its_own_check():
     assert not every.passed and checks["min_speedup[batch=1]"].passed and not checks["min_speedup[batch=32]"].passed
     assert checks["min_speedup[batch=32]"].value == 0.71 and checks["min_speedup[batch=32]"].metric.endswith("batch 32")
     assert not checks["max_p95_ms[batch=32]"].passed and checks["max_p95_ms[batch=1]"].passed
+
+
+def test_the_served_checks_are_made_at_every_concurrency_level_each_of_which_can_fail():
+    w = workload.resolve(_cfg({"concurrency": [1, 16]}))
+    at = {
+        "1": {"tokens_per_s": 120.0, "ttft_p95_ms": 60.0, "failed": 0, "other_cpu_share": 0.01},
+        "16": {"tokens_per_s": 230.0, "ttft_p95_ms": 3100.0, "failed": 0, "other_cpu_share": 0.02},
+    }
+    served = {"served": {**at["16"], "levels": at}}
+    verdict = gate.judge({}, served, {"max_served_ttft_p95_ms": 800, "min_served_tokens_per_s": 100}, w)
+    checks = {c.name: c for c in verdict.checks}
+    assert list(checks) == [
+        "max_served_ttft_p95_ms[concurrency=1]",
+        "max_served_ttft_p95_ms[concurrency=16]",
+        "min_served_tokens_per_s[concurrency=1]",
+        "min_served_tokens_per_s[concurrency=16]",
+    ]
+    assert checks["max_served_ttft_p95_ms[concurrency=1]"].passed
+    assert not checks["max_served_ttft_p95_ms[concurrency=16]"].passed  # sixteen clients wait 3.1 s
+    assert checks["max_served_ttft_p95_ms[concurrency=16]"].value == 3100.0 and not verdict.passed
+    assert checks["min_served_tokens_per_s[concurrency=16]"].metric.endswith("concurrency 16")
+    # A level timed while other processes took the CPUs is untrusted on its own.
+    busy = {"served": {**at["16"], "levels": {**at, "1": {**at["1"], "other_cpu_share": 0.4}}}}
+    checks = {c.name: c for c in gate.judge({}, busy, {"min_served_tokens_per_s": 100}, w).checks}
+    assert "untrusted" in checks["min_served_tokens_per_s[concurrency=1]"].note
+    assert checks["min_served_tokens_per_s[concurrency=16]"].passed
+    # One level (gate.served_concurrency=4, or a workload of one): the plain names, as before.
+    one = {"served": {**at["1"], "levels": {"4": at["1"]}}}
+    names = [c.name for c in gate.judge({}, one, {"max_served_ttft_p95_ms": 800, "served_concurrency": 4}, w).checks]
+    assert names == ["max_served_ttft_p95_ms"]
+    # Not measured (no served block): one failing check per level asked for.
+    missing = gate.judge({}, {}, {"max_served_ttft_p95_ms": 800}, w)
+    assert [(c.name, c.note) for c in missing.checks] == [
+        ("max_served_ttft_p95_ms[concurrency=1]", "not measured"),
+        ("max_served_ttft_p95_ms[concurrency=16]", "not measured"),
+    ]
 
 
 def test_a_point_timed_on_a_busy_machine_is_untrusted_on_its_own():

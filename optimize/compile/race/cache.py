@@ -1,6 +1,7 @@
 """The build cache: a built candidate is kept under the hash of what it was built from (the
 weights, the calibration set, the package versions, the CPU, its own methods and parameters), so a
-rerun with another gate rebuilds nothing."""
+rerun with another gate rebuilds nothing. Causal LMs also keep the PyTorch baseline's scores and
+timings (baseline_key), so a rerun on the same model, machine and shapes does not measure it again."""
 
 from __future__ import annotations
 
@@ -83,3 +84,29 @@ def _model_from(folder: Path, saved: dict, template):
     else:
         model = template.with_engine(folder, saved["engine"], precision=saved["precision"])
     return dataclasses.replace(model, layer_precision=saved.get("layer_precision") or {})
+
+
+def baseline_key(key_base: str, what: dict) -> str:
+    """The key of a baseline's figures: what the candidates are built from (key_base: the weights, the
+    package versions, the CPU) and what they were measured on (`what`: data, shapes, runs, threads)."""
+    return hashlib.sha256((key_base + json.dumps(what, sort_keys=True, default=str)).encode()).hexdigest()[:24]
+
+
+def load_baseline(key: str) -> dict | None:
+    from optimize.models import cache_root
+
+    path = cache_root() / "race" / f"baseline-{key}.json"
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def save_baseline(key: str, figures: dict) -> None:
+    from optimize.models import cache_root
+
+    path = cache_root() / "race" / f"baseline-{key}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(figures))
+    tmp.replace(path)

@@ -1,5 +1,6 @@
 """What the race's report shows of each candidate, for encoders and causal LMs alike: its cells (build
-time, then the task's own figures), and how each LM engine serves concurrent requests.
+time, then the task's own figures), how each LM engine serves concurrent requests, and what it
+measured as served at every concurrency level.
 
 The entries are read, never imported: entry, lm and choice all use these cells, so this module sits
 below them.
@@ -60,8 +61,34 @@ def lm_cells(entry) -> dict:
         "generation ms": f"{m['generation_ms']:.0f}" if "generation_ms" in m else "-",
         "serves concurrent requests": serving(entry)[0],
         **_shape_cells(m.get("requests") or {}),
-        **({"workload ms (weighted)": f"{entry.cost:.0f}"} if entry.cost is not None else {}),
+        **_served_cells(m.get("served") or {}),
+        **_cost_cell(entry),
     }
+
+
+def _cost_cell(entry) -> dict:
+    if entry.cost is None:
+        return {}
+    if "served" in entry.metrics:
+        return {"served cost (1 = best at every level)": f"{entry.cost:.2f}"}
+    return {"workload ms (weighted)": f"{entry.cost:.0f}"}
+
+
+def _served_cells(served: dict) -> dict:
+    """As served (race/served.py): at each concurrency level, aggregate output tokens/s and TTFT p95 at
+    each shape (shapes joined by ' | ', in the workload's order)."""
+    levels = list(dict.fromkeys(level for by_level in served.values() for level in by_level))
+    cells = {}
+    for level in levels:
+        shown = [_served_cell(by_level.get(level) or {}) for by_level in served.values()]
+        cells[f"served {level} clients tok/s (TTFT p95 ms)"] = " | ".join(shown)
+    return cells
+
+
+def _served_cell(cell: dict) -> str:
+    if cell.get("failed") or cell.get("tokens_per_s") is None:
+        return "failed"
+    return f"{cell['tokens_per_s']:.0f} ({cell['ttft_p95_ms']:.0f})"
 
 
 def _shape_cells(requests: dict) -> dict:

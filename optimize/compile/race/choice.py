@@ -145,9 +145,9 @@ def won_on(workload, lm: bool) -> str:
     """What the race minimised, in words."""
     if lm:
         points = workload.requests
-        if len(points) == 1:
-            return "generation time"
-        return "weighted request time (" + ", ".join(f"{p.key}: {p.weight:.2f}" for p in points) + ")"
+        shapes = ", ".join(f"{p.key}: {p.weight:.2f}" for p in points)
+        levels = ", ".join(f"{c.clients} clients: {c.weight:.2f}" for c in workload.concurrency)
+        return f"served request time over the best candidate's, by level ({levels}) and shape ({shapes})"
     if len(workload.batches) == 1:
         return f"p50 at batch {workload.batches[0].batch}"
     return "weighted p50 (" + ", ".join(f"batch {p.batch}: {p.weight:.2f}" for p in workload.batches) + ")"

@@ -33,6 +33,7 @@ class Entry:
     refused: bool = False  # its engine cannot take the model (refused at plan time)
     budget_cut: bool = False  # not built: the race's build budget was spent before it started
     over_budget: bool = False  # built, but took longer than budget_s
+    served_cut: Optional[str] = None  # causal LMs: why successive halving cut it after the first served round
 
     def kernels(self) -> Optional[dict]:
         """INT8 and float weighted nodes: from the quantize record (ONNX Runtime) or the OpenVINO op counts."""
@@ -61,6 +62,7 @@ class Entry:
             "columns": self.columns(),
             "slower_than_baseline_at": self.slower_than_baseline_at,
             "cost": self.cost,
+            "served_cut": self.served_cut,
             "outcome": self.outcome,
         }
 

@@ -5,55 +5,77 @@ Every candidate decoder is scored against the PyTorch FP32 baseline on the held-
 evaluation uses (perplexity, and lm-eval where the gate checks it), then every candidate and the
 baseline generate the same prompts in turn (time to first token and decode tokens/s) at every request
 shape of the workload (`workload.requests`: prompt and output lengths with weights), each candidate
-in a process of its own with only its runtime loaded, as a server runs it. The winner is the
-candidate that passes the gate's accuracy checks with the shortest weighted request time, a request's
-time being TTFT + (output - 1) / decode, so first token and decode count together, as a user waiting
-for an answer sees them: a runtime that decodes faster but prefills slower wins short prompts and
-may lose long ones.
+in a process of its own with only its runtime loaded, as a server runs it; a request's time is
+TTFT + (output - 1) / decode, so first token and decode count together, as a user waiting for an
+answer sees them: a runtime that decodes faster but prefills slower wins short prompts and may lose
+long ones.
+
+Then every candidate that passes the gate's accuracy checks is served (`python -m serve` on loopback,
+race/served.py) and driven at every shape and every level of `workload.concurrency`, with successive
+halving; the winner is the passing candidate with the lowest served cost: at each level its weighted
+request time as served over the best candidate's, weighted over the levels. An engine that answers
+one request soonest but batches statically loses a workload that is mostly sixteen clients at once.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import asdict
 from typing import Any
 
-from optimize.compile.race.cells import serving
 from optimize.compile.race.choice import pick
 
 log = logging.getLogger(__name__)
 
 
-def score(entries: list, ctx, workload, race_cfg, thresholds: dict) -> dict:
+def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: str | None = None) -> dict:
     """Fill each entry's `metrics` (perplexity, lm-eval where the gate's `thresholds` check it, TTFT
-    and decode at each request shape); returns the baseline's."""
+    and decode at each request shape); returns the baseline's. With `key_base` (the race cache's
+    identity of the model and machine), the baseline's figures are taken from an earlier race on the
+    same data, shapes, runs and threads, or kept for the next one."""
     from engines import engine_bytes, load_engine
     from engines.runner_process import RunnerProcess
+    from optimize.compile.race import cache
     from optimize.evaluate.generation import Tokens, perplexity, request_ms, timed_requests
     from optimize.tasks.causal_lm import eval_config
 
     cfg, tokens, data = eval_config(ctx), Tokens(ctx), ctx.evaluation_data()
     ids = tokens("\n\n".join(data.items))[: cfg.perplexity_tokens]
     baseline = ctx.baseline.runner
+    runs = max(2, min(ctx.plan.evaluate.repeats, race_cfg.timing_repeats, 5))
+    lm_eval = thresholds.get("max_lm_eval_drop") is not None and bool(cfg.lm_eval_tasks)
+    what = {"data": data.describe(), "eval": asdict(cfg), "lm_eval": lm_eval, "runs": runs, "threads": ctx.threads}
+    what["shapes"] = [r.key for r in workload.requests]
+    key = cache.baseline_key(key_base, what) if key_base else None
+    reused = cache.load_baseline(key) if key else None
     runners = {e.name: load_engine(e.model.engine_dir, e.model.engine, threads=ctx.threads) for e in entries}
     for entry in entries:
         entry.size_mb = engine_bytes(entry.model.engine_dir, entry.model.engine) / 2**20
-    base: dict[str, Any] = {"perplexity": perplexity(baseline, ids, cfg.perplexity_window)}
+    base: dict[str, Any] = {
+        "perplexity": reused["perplexity"] if reused else perplexity(baseline, ids, cfg.perplexity_window)
+    }
     for entry in entries:
         ppl = perplexity(runners[entry.name], ids, cfg.perplexity_window)
         entry.metrics = {"perplexity": ppl, "perplexity_increase_pct": (ppl / base["perplexity"] - 1) * 100}
-    if thresholds.get("max_lm_eval_drop") is not None and cfg.lm_eval_tasks:
-        _lm_eval(entries, runners, baseline, base, tokens, data.items, cfg, ctx)
-    runs = max(2, min(ctx.plan.evaluate.repeats, race_cfg.timing_repeats, 5))
+    if lm_eval:
+        _lm_eval(entries, runners, baseline, base, tokens, data.items, cfg, ctx, reused)
     runners.clear()  # scored; each candidate is timed in a process of its own (engines/runner_process.py)
     with contextlib.ExitStack() as stack:
         timed_runners = {
             e.name: stack.enter_context(RunnerProcess(e.model.engine_dir, e.model.engine, ctx.threads)) for e in entries
         }
-        timed = timed_requests(
-            {"baseline": baseline, **timed_runners}, tokens, data.items, workload.requests, warmup=1, runs=runs
-        )
+        subjects = timed_runners if reused else {"baseline": baseline, **timed_runners}
+        timed = timed_requests(subjects, tokens, data.items, workload.requests, warmup=1, runs=runs)
+    if reused:
+        log.info("race: the baseline's perplexity and timings are reused from an earlier race on this machine")
+        for r in workload.requests:
+            timed[r.key]["runs"]["baseline"] = reused["requests"][r.key]
     on_baseline = {r.key: timed[r.key]["runs"]["baseline"] for r in workload.requests}
+    if key and not reused:
+        cache.save_baseline(
+            key, {"perplexity": base["perplexity"], "lm_eval": base.get("lm_eval"), "requests": on_baseline}
+        )
     first = workload.requests[0]
     base.update(
         requests={
@@ -61,6 +83,7 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict) -> dict:
             for r in workload.requests
         },
         generation=on_baseline[first.key],
+        reused=bool(reused),
     )
     for entry in entries:
         entry.metrics["requests"] = {r.key: _at(timed[r.key], entry.name, r.output) for r in workload.requests}
@@ -95,54 +118,81 @@ def generation_ms(result: dict, new_tokens: int) -> float:
     return request_ms(result, new_tokens)
 
 
-def _lm_eval(entries, runners, baseline, base, tokens, paragraphs, cfg, ctx) -> None:
+def _lm_eval(entries, runners, baseline, base, tokens, paragraphs, cfg, ctx, reused: dict | None) -> None:
     from optimize.tasks.lm_harness import lm_eval_accuracy, lm_eval_drop
 
-    base["lm_eval"], _ = lm_eval_accuracy(baseline, tokens, paragraphs, cfg, ctx.scratch, "baseline")
+    if reused and reused.get("lm_eval") is not None:
+        base["lm_eval"] = reused["lm_eval"]
+    else:
+        base["lm_eval"], _ = lm_eval_accuracy(baseline, tokens, paragraphs, cfg, ctx.scratch, "baseline")
     for entry in entries:
         scores, _ = lm_eval_accuracy(runners[entry.name], tokens, paragraphs, cfg, ctx.scratch, entry.name)
         entry.metrics.update(lm_eval=scores, lm_eval_drop_pts=lm_eval_drop(base["lm_eval"], scores))
 
 
-def concurrency_note(entries: list, winner, workload) -> str:
-    """For a workload with concurrent requests: say when the winner, timed one request at a time, would
-    serve them in static batches or one by one while a passing candidate batches continuously. The
-    served-latency gate (gate.max_served_ttft_p95_ms, min_served_tokens_per_s) measures what it costs."""
-    if workload.concurrency <= 1 or serving(winner)[1]:
-        return ""
-    batching = [e for e in entries if e.passed and serving(e)[1]]
-    if not batching:
-        return ""
-    return (
-        f"serves {serving(winner)[0]}; under workload.concurrency={workload.concurrency} "
-        f"{batching[0].name} (passing, {serving(batching[0])[0]}) may answer sooner: "
-        "gate.max_served_ttft_p95_ms and gate.min_served_tokens_per_s measure it as served"
-    )
+def serve_passing(entries: list, ctx, workload, thresholds: dict) -> dict:
+    """Time every candidate that passes accuracy as served, at each shape and concurrency level
+    (race/served.py, with successive halving); returns the halving record for the race's."""
+    from optimize.compile.race.served import time_served
+
+    passing = [e for e in entries if accuracy_verdict(e, thresholds).passed]
+    if not passing:
+        return {"rounds": [], "cut": {}}
+    return time_served(passing, ctx, workload)
+
+
+def accuracy_verdict(entry, thresholds: dict):
+    """The gate's accuracy and size checks on one candidate (what pick judges)."""
+    from optimize import gate
+
+    return gate.judge({}, {**entry.metrics, "size_mb": entry.size_mb}, thresholds)
 
 
 def choose(entries: list, workload, baseline: dict, thresholds: dict):
-    """The candidate with the shortest request time over the workload (weighted over its shapes) among
-    those that pass every accuracy and size check of the gate (perplexity increase, lm-eval drop,
-    size), preferring those never slower than the baseline at any shape; none passing: the lowest
-    perplexity ships."""
+    """The candidate with the lowest cost over the workload among those that pass every accuracy and
+    size check of the gate (perplexity increase, lm-eval drop, size), preferring those never slower
+    than the baseline at any shape; none passing: the lowest perplexity ships. The cost is the served
+    one (served_costs) where the passing candidates were timed as served, else the request time
+    (weighted over the shapes) one request at a time."""
+    from optimize.compile.race.served import served_costs
+
     points = workload.requests
+    served = [e for e in entries if "served" in e.metrics and not e.served_cut]
+    cut = [e for e in entries if e.served_cut]
+    pool = [e for e in entries if not e.served_cut]
     words = ("shortest generation", "generation time")
-    if len(points) > 1:
+    if served:
+        for name, value in served_costs(served, workload).items():
+            next(e for e in served if e.name == name).cost = value
+        mix = ", ".join(f"{c.clients} clients: {c.weight:.2f}" for c in workload.concurrency)
+        words = (f"lowest served cost ({mix})", "served cost")
+    elif len(points) > 1:
         for entry in entries:
             entry.cost = sum(p.weight * entry.metrics["requests"][p.key]["request_ms"] for p in points)
         words = ("shortest weighted request time", "weighted request time")
     winner = pick(
-        entries,
+        pool,
         thresholds,
         measured=lambda e: e.metrics,
         cost=lambda e: e.cost if e.cost is not None else e.metrics["generation_ms"],
         error=lambda e: e.metrics["perplexity"],
         cost_words=words,
-        per_point=lambda e: {f"{p.key} tokens": e.metrics["requests"][p.key]["request_ms"] for p in points},
+        per_point=lambda e: _per_point(e, workload),
         baseline={f"{p.key} tokens": baseline["requests"][p.key]["request_ms"] for p in points},
     )
-    note = concurrency_note(entries, winner, workload)
-    if note:
-        log.warning("race: %s %s", winner.name, note)
-        winner.outcome += f"; {note}"
+    for entry in cut:
+        verdict = accuracy_verdict(entry, thresholds)
+        entry.accuracy_checks, entry.passed = [asdict(c) for c in verdict.checks], verdict.passed
+        entry.outcome = f"lost: cut after the first served round ({entry.served_cut})"
+    if cut and winner.outcome.startswith("won"):
+        winner.outcome += f" and were timed to the end ({len(cut)} more cut after the first served round)"
     return winner
+
+
+def _per_point(entry, workload) -> dict:
+    """Request time at each shape one request at a time, and as served at each shape and level."""
+    points = {f"{p.key} tokens": entry.metrics["requests"][p.key]["request_ms"] for p in workload.requests}
+    for shape, levels in (entry.metrics.get("served") or {}).items():
+        for level, cell in levels.items():
+            points[f"{shape} tokens at {level} clients"] = cell["request_ms"] or float("inf")
+    return points

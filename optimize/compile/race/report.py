@@ -52,6 +52,15 @@ def race_record(
     }
 
 
+def cut_note(halving: dict) -> Optional[str]:
+    """One line naming the candidates successive halving cut after the first served round, and why."""
+    cut = halving.get("cut") or {}
+    if not cut:
+        return None
+    said = "; ".join(f"{name}: {why}" for name, why in cut.items())
+    return f"successive halving cut {len(cut)} candidate(s) after the first served round ({said})"
+
+
 def _retimed_points(entries: list[Entry]) -> int:
     """Points the race timed again because other processes took CPU time (all candidates share a run)."""
     for entry in entries:
@@ -105,3 +114,42 @@ def _front_xy(entry: Entry, point: str, lm: bool) -> tuple[float, float]:
     if lm:
         return entry.metrics["requests"][point]["request_ms"], entry.metrics["perplexity_increase_pct"]
     return entry.latency[point]["p50_ms"], entry.fidelity["cosine_min"]
+
+
+def level_table(race: dict) -> list[list[str]]:
+    """The LM race as served: one row per candidate and level, tok/s and TTFT p95 at each shape."""
+    shapes = [f"{r['prompt']}x{r['output']}" for r in race["workload"]["requests"]]
+    rows = [["candidate", "clients", *(f"{s} tok/s (TTFT p95 ms)" for s in shapes), "served cost", "outcome"]]
+    for c in race["candidates"]:
+        served = (c.get("metrics") or {}).get("served") or {}
+        for level in race["workload"]["concurrency"]:
+            cells = [served.get(s, {}).get(level) or {} for s in shapes]
+            shown = [
+                f"{x['tokens_per_s']:.0f} ({x['ttft_p95_ms']:.0f})" if x.get("tokens_per_s") else "-" for x in cells
+            ]
+            cost = f"{c['cost']:.2f}" if c.get("cost") is not None and served else "-"
+            rows.append([c["name"], level, *shown, cost, c["outcome"]])
+    return rows
+
+
+def main(argv: list[str]) -> int:
+    """python -m optimize.compile.race.report ARTIFACT: the race's wall time and its per-level table."""
+    from engines.artifact import read_manifest
+
+    manifest = read_manifest(argv[0])
+    race = manifest["stages"]["engine"]
+    print(f"race {race['seconds']:.0f} s of the run's {manifest['duration_s']:.0f} s; won by {race['winner']}")
+    for note in (race.get("fewer_than_asked"), race.get("served_cut_note")):
+        if note:
+            print(f"NOTE: {note}")
+    rows = level_table(race)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in [rows[0], ["-" * w for w in widths], *rows[1:]]:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,175 @@
+"""Timing LM candidates as they are served: each candidate that passes accuracy is put in a minimal
+artifact of its own, `python -m serve` is started on it on loopback (the served gate's server and load
+driver, optimize/evaluate/served.py), and closed-loop streaming clients drive every request shape of
+the workload at every concurrency level. A cell (shape, level) gives aggregate output tokens/s, TTFT
+p95 and the mean time a request took (clients x wall / requests: a closed loop's latency).
+
+Successive halving keeps this affordable: a first short round times every passing candidate with few
+requests; one whose served cost is CUT_RATIO times the leader's or more is cut (its round-one figures
+stay in the report, with why) and only the rest are timed again with more requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+# Clearly behind after the first round: on a shared 2-core machine one served run moves by 10-20%, and
+# candidates this far apart did not change places when timed again.
+CUT_RATIO = 1.5
+
+
+def requests_per_client(clients: int, round_no: int) -> int:
+    """Requests each client sends: in the first round two at one client and one at many (sixteen
+    clients already give sixteen samples), in the second eight at one client and two at many."""
+    return max(1, 2 // clients) if round_no == 1 else max(2, 8 // clients)
+
+
+def time_served(entries: list, ctx, workload) -> dict:
+    """Fill `served` (by shape, then level) in each entry's metrics, in rounds; returns the halving record:
+    {"rounds": [[names timed], ...], "cut": {name: why}}."""
+    from optimize.evaluate.generation import Tokens, prompts_of
+
+    tokens, items = Tokens(ctx), ctx.evaluation_data().items
+    prompts = {r.key: prompts_of(tokens, items, r.prompt) for r in workload.requests}
+    record: dict[str, Any] = {"rounds": [], "cut": {}, "cut_ratio": CUT_RATIO}
+    alive = list(entries)
+    for round_no in (1, 2):
+        record["rounds"].append([e.name for e in alive])
+        for entry in alive:
+            entry.metrics["served"] = _serve_cells(entry, ctx, workload, prompts, round_no)
+            entry.metrics["served_round"] = round_no
+        costs = served_costs(alive, workload)
+        record.setdefault("costs", []).append({name: round(cost, 3) for name, cost in costs.items()})
+        if round_no == 2 or len(alive) < 2:
+            break
+        leader = min(costs.values())
+        for entry in alive:
+            if costs[entry.name] >= CUT_RATIO * leader:
+                why = f"{costs[entry.name] / leader:.2f}x the leader's served cost after the first round"
+                record["cut"][entry.name] = why
+                entry.served_cut, entry.cost = why, costs[entry.name]  # its round-one cost stays in the report
+                log.info("race: %s cut: %s", entry.name, why)
+        alive = [e for e in alive if e.name not in record["cut"]]
+        if len(alive) < 2:
+            break
+    return record
+
+
+def served_costs(entries: list, workload) -> dict[str, float]:
+    """Each entry's served cost: at every level the weighted request time over the shapes, over the best
+    entry's at that level (so a level's larger times do not outweigh the others), weighted over levels."""
+    per_level = {e.name: {c.key: level_ms(e, workload, c.key) for c in workload.concurrency} for e in entries}
+    best = {c.key: min(per_level[e.name][c.key] for e in entries) for c in workload.concurrency}
+
+    def ratio(mine: float, best: float) -> float:  # a level where every request failed counts alike for all
+        return 1.0 if mine == best else mine / best
+
+    return {
+        e.name: sum(c.weight * ratio(per_level[e.name][c.key], best[c.key]) for c in workload.concurrency)
+        for e in entries
+    }
+
+
+def level_ms(entry, workload, level: str) -> float:
+    """The entry's weighted served request time at `level` clients (inf where a request failed)."""
+    total = 0.0
+    for shape in workload.requests:
+        cell = entry.metrics["served"][shape.key][level]
+        total += shape.weight * (cell["request_ms"] if cell.get("request_ms") is not None else float("inf"))
+    return total
+
+
+def _serve_cells(entry, ctx, workload, prompts: dict, round_no: int) -> dict:
+    from optimize.evaluate.benchmark import OtherCpuUse
+
+    folder = _artifact(entry, ctx)
+    server = _Server(folder, ctx.threads)
+    try:
+        server.start(prompts[workload.requests[0].key][:1])
+    except RuntimeError as exc:  # recorded, not fatal: its cost is then infinite
+        server.stop()
+        log.warning("race: %s could not be served: %s", entry.name, exc)
+        failed = {"failed": 1, "requests": 1, "errors": [str(exc)[:200]], "clients": 1, "wall_s": 0}
+        return {s.key: {c.key: _cell(failed, 0.0) for c in workload.concurrency} for s in workload.requests}
+    cells: dict[str, dict] = {}
+    try:
+        for shape in workload.requests:
+            cells[shape.key] = {}
+            for level in workload.concurrency:
+                per_client = requests_per_client(level.clients, round_no)
+                with OtherCpuUse() as others:
+                    figures = server.drive(prompts[shape.key], level.clients, per_client, shape.output)
+                cells[shape.key][level.key] = _cell(figures, others.share)
+    finally:
+        server.stop()
+        shutil.rmtree(folder, ignore_errors=True)
+    return cells
+
+
+def _cell(figures: dict, other_share: float) -> dict:
+    ok = not figures.get("failed") and figures.get("requests")
+    mean_ms = 1e3 * figures["clients"] * figures["wall_s"] / figures["requests"] if ok else None
+    return {
+        "tokens_per_s": figures.get("tokens_per_s"),
+        "ttft_p95_ms": figures.get("ttft_p95_ms"),
+        "ttft_p50_ms": figures.get("ttft_p50_ms"),
+        "itl_p95_ms": figures.get("itl_p95_ms"),
+        "request_ms": round(mean_ms, 1) if mean_ms is not None else None,
+        "requests": figures.get("requests"),
+        "failed": figures.get("failed"),
+        "errors": figures.get("errors"),
+        "other_cpu_share": round(other_share, 3),
+    }
+
+
+def _artifact(entry, ctx) -> Path:
+    """A minimal artifact of the candidate's engine files (the server verifies what it loads)."""
+    from optimize.artifact import write_manifest
+
+    folder = ctx.scratch / "race" / "served" / entry.name
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(entry.model.engine_dir, folder)
+    (folder / "candidate.json").unlink(missing_ok=True)  # the race cache's own record
+    engine = dict(
+        entry.model.engine,
+        precision=entry.model.precision,
+        task=entry.model.task,
+        max_length=ctx.plan.model.max_length,
+    )
+    # Served with the server's defaults (the recipe's serve section is not part of the plan).
+    write_manifest(folder, {"recipe": {"name": entry.name, "resolved": {}}, "engine": engine})
+    return folder
+
+
+class _Server:
+    """`python -m serve` on the artifact on loopback (the served gate's server), warmed with one request."""
+
+    def __init__(self, folder: Path, threads: int):
+        from optimize.evaluate.served import ServedServer
+
+        command = [sys.executable, "-m", "serve", str(folder), "--port", "0", "--allow-failed-gate"]
+        command += ["--threads", str(threads)] if threads else []
+        self.name = folder.name
+        self.server = ServedServer("serve", command, "/v2/health/ready")
+
+    def start(self, warm: list) -> None:
+        import asyncio
+
+        from optimize.evaluate.served import drive_async
+
+        self.server.wait_ready()
+        asyncio.run(drive_async(self.server.url, self.name, warm, 1, 1, 8, 120))
+
+    def drive(self, prompts: list, clients: int, per_client: int, output: int) -> dict:
+        from optimize.evaluate.served import drive
+
+        return drive(self.server.url, self.name, prompts, clients, per_client, output)
+
+    def stop(self) -> None:
+        self.server.stop()
