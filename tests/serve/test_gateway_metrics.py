@@ -39,3 +39,14 @@ def test_deploy_doc_gives_each_flag_its_metric():
     doc = (ROOT / "docs" / "deploy.md").read_text()
     for flag, (name, _) in GATEWAY_METRICS.items():
         assert f"--{flag}={name}" in doc, f"docs/deploy.md does not give --{flag}={name}"
+
+
+def test_a_batching_llm_exports_its_cache_layout(llm):
+    """On a causal LM served with batching, the cache info is set from the engine's own layout."""
+    exported = families(llm.get("/metrics").text)
+    (sample,) = exported["serve_cache_config_info"].samples
+    assert int(sample.labels["block_size"]) >= 1 and int(sample.labels["num_gpu_blocks"]) >= 1
+    body = {"model": llm.get("/v1/models").json()["data"][0]["id"], "prompt": "Hello", "max_tokens": 4}
+    assert llm.post("/v1/completions", json=body).status_code == 200
+    usage = families(llm.get("/metrics").text)["serve_kv_cache_usage_perc"].samples[0].value
+    assert 0 <= usage <= 1  # a fraction, as the picker reads it
