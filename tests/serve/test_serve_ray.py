@@ -132,3 +132,19 @@ def test_two_replicas_share_the_load_survive_a_lost_one_and_drain(encoder_artifa
         if server.proc.poll() is None:
             server.proc.kill()
             server.proc.wait()
+
+
+def test_autoscaling_settings_are_ray_serves_own():
+    """The options serve.ray deploys with parse as Ray Serve's AutoscalingConfig, target and caps as given."""
+    config_module = pytest.importorskip("ray.serve.config")
+    from serve.config import ServeConfig
+    from serve.ray import build_parser, deployment_options
+
+    args = build_parser().parse_args(["x", "--replicas", "2", "--min-replicas", "1", "--max-replicas", "6"])
+    options = deployment_options(args, ServeConfig(max_batch_size=16, timeout_s=20))
+    scaling = config_module.AutoscalingConfig(**options["autoscaling_config"])
+    assert (scaling.min_replicas, scaling.initial_replicas, scaling.max_replicas) == (1, 2, 6)
+    assert scaling.target_ongoing_requests == 16 and options["max_ongoing_requests"] == 64
+    assert options["graceful_shutdown_timeout_s"] == 25 and "num_replicas" not in options
+    fixed = deployment_options(build_parser().parse_args(["x", "--replicas", "3"]), ServeConfig())
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed

@@ -127,3 +127,22 @@ def test_bad_shadow_settings_are_refused(encoder_artifact, args, fragment):
         timeout=120,
     )
     one_error_line(proc, fragment, log_lines=True)
+
+
+@pytest.mark.slow
+def test_a_shadowed_lm_is_compared_token_by_token(tiny_llm_artifact, tmp_path):
+    """Greedy completions, whole and streamed, from the same LM on both sides: every token agrees."""
+    report = tmp_path / "report"
+    args = ["--shadow", str(tiny_llm_artifact), "--shadow-report", str(report), "--max-tokens", "16"]
+    server = ServerProcess(tiny_llm_artifact, *args).wait_ready(timeout=120)
+    try:
+        wait_until(lambda: "shadow candidate ready" in server.output, timeout=120)
+        name = httpx.get(server.url + "/v1/models").json()["data"][0]["id"]
+        for stream in (False, True, False):
+            body = {"model": name, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "stream": stream}
+            assert httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200
+        wait_until(lambda: shadow_metric(server.url, "compared") >= 3)
+    finally:
+        assert server.terminate() == 0, server.output
+    figures = json.loads((report / "shadow.json").read_text())["figures"]
+    assert figures["generations"] == 3 and figures["token_agreement"] == 1.0 and figures["exact_match"] == 1.0
