@@ -33,6 +33,7 @@ def refused(*args: str) -> subprocess.CompletedProcess:
 def test_zero_replicas_and_lopsided_autoscaling_are_refused():
     one_error_line(refused("/no/matter", "--replicas", "0"), "--replicas", "must be >= 1")
     one_error_line(refused("/no/matter", "--min-replicas", "1"), "--min-replicas and --max-replicas go together")
+    one_error_line(refused("/no/matter", "--shadow", "/tmp"), "--shadow is served by python -m serve")
     one_error_line(
         refused("/no/matter", "--replicas", "5", "--min-replicas", "1", "--max-replicas", "2"), "outside --min-replicas"
     )
