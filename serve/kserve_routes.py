@@ -8,6 +8,7 @@ default: a JSON header of `Inference-Header-Content-Length` bytes followed by ra
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 import numpy as np
@@ -199,9 +200,10 @@ def infer_response(state, parsed, wanted: list[tuple[str, bool]], outputs: dict[
         else:
             tensor["data"] = array(value.reshape(-1))
         tensors.append(tensor)
+    # The protocol makes the id optional; KServe's own models (its clients and InferenceGraph) require
+    # one, so a request without one gets a fresh one, as KServe's server answers.
     header = {"model_name": state.name, "model_version": state.version, "outputs": tensors}
-    if parsed.id is not None:
-        header["id"] = parsed.id
+    header["id"] = parsed.id if parsed.id is not None else uuid.uuid4().hex
     if not blobs:
         return FastJSONResponse(header)
     head = json.dumps(header, separators=(",", ":")).encode()

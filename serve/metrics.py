@@ -13,6 +13,16 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000)
 
+# What an inference gateway's endpoint picker (Gateway API Inference Extension, llm-d) reads from
+# /metrics, by the flag (or engineConfigs key) that names each metric for it, and the type it expects.
+# Its defaults are vLLM's names; pointing these at the names here is the whole integration.
+GATEWAY_METRICS = {
+    "total-queued-requests-metric": ("serve_num_requests_waiting", "gauge"),
+    "total-running-requests-metric": ("serve_num_requests_running", "gauge"),
+    "kv-cache-usage-percentage-metric": ("serve_kv_cache_usage_perc", "gauge"),  # a fraction, 0 to 1
+    "cache-info-metric": ("serve_cache_config_info", "gauge"),  # labels block_size, num_gpu_blocks
+}
+
 
 class Metrics:
     def __init__(self):
@@ -112,6 +122,15 @@ class Metrics:
             registry=r,
         )
 
+        # vLLM's cache_config_info, the one an inference gateway's endpoint picker reads for the KV
+        # block size its prefix-cache scorer hashes prompts by (set once a continuous batcher starts).
+        self.cache_info = Gauge(
+            "serve_cache_config_info",
+            "Causal LMs, continuous batching: the KV cache's layout as labels (value 1)",
+            ["block_size", "num_gpu_blocks"],
+            registry=r,
+        )
+
     def add_capacity_metrics(self, r) -> None:
         """Causal LMs on a paged KV cache: what it holds (set once, at startup), and prompt lookup's yield."""
         from prometheus_client import Counter, Gauge
@@ -167,6 +186,9 @@ class Metrics:
         self.spec_accepted.inc(accepted)
         self.spec_acceptance.set(accepted_total / (steps * proposed))
         self.spec_per_step.set(1 + accepted_total / steps)
+
+    def set_cache_info(self, block_tokens: int, num_blocks: int) -> None:
+        self.cache_info.labels(str(block_tokens), str(num_blocks)).set(1)
 
     def render(self) -> tuple[bytes, str]:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

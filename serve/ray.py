@@ -1,0 +1,202 @@
+"""`python -m serve.ray ARTIFACT --replicas N`: the same server as replicas of a Ray Serve deployment.
+
+Each replica runs this server's ASGI app (serve/app.py) unchanged behind Ray Serve's HTTP proxy:
+the same routes, limits, metrics and drain. The artifact is verified twice: in the driver before
+anything is deployed (one line, exit 2, as `python -m serve`), and in each replica before it loads
+(a node that reads a different file refuses it). A replica loads its model in its constructor, so
+Ray routes nothing to it before it can answer. Ray Serve's router picks between replicas (power of
+two choices on requests in flight); its autoscaler scales on ongoing requests per replica.
+Every answer carries `x-serve-replica` (the replica's process id). SIGTERM or SIGINT drains: the
+deployment is deleted gracefully (each replica finishes what it holds, up to --timeout-s + 5 s),
+then Ray stops; exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+from serve.__main__ import build_parser as serve_parser
+from serve.__main__ import check_artifact, check_key_from_env, fail, number, positive
+
+log = logging.getLogger("serve.ray")
+APP_NAME = "serve"
+# check_artifact's arguments, by the flag that sets each.
+CHECKS = {"allow_modified": "allow_modified", "allow_failed_gate": "allow_failed_gate", "key": "key_file"}
+CHECKS["require_signature"] = "require_signature"
+
+
+def build_parser():
+    p = serve_parser()
+    p.prog = "python -m serve.ray"
+    p.description = "Serve a gated artifact as replicas of a Ray Serve deployment (the same app as python -m serve)."
+    p.add_argument(
+        "--replicas", type=number(int, 1, True, high=4096), default=1, help="replicas (initial ones with autoscaling)"
+    )
+    p.add_argument(
+        "--min-replicas", type=number(int, 1, True, high=4096), help="autoscale on ongoing requests, down to this"
+    )
+    p.add_argument("--max-replicas", type=number(int, 1, True, high=4096), help="autoscale up to this")
+    p.add_argument(
+        "--target-ongoing-requests",
+        type=positive(float),
+        help="autoscaling target: requests in flight per replica (default: the batch size)",
+    )
+    p.add_argument(
+        "--max-ongoing-requests",
+        type=positive(int),
+        help="a replica's cap on requests in flight; Ray queues the rest (default 4x the target)",
+    )
+    p.add_argument(
+        "--cpus-per-replica", type=positive(float), default=1.0, help="Ray CPUs each replica reserves (default 1)"
+    )
+    p.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS"),
+        help="Ray cluster to join (default: RAY_ADDRESS, else a local instance)",
+    )
+    return p
+
+
+def check_scaling(args) -> None:
+    if args.shadow:
+        fail("--shadow is served by python -m serve (one process); shadow a Ray deployment from a gateway instead")
+    low, high = args.min_replicas, args.max_replicas
+    if (low is None) != (high is None):
+        fail("--min-replicas and --max-replicas go together (autoscaling); give both, or --replicas alone")
+    if low is not None and not low <= args.replicas <= high:
+        fail(f"--replicas {args.replicas} is outside --min-replicas {low} .. --max-replicas {high}")
+
+
+def deployment_options(args, config) -> dict:
+    """Ray Serve's settings for the deployment: replicas or autoscaling, the in-flight caps, the drain."""
+    target = args.target_ongoing_requests or config.max_batch_size
+    options: dict = {
+        "name": APP_NAME,
+        "max_ongoing_requests": args.max_ongoing_requests or max(1, int(4 * target)),
+        "ray_actor_options": {"num_cpus": args.cpus_per_replica},
+        "graceful_shutdown_wait_loop_s": 1.0,
+        "graceful_shutdown_timeout_s": config.timeout_s + 5,  # what uvicorn gives `python -m serve`
+        "health_check_period_s": 5.0,
+    }
+    if args.min_replicas is None:
+        options["num_replicas"] = args.replicas
+    else:
+        options["autoscaling_config"] = {
+            "min_replicas": args.min_replicas,
+            "max_replicas": args.max_replicas,
+            "initial_replicas": args.replicas,
+            "target_ongoing_requests": target,
+        }
+    return options
+
+
+# --- in a replica ------------------------------------------------------------------------------------
+
+
+class ReplicaHeader:
+    """ASGI middleware: `x-serve-replica: PID` on every answer, so clients and tests see the spread."""
+
+    def __init__(self, app):
+        self.app, self.pid = app, str(os.getpid()).encode()
+
+    async def __call__(self, scope, receive, send):
+        async def send_with_replica(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-serve-replica", self.pid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_replica if scope["type"] == "http" else send)
+
+
+def replica_app(root: str, checks: dict, config):
+    """The app of one replica, its model loaded (this runs in the replica's constructor)."""
+    from serve.app import create_app, load_model_for
+
+    try:
+        manifest = check_artifact(Path(root), **checks)
+    except SystemExit:  # check_artifact printed the one line; a replica raises instead of exiting
+        raise RuntimeError(f"{root}: the artifact was refused on this node (see the line above)") from None
+    app = create_app(root, config, manifest)
+    state = app.state.serve
+    model = load_model_for(state)
+    state.load_model = lambda _state: model  # the lifespan's load finds it done
+    app.add_middleware(ReplicaHeader)
+    return app
+
+
+def deployment_class():
+    """The Ray Serve deployment class (built here: Ray is imported only when serving on it)."""
+    import asyncio
+
+    from ray import serve as ray_serve
+
+    @ray_serve.ingress()
+    class ServeReplica:
+        async def __init__(self, root: str, checks: dict, config):  # type: ignore[misc]  # Ray awaits it
+            self.served = await asyncio.to_thread(replica_app, root, checks, config)
+
+        def __serve_build_asgi_app__(self):
+            return self.served
+
+        def check_health(self) -> None:
+            state = self.served.state.serve
+            if state.load_error:
+                raise RuntimeError(state.load_error)
+
+    return ServeReplica
+
+
+# --- the driver --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    check_scaling(args)
+    if args.api_key is None:
+        check_key_from_env()
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    root = Path(args.artifact).resolve()
+    checks = {argument: getattr(args, flag) for flag, argument in CHECKS.items()}
+    manifest = check_artifact(root, **checks)
+
+    from serve.config import resolve
+
+    config = resolve(vars(args), manifest)
+    config.threads = config.threads or max(1, int(args.cpus_per_replica))
+    try:
+        import ray
+        from ray import serve as ray_serve
+    except ImportError:
+        fail("Ray Serve is not installed (pip install 'ray[serve]', the fleet extra)")
+    ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING)
+    ray_serve.start(http_options={"host": args.host, "port": args.port})
+    options = deployment_options(args, config)
+    app = ray_serve.deployment(deployment_class(), **options).bind(str(root), checks, config)
+    name = config.model_name or (manifest.get("recipe") or {}).get("name") or root.name
+    ray_serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+    scale = options.get("num_replicas") or f"{args.min_replicas}..{args.max_replicas}"
+    print(f"serve.ray: {scale} replicas of {name!r} on http://{args.host}:{args.port}", flush=True)
+    wait_for_signal()
+    log.info("serve.ray: draining")
+    ray_serve.delete(APP_NAME)  # waits for each replica's graceful shutdown
+    ray_serve.shutdown()
+    ray.shutdown()
+    print("serve.ray: stopped", flush=True)
+    return 0
+
+
+def wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1):
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
