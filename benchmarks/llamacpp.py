@@ -17,9 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -93,28 +95,49 @@ def converted_folder(gguf: Path) -> Path:
 # --- llama-server ----------------------------------------------------------------------------------
 
 
-def server_command(binary: Path, gguf: Path, slots: int, threads: int, port: int | str) -> list[str]:
+def server_command(
+    binary: Path,
+    gguf: Path,
+    slots: int,
+    threads: int,
+    port: int | str,
+    extra: Sequence[str] = (),
+) -> list[str]:
     """llama.cpp's OpenAI-compatible server with `slots` parallel sequences (continuous batching is
-    on by default), each with SLOT_CONTEXT tokens of context (-c is shared out over the slots)."""
+    on by default), each with SLOT_CONTEXT tokens of context (-c is shared out over the slots);
+    `extra` are the user's own flags (such as --no-repack), last."""
     return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(slots), "-c", str(SLOT_CONTEXT * slots), "-t", str(threads), "-tb", str(threads),
-            "--jinja"]  # fmt: skip
+            "--jinja", *extra]  # fmt: skip
 
 
 # --- llama-bench -----------------------------------------------------------------------------------
 
 
-def bench_command(binary: Path, gguf: Path, threads: int, tokens: int, repetitions: int) -> list[str]:
-    """tg`tokens` only (`-p 0`: no prompt-processing test), JSON out."""
+def bench_command(
+    binary: Path,
+    gguf: Path,
+    threads: int,
+    tokens: int,
+    repetitions: int,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """tg`tokens` only (`-p 0`: no prompt-processing test), JSON out, the user's own flags last."""
     return [str(binary), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads),
-            "-r", str(repetitions), "-o", "json"]  # fmt: skip
+            "-r", str(repetitions), "-o", "json", *extra]  # fmt: skip
 
 
 def decode_reference(
-    binary: Path, gguf: Path, threads: int = 2, tokens: int = 64, repetitions: int = 5, timeout_s: float = 600
+    binary: Path,
+    gguf: Path,
+    threads: int = 2,
+    tokens: int = 64,
+    repetitions: int = 5,
+    extra: Sequence[str] = (),
+    timeout_s: float = 600,
 ) -> dict:
     """llama-bench's tg`tokens` on `gguf`: mean and stddev tokens/s, and the build it measured."""
-    command = bench_command(binary, gguf, threads, tokens, repetitions)
+    command = bench_command(binary, gguf, threads, tokens, repetitions, extra)
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     if done.returncode != 0:
         tail = " | ".join(done.stderr.strip().splitlines()[-2:])
@@ -150,13 +173,14 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repetitions", type=int, default=5)
+    p.add_argument("--llama-bench-args", type=shlex.split, default=[], help="more llama-bench flags ('--repack 0')")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     gguf = gguf_of(args.target)
     binary, why = find_tool(args.llama_bench, "PEERS_LLAMA_BENCH", "llama-bench", "--llama-bench")
     if binary is None:
         refuse(why)
-    result = decode_reference(binary, gguf, args.threads, args.tokens, args.repetitions)
+    result = decode_reference(binary, gguf, args.threads, args.tokens, args.repetitions, args.llama_bench_args)
     print(
         f"llama-bench {result['test']} on {gguf.name}, {result['threads']} threads, build {result['build']}: "
         f"{result['tokens_per_s']} +/- {result['stddev_tokens_per_s']} tok/s"

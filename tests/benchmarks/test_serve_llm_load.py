@@ -189,7 +189,8 @@ def test_the_schema_mix_table_gives_the_ratio_and_the_invalid_count():
 @pytest.mark.slow
 def test_a_real_llama_server_serves_the_load_on_loopback_with_its_slots(tmp_path):
     """llama-server (when one is found: $PEERS_LLAMA_SERVER or PATH) on a tiny random Llama written as
-    GGUF, started as the benchmark starts it, driven by the benchmark's load with token-id prompts."""
+    GGUF, started as the benchmark starts it, driven by the benchmark's load with token-id prompts;
+    skipped where none is found."""
     from benchmarks import llamacpp
     from optimize.evaluate.served import drive
     from tests.support.gguf_writer import write_gguf
@@ -198,9 +199,10 @@ def test_a_real_llama_server_serves_the_load_on_loopback_with_its_slots(tmp_path
     binary, why = llamacpp.find_tool(None, "PEERS_LLAMA_SERVER", "llama-server", "--llama-server")
     if binary is None:
         pytest.skip(why)
+    extra = bench.parse_args([str(tmp_path)]).llama_server_args  # $PEERS_LLAMA_SERVER_ARGS, as the benchmark
     gguf = write_gguf(tiny_llama_folder(tmp_path / "hf"), tmp_path / "tiny.Q8_0.gguf")
     server, why = bench.start(
-        bench.Variant("llama-server", llamacpp.server_command(binary, gguf, 2, 1, bench.PORT), "/health")
+        bench.Variant("llama-server", llamacpp.server_command(binary, gguf, 2, 1, bench.PORT, extra), "/health")
     )
     assert server is not None, why
     try:
