@@ -459,10 +459,11 @@ def run(args) -> dict:
     tokenize, _ = artifact_tokenizer(args.artifact)
     count = max(args.requests_per_level, 17)
     prompts, system = held_out_prompts(tokenize, count, args.prompt_tokens, args.prefix_tokens)
-    report["notes"] += [
-        "OpenVINO GenAI: its samples serve no HTTP (OpenVINO Model Server is a separate C++ server, not on "
-        "PyPI); 'serve, continuous batching' is that engine's ContinuousBatchingPipeline driven directly",
-    ]
+    if "batching" in args.servers:
+        report["notes"].append(
+            "OpenVINO GenAI: its samples serve no HTTP (OpenVINO Model Server is a separate C++ server, not on "
+            "PyPI); 'serve, continuous batching' is that engine's ContinuousBatchingPipeline driven directly"
+        )
     own, start_wall, start_busy = 0.0, time.monotonic(), busy_cpu_seconds()
     report["servers"] = {}
     for variant in variants:
