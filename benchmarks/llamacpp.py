@@ -1,0 +1,194 @@
+"""llama.cpp's own programs as peers, and where the benchmarks find a peer's program.
+
+    .venv/bin/python -m benchmarks.llamacpp ARTIFACT_OR_GGUF [--llama-bench PATH] [--threads 2] [--tokens 64]
+
+prints llama-bench's decode reference (tg64: 64 tokens generated after an empty prompt, `--threads`
+threads, its mean tokens/s over --repetitions) on the GGUF file an artifact's recipe starts from (or
+the GGUF given). benchmarks/serve_llm_load.py runs `llama-server` on the same file.
+
+A peer's program is found by its flag, else its environment variable, else on PATH, never at a path
+of one machine: PEERS_LLAMA_SERVER and PEERS_LLAMA_BENCH name llama.cpp's binaries (a build's
+build/bin/ holds both). A path given that is not an executable is refused in one line (exit 2); a
+program found nowhere is one line saying how to give it, and the benchmark goes on without that peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
+
+SLOT_CONTEXT = 1024  # tokens of context per llama-server slot: a 64-token prompt and 64 new tokens fit
+
+
+def refuse(message: str) -> NoReturn:
+    """Bad input: one line on stderr, exit 2, before anything has started."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def find_tool(given: str | None, env: str, name: str, flag: str) -> tuple[Path | None, str]:
+    """The program at `given` (a flag), else at $`env`, else `name` on PATH; (None, why) when none is."""
+    for value, source in ((given, flag), (os.environ.get(env), f"${env}")):
+        if value:
+            path = Path(value).expanduser()
+            if not (path.is_file() and os.access(path, os.X_OK)):
+                refuse(f"{source} {value}: no such executable")
+            return path, ""
+    found = shutil.which(name)
+    if found:
+        return Path(found), ""
+    return None, f"no {name} found (give {flag} FILE, set ${env}, or put {name} on PATH)"
+
+
+def version(binary: Path) -> str:
+    """`binary --version`'s first line ("version: 7134 (a1b2c3d)"), or '' when it prints none."""
+    try:
+        done = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    lines = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("version")]
+    return lines[0].split(":", 1)[1].strip() if lines else ""
+
+
+# --- the GGUF a recipe starts from -----------------------------------------------------------------
+
+
+def source_path(source: str) -> Path:
+    from optimize.models import resolve_package_path
+
+    return resolve_package_path(source) if source.startswith("pkg://") else Path(source).expanduser()
+
+
+def recipe_gguf(manifest: dict) -> tuple[Path | None, str]:
+    """The GGUF file the artifact's recipe loaded (model.source, pkg:// resolved as the pipeline does),
+    or (None, why) when its source is not one."""
+    from optimize.errors import RecipeError
+
+    source = ((manifest.get("recipe") or {}).get("resolved") or {}).get("model", {}).get("source") or ""
+    if not source.endswith(".gguf"):
+        return None, f"the recipe's model.source {source or '(none)'!r} is not a GGUF file (--gguf PATH)"
+    try:
+        path = source_path(source)
+    except RecipeError as exc:
+        return None, str(exc)
+    if not path.is_file():
+        return None, f"model.source={source}: no such file (--gguf PATH)"
+    return path, ""
+
+
+def converted_folder(gguf: Path) -> Path:
+    """Where optimize.models.hf_folder keeps the GGUF dequantized to a safetensors folder."""
+    from engines.artifact import sha256_file
+    from optimize.models import cache_root
+
+    return cache_root() / "gguf" / sha256_file(gguf)[:24]
+
+
+# --- llama-server ----------------------------------------------------------------------------------
+
+
+def server_command(
+    binary: Path,
+    gguf: Path,
+    slots: int,
+    threads: int,
+    port: int | str,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """llama.cpp's OpenAI-compatible server with `slots` parallel sequences (continuous batching is
+    on by default), each with SLOT_CONTEXT tokens of context (-c is shared out over the slots);
+    `extra` are the user's own flags (such as --no-repack), last."""
+    return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(slots), "-c", str(SLOT_CONTEXT * slots), "-t", str(threads), "-tb", str(threads),
+            "--jinja", *extra]  # fmt: skip
+
+
+# --- llama-bench -----------------------------------------------------------------------------------
+
+
+def bench_command(
+    binary: Path,
+    gguf: Path,
+    threads: int,
+    tokens: int,
+    repetitions: int,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """tg`tokens` only (`-p 0`: no prompt-processing test), JSON out, the user's own flags last."""
+    return [str(binary), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads),
+            "-r", str(repetitions), "-o", "json", *extra]  # fmt: skip
+
+
+def decode_reference(
+    binary: Path,
+    gguf: Path,
+    threads: int = 2,
+    tokens: int = 64,
+    repetitions: int = 5,
+    extra: Sequence[str] = (),
+    timeout_s: float = 600,
+) -> dict:
+    """llama-bench's tg`tokens` on `gguf`: mean and stddev tokens/s, and the build it measured."""
+    command = bench_command(binary, gguf, threads, tokens, repetitions, extra)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        tail = " | ".join(done.stderr.strip().splitlines()[-2:])
+        raise RuntimeError(f"llama-bench exited with {done.returncode}: {tail}")
+    row = next(r for r in json.loads(done.stdout) if r.get("n_gen") == tokens)
+    return {
+        "test": f"tg{tokens}",
+        "gguf": gguf.name,
+        "threads": row.get("n_threads", threads),
+        "tokens_per_s": round(float(row["avg_ts"]), 2),
+        "stddev_tokens_per_s": round(float(row.get("stddev_ts") or 0.0), 2),
+        "repetitions": repetitions,
+        "build": f"{row.get('build_number', '')} ({row.get('build_commit', '')})",
+        "command": command,
+    }
+
+
+def gguf_of(target: Path) -> Path:
+    """A .gguf file as given, or the GGUF an artifact folder's recipe starts from (refused otherwise)."""
+    if target.suffix == ".gguf":
+        return target if target.is_file() else refuse(f"{target}: no such file")
+    manifest_path = target / "manifest.json"
+    if not manifest_path.is_file():
+        refuse(f"{target}: neither a .gguf file nor an artifact folder (no manifest.json)")
+    gguf, why = recipe_gguf(json.loads(manifest_path.read_text()))
+    return gguf if gguf is not None else refuse(why)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1].strip())
+    p.add_argument("target", type=Path, help="an artifact folder (its recipe's GGUF) or a .gguf file")
+    p.add_argument("--llama-bench", default=None, help="the llama-bench binary (else $PEERS_LLAMA_BENCH or PATH)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--repetitions", type=int, default=5)
+    p.add_argument("--llama-bench-args", type=shlex.split, default=[], help="more llama-bench flags ('--repack 0')")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args(argv)
+    gguf = gguf_of(args.target)
+    binary, why = find_tool(args.llama_bench, "PEERS_LLAMA_BENCH", "llama-bench", "--llama-bench")
+    if binary is None:
+        refuse(why)
+    result = decode_reference(binary, gguf, args.threads, args.tokens, args.repetitions, args.llama_bench_args)
+    print(
+        f"llama-bench {result['test']} on {gguf.name}, {result['threads']} threads, build {result['build']}: "
+        f"{result['tokens_per_s']} +/- {result['stddev_tokens_per_s']} tok/s"
+    )
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()
