@@ -180,3 +180,16 @@ def test_sigint_during_the_served_gate_is_exit_130_with_nothing_written(tiny_llm
     assert "interrupted: nothing was written" in stderr
     assert not out.exists() and not any(p.name.startswith(".artifact") for p in tmp_path.iterdir())
     assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_server_never_ready_fails_every_served_check_as_not_measured():
+    from optimize.gate import judge
+    from optimize.tasks.lm_served import ServedLoad, not_served, table_rows
+
+    load = ServedLoad(clients=2, prompt_tokens=16, output_tokens=6, requests_per_client=2)
+    served = {**not_served(load, "serve exited with 2: error: --max-batch-size: must be > 0"), "prompt_tokens": 16}
+    served.update(requested_tokens=6, other_cpu_share=0.0)
+    assert served["failed"] == served["requests"] == 4 and "exited with 2" in served["errors"][0]
+    verdict = judge({}, {"served": served}, {"min_served_tokens_per_s": 1.0, "max_served_ttft_p95_ms": 100.0})
+    assert not verdict.passed and all(c.value is None and c.note == "not measured" for c in verdict.checks)
+    assert "4 of 4 requests failed" in table_rows(served)[0][3]
