@@ -14,6 +14,7 @@ Torch-free and runtime-free: every engine imports this module.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 from typing import Any, Callable, Iterator, Literal, Protocol
 
@@ -87,6 +88,22 @@ def top_logprobs(logits: np.ndarray, token: int, k: int) -> TokenLogprob:
     logp = log_softmax(np.asarray(logits).reshape(1, -1))[0]
     best = np.argsort(-logp, kind="stable")[:k]
     return TokenLogprob(token, float(logp[token]), tuple((int(i), float(logp[i])) for i in best))
+
+
+class ChatTemplateError(ValueError):
+    """The model's own chat template refused a conversation (it raised: a Mistral-style template that
+    needs alternating roles calls raise_exception). The message is the template's own."""
+
+
+def template_refusal(exc: Exception) -> ChatTemplateError:
+    """The template's words out of the error an engine's C++ template renderer (minja, in both
+    onnxruntime-genai and openvino-genai) raises as a RuntimeError: its message runs to " at row N,
+    column M:" followed by the template text; OpenVINO puts its advice first and the message after
+    "Minja's error: "."""
+    text = str(exc)
+    text = text.split("Minja's error:", 1)[-1]
+    text = re.split(r" at row \d+, column \d+:", text, maxsplit=1)[0]
+    return ChatTemplateError(" ".join(text.split())[:300] or type(exc).__name__)
 
 
 class UnsupportedSampling(ValueError):

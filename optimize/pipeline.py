@@ -143,6 +143,7 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
 
             plan_time_refusals(ctx, the_plan.stages, source.onnx_path)
         task.check_workload(ctx, the_plan.workload)
+        lm_served.check_context(the_plan, ctx)
         baseline = ctx.baseline = subjects.baseline(ctx, task)
         model = _initial_model(source)
         for method, method_cfg in order(the_plan.stages):

@@ -9,6 +9,13 @@ from starlette.requests import Request
 
 from serve.errors import HTTPError, too_large
 
+# The most characters one token is taken to stand for, in the length checks made before a tokenizer sees
+# a text: a text over its limit in tokens times this is refused (or, where the client asks to truncate,
+# cut to that) before it is tokenized, so no request makes the server tokenize more than a context's
+# worth of text (a 4 MB prompt took the event loop for half a second). Byte-level BPE tokens are a
+# few characters on average; a long run of spaces is the longest in common vocabularies.
+MAX_CHARS_PER_TOKEN = 32
+
 # zlib window bits: 16+ reads gzip, a plain value reads the zlib stream HTTP calls "deflate".
 WBITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
 

@@ -56,8 +56,9 @@ class TextClassifierModel(ClassifierModel):
     def from_texts_checked(self, texts: list[str], truncate: bool) -> EncoderBatchItem:
         """Texts tokenized; one past max_length tokens is refused unless the client asks to truncate
         (as Text Embeddings Inference does: a cut text is classified on part of what was sent)."""
-        encodings = self.text.tokenizer.encode_batch(list(texts))
-        cut = [i for i, e in enumerate(encodings) if e.overflowing]
+        kept = self.cut(texts)
+        encodings = self.text.tokenizer.encode_batch(kept)
+        cut = [i for i, (e, k, t) in enumerate(zip(encodings, kept, texts)) if e.overflowing or len(k) < len(t)]
         if cut and not truncate:
             raise unprocessable(
                 f"inputs[{cut[0]}] is longer than the {self.max_length} tokens this model takes; "

@@ -91,7 +91,16 @@ class EncoderModel:
 
     # --- building batch items ----------------------------------------------------------------------
 
+    def cut(self, texts: list[str]) -> list[str]:
+        """Texts cut to what max_length tokens can hold (serve/body.py's MAX_CHARS_PER_TOKEN), before
+        tokenizing: the tokenizer truncates to max_length anyway, after tokenizing all it is given."""
+        from serve.body import MAX_CHARS_PER_TOKEN
+
+        limit = self.max_length * MAX_CHARS_PER_TOKEN
+        return [t if len(t) <= limit else t[:limit] for t in texts]
+
     def from_texts(self, texts: list[str]) -> EncoderBatchItem:
+        texts = self.cut(texts)
         if len(texts) == 1:  # the common request: `encode` skips encode_batch's thread-pool hand-off
             encoding = self.text.tokenizer.encode(texts[0])
             return EncoderBatchItem(

@@ -19,6 +19,7 @@ Stop strings: serve/stops.py.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
@@ -28,6 +29,13 @@ from serve.protocol import GenerationRequest
 if TYPE_CHECKING:
     from engines.generation import BatchEngine, BatchSettings, Generator, Sampling, TextModel
     from serve.config import ServeConfig
+
+
+# A temperature or a top_p below this samples as greedy decoding does: top_p 0 (which OpenAI's API
+# takes) keeps only the most likely token, and a temperature of 1e-300 divides the logits into
+# infinities; the engines refuse both (each is 0 in float32). vLLM's threshold. min_p 1, which OpenVINO
+# GenAI refuses, is greedy decoding too.
+GREEDY_BELOW = 1e-5
 
 
 class GenerativeModel:
@@ -78,6 +86,9 @@ class GenerativeModel:
         from serve.tools import takes_tools
 
         self.template_takes_tools = takes_tools(self.runner)
+        # One thread tokenizes requests, off the event loop; one, as the loop was: the engine's
+        # tokenizer is then used by it and the engine's own thread only.
+        self.tokenizing = ThreadPoolExecutor(1, thread_name_prefix="serve-tokenize")
 
     def describe(self) -> str:
         """How generations are run, for the startup line."""
@@ -88,9 +99,36 @@ class GenerativeModel:
         tools = "the model's chat template renders tools" if self.template_takes_tools else FALLBACK
         return f"{how}; {tools}"
 
+    async def prepare_off_loop(self, request: GenerationRequest) -> tuple[list[int], Sampling]:
+        """prepare() in the tokenizing thread, after the cheap length check: a long prompt is refused
+        before it is tokenized, and tokenizing (or rendering a chat template) never holds the event
+        loop, so running streams and health checks go on meanwhile."""
+        import asyncio
+
+        self.check_characters(request)
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizing, self.prepare, request)
+
+    def check_characters(self, request: GenerationRequest) -> None:
+        """400 for a prompt longer in characters than max_prompt_tokens tokens can be (serve/body.py's
+        MAX_CHARS_PER_TOKEN), counted without tokenizing."""
+        from serve.body import MAX_CHARS_PER_TOKEN
+
+        if request.prompt is not None:
+            length = len(request.prompt)
+        else:
+            length = sum(len(m["content"]) + len(str(m.get("tool_calls") or "")) for m in request.messages or ())
+        limit = self.max_prompt_tokens * MAX_CHARS_PER_TOKEN
+        if length > limit:
+            raise bad_request(
+                f"the prompt has {length} characters, more than {self.max_prompt_tokens} tokens (this server's "
+                f"limit) can hold: at most {limit} are tokenized",
+                param="messages" if request.messages is not None else "prompt",
+            )
+
     def prepare(self, request: GenerationRequest) -> tuple[list[int], Sampling]:
         """What the engine is handed for a request: its prompt's token ids and its sampling settings,
         every limit checked (each refusal a 400 naming the parameter)."""
+        self.check_characters(request)
         prompt_ids = self.prompt_ids(request)
         budget = self.token_budget(len(prompt_ids), request.max_tokens)
         return prompt_ids, self.sampling(request, budget)
@@ -99,7 +137,9 @@ class GenerativeModel:
         if request.messages is not None:
             from serve.tools import chat_prompt
 
-            text = chat_prompt(self.runner, request.messages, request.tools, self.template_takes_tools)
+            text = refused_by_template(
+                chat_prompt, self.runner, request.messages, request.tools, self.template_takes_tools
+            )
             ids = self.runner.encode(text)
         elif request.prompt is not None:
             ids = self.runner.encode(request.prompt)
@@ -167,10 +207,14 @@ class GenerativeModel:
             )
         if request.constraint is not None:
             self.check_constraint(request)
+        temperature, top_p = request.temperature, request.top_p
+        # Each means "the most likely token" (min_p 1 keeps only tokens as likely as the best).
+        if temperature < GREEDY_BELOW or top_p < GREEDY_BELOW or request.min_p >= 1:
+            temperature, top_p = 0.0, 1.0
         sampling = Sampling(
             budget,
-            request.temperature,
-            request.top_p,
+            temperature,
+            top_p,
             request.seed,
             logprobs=request.logprobs,
             top_logprobs=request.top_logprobs,
@@ -223,6 +267,17 @@ class GenerativeModel:
             reason = " ".join(str(exc).split()) or type(exc).__name__
             message = f"{self.format} cannot take this constraint: {reason}"
             raise bad_request(message, param=request.constraint_param) from None
+
+
+def refused_by_template(render, *args) -> str:
+    """The prompt text `render(*args)` makes of a conversation; one the model's chat template refuses
+    (it raised) is a 400 with the template's words, never the fallback template's rendering."""
+    from engines.generation import ChatTemplateError
+
+    try:
+        return render(*args)
+    except ChatTemplateError as exc:
+        raise bad_request(f"the model's chat template refuses this conversation: {exc}", param="messages") from None
 
 
 def batch_settings(config: ServeConfig) -> BatchSettings:

@@ -86,7 +86,11 @@ async def embeddings(request: Request) -> FastJSONResponse:
                 f"this model's embeddings have {model.embedding_dim} dimensions; 'dimensions' cannot change that",
                 param="dimensions",
             )
-        item = model.from_texts(parsed.texts) if parsed.texts is not None else model.from_token_ids(parsed.token_ids)
+        # Tokenizing in a worker thread: the event loop goes on serving meanwhile.
+        if parsed.texts is not None:
+            item = await asyncio.to_thread(model.from_texts, parsed.texts)
+        else:
+            item = model.from_token_ids(parsed.token_ids)
     tokens = int(item.inputs["attention_mask"].sum())
     state.metrics.prompt_tokens.inc(tokens)
     vectors = (await run_encoder(state, item))["sentence_embedding"]
@@ -130,7 +134,7 @@ async def generate(request: Request, parse, chat: bool):
     check_model(state, parsed.model, "completions")
     state.require_ready()
     model = state.model
-    prompt_ids, sampling = model.prepare(parsed)
+    prompt_ids, sampling = await model.prepare_off_loop(parsed)
     state.metrics.prompt_tokens.inc(len(prompt_ids))
     generations = submit_choices(state.generator, prompt_ids, sampling, parsed.n, model.seed_range)
     choices = [Choice(i, g, StopMatcher(parsed.stop), tool_calls(parsed)) for i, g in enumerate(generations)]

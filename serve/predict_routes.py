@@ -10,6 +10,8 @@ does. Sentence pairs (TEI's [["a", "b"]]) are not taken: the classifiers here ar
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.requests import Request
 from starlette.routing import Route
 
@@ -48,7 +50,8 @@ async def predict(request: Request) -> FastJSONResponse:
         texts, single = parse_inputs(data, state.config.max_inputs)
         raw_scores, truncate = get_bool(data, "raw_scores"), get_bool(data, "truncate")
         state.require_ready()
-        item = state.model.from_texts_checked(texts, truncate)
+        # Tokenizing in a worker thread: the event loop goes on serving meanwhile.
+        item = await asyncio.to_thread(state.model.from_texts_checked, texts, truncate)
     state.metrics.prompt_tokens.inc(int(item.inputs["attention_mask"].sum()))
     logits = (await run_encoder(state, item))["logits"]
     rows = state.model.predictions(logits, raw_scores)

@@ -357,9 +357,11 @@ def parse_sampling(data: dict, request: GenerationRequest, max_tokens_key: str =
 def parse_chat_logprobs(data: dict, request: GenerationRequest) -> None:
     """Chat: `logprobs: true`, and `top_logprobs: k` alternatives, which need it."""
     request.logprobs = get_bool(data, "logprobs")
-    request.top_logprobs = get_int(data, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS) or 0
-    if request.top_logprobs and not request.logprobs:
+    top = get_int(data, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    # As OpenAI's API: any top_logprobs, 0 included, needs logprobs (0 without it would ask nothing).
+    if top is not None and not request.logprobs:
         raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    request.top_logprobs = top or 0
 
 
 def parse_completion_logprobs(data: dict, request: GenerationRequest) -> None:

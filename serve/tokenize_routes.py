@@ -42,6 +42,8 @@ async def text_model(request: Request):
 
 
 async def tokenize(request: Request) -> JSONResponse:
+    import asyncio
+
     from serve.protocol import parse_message
 
     data, model = await text_model(request)
@@ -54,13 +56,39 @@ async def tokenize(request: Request) -> JSONResponse:
         raw = data["messages"]
         if not isinstance(raw, list) or not raw:
             raise bad_request("'messages' must be a non-empty list", param="messages")
-        text = model.runner.chat_prompt([parse_message(m, i) for i, m in enumerate(raw)])
+        messages = [parse_message(m, i) for i, m in enumerate(raw)]
+        check_length(sum(len(m["content"]) for m in messages), model.context_length, key)
+        text: str | list[dict] = messages
     elif isinstance(data[key], str):
         text = data[key]
+        check_length(len(text), model.context_length, key)
     else:
         raise bad_request(f"'{key}' must be a string", param=key)
-    tokens = model.runner.encode(text)
+    # Rendering and tokenizing in the model's tokenizing thread, off the event loop (serve/llm.py).
+    tokens = await asyncio.get_running_loop().run_in_executor(model.tokenizing, tokens_of, model, text)
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": model.context_length})
+
+
+def check_length(characters: int, context_length: int, key: str) -> None:
+    """400 for a text longer in characters than the context can hold, before it is tokenized."""
+    from serve.body import MAX_CHARS_PER_TOKEN
+
+    limit = context_length * MAX_CHARS_PER_TOKEN
+    if characters > limit:
+        raise bad_request(
+            f"'{key}' has {characters} characters, more than the context of {context_length} tokens can hold: "
+            f"at most {limit} are tokenized",
+            param=key,
+        )
+
+
+def tokens_of(model, text: str | list[dict]) -> list[int]:
+    """The token ids of a text, or of a conversation as the model's chat template renders it."""
+    from serve.llm import refused_by_template
+
+    if isinstance(text, list):
+        text = refused_by_template(model.runner.chat_prompt, text)
+    return model.runner.encode(text)
 
 
 async def detokenize(request: Request) -> JSONResponse:

@@ -21,6 +21,7 @@ from engines.generation import (
     ScoringGenerator,
     TokenLogprob,
     refuse_unhonoured,
+    template_refusal,
     token_logprobs,
     top_logprobs,
 )
@@ -94,6 +95,7 @@ class GenAIRunner:
         self.model = og.Model(config)
         self.tokenizer = og.Tokenizer(self.model)
         self.eos_token_ids = set(int(t) for t in self.tokenizer.eos_token_ids)
+        self.has_chat_template = has_chat_template(self.dir)
 
     def encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tokenizer.encode(text)]
@@ -102,15 +104,18 @@ class GenAIRunner:
         return self.tokenizer.decode(ids)
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The model's own chat template when it has one, a plain role-tagged one otherwise."""
+        """The model's own chat template when it has one (a conversation it refuses raises
+        ChatTemplateError with its words), a plain role-tagged one otherwise."""
         payload = json.dumps(messages)
         extra = {"tools": json.dumps(tools)} if tools else {}
-        try:
-            return self.tokenizer.apply_chat_template(payload, add_generation_prompt=True, **extra)
-        except Exception:  # no template in the folder (GenAI raises a generic error)
+        if not self.has_chat_template:
             return self.tokenizer.apply_chat_template(
                 payload, template_str=FALLBACK_CHAT_TEMPLATE, add_generation_prompt=True, **extra
             )
+        try:
+            return self.tokenizer.apply_chat_template(payload, add_generation_prompt=True, **extra)
+        except RuntimeError as exc:  # what the template raised (GenAI's renderer has no narrower class)
+            raise template_refusal(exc) from None
 
     def generate(
         self,
@@ -233,3 +238,15 @@ def load_genai_runner(root: Path, engine: dict, threads: int = 0, spinning: bool
 
 # mypy checks that the runner implements the generation interface (engines/generation.py).
 _generator: type[ScoringGenerator] = GenAIRunner
+
+
+def has_chat_template(folder: Path) -> bool:
+    """Whether the model folder carries a chat template, where onnxruntime-genai's tokenizer reads
+    one: chat_template.jinja, or tokenizer_config.json's chat_template."""
+    if (folder / "chat_template.jinja").is_file():
+        return True
+    config = folder / "tokenizer_config.json"
+    try:
+        return bool(json.loads(config.read_text()).get("chat_template")) if config.is_file() else False
+    except (ValueError, AttributeError):
+        return False

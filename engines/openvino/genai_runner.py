@@ -40,6 +40,7 @@ from engines.generation import (
     TokenLogprob,
     UnsupportedSampling,
     refuse_unhonoured,
+    template_refusal,
     token_logprobs,
 )
 from engines.openvino.runner import PRECISIONS, compile_properties, require_cpu_features
@@ -177,20 +178,21 @@ class OVGenAIText(abc.ABC):
         return self.tokenizer.decode([int(t) for t in ids])
 
     def chat_prompt(self, messages: list[dict], tools: list[dict] | None = None) -> str:
-        """The model's own chat template when it has one, a plain role-tagged one otherwise. Tools
-        go to a template that reads them only: for one that does not, the tokenizer would write its
-        own long description of them (serve/tools.py writes a compact one instead)."""
+        """The model's own chat template when it has one (a conversation it refuses raises
+        ChatTemplateError with its words), a plain role-tagged one otherwise. Tools go to a template
+        that reads them only: for one that does not, the tokenizer would write its own long
+        description of them (serve/tools.py writes a compact one instead)."""
         messages = [dict(m) for m in messages]  # tool_calls and tool_call_id included
         template = self.tokenizer.chat_template or ""
         extra = {"tools": tools} if tools and "tools" in template else {}
+        if not template:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, chat_template=FALLBACK_CHAT_TEMPLATE, **extra
+            )
         try:
-            if self.tokenizer.chat_template:
-                return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
-        except Exception:  # a template the tokenizer cannot render: use the fallback
-            pass
-        return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, chat_template=FALLBACK_CHAT_TEMPLATE, **extra
-        )
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
+        except RuntimeError as exc:  # what the template raised (the renderer has no narrower class)
+            raise template_refusal(exc) from None
 
     # ------------------------------------------------------------ generation
 

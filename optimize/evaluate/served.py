@@ -18,6 +18,7 @@ import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -163,7 +164,16 @@ async def one_request(
 
 
 async def drive_async(
-    url, model, prompts, clients, per_client, new_tokens, timeout_s, leave_share=0.0, structured_share=0.0
+    url,
+    model,
+    prompts,
+    clients,
+    per_client,
+    new_tokens,
+    timeout_s,
+    leave_share=0.0,
+    structured_share=0.0,
+    stop=lambda: False,  # true once the load is to end: no client sends another request
 ):
     import httpx
 
@@ -173,6 +183,8 @@ async def drive_async(
         async def closed_loop(index: int) -> list[Result]:
             out = []
             for k in range(per_client):
+                if stop():
+                    break
                 prompt = prompts[(index * per_client + k) % len(prompts)]
                 leave = index < round(clients * leave_share)
                 schema = STRUCTURED_SCHEMA if carries_schema(k * clients + index, structured_share) else None
@@ -194,12 +206,13 @@ def drive(
     new_tokens: int,
     timeout_s: float = 120,
     structured_share: float = 0.0,
+    stop=lambda: False,
 ):
     """Closed-loop load: `clients` concurrent streams, each sending `per_client` requests in turn
-    (`structured_share` of them constrained to STRUCTURED_SCHEMA). Returns the figures a report (or a
-    gate) reads."""
+    (`structured_share` of them constrained to STRUCTURED_SCHEMA) until `stop()`. Returns the figures
+    a report (or a gate) reads."""
     results, wall = asyncio.run(
-        drive_async(url, model, prompts, clients, per_client, new_tokens, timeout_s, 0.0, structured_share)
+        drive_async(url, model, prompts, clients, per_client, new_tokens, timeout_s, 0.0, structured_share, stop)
     )
     figures = summarize(results, wall, clients)
     if structured_share > 0:
@@ -229,24 +242,40 @@ def summarize(results: list[Result], wall: float, clients: int) -> dict:
     }
 
 
+class ServerNotReady(RuntimeError):
+    """The server exited, refused the readiness check or was not ready in time (one line: which)."""
+
+
 class ServedServer:
-    """A server process on loopback; the port from its startup line, ready once `ready_path` answers."""
+    """A server process on loopback; the port from its startup line, ready once `ready_path` answers.
+    `unset`: variables of this environment the server does not inherit. `own_session`: the server
+    leaves the terminal's process group, so a Ctrl-C reaches only the caller, which stops it."""
 
     def __init__(
-        self, name: str, command: list[str], ready_path: str, env: dict | None = None, port: int | None = None
+        self,
+        name: str,
+        command: list[str],
+        ready_path: str,
+        env: dict | None = None,
+        port: int | None = None,
+        unset: tuple[str, ...] = (),
+        own_session: bool = False,
     ):
         self.name, self.ready_path = name, ready_path
         self.lines: list[str] = []
+        environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset}
         self.proc = subprocess.Popen(
             command,
             cwd=ROOT,
-            env={**os.environ, **(env or {})},
+            env=environment,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            start_new_session=own_session,
         )
         self.port: int | None = port  # known when the command names it; else read from the startup line
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -260,19 +289,31 @@ class ServedServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self, timeout: float = 300) -> None:
+    def wait_ready(self, timeout: float = 300, stop=lambda: False) -> None:
+        """Return once ready; ServerNotReady at once when the server exits or answers the readiness
+        check with a 4xx (it will never be ready: an API key it wants, a path it lacks), else after
+        `timeout` s (loading answers 503 or not at all). Returns early when `stop()`."""
         import httpx
 
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not stop():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"exited with {self.proc.returncode}: {' | '.join(self.lines[-3:])}")
+                self.reader.join(5)  # its last lines say why
+                raise ServerNotReady(f"{self.name} exited with {self.proc.returncode}: {self.last_lines()}")
+            status = None
             if self.port:
                 with contextlib.suppress(httpx.HTTPError):
-                    if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
-                        return
+                    status = httpx.get(self.url + self.ready_path, timeout=2).status_code
+            if status == 200:
+                return
+            if status is not None and 400 <= status < 500:
+                raise ServerNotReady(f"{self.name} answered {self.ready_path} with {status}: {self.last_lines()}")
             time.sleep(0.2)
-        raise RuntimeError(f"not ready after {timeout:.0f} s")
+        if not stop():
+            raise ServerNotReady(f"{self.name} not ready after {timeout:.0f} s: {self.last_lines()}")
+
+    def last_lines(self) -> str:
+        return " | ".join(line.strip() for line in self.lines[-3:] if line.strip()) or "no output"
 
     def rss_mb(self) -> float:
         import psutil
@@ -306,16 +347,60 @@ def served_load(
     flags: tuple[str, ...] = (),
     timeout_s: float = 120,
     structured_share: float = 0.0,
+    ready_timeout_s: float = 300,
 ) -> dict:
     """Start the real server on the artifact, warm it with one request, drive the load, stop it.
-    The artifact need not have passed its gate yet (the gate is what this measures for)."""
+    The artifact need not have passed its gate yet (the gate is what this measures for).
+
+    The server's environment is this one without SERVE_API_KEY: it serves only this load's clients,
+    on loopback, which send no key. A server that is never ready raises ServerNotReady (one line).
+    SIGINT or SIGTERM meanwhile ends the load (no client sends another request), the server is
+    stopped, and the signal is then handled as it would have been (KeyboardInterrupt for Ctrl-C)."""
+    from serve.config import API_KEY_ENV
+
     manifest = json.loads((Path(artifact) / "manifest.json").read_text())
     model = (manifest.get("recipe") or {}).get("name") or Path(artifact).name
     command = [sys.executable, "-m", "serve", str(artifact), "--port", "0", "--allow-failed-gate", "--allow-modified"]
-    server = ServedServer("serve", [*command, *flags], "/v2/health/ready")
+    with signals_deferred() as stopping:
+        server = ServedServer("serve", [*command, *flags], "/v2/health/ready", unset=(API_KEY_ENV,), own_session=True)
+        try:
+            server.wait_ready(ready_timeout_s, stop=stopping)
+            asyncio.run(drive_async(server.url, model, prompts[-1:], 1, 1, 8, timeout_s, stop=stopping))
+            return drive(
+                server.url,
+                model,
+                prompts,
+                clients,
+                requests_per_client,
+                new_tokens,
+                timeout_s,
+                structured_share,
+                stop=stopping,
+            )
+        finally:
+            server.stop()
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """SIGINT and SIGTERM recorded while the block runs (it reads `stopping()` to end early), then
+    raised again once it has ended, to the handlers there were before: the server is stopped first,
+    and an interrupt does not depend on asyncio's cancellation of the load's task reaching it (a
+    Ctrl-C was seen ignored, the load running to its end: a cancellation can be lost on the way,
+    e.g. once every client's last request is done but before the gather has returned). Outside the
+    main thread: nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    received: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: received.append(signum)) for sig in SIGNALS}
     try:
-        server.wait_ready()
-        asyncio.run(drive_async(server.url, model, prompts[-1:], 1, 1, 8, timeout_s))
-        return drive(server.url, model, prompts, clients, requests_per_client, new_tokens, timeout_s, structured_share)
+        yield lambda: bool(received)
     finally:
-        server.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if received:
+            signal.raise_signal(received[0])
+
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)

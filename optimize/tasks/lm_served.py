@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# Seconds the candidate's server may take to load before the served checks fail as not measured (a
+# server that exits, or answers the readiness check with a 4xx, fails them at once).
+READY_TIMEOUT_S = 180
+
 SERVED_THRESHOLDS = ("max_served_ttft_p95_ms", "min_served_tokens_per_s", "max_served_invalid_structured")
 # The gate keys that shape the served load (not thresholds: nothing is checked against them).
 SERVED_SETTINGS = (
@@ -135,6 +139,30 @@ def check_plan(plan: Plan) -> None:
         raise RecipeError(
             "gate.max_served_invalid_structured: no served request is constrained; set gate.served_structured_share"
         )
+    from serve.config import ServeConfig
+
+    cap = ServeConfig().max_tokens  # the gate's server runs with serve's default --max-tokens
+    if load.output_tokens > cap:
+        raise RecipeError(
+            f"gate.served_output_tokens={load.output_tokens}: the served gate's server answers at most {cap} "
+            "tokens per request (python -m serve --max-tokens), so every request would be refused"
+        )
+
+
+def check_context(plan: Plan, ctx: Context) -> None:
+    """Once the source is loaded (before anything is built): the served requests' prompt and output
+    fit the model's context, or the server refuses every one of them."""
+    if not asked(plan.gate):
+        return
+    context = getattr(getattr(ctx.loaded_source().module, "config", None), "max_position_embeddings", None)
+    if not isinstance(context, int):
+        return
+    load = settings(plan.gate, plan.workload)
+    if load.prompt_tokens + load.output_tokens > context:
+        raise RecipeError(
+            f"gate.served_prompt_tokens + gate.served_output_tokens = {load.prompt_tokens} + {load.output_tokens} "
+            f"tokens do not fit the model's context of {context} tokens"
+        )
 
 
 def measure(stage: Path, ctx: Context, load: ServedLoad) -> dict:
@@ -152,24 +180,35 @@ def measure(stage: Path, ctx: Context, load: ServedLoad) -> dict:
 
 def _measure_at(stage: Path, prompts: list, flags: tuple, load: ServedLoad, clients: int) -> dict:
     from optimize.evaluate.benchmark import OtherCpuUse
-    from optimize.evaluate.served import served_load
+    from optimize.evaluate.served import ServerNotReady, served_load
 
     with OtherCpuUse() as others:
-        figures = served_load(
-            stage,
-            prompts,
-            clients,
-            load.requests_per_client,
-            load.output_tokens,
-            flags,
-            structured_share=load.structured_share,
-        )
+        try:
+            figures = served_load(
+                stage,
+                prompts,
+                clients,
+                load.requests_per_client,
+                load.output_tokens,
+                flags,
+                structured_share=load.structured_share,
+                ready_timeout_s=READY_TIMEOUT_S,
+            )
+        except ServerNotReady as exc:  # every served check then fails as not measured
+            log.warning("served load: the server on the candidate never became ready: %s", exc)
+            figures = not_served(load, clients, str(exc))
     return {
         **figures,
         "prompt_tokens": load.prompt_tokens,
         "requested_tokens": load.output_tokens,
         "other_cpu_share": round(others.share, 3),
     }
+
+
+def not_served(load: ServedLoad, clients: int, reason: str) -> dict:
+    """The figures of a load whose server never became ready: every request failed, none measured."""
+    requests = clients * load.requests_per_client
+    return {"clients": clients, "requests": requests, "failed": requests, "errors": [reason[:300]]}
 
 
 def table_rows(served: dict) -> list[list[str]]:

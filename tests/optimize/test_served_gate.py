@@ -36,6 +36,7 @@ def test_a_served_threshold_too_tight_fails_the_run_on_what_the_clients_measured
         "gate.served_concurrency=4",
         "gate.served_output_tokens=6",
         f"output_dir={out}",
+        env={"SERVE_API_KEY": "sk-from-the-shell"},  # the gate's own server does not inherit it
     )
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
@@ -135,3 +136,89 @@ def test_the_served_gate_checks_every_declared_concurrency_level_on_its_own(tiny
         assert checks[f"min_served_tokens_per_s[concurrency={level}]"]["value"] > 0
     assert "max_served_ttft_p95_ms" not in checks  # one check per level, none for the run as a whole
     assert "max_served_ttft_p95_ms[concurrency=3]" in proc.stdout
+
+
+def test_served_settings_that_can_never_work_are_refused_before_anything_is_built(tiny_llm, tmp_path):
+    proc = run_optimize(
+        *base_overrides(tiny_llm, tmp_path), "gate.min_served_tokens_per_s=5", "gate.served_output_tokens=600",
+        f"output_dir={tmp_path / 'a'}",
+    )  # fmt: skip
+    one_error_line(proc, "gate.served_output_tokens=600", "at most 512")
+    proc = run_optimize(
+        *base_overrides(tiny_llm, tmp_path), "gate.min_served_tokens_per_s=5", "gate.served_prompt_tokens=400",
+        "gate.served_output_tokens=200", f"output_dir={tmp_path / 'b'}",
+    )  # fmt: skip
+    one_error_line(proc, "400 + 200", "context of 512")
+    assert not any((tmp_path / name).exists() for name in "ab")
+
+
+@pytest.mark.parametrize("target", ["pid", "group"])
+def test_sigint_during_the_served_gate_is_exit_130_with_nothing_written(tiny_llm, tmp_path, target):
+    """Ctrl-C (to the whole process group, as a terminal sends it) or SIGINT to the pipeline alone,
+    once the gate's server runs: exit 130, no artifact, the server stopped."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    from tests.support.serve import ROOT, wait_until
+
+    out = tmp_path / "artifact"
+    overrides = [
+        *base_overrides(tiny_llm, tmp_path),
+        "gate.min_served_tokens_per_s=0.001",
+        "gate.served_requests_per_client=100000",  # far more than the run lasts: it is interrupted
+        "gate.served_output_tokens=8",
+        f"output_dir={out}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "optimize", *overrides],
+        cwd=ROOT,
+        env=dict(os.environ, HYDRA_FULL_ERROR="0"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        pipeline = psutil.Process(proc.pid)
+
+        def serving():
+            servers = []
+            for child in pipeline.children():  # the evaluation's own children come and go meanwhile
+                with contextlib.suppress(psutil.Error):
+                    if child.cmdline()[1:3] == ["-m", "serve"]:
+                        servers.append(child)
+            return servers
+
+        (server,) = wait_until(serving, timeout=600, step=0.5)
+        # Interrupted once the load runs: the server has answered (its port line and a request).
+        wait_until(lambda: len(server.net_connections(kind="tcp")) > 1, timeout=300)
+        if target == "pid":
+            os.kill(proc.pid, signal.SIGINT)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stdout[-2000:] + stderr[-3000:]
+    assert "interrupted: nothing was written" in stderr
+    assert not out.exists() and not any(p.name.startswith(".artifact") for p in tmp_path.iterdir())
+    assert not server.is_running() or server.status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_server_never_ready_fails_every_served_check_as_not_measured():
+    from optimize.gate import judge
+    from optimize.tasks.lm_served import ServedLoad, not_served, table_rows
+
+    load = ServedLoad(levels=(2,), prompt_tokens=16, output_tokens=6, requests_per_client=2)
+    served = {**not_served(load, 2, "serve exited with 2: error: --max-batch-size: must be > 0"), "prompt_tokens": 16}
+    served.update(requested_tokens=6, other_cpu_share=0.0)
+    assert served["failed"] == served["requests"] == 4 and "exited with 2" in served["errors"][0]
+    verdict = judge({}, {"served": served}, {"min_served_tokens_per_s": 1.0, "max_served_ttft_p95_ms": 100.0})
+    assert not verdict.passed and all(c.value is None and c.note == "not measured" for c in verdict.checks)
+    assert "4 of 4 requests failed" in table_rows(served)[0][3]

@@ -53,3 +53,64 @@ def test_a_structured_share_constrains_that_share_and_every_reply_validates(tiny
     assert structured["requests"] == 4 and structured["answered"] == 4, structured
     assert structured["invalid"] == 0 and structured["valid"] + structured["cut"] == 4, structured
     assert structured["valid"] >= 1  # the compact grammar ends well within 48 tokens
+
+
+@pytest.mark.parametrize("key", ["sk-from-the-shell", " "], ids=["a key", "blank"])
+def test_the_loads_server_does_not_inherit_an_api_key(tiny_ov_llm_artifact, prompts, monkeypatch, key):
+    """SERVE_API_KEY in the caller's environment (a key, which the clients do not send, or a blank one,
+    which serve refuses at start): the load's own server runs without it."""
+    from optimize.evaluate.served import served_load
+
+    monkeypatch.setenv("SERVE_API_KEY", key)
+    figures = served_load(tiny_ov_llm_artifact, prompts, clients=1, requests_per_client=1, new_tokens=2)
+    assert figures["requests"] == 1 and figures["failed"] == 0, figures
+
+
+def test_a_server_that_will_never_be_ready_is_one_line_at_once(tiny_ov_llm_artifact, prompts):
+    """A server that exits (a flag serve refuses) or answers the readiness check with a 401 (a key
+    it was given) is ServerNotReady with its reason, without waiting out the readiness timeout."""
+    import sys
+
+    from optimize.evaluate.served import ServedServer, ServerNotReady, served_load
+
+    with pytest.raises(ServerNotReady) as exited:
+        served_load(tiny_ov_llm_artifact, prompts, 1, 1, 2, flags=("--max-batch-size", "0"), ready_timeout_s=600)
+    assert "exited with 2" in str(exited.value) and "max-batch-size" in str(exited.value)
+    assert "\n" not in str(exited.value)
+    command = [sys.executable, "-m", "serve", str(tiny_ov_llm_artifact), "--port", "0"]
+    server = ServedServer("serve", command, "/v2/health/ready", env={"SERVE_API_KEY": "sk-secret"})
+    try:
+        with pytest.raises(ServerNotReady, match="with 401"):
+            server.wait_ready(600)
+        assert server.proc.poll() is None  # refused, not exited: the 4xx alone told
+    finally:
+        server.stop()
+
+
+def test_sigint_during_the_load_stops_it_and_the_server_then_interrupts(tiny_ov_llm_artifact, prompts):
+    """SIGINT while the clients run: no client sends another request, the server is stopped, and the
+    interrupt is raised as KeyboardInterrupt (asyncio would otherwise cancel the load's task, and the
+    clients' error handling swallow the cancellation)."""
+    import os
+    import signal
+
+    import psutil
+
+    from optimize.evaluate import served
+
+    started: list = []
+    drive = served.drive
+
+    def interrupted_drive(*args, **kwargs):
+        started.extend(psutil.Process().children())
+        os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C would, once the load has begun
+        return drive(*args, **kwargs)
+
+    served.drive = interrupted_drive
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            served.served_load(tiny_ov_llm_artifact, prompts, clients=2, requests_per_client=500, new_tokens=8)
+    finally:
+        served.drive = drive
+    assert started and not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in started)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
