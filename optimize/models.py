@@ -328,7 +328,10 @@ def hf_folder(source) -> Path:
     """A Hugging Face folder (config + safetensors + tokenizer) for builders that read one.
 
     A folder source is used as it is. A GGUF source was dequantized to FP32 on load; the module is
-    saved once under the cache, keyed by the GGUF file's sha256, so later runs reuse it."""
+    saved once under the cache, keyed by the GGUF file's sha256, so later runs reuse it, and only
+    when it verifies (optimize/cache_store.py: its files, this code, this GGUF); else it is rebuilt."""
+    from optimize import cache_store
+
     location = Path(source.location)
     if not source.gguf_file:
         if not (location / "config.json").is_file():
@@ -336,16 +339,24 @@ def hf_folder(source) -> Path:
         return location
     from engines.artifact import sha256_file
 
-    folder = cache_root() / "gguf" / sha256_file(location / source.gguf_file)[:24]
-    if not (folder / "model.safetensors").is_file():
-        save_converted(source.module, location, source.gguf_file, folder)
+    digest = sha256_file(location / source.gguf_file)
+    folder = cache_root() / "gguf" / digest[:24]
+    good, why = cache_store.open_verified(folder, "gguf:" + digest)
+    if not good:
+        if why != "not cached":
+            log.warning("cached conversion of %s under %s not used, rebuilt: %s", source.gguf_file, folder, why)
+            cache_store.discard(folder)
+        save_converted(source.module, location, source.gguf_file, folder, "gguf:" + digest)
     return folder
 
 
-def save_converted(module, location: Path, gguf_file: str, folder: Path) -> None:
+def save_converted(module, location: Path, gguf_file: str, folder: Path, record_source: str) -> None:
     """save_pretrained refuses GGUF-loaded models ("quantized with gguf"): rebuild the model from its
-    config without quantization_config, load the dequantized weights, save that (atomically)."""
+    config without quantization_config, load the dequantized weights, save that (in a staging folder
+    of this run, then sealed and renamed into place)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optimize import cache_store
 
     log.info("converting %s to safetensors under %s (once)", gguf_file, folder)
     config = module.config.__class__.from_dict(module.config.to_dict())
@@ -353,10 +364,11 @@ def save_converted(module, location: Path, gguf_file: str, folder: Path) -> None
         del config.quantization_config
     clean = AutoModelForCausalLM.from_config(config, dtype=module.dtype)
     clean.load_state_dict(module.state_dict())
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    clean.save_pretrained(str(tmp))
-    AutoTokenizer.from_pretrained(str(location), gguf_file=gguf_file).save_pretrained(str(tmp))
     folder.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    tmp = cache_store.staging(folder)
+    try:
+        clean.save_pretrained(str(tmp))
+        AutoTokenizer.from_pretrained(str(location), gguf_file=gguf_file).save_pretrained(str(tmp))
+        cache_store.seal(tmp, folder, record_source)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
