@@ -18,6 +18,7 @@ from engines.pytorch.runner import HF_TASKS, PICKLE_SUFFIXES
 from optimize import tasks
 from optimize.context import SourceModel
 from optimize.errors import RecipeError
+from optimize.gguf_header import check_gguf_source
 
 log = logging.getLogger(__name__)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -128,66 +129,6 @@ def check_onnx_source(path: Path, source: str) -> None:
             f"model.source={source} uses operators of the custom domain(s) {', '.join(custom)}, "
             "which ONNX Runtime cannot run without their library"
         )
-
-
-# GGUF architectures transformers reads but that are not causal LMs (encoder-decoders).
-GGUF_NOT_CAUSAL = {"t5", "t5encoder", "umt5"}
-
-
-def gguf_architectures() -> set[str]:
-    """The GGUF `general.architecture` values the installed transformers loads (its two loaders)."""
-    names: set[str] = set()
-    try:
-        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-        names |= set(GGUF_SUPPORTED_ARCHITECTURES)
-    except ImportError:
-        pass
-    try:
-        from transformers.integrations.gguf import GGUF_ARCHS
-
-        names |= set(GGUF_ARCHS)
-    except ImportError:
-        pass
-    # llama.cpp's names for what transformers calls qwen2_moe, qwen3_moe, gpt_oss, minimax_m2
-    aliases = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "minimax_m2": "minimax-m2"}
-    names -= {"general", "tokenizer"}  # keys of transformers' GGUF config mapping, not architectures
-    return names | {aliases[n] for n in names if n in aliases}
-
-
-def check_gguf_source(path: Path, source: str) -> None:
-    """A GGUF file transformers can load as a causal LM, or one RecipeError naming why not: its header
-    is read (no weights) for the architecture and the tensor types, before anything loads."""
-    if importlib.util.find_spec("gguf") is None:
-        return  # the loader says which package is missing
-    import gguf
-    import numpy as np
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-        field = reader.fields["general.architecture"]
-        architecture = bytes(field.parts[field.data[0]]).decode()
-    except (KeyError, ValueError, IndexError, OSError) as exc:
-        raise RecipeError(f"model.source={source} is not a readable GGUF file ({str(exc)[:200]})") from None
-    from importlib.metadata import version
-
-    known = gguf_architectures()
-    if architecture not in known or architecture in GGUF_NOT_CAUSAL:
-        loads = ", ".join(sorted(known - GGUF_NOT_CAUSAL))
-        raise RecipeError(
-            f"model.source={source}: GGUF architecture {architecture!r} is not a causal LM that "
-            f"transformers {version('transformers')} loads (it loads {loads})"
-        )
-    for kind in sorted({t.tensor_type for t in reader.tensors}):
-        if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            continue
-        block, size = gguf.GGML_QUANT_SIZES[kind]
-        try:  # one block of zeros: whether the installed gguf package dequantizes this type
-            gguf.quants.dequantize(np.zeros((1, size), dtype=np.uint8), kind)
-        except NotImplementedError:
-            raise RecipeError(
-                f"model.source={source} holds {kind.name} tensors, which the installed gguf package cannot dequantize"
-            ) from None
 
 
 def check_max_length(cfg, module) -> None:
