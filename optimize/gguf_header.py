@@ -209,7 +209,30 @@ def check_model(header: Header, mapped: set[str]) -> None:
         raise RecipeError(
             f"{arch}.embedding_length={values['embedding_length'][0]} but token_embd.weight has rows of {embd[0][0]}"
         )
+    unexpected = _unknown_tensors(header, arch, values.get("block_count", [0])[0])
+    if unexpected:
+        more = f" and {len(unexpected) - 5} more" if len(unexpected) > 5 else ""
+        raise RecipeError(
+            f"it holds {len(unexpected)} tensor(s) a {arch} model has not "
+            f"({', '.join(map(ascii, unexpected[:5]))}{more}); "
+            "transformers would drop them"
+        )
     _check_memory(header, values)
+
+
+def _unknown_tensors(header: Header, arch: str, blocks: int) -> list[str]:
+    """The file's tensors that llama.cpp's tensor table for `arch` does not name (none when the gguf
+    package does not know the architecture): transformers drops them without a word."""
+    import gguf
+
+    model_arch = {name: a for a, name in gguf.MODEL_ARCH_NAMES.items()}.get(arch)
+    if model_arch is None:
+        return []
+    known = set()
+    for tensor in gguf.MODEL_TENSORS.get(model_arch, ()):
+        pattern = gguf.TENSOR_NAMES[tensor]
+        known |= {pattern.format(bid=i) for i in range(blocks)} if "{bid}" in pattern else {pattern}
+    return sorted(n for n in header.tensors if n not in known and n.rsplit(".", 1)[0] not in known)
 
 
 def _check_memory(header: Header, values: dict[str, list[int]]) -> None:

@@ -186,7 +186,7 @@ def load(cfg) -> SourceModel:
 
 
 def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
-    from engines.pytorch.runner import load_hf_model
+    from engines.pytorch.runner import IncompleteWeights, load_hf_model
 
     location, gguf_file = (cfg.source if path is None else str(path)), cfg.gguf_file
     offline = False
@@ -220,6 +220,8 @@ def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
             ) from None
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RecipeError(f"model.source={cfg.source}: cannot load ({first_line})") from None
+    except IncompleteWeights as exc:  # a missing tensor would be random weights the gate cannot see
+        raise RecipeError(f"model.source={cfg.source}: {exc}") from None
     except ValueError as exc:
         if gguf_file and ("GGUF" in str(exc) or "ggml" in str(exc)):  # transformers' GGUF readers refusing
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
