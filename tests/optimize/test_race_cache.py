@@ -163,3 +163,49 @@ def test_two_runs_building_the_same_cached_candidate_at_once_never_collide(isola
     where = _save(tmp_path)
     assert cache_store.open_verified(where, cache.key_of("base", SPEC)) == (True, "")
     assert [p.name for p in where.parent.iterdir()] == [where.name]
+
+
+def _race(tmp_path: Path, name: str, candidates: str) -> tuple[subprocess.CompletedProcess, Path]:
+    from tests.support.cli import run_optimize
+
+    out = tmp_path / name
+    proc = run_optimize(
+        f"engine.params.candidates=[{candidates}]",
+        "evaluate.data.count=16",
+        "calibration.count=16",
+        "evaluate.batch_sizes=[1]",
+        "evaluate.repeats=4",
+        "evaluate.warmup=1",
+        "evaluate.memory=false",
+        "engine.params.timing_repeats=4",
+        "gate.min_speedup=null",
+        "gate.min_topk_agreement=null",
+        "gate.min_cosine=0.5",
+        "gate.min_mean_cosine=0.5",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / (name + '-run')}",
+        env={"OPTIMIZE_CACHE": str(tmp_path / "cache"), "XDG_CONFIG_HOME": str(tmp_path / "config")},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, out
+
+
+@pytest.mark.slow
+def test_an_int8_model_swapped_into_the_cached_fp32_candidate_is_rebuilt_not_shipped(tmp_path):
+    """The attack of issue 35: after a race, the INT8 candidate's model.onnx copied over the cached FP32
+    candidate's; a rerun racing only ort_fp32 shipped MatMulInteger nodes under `onnxruntime fp32`."""
+    import onnx
+
+    from engines.artifact import read_manifest
+
+    _race(tmp_path, "first", "ort_fp32,ort_int8_dynamic_all")
+    folders = {
+        json.loads((f / "candidate.json").read_text())["precision"]: f for f in (tmp_path / "cache" / "race").iterdir()
+    }
+    (folders["fp32"] / "model.onnx").write_bytes((folders["int8"] / "model.onnx").read_bytes())
+
+    _, out = _race(tmp_path, "second", "ort_fp32")
+    (candidate,) = read_manifest(out)["stages"]["engine"]["candidates"]
+    assert not candidate["cached"] and "files differ" in candidate["cache_rebuilt"] and candidate["precision"] == "fp32"
+    ops = {n.op_type for f in out.rglob("*.onnx") for n in onnx.load(str(f), load_external_data=False).graph.node}
+    assert ops and "MatMulInteger" not in ops and "DynamicQuantizeLinear" not in ops
