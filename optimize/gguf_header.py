@@ -196,9 +196,12 @@ def check_model(header: Header, mapped: set[str]) -> None:
         found = list(raw[2]) if isinstance(raw, tuple) else [raw]
         if (isinstance(raw, tuple) and len(found) != raw[1]) or not found:
             raise RecipeError(f"{arch}.{name} is an array of {raw[1]} values (at most 1024)")
+        low = 0 if isinstance(raw, tuple) else 1  # per-layer arrays: 0 for a layer without attention
         for v in found:
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= LIMITS[name]:
+            if isinstance(v, bool) or not isinstance(v, int) or not low <= v <= LIMITS[name]:
                 raise RecipeError(f"{arch}.{name}={v!r} is out of range (1 to {LIMITS[name]})")
+        if max(found) < 1:
+            raise RecipeError(f"{arch}.{name} is 0 for every layer")
         values[name] = found
     blocks = {int(m.group(1)) for m in map(re.compile(r"blk\.(\d+)\.").match, header.tensors) if m}
     if "block_count" in values and blocks and values["block_count"][0] != max(blocks) + 1:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from optimize.errors import RecipeError
-from optimize.gguf_header import main, read_header
+from optimize.gguf_header import Header, check_model, main, read_header
 
 pytest.importorskip("gguf")
 
@@ -207,3 +207,28 @@ def test_fuzzed_gguf_headers_exit_0_or_2_with_one_line(tiny_gguf, tmp_path, caps
         err = capsys.readouterr().err
         assert code in (0, 2), data[:64]
         assert code == 0 or (err.count("\n") == 1 and err.startswith("error: model.source=")), err
+
+
+def _header(**metadata) -> Header:
+    """A two-block llama's header as read (tensors of width 64), with `metadata` over its hparams."""
+    base = {"general.architecture": "llama", "llama.block_count": 2, "llama.embedding_length": 64}
+    base.update({"llama.feed_forward_length": 128, "llama.attention.head_count": 4, "llama.context_length": 512})
+    base.update({k.replace("__", "."): v for k, v in metadata.items()})
+    tensors = {"token_embd.weight": ((64, 100), 0, 0), "blk.0.attn_q.weight": ((64, 64), 0, 0)}
+    tensors["blk.1.attn_q.weight"] = ((64, 64), 0, 0)
+    return Header(3, {k: v for k, v in base.items() if v is not None}, tensors)
+
+
+MAPPED = {"block_count", "embedding_length", "feed_forward_length", "attention.head_count", "context_length"}
+
+
+def test_per_layer_head_counts_may_skip_layers_but_not_all():
+    check_model(_header(llama__attention__head_count_kv=("array", 2, (0, 2))), MAPPED)
+    with pytest.raises(RecipeError, match="0 for every layer"):
+        check_model(_header(llama__attention__head_count_kv=("array", 2, (0, 0))), MAPPED)
+
+
+def test_a_key_transformers_would_default_must_be_there():
+    with pytest.raises(RecipeError, match="no llama.feed_forward_length"):
+        check_model(_header(llama__feed_forward_length=None), MAPPED)
+    check_model(_header(llama__feed_forward_length=None), MAPPED - {"feed_forward_length"})

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -114,6 +115,17 @@ def test_a_folder_built_by_other_code_or_from_another_source_is_rebuilt(isolated
     assert cache_store.open_verified(where, "another key")[1] == "it was built from another source"
 
 
+def test_the_report_says_when_a_cached_copy_was_rejected():
+    from optimize.compile.race import cells
+    from optimize.compile.race.entry import Entry
+
+    entry = Entry(
+        "ort_fp32", SPEC, model=SimpleNamespace(precision="fp32"), build_s=3.0, cache_rebuilt="its files differ"
+    )
+    assert cells.build_words(entry) == "3 (cached copy failed its check)"
+    assert entry.report()["cache_rebuilt"] == "its files differ"
+
+
 def test_a_cache_folder_from_before_records_or_with_a_link_is_rebuilt(isolated_cache, tmp_path):
     where = _save(tmp_path)
     (where / cache_store.RECORD).unlink()
@@ -204,7 +216,8 @@ def test_an_int8_model_swapped_into_the_cached_fp32_candidate_is_rebuilt_not_shi
     }
     (folders["fp32"] / "model.onnx").write_bytes((folders["int8"] / "model.onnx").read_bytes())
 
-    _, out = _race(tmp_path, "second", "ort_fp32")
+    proc, out = _race(tmp_path, "second", "ort_fp32")
+    assert "cached copy failed its check" in proc.stdout  # the report's build column
     (candidate,) = read_manifest(out)["stages"]["engine"]["candidates"]
     assert not candidate["cached"] and "files differ" in candidate["cache_rebuilt"] and candidate["precision"] == "fp32"
     ops = {n.op_type for f in out.rglob("*.onnx") for n in onnx.load(str(f), load_external_data=False).graph.node}
