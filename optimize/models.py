@@ -18,6 +18,7 @@ from engines.pytorch.runner import HF_TASKS, PICKLE_SUFFIXES
 from optimize import tasks
 from optimize.context import SourceModel
 from optimize.errors import RecipeError
+from optimize.gguf_header import check_gguf_source
 
 log = logging.getLogger(__name__)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -130,66 +131,6 @@ def check_onnx_source(path: Path, source: str) -> None:
         )
 
 
-# GGUF architectures transformers reads but that are not causal LMs (encoder-decoders).
-GGUF_NOT_CAUSAL = {"t5", "t5encoder", "umt5"}
-
-
-def gguf_architectures() -> set[str]:
-    """The GGUF `general.architecture` values the installed transformers loads (its two loaders)."""
-    names: set[str] = set()
-    try:
-        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-
-        names |= set(GGUF_SUPPORTED_ARCHITECTURES)
-    except ImportError:
-        pass
-    try:
-        from transformers.integrations.gguf import GGUF_ARCHS
-
-        names |= set(GGUF_ARCHS)
-    except ImportError:
-        pass
-    # llama.cpp's names for what transformers calls qwen2_moe, qwen3_moe, gpt_oss, minimax_m2
-    aliases = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "gpt_oss": "gpt-oss", "minimax_m2": "minimax-m2"}
-    names -= {"general", "tokenizer"}  # keys of transformers' GGUF config mapping, not architectures
-    return names | {aliases[n] for n in names if n in aliases}
-
-
-def check_gguf_source(path: Path, source: str) -> None:
-    """A GGUF file transformers can load as a causal LM, or one RecipeError naming why not: its header
-    is read (no weights) for the architecture and the tensor types, before anything loads."""
-    if importlib.util.find_spec("gguf") is None:
-        return  # the loader says which package is missing
-    import gguf
-    import numpy as np
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-        field = reader.fields["general.architecture"]
-        architecture = bytes(field.parts[field.data[0]]).decode()
-    except (KeyError, ValueError, IndexError, OSError) as exc:
-        raise RecipeError(f"model.source={source} is not a readable GGUF file ({str(exc)[:200]})") from None
-    from importlib.metadata import version
-
-    known = gguf_architectures()
-    if architecture not in known or architecture in GGUF_NOT_CAUSAL:
-        loads = ", ".join(sorted(known - GGUF_NOT_CAUSAL))
-        raise RecipeError(
-            f"model.source={source}: GGUF architecture {architecture!r} is not a causal LM that "
-            f"transformers {version('transformers')} loads (it loads {loads})"
-        )
-    for kind in sorted({t.tensor_type for t in reader.tensors}):
-        if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
-            continue
-        block, size = gguf.GGML_QUANT_SIZES[kind]
-        try:  # one block of zeros: whether the installed gguf package dequantizes this type
-            gguf.quants.dequantize(np.zeros((1, size), dtype=np.uint8), kind)
-        except NotImplementedError:
-            raise RecipeError(
-                f"model.source={source} holds {kind.name} tensors, which the installed gguf package cannot dequantize"
-            ) from None
-
-
 def check_max_length(cfg, module) -> None:
     """model.max_length within what the model's position embeddings allow."""
     config = getattr(module, "config", None)
@@ -245,7 +186,7 @@ def load(cfg) -> SourceModel:
 
 
 def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
-    from engines.pytorch.runner import load_hf_model
+    from engines.pytorch.runner import IncompleteWeights, load_hf_model
 
     location, gguf_file = (cfg.source if path is None else str(path)), cfg.gguf_file
     offline = False
@@ -279,6 +220,8 @@ def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
             ) from None
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RecipeError(f"model.source={cfg.source}: cannot load ({first_line})") from None
+    except IncompleteWeights as exc:  # a missing tensor would be random weights the gate cannot see
+        raise RecipeError(f"model.source={cfg.source}: {exc}") from None
     except ValueError as exc:
         if gguf_file and ("GGUF" in str(exc) or "ggml" in str(exc)):  # transformers' GGUF readers refusing
             first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
@@ -328,7 +271,10 @@ def hf_folder(source) -> Path:
     """A Hugging Face folder (config + safetensors + tokenizer) for builders that read one.
 
     A folder source is used as it is. A GGUF source was dequantized to FP32 on load; the module is
-    saved once under the cache, keyed by the GGUF file's sha256, so later runs reuse it."""
+    saved once under the cache, keyed by the GGUF file's sha256, so later runs reuse it, and only
+    when it verifies (optimize/cache_store.py: its files, this code, this GGUF); else it is rebuilt."""
+    from optimize import cache_store
+
     location = Path(source.location)
     if not source.gguf_file:
         if not (location / "config.json").is_file():
@@ -336,16 +282,24 @@ def hf_folder(source) -> Path:
         return location
     from engines.artifact import sha256_file
 
-    folder = cache_root() / "gguf" / sha256_file(location / source.gguf_file)[:24]
-    if not (folder / "model.safetensors").is_file():
-        save_converted(source.module, location, source.gguf_file, folder)
+    digest = sha256_file(location / source.gguf_file)
+    folder = cache_root() / "gguf" / digest[:24]
+    good, why = cache_store.open_verified(folder, "gguf:" + digest)
+    if not good:
+        if why != "not cached":
+            log.warning("cached conversion of %s under %s not used, rebuilt: %s", source.gguf_file, folder, why)
+            cache_store.discard(folder)
+        save_converted(source.module, location, source.gguf_file, folder, "gguf:" + digest)
     return folder
 
 
-def save_converted(module, location: Path, gguf_file: str, folder: Path) -> None:
+def save_converted(module, location: Path, gguf_file: str, folder: Path, record_source: str) -> None:
     """save_pretrained refuses GGUF-loaded models ("quantized with gguf"): rebuild the model from its
-    config without quantization_config, load the dequantized weights, save that (atomically)."""
+    config without quantization_config, load the dequantized weights, save that (in a staging folder
+    of this run, then sealed and renamed into place)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optimize import cache_store
 
     log.info("converting %s to safetensors under %s (once)", gguf_file, folder)
     config = module.config.__class__.from_dict(module.config.to_dict())
@@ -353,10 +307,11 @@ def save_converted(module, location: Path, gguf_file: str, folder: Path) -> None
         del config.quantization_config
     clean = AutoModelForCausalLM.from_config(config, dtype=module.dtype)
     clean.load_state_dict(module.state_dict())
-    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    clean.save_pretrained(str(tmp))
-    AutoTokenizer.from_pretrained(str(location), gguf_file=gguf_file).save_pretrained(str(tmp))
     folder.parent.mkdir(parents=True, exist_ok=True)
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+    tmp = cache_store.staging(folder)
+    try:
+        clean.save_pretrained(str(tmp))
+        AutoTokenizer.from_pretrained(str(location), gguf_file=gguf_file).save_pretrained(str(tmp))
+        cache_store.seal(tmp, folder, record_source)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -154,11 +154,37 @@ def load_hf_model(
     # SDPA is PyTorch's fastest CPU attention: an eager-attention baseline would inflate speedups.
     # Eager only where transformers has no SDPA path for the architecture (Gemma 2: soft-capping).
     try:
-        return auto.from_pretrained(source, **kwargs, attn_implementation="sdpa").eval()
+        model, info = auto.from_pretrained(source, **kwargs, attn_implementation="sdpa", output_loading_info=True)
     except ValueError as exc:
         if "scaled_dot_product_attention" not in str(exc):
             raise
-        return auto.from_pretrained(source, **kwargs, attn_implementation="eager").eval()
+        model, info = auto.from_pretrained(source, **kwargs, attn_implementation="eager", output_loading_info=True)
+    check_loaded(info)
+    return model.eval()
+
+
+class IncompleteWeights(ValueError):
+    """The checkpoint does not hold exactly the model's weights (transformers would initialize the
+    missing ones at random and drop the unexpected ones, with only a table on stderr)."""
+
+
+def check_loaded(info: dict) -> None:
+    """Refuse a load whose loading info names missing, unexpected or mismatched weights, or errors."""
+    parts = []
+    for key, words in (
+        ("missing_keys", "missing"),
+        ("unexpected_keys", "unexpected"),
+        ("mismatched_keys", "of another shape"),
+    ):
+        names = sorted(str(n[0] if isinstance(n, tuple) else n) for n in info.get(key) or ())
+        if names:
+            shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            parts.append(f"{len(names)} {words} ({shown})")
+    errors = [" ".join(str(e).split())[:200] for e in info.get("error_msgs") or ()]
+    if errors:
+        parts.append(f"errors: {errors[0]}")
+    if parts:
+        raise IncompleteWeights("its weights do not match the model: " + "; ".join(parts))
 
 
 def load_pytorch_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> TorchRunner:

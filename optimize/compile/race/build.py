@@ -36,11 +36,12 @@ def build(entry: Entry, exported, ctx, key_base: Optional[str]) -> None:
     built here (no OpenVINO, no bf16, a method that does not apply) is recorded, not fatal."""
     from optimize import registry
 
-    folder = cache.folder(key_base, entry.spec) if key_base else ctx.scratch / "race" / entry.name
-    if folder and (folder / "candidate.json").is_file():
-        entry.model, entry.records = cache.load_cached(folder, exported)
-        entry.cached = True
-        return
+    if key_base:  # a cached candidate is used only when it verifies; why not is reported
+        entry.model, entry.records, why = cache.load_cached(key_base, entry.spec, exported)
+        if entry.model is not None:
+            entry.cached = True
+            return
+        entry.cache_rebuilt = "" if why == "not cached" else why
     start = time.monotonic()
     records: dict = {}  # {stage: record} of this candidate's methods
     try:
@@ -56,7 +57,11 @@ def build(entry: Entry, exported, ctx, key_base: Optional[str]) -> None:
         log.info("race: %s not built: %s", entry.name, exc)
         return
     entry.build_s = time.monotonic() - start
-    entry.model, entry.records = cache.save(built, records, folder), records
+    if key_base:
+        entry.model = cache.save(built, records, cache.folder(key_base, entry.spec), cache.key_of(key_base, entry.spec))
+    else:
+        entry.model = cache.save(built, records, ctx.scratch / "race" / entry.name)
+    entry.records = records
 
 
 class progress:

@@ -1,20 +1,28 @@
 """The build cache: a built candidate is kept under the hash of what it was built from (the
 weights, the calibration set, the package versions, the CPU, its own methods and parameters), so a
 rerun with another gate rebuilds nothing. Causal LMs also keep the PyTorch baseline's scores and
-timings (baseline_key), so a rerun on the same model, machine and shapes does not measure it again."""
+timings (baseline_key), so a rerun on the same model, machine and shapes does not measure it again.
+
+The cache is untrusted input (optimize/cache_store.py): a cached candidate is used only when its
+files match the signed record written when it was built, by this code, from this key; anything
+else (a swapped model.onnx, an edited or corrupt candidate.json) is rebuilt, with the reason."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
+import logging
 import shutil
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from engines.onnxruntime.export import copy_onnx
+from optimize import cache_store
 from optimize.compile.race.candidates import Candidate
+
+log = logging.getLogger(__name__)
 
 
 def identity(model, ctx) -> str:
@@ -46,35 +54,63 @@ def _weights_hash(model) -> str:
     return digest.hexdigest()
 
 
+def key_of(key_base: str, spec: Candidate) -> str:
+    """What the candidate built to `spec` from what `key_base` hashes is built from (its cache key)."""
+    return hashlib.sha256((key_base + json.dumps(asdict(spec), sort_keys=True)).encode()).hexdigest()
+
+
 def folder(key_base: str, spec: Candidate) -> Path:
     """Where the candidate built to `spec` from what `key_base` hashes is kept."""
     from optimize.models import cache_root
 
-    key = hashlib.sha256((key_base + json.dumps(asdict(spec), sort_keys=True)).encode()).hexdigest()[:24]
-    return cache_root() / "race" / key
+    return cache_root() / "race" / key_of(key_base, spec)[:24]
 
 
-def save(model, records: dict, folder: Path):
-    """Move a built candidate's engine files into `folder` (atomically when it is the cache)."""
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if model.kind == "onnx":
-        copy_onnx(model.onnx_path, tmp)
-        saved: dict[str, Any] = {"kind": "onnx", "file": "model.onnx"}
-    else:
-        shutil.copytree(model.engine_dir, tmp, dirs_exist_ok=True)
-        saved = {"kind": "engine"}
-    saved.update(engine=model.engine, precision=model.precision, layer_precision=model.layer_precision, records=records)
-    (tmp / "candidate.json").write_text(json.dumps(saved, default=str))
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+def save(model, records: dict, folder: Path, source: Optional[str] = None):
+    """Move a built candidate's engine files into `folder`: through a staging folder of this run and a
+    sealed record when `source` is given (the cache), else straight there (the run's scratch)."""
+    if source is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        return _model_from(folder, _write(model, records, folder), model)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cache_store.staging(folder)
+    try:
+        saved = _write(model, records, tmp)
+        cache_store.seal(tmp, folder, source)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return _model_from(folder, saved, model)
 
 
-def load_cached(folder: Path, exported):
-    saved = json.loads((folder / "candidate.json").read_text())
-    return _model_from(folder, saved, exported), saved["records"]
+def _write(model, records: dict, into: Path) -> dict:
+    """The candidate's engine files and its candidate.json in `into`; returns what candidate.json says."""
+    if model.kind == "onnx":
+        copy_onnx(model.onnx_path, into)
+        saved: dict[str, Any] = {"kind": "onnx", "file": "model.onnx"}
+    else:
+        shutil.copytree(model.engine_dir, into, dirs_exist_ok=True)
+        saved = {"kind": "engine"}
+    saved.update(engine=model.engine, precision=model.precision, layer_precision=model.layer_precision, records=records)
+    (into / "candidate.json").write_text(json.dumps(saved, default=str))
+    return saved
+
+
+def load_cached(key_base: str, spec: Candidate, exported) -> tuple[Any, dict, str]:
+    """(model, records, "") of the cached candidate when it verifies, else (None, {}, why not): a
+    folder there that fails its check is removed, to be rebuilt."""
+    where = folder(key_base, spec)
+    good, why = cache_store.open_verified(where, key_of(key_base, spec))
+    if good:
+        try:
+            saved = json.loads((where / "candidate.json").read_text())
+            return _model_from(where, saved, exported), saved["records"], ""
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:  # signed, yet not ours
+            why = f"its candidate.json does not describe a candidate ({type(exc).__name__})"
+    if why != "not cached":
+        log.warning("race: cached candidate %s not used, rebuilt: %s", where.name, why)
+        cache_store.discard(where)
+    return None, {}, why
 
 
 def _model_from(folder: Path, saved: dict, template):
@@ -92,21 +128,33 @@ def baseline_key(key_base: str, what: dict) -> str:
     return hashlib.sha256((key_base + json.dumps(what, sort_keys=True, default=str)).encode()).hexdigest()[:24]
 
 
-def load_baseline(key: str) -> dict | None:
+def _baseline_folder(key: str) -> Path:
     from optimize.models import cache_root
 
-    path = cache_root() / "race" / f"baseline-{key}.json"
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
+    return cache_root() / "race" / f"baseline-{key}"
+
+
+def load_baseline(key: str) -> dict | None:
+    """The baseline's cached figures when their folder verifies like a candidate's (a figure edited
+    in the cache would move every speedup), else None; a folder that fails its check is removed."""
+    where = _baseline_folder(key)
+    good, why = cache_store.open_verified(where, key)
+    if good:
+        try:
+            figures = json.loads((where / "figures.json").read_text())
+            if isinstance(figures, dict):
+                return figures
+            why = "its figures.json is not an object"
+        except (OSError, ValueError) as exc:
+            why = f"its figures.json is unreadable ({type(exc).__name__})"
+    if why != "not cached":
+        log.warning("race: cached baseline figures %s not used, measured again: %s", where.name, why)
+        cache_store.discard(where)
+    return None
 
 
 def save_baseline(key: str, figures: dict) -> None:
-    from optimize.models import cache_root
-
-    path = cache_root() / "race" / f"baseline-{key}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(figures))
-    tmp.replace(path)
+    where = _baseline_folder(key)
+    tmp = cache_store.staging(where)
+    (tmp / "figures.json").write_text(json.dumps(figures))
+    cache_store.seal(tmp, where, key)

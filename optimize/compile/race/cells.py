@@ -33,7 +33,8 @@ def build_words(entry) -> str:
         return "-"
     if entry.cached:
         return "cached"
-    return f"{entry.build_s:.0f}" + (f" (over {entry.budget_s:.0f})" if entry.over_budget else "")
+    rebuilt = " (cached copy failed its check)" if entry.cache_rebuilt else ""
+    return f"{entry.build_s:.0f}" + (f" (over {entry.budget_s:.0f})" if entry.over_budget else "") + rebuilt
 
 
 def encoder_cells(entry) -> dict:

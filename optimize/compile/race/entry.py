@@ -18,6 +18,7 @@ class Entry:
     model: Any = None
     records: dict = field(default_factory=dict)
     cached: bool = False
+    cache_rebuilt: str = ""  # why a cached copy was there but not used (cache.load_cached)
     build_s: float = 0.0
     size_mb: Optional[float] = None
     fidelity: dict = field(default_factory=dict)
@@ -48,6 +49,7 @@ class Entry:
             "quantize_params": self.spec.quantize_params,
             "precision": self.model.precision if self.model else None,
             "cached": self.cached,
+            "cache_rebuilt": self.cache_rebuilt,
             "build_s": round(self.build_s, 1),
             "budget_s": round(self.budget_s, 1),
             "over_budget": self.over_budget,

@@ -1,0 +1,186 @@
+"""Verified cache folders (OPTIMIZE_CACHE/race/, OPTIMIZE_CACHE/gguf/): the cache is untrusted input.
+
+Whoever can write the cache (another user, another node sharing it, a half-finished run) could put
+any model there, so a cached folder is used only when it checks out against the record sealed into it
+when it was built:
+- every file's sha256, and no file more or less (regular files only: no links, FIFOs or devices);
+- the code that built it (this project's sources and the installed packages, `code_fingerprint`);
+- what it was built from (`source`: the caller's content hash of the inputs);
+- an HMAC of all that with the cache key, a secret kept outside the cache (`OPTIMIZE_CACHE_KEY`, or
+  a file created on first use under ~/.config/optimize/), so a record rewritten to match changed
+  files does not pass either.
+Anything else is rebuilt, and `open_verified` says why. Folders are built in a staging folder unique
+to the run and renamed into place, so runs sharing one cache never see each other's half-built files.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import shutil
+import uuid
+from pathlib import Path
+from typing import Optional
+
+RECORD = "cache-record.json"
+SCHEME = "optimize-cache-v1"
+KEY_ENV = "OPTIMIZE_CACHE_KEY"
+MAX_RECORD_BYTES = 1 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """The sha256 of this project's Python sources (the packages that build anything) and the installed
+    package versions: a folder built by other code is rebuilt."""
+    import engines
+    import optimize
+    from optimize.environment import package_versions
+
+    digest = hashlib.sha256(json.dumps(package_versions(), sort_keys=True).encode())
+    for package in (optimize, engines):
+        root = Path(str(package.__file__)).parent
+        for path in sorted(root.rglob("*.py")):
+            digest.update(path.relative_to(root.parent).as_posix().encode() + b"\0")
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def _key_path() -> Path:
+    configured = os.environ.get(KEY_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config").expanduser()
+    return base / "optimize" / "cache.key"
+
+
+def cache_key() -> Optional[bytes]:
+    """The secret the records are signed with; created (mode 0600) when the default file is missing.
+    None when it cannot be read or made: nothing cached is then trusted (everything is rebuilt)."""
+    from engines.artifact import ArtifactError
+    from engines.artifact.integrity import read_key
+
+    path = _key_path()
+    if not os.path.lexists(path) and not os.environ.get(KEY_ENV):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+        except FileExistsError:
+            pass  # another run made it first
+        except OSError:
+            return None
+    try:
+        return read_key(path)
+    except ArtifactError:
+        return None
+
+
+def _files(folder: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under folder but the record; ValueError for anything
+    that is not a regular single-link file (a link could point anywhere)."""
+    from engines.artifact import ArtifactError, sha256_file
+    from engines.artifact.files import check_regular_file
+
+    found = {}
+    for parent, dirs, names in os.walk(folder, followlinks=False):
+        for name in dirs:
+            if os.path.islink(os.path.join(parent, name)):
+                raise ValueError(f"{Path(parent, name).relative_to(folder).as_posix()} is a symbolic link")
+        for name in names:
+            path = Path(parent, name)
+            rel = path.relative_to(folder).as_posix()
+            if rel == RECORD:
+                continue
+            try:
+                check_regular_file(path, rel)
+            except ArtifactError as exc:
+                raise ValueError(str(exc)) from None
+            found[rel] = sha256_file(path)
+    return dict(sorted(found.items()))
+
+
+def _signature(key: bytes, body: dict) -> str:
+    return hmac.new(key, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
+
+
+def staging(folder: Path) -> Path:
+    """A new empty folder beside `folder`, unique to this call (two runs never share one)."""
+    tmp = folder.parent / f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp"
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def open_verified(folder: Path, source: str) -> tuple[bool, str]:
+    """(True, "") when `folder` holds exactly what its record says, built by this code from `source`;
+    otherwise (False, why) — "not cached" when there is nothing there."""
+    record_path = folder / RECORD
+    if not os.path.lexists(folder):
+        return False, "not cached"
+    try:
+        if record_path.is_symlink() or not record_path.is_file():
+            return False, "it has no cache record"
+        if record_path.stat().st_size > MAX_RECORD_BYTES:
+            return False, "its cache record is oversized"
+        record = json.loads(record_path.read_text())
+        body, signature = record["body"], record["signature"]
+        if not isinstance(body, dict) or not isinstance(signature, str):
+            raise TypeError("malformed")
+    except (OSError, ValueError, KeyError, TypeError):
+        return False, "its cache record is unreadable"
+    key = cache_key()
+    if key is None:
+        return False, f"no cache key could be read or made ({_key_path()})"
+    if not hmac.compare_digest(signature, _signature(key, body)):
+        return False, f"its cache record is not signed with this machine's cache key ({KEY_ENV})"
+    if body.get("scheme") != SCHEME or body.get("code") != code_fingerprint():
+        return False, "it was built by another version of this code or its packages"
+    if body.get("source") != source:
+        return False, "it was built from another source"
+    try:
+        files = _files(folder)
+    except (OSError, ValueError) as exc:
+        return False, f"it holds a file that is not a regular file ({exc})"
+    if files != body.get("files"):
+        recorded: dict = body["files"] if isinstance(body.get("files"), dict) else {}
+        changed = sorted(set(files) ^ set(recorded) | {p for p in files if recorded.get(p) not in (None, files[p])})
+        return False, f"its files differ from those it was built with ({', '.join(changed[:5])})"
+    return True, ""
+
+
+def seal(tmp: Path, folder: Path, source: str) -> Path:
+    """Record the staged folder `tmp` (its files' hashes, this code, `source`, signed) and move it to
+    `folder`. A folder already there that verifies (another run built the same) is kept and `tmp`
+    dropped; one that does not is replaced. Returns `folder`."""
+    key = cache_key()
+    body = {"scheme": SCHEME, "code": code_fingerprint(), "source": source, "files": _files(tmp)}
+    signature = _signature(key, body) if key else ""
+    (tmp / RECORD).write_text(json.dumps({"body": body, "signature": signature}, sort_keys=True))
+    for _ in range(5):
+        try:
+            os.rename(tmp, folder)
+            return folder
+        except OSError:  # something is there: keep it if it is good, else move it aside and retry
+            if open_verified(folder, source)[0]:
+                shutil.rmtree(tmp, ignore_errors=True)
+                return folder
+            discard(folder)
+    raise OSError(f"cannot place {folder}: other runs keep replacing it")
+
+
+def discard(folder: Path) -> None:
+    """Remove a cached folder that failed its check: renamed aside first (atomic, so a run reading it
+    never sees it half-deleted by another), then deleted."""
+    aside = folder.parent / f".{folder.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.old"
+    try:
+        os.rename(folder, aside)
+    except OSError:
+        return  # gone already (another run moved it)
+    if aside.is_dir() and not aside.is_symlink():
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        aside.unlink(missing_ok=True)
