@@ -82,8 +82,9 @@ def _carried(folder: Path, tmp_path: Path, qtype):
 @pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "mixed"])
 def test_a_carried_gguf_computes_what_the_dequantized_file_does(folder, tmp_path, qtype):
-    """Per-token log-likelihoods of the carried IR against the dequantized file: equal to f32 rounding
-    (the reader alone rounds Q4_1's and Q4_K's zero points to integers: off by far more)."""
+    """Per-token log-likelihoods of the carried IR against the dequantized file: equal to f32 rounding.
+    (The reader's own IR rounds Q4_1's and Q4_K's zero points to integers: on SmolLM2's Q4_1 file its
+    logits were up to 14.7 off the dequantized model's, against 1e-4 here.)"""
     ours, reference, patched, tensors = _carried(folder, tmp_path, mixed if qtype == "mixed" else qtype)
     np.testing.assert_allclose(ours, reference, atol=2e-3)
     types = {t.type for t in tensors if len(t.shape) >= 2}
