@@ -16,6 +16,7 @@ Q2_K, Q3_K, Q5_K, IQ*, F32 or BF16 matrices) are named by `uncarried` before any
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from pathlib import Path
 import numpy as np
 
 from engines.openvino.genai_build import IR_FILE
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 # GGUF types of matrices the reader keeps as blocks, and what each becomes in the IR.
@@ -161,6 +164,10 @@ def patch_exact(model, gguf_path: Path) -> dict:
         rows = int(np.prod(t.shape[1:]))
         blocks = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1)
         reader_scale, scale, zero = _exact_constants(kind, blocks)
+        if zero is not None and np.any(np.isnan(zero)):  # blocks of scale 0 with an offset (_zero_point)
+            lost = int(np.isnan(zero).sum())
+            log.warning("GGUF tensor %s (%s): %d blocks of scale 0 with an offset become 0", t.name, kind, lost)
+            zero = np.nan_to_num(zero, nan=0.0)
         found = None
         for order in _row_orders(rows, heads):
             key = _key(reader_scale[order])
@@ -204,10 +211,11 @@ def _exact_constants(kind: str, blocks: np.ndarray):
 
 
 def _zero_point(offset: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    """offset / scale, the zero point (q - zp) * scale needs; a block whose scale is 0 is a constant
-    offset, which no zero point gives: it keeps 0 (its weights become 0, not -offset)."""
-    with np.errstate(divide="ignore", invalid="ignore"):
-        zero = np.where(scale != 0, offset / np.where(scale != 0, scale, 1), 0)
+    """offset / scale, the zero point (q - zp) * scale needs. A block of scale 0 is a constant offset,
+    which no zero point gives: NaN when its offset is not 0 (patch_exact says so and writes 0: its
+    weights become 0, not the offset), else 0."""
+    safe = np.where(scale != 0, scale, 1)
+    zero = np.where(scale != 0, offset / safe, np.where(offset == 0, 0, np.nan))
     return zero.astype(np.float32)
 
 
