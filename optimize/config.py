@@ -134,6 +134,10 @@ class GateConfig:
     min_mask_iou: Optional[float] = None  # IoU pooled over the evaluation set (0..1)
     min_mask_agreement: Optional[float] = None  # share of pixels on the same side of the threshold
     max_ppl_increase_pct: Optional[float] = None  # causal LMs: held-out perplexity increase, percent
+    # causal LMs: the increase over the source's own run, percent. The baseline is the source as the user
+    # brought it (a GGUF file dequantized: its quantized model; a checkpoint in FP32), so a candidate
+    # that keeps a GGUF's blocks scores ~0 here and one quantized again scores what it lost.
+    max_ppl_increase_over_source_pct: Optional[float] = None
     min_decode_speedup: Optional[float] = None  # causal LMs: decode tokens/s (p50) over PyTorch FP32 greedy
     # The request shape min_decode_speedup is checked at ("1024x128": prompt x output tokens), or `all`
     # (every point of workload.requests); null: the first request of the workload.

@@ -145,6 +145,8 @@ def race_table() -> str:
     def default_for(name: str) -> str:
         if name in default_candidates(generates=True):
             return generating
+        if name in default_candidates(generates=True, gguf=True):
+            return f"{generating} from a GGUF file"
         return f"every task but {generating}" if name in default_candidates(generates=False) else "when named"
 
     rows = [

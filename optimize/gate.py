@@ -188,6 +188,13 @@ CHECKS = (
         "<=",
     ),
     CheckSpec(
+        "max_ppl_increase_over_source_pct",
+        "held-out perplexity increase over the source's own run (%)",
+        lambda b, c, point: _dig(c, "perplexity_increase_pct"),
+        operator.le,
+        "<=",
+    ),
+    CheckSpec(
         "min_decode_speedup",
         "decode tok/s p50 vs PyTorch FP32 greedy",
         lambda b, c, point: _decode_speedup(c, point),

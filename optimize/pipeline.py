@@ -155,7 +155,9 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         metrics, eval_data = task.evaluate(baseline, candidate, ctx)
         for hook in model.metric_hooks:
             hook(metrics)
-        metrics["baseline"].update(engine=baseline.engine["format"], precision="fp32")
+        metrics["baseline"].update(
+            engine=baseline.engine["format"], precision="fp32", reference=subjects.reference(source)
+        )
         metrics["candidate"].update(engine=engine["format"], precision=engine["precision"])
         metrics["threads"] = _threads(ctx.threads)
         metrics["workload"] = the_plan.workload.record()

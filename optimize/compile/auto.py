@@ -45,7 +45,8 @@ def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
     thresholds = untimed_thresholds(dict(ctx.plan.gate))
     lm_race = tasks.get(model.task).generates
     exported, export = (model, None) if lm_race else export_once(model, ctx)  # decoders: built from the module
-    entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates or default_candidates(lm_race)]
+    gguf = bool(ctx.source is not None and ctx.source.gguf_file)
+    entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates or default_candidates(lm_race, gguf)]
     if lm_race:
         budgets.refuse_at_plan_time(entries, model)
     if ctx.plan.serve.structured_output:

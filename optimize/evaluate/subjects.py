@@ -36,3 +36,32 @@ def baseline(ctx, task) -> Subject:
 
 def candidate(root: Path, engine: dict, runner: TensorRunner, layer_precision: dict | None = None) -> Subject:
     return Subject("candidate", runner, engine, root, engine_bytes(root, engine), layer_precision or {})
+
+
+def reference(source) -> dict:
+    """What the baseline is, for the manifest and the report: the GGUF file dequantized (the user's
+    quantized model, with its matrices' types), an ONNX file on ONNX Runtime, or a checkpoint in FP32."""
+    if source.onnx_path is not None:
+        return {"kind": "onnx", "statement": f"the ONNX file {source.onnx_path.name} on ONNX Runtime"}
+    if source.gguf_file:
+        types = gguf_matrix_types(Path(source.location) / source.gguf_file)
+        listed = ", ".join(f"{kind} x{count}" for kind, count in types.items())
+        return {
+            "kind": "gguf",
+            "gguf_types": types,
+            "statement": f"the GGUF file {source.gguf_file} dequantized to FP32 (its matrices: {listed}), "
+            "the user's quantized model",
+        }
+    return {"kind": "checkpoint", "statement": f"the checkpoint {source.location} in FP32 (PyTorch)"}
+
+
+def gguf_matrix_types(path: Path) -> dict[str, int]:
+    """{GGUF tensor type: count} over the file's matrices, most first (norms and biases left out)."""
+    import gguf
+
+    counts: dict[str, int] = {}
+    for tensor in gguf.GGUFReader(str(path)).tensors:
+        if len(tensor.shape) >= 2:
+            kind = gguf.GGMLQuantizationType(tensor.tensor_type).name
+            counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))

@@ -107,6 +107,7 @@ def render_markdown(manifest: dict, path, plot_paths: list[str]) -> str:
         f"- created: {manifest.get('created')}",
         "## Baseline vs candidate",
         markdown_table(console.metrics_rows(manifest["metrics"])),
+        *console.baseline_lines(manifest["metrics"]),
         "## Gate",
         markdown_table(console.check_rows(manifest["gate"])),
         "## Stages",

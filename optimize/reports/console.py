@@ -140,6 +140,12 @@ def environment_lines(manifest: dict) -> list[str]:
     return lines
 
 
+def baseline_lines(metrics: dict) -> list[str]:
+    """What the baseline is (a GGUF file dequantized, or a full-precision checkpoint), in one line."""
+    statement = (metrics["baseline"].get("reference") or {}).get("statement")
+    return [f"baseline: {statement}"] if statement else []
+
+
 def render(manifest: dict, path) -> str:
     threads = manifest["metrics"].get("threads", {})
     race = (manifest.get("stages") or {}).get("engine") or {}
@@ -153,6 +159,7 @@ def render(manifest: dict, path) -> str:
         parts += [_table(race_rows(race)), ""]
     parts += [
         _table(metrics_rows(manifest["metrics"])),
+        *baseline_lines(manifest["metrics"]),
         f"(threads: {threads.get('requested')}, cpu count {threads.get('cpu_count')}; "
         f"{manifest['evaluation'].get('count')} evaluation samples)",
         *environment_lines(manifest),

@@ -4,7 +4,7 @@ metadata keys, Llama's Q/K rows permuted for its rotary layout, Gemma's norm wei
 1 + w, the BPE vocabulary, merges and chat template in the tokenizer keys.
 
 Quantization: the `gguf` package quantizes Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 itself but only
-dequantizes K-quants, so Q4_K is written here (q4_k_blocks: llama.cpp's block layout, a plain
+dequantizes K-quants, so Q4_K and Q6_K are written here (q4_k_blocks, q6_k_blocks: llama.cpp's block layout, a plain
 min/max fit per 32-value sub-block rather than its search). As llama.cpp does, a tensor whose rows
 do not fill whole K-quant super-blocks (256 values) falls back (Q4_K to Q5_0, Q6_K to Q8_0), and
 norms and biases stay F32.
@@ -31,9 +31,11 @@ GGUF_ARCH = {
 QK_K = 256
 
 
-def write_gguf(folder: Path, out: Path, qtype: str = "Q8_0", architecture: str | None = None) -> Path:
+def write_gguf(folder: Path, out: Path, qtype="Q8_0", architecture: str | None = None) -> Path:
     """The model in `folder` (safetensors, config, tokenizer.json) as a GGUF file at `out`.
-    `architecture` overrides general.architecture (to write a file of an architecture nobody reads)."""
+    `qtype` is one type for every matrix, or a function of the GGUF tensor name giving each its own
+    (a file whose tensors mix types). `architecture` overrides general.architecture (to write a file
+    of an architecture nobody reads)."""
     import gguf
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -44,7 +46,7 @@ def write_gguf(folder: Path, out: Path, qtype: str = "Q8_0", architecture: str |
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     writer = gguf.GGUFWriter(str(out), arch)
     writer.add_name(f"tiny-{config.model_type}")
-    _write_hparams(writer, config)
+    _write_hparams(writer, config, _file_type(qtype))
     _write_tokenizer(writer, folder, config)
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch_name), config.num_hidden_layers)
     for hf_name, tensor in model.state_dict().items():
@@ -55,7 +57,8 @@ def write_gguf(folder: Path, out: Path, qtype: str = "Q8_0", architecture: str |
         if name is None:
             raise ValueError(f"no GGUF name for {hf_name}")
         data = _as_stored(tensor.numpy(), name, config, gguf_arch)
-        _add_tensor(writer, f"{name}.{suffix}", data, qtype)
+        full = f"{name}.{suffix}"
+        _add_tensor(writer, full, data, qtype(full) if callable(qtype) else qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -63,7 +66,16 @@ def write_gguf(folder: Path, out: Path, qtype: str = "Q8_0", architecture: str |
     return out
 
 
-def _write_hparams(writer, config) -> None:
+def _file_type(qtype) -> int:
+    """general.file_type as llama.cpp writes it (OpenVINO GenAI's reader reads block scales only when it
+    says the file is quantized): the type's MOSTLY_ value, Q4_K_M for K-quants and mixed files."""
+    import gguf
+
+    name = "Q4_K_M" if callable(qtype) or qtype == "Q4_K" else qtype
+    return int(gguf.LlamaFileType[f"MOSTLY_{name}"]) if name not in ("F32",) else int(gguf.LlamaFileType.ALL_F32)
+
+
+def _write_hparams(writer, config, file_type: int = 1) -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
@@ -80,7 +92,7 @@ def _write_hparams(writer, config) -> None:
     writer.add_rope_freq_base(float(theta))
     if getattr(config, "sliding_window", None):
         writer.add_sliding_window(int(config.sliding_window))
-    writer.add_file_type(1)
+    writer.add_file_type(file_type)
 
 
 def _write_tokenizer(writer, folder: Path, config) -> None:
@@ -131,7 +143,8 @@ def _add_tensor(writer, name: str, data: np.ndarray, qtype: str) -> None:
     if data.shape[-1] % block:  # llama.cpp's fallback for rows a K-quant super-block does not fit
         qtype = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}.get(qtype, "Q8_0")
         kind = getattr(gguf.GGMLQuantizationType, qtype)
-    packed = q4_k_blocks(data) if qtype == "Q4_K" else gguf.quants.quantize(data, kind)
+    own = {"Q4_K": q4_k_blocks, "Q6_K": q6_k_blocks}
+    packed = own[qtype](data) if qtype in own else gguf.quants.quantize(data, kind)
     writer.add_tensor(name, packed, raw_dtype=kind)
 
 
@@ -163,3 +176,27 @@ def q4_k_blocks(data: np.ndarray) -> np.ndarray:
         [d16[:, None].view(np.uint8), dmin16[:, None].view(np.uint8), packed_scales, qs], axis=-1
     ).astype(np.uint8)
     return blocks.reshape(*data.shape[:-1], data.shape[-1] // QK_K * 144)
+
+
+def q6_k_blocks(data: np.ndarray) -> np.ndarray:
+    """Q6_K, llama.cpp's block_q6_K: per 256 values 128 bytes of low nibbles, 64 of high 2-bit pairs,
+    16 int8 sub-block scales (16 values each) and an f16 scale d; x = d * sc * (q - 32)."""
+    rows = data.reshape(-1, QK_K).astype(np.float32)
+    sub = rows.reshape(len(rows), 16, 16)
+    scale = np.abs(sub).max(axis=-1) / 31.0
+    d = np.maximum(scale.max(axis=-1), 1e-12) / 127.0
+    d16 = d.astype(np.float16)
+    sc = np.clip(np.rint(scale / d16.astype(np.float32)[:, None]), -128, 127).astype(np.int8)
+    step = (d16.astype(np.float32)[:, None] * sc)[..., None]
+    q = (np.clip(np.rint(sub / np.where(step > 0, step, 1.0)), -32, 31) + 32).astype(np.uint8).reshape(len(rows), QK_K)
+    lo, hi = q & 0x0F, q >> 4
+    ql = np.concatenate(
+        [lo[:, h * 128 : h * 128 + 64] | (lo[:, h * 128 + 64 : h * 128 + 128] << 4) for h in (0, 1)], -1
+    )
+    qh = np.concatenate(
+        [sum(hi[:, h * 128 + s * 32 : h * 128 + (s + 1) * 32] << (2 * s) for s in range(4)) for h in (0, 1)], -1
+    )
+    blocks = np.concatenate([ql, qh.astype(np.uint8), sc.view(np.uint8), d16[:, None].view(np.uint8)], axis=-1).astype(
+        np.uint8
+    )
+    return blocks.reshape(*data.shape[:-1], data.shape[-1] // QK_K * 210)

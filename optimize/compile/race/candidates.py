@@ -83,6 +83,16 @@ CANDIDATES.update(
         ),
     }
 )
+# A GGUF source carried through as it is: OpenVINO GenAI on the file's own blocks (nothing quantized
+# again), activations in f32 (exact against the dequantized baseline) or INT8 per 32 channels.
+CANDIDATES.update(
+    {
+        "openvino_genai_gguf": Candidate("openvino_genai_gguf"),
+        "openvino_genai_gguf_dq32": Candidate("openvino_genai_gguf", {"dynamic_quantization_group_size": 32}),
+    }
+)
+# What the race adds to the default set when the source is a GGUF file.
+DEFAULT_GGUF = ["openvino_genai_gguf", "openvino_genai_gguf_dq32"]
 # What the race builds when the recipe names no candidates: decoders for a task that generates
 # (a causal LM), graph engines for every other.
 DEFAULT_GENERATING = [
@@ -128,8 +138,15 @@ def parameter_count(model) -> int:
     return 0
 
 
-def default_candidates(generates: bool) -> list[str]:
-    return list(DEFAULT_GENERATING if generates else DEFAULT_TENSORS)
+def default_candidates(generates: bool, gguf: bool = False) -> list[str]:
+    """The default set; a causal LM from a GGUF file also gets the candidates that keep its blocks."""
+    return list(
+        DEFAULT_GGUF + DEFAULT_GENERATING
+        if generates and gguf
+        else DEFAULT_GENERATING
+        if generates
+        else DEFAULT_TENSORS
+    )
 
 
 @dataclass

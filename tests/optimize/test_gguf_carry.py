@@ -1,0 +1,106 @@
+"""A quantized source stays quantized: a GGUF file through the real command line, the race offered the
+candidate that keeps its blocks (engine openvino_genai_gguf) beside one quantized again; the manifest
+records the weights as in the source with the file's own types, the report says what the baseline is,
+and gate.max_ppl_increase_over_source_pct judges against it."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.support.cli import one_error_line, run_optimize
+
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("gguf", "openvino", "openvino_genai", "openvino_tokenizers")),
+    reason="needs gguf, openvino, openvino-genai and openvino-tokenizers",
+)
+
+TINY = [
+    "recipe=smollm2_int4_cpu",
+    "model.max_length=128",
+    "gate.max_ppl_increase_pct=1000",
+    "gate.min_decode_speedup=null",
+    "evaluate.data.count=8",
+    "evaluate.warmup=1",
+    "evaluate.repeats=2",
+    "calibration.count=4",
+    "evaluate.task_params.perplexity_tokens=256",
+    "evaluate.task_params.perplexity_window=128",
+    "evaluate.task_params.prompt_tokens=16",
+    "evaluate.task_params.new_tokens=8",
+    "evaluate.task_params.lm_eval_tasks=[]",
+    "workload.requests=null",
+]
+
+
+def test_a_gguf_source_gets_the_candidates_that_keep_its_blocks():
+    from optimize.compile.race.candidates import CANDIDATES, default_candidates
+
+    assert default_candidates(True, gguf=True)[:2] == ["openvino_genai_gguf", "openvino_genai_gguf_dq32"]
+    assert not {"openvino_genai_gguf", "openvino_genai_gguf_dq32"} & set(default_candidates(True))
+    assert CANDIDATES["openvino_genai_gguf"].engine == "openvino_genai_gguf"
+
+
+@pytest.fixture(scope="module")
+def q4_1(tmp_path_factory) -> Path:
+    from tests.support.gguf_writer import write_gguf
+    from tests.support.models import tiny_llama_folder
+
+    root = tmp_path_factory.mktemp("q4_1")
+    folder = tiny_llama_folder(root / "hf")
+    return write_gguf(folder, root / "tiny.Q4_1.gguf", lambda name: "Q8_0" if "token_embd" in name else "Q4_1")
+
+
+@pytest.mark.slow
+def test_the_race_carries_a_q4_1_gguf_through_at_the_source_perplexity(q4_1, tmp_path):
+    out = tmp_path / "artifact"
+    proc = run_optimize(
+        f"model.source={q4_1}",
+        *TINY,
+        "engine.params.candidates=[openvino_genai_gguf,openvino_genai_int4_g32]",
+        "gate.max_ppl_increase_over_source_pct=0.5",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        env={"OPTIMIZE_CACHE": str(tmp_path / "cache")},
+    )
+    assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    race = {c["name"]: c for c in manifest["stages"]["engine"]["candidates"]}
+    carried = race["openvino_genai_gguf"]
+    assert abs(carried["metrics"]["perplexity_increase_pct"]) < 0.05, carried["metrics"]
+    assert carried["precision"] == "gguf:Q4_1+Q8_0"
+    check = next(c for c in carried["accuracy_checks"] if c["name"] == "max_ppl_increase_over_source_pct")
+    assert check["passed"], check
+    reference = manifest["metrics"]["baseline"]["reference"]
+    assert reference["kind"] == "gguf" and reference["gguf_types"] == {"Q4_1": 14, "Q8_0": 1}
+    assert "baseline: the GGUF file tiny.Q4_1.gguf dequantized to FP32" in proc.stdout
+    assert "baseline: the GGUF file" in (out / "report.md").read_text()
+    if manifest["stages"]["engine"]["winner"] == "openvino_genai_gguf":
+        record = manifest["stages"]["engine"]["winner_engine"]
+        assert record["weights"] == "as in the source"
+        assert record["gguf_types"]["Q4_1"]["count"] == 14 and record["made_exact"] == {"Q4_1": 14}
+
+
+@pytest.mark.slow
+def test_a_gguf_the_reader_cannot_carry_is_one_line_exit_2(tmp_path):
+    """engine.method=openvino_genai_gguf alone on a file with Q5_0 matrices: exit 2 naming them."""
+    from tests.support.gguf_writer import write_gguf
+    from tests.support.models import tiny_llama_folder
+
+    folder = tiny_llama_folder(tmp_path / "hf")
+    path = write_gguf(folder, tmp_path / "tiny.Q5_0.gguf", lambda name: "Q5_0" if "ffn_up" in name else "Q8_0")
+    proc = run_optimize(
+        f"model.source={path}",
+        *TINY,
+        "engine=openvino_genai_gguf",
+        f"output_dir={tmp_path / 'artifact'}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        env={"OPTIMIZE_CACHE": str(tmp_path / "cache")},
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = one_error_line(proc, "does not read these tensors' types", "blk.0.ffn_up.weight (Q5_0)", log_lines=True)
+    assert "blk.1.ffn_up.weight (Q5_0)" in line
+    assert not (tmp_path / "artifact").exists()
