@@ -4,10 +4,9 @@
 from __future__ import annotations
 
 import pytest
+from kserve.protocol.rest import v2_datamodels as v2  # make install puts kserve in, without its pins
 
 from tests.support.serve import kserve_tensors
-
-v2 = pytest.importorskip("kserve.protocol.rest.v2_datamodels")
 
 IDS = [[101, 7592, 2088, 102], [101, 2088, 7592, 102]]
 
