@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(address=args.address, include_dashboard=False, logging_level=logging.WARNING)
     ray_serve.start(http_options={"host": args.host, "port": args.port})
     options = deployment_options(args, config)
-    app = ray_serve.deployment(deployment_class(), **options).bind(str(root), checks, config)
+    app = ray_serve.deployment(**options)(deployment_class()).bind(str(root), checks, config)
     name = config.model_name or (manifest.get("recipe") or {}).get("name") or root.name
     ray_serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     scale = options.get("num_replicas") or f"{args.min_replicas}..{args.max_replicas}"
