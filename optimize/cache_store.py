@@ -57,6 +57,19 @@ def _key_path() -> Path:
     return base / "optimize" / "cache.key"
 
 
+def _create_whole(path: Path, text: str) -> None:
+    """Create `path` holding `text`, or raise FileExistsError: written under a private name first and
+    linked into place, so a run starting at the same moment never reads it empty or half-written."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.link(tmp, path)  # fails when it exists: the first run's key is everyone's
+    finally:
+        os.unlink(tmp)
+
+
 def cache_key() -> Optional[bytes]:
     """The secret the records are signed with; created (mode 0600) when the default file is missing.
     None when it cannot be read or made: nothing cached is then trusted (everything is rebuilt)."""
@@ -67,9 +80,7 @@ def cache_key() -> Optional[bytes]:
     if not os.path.lexists(path) and not os.environ.get(KEY_ENV):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(secrets.token_hex(32))
+            _create_whole(path, secrets.token_hex(32))
         except FileExistsError:
             pass  # another run made it first
         except OSError:

@@ -151,9 +151,7 @@ RACER = textwrap.dedent(
         model = cache.save(_built(work), {}, cache.folder("base", SPEC), cache.key_of("base", SPEC))
         assert model.onnx_path.read_bytes(), "empty model"
         got, _, why = cache.load_cached("base", SPEC, _built(work))
-        assert got is not None or why == "not cached", why  # the other run may have just discarded it
-        if round % 3 == 0:  # the other run may find it gone and rebuild: never a crash
-            cache_store.discard(cache.folder("base", SPEC))
+        assert got is not None and got.onnx_path.read_bytes(), why  # both runs' copies verify: same code, key
     """
 )
 
