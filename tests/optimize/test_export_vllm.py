@@ -8,15 +8,14 @@ checkpoint vLLM loads, with their tokenizer and a provenance file; other engines
 - modelopt FP8 (smollm2_fp8_sim): the folder is modelopt's export; vLLM's CPU build loads it and has
   no FP8 kernel for it, which the server test gives as its skip reason.
 
-vLLM runs in an environment of its own (it pins its own torch and transformers): VLLM_PYTHON names its
-interpreter, else /tmp/vllmcpu/bin/python. The server tests skip without it, and on a CPU without
-AVX-512 (vLLM's CPU kernels die there with SIGILL)."""
+vLLM runs in an environment of its own (it pins its own torch and transformers): its interpreter is
+found as the benchmarks find it ($PEERS_VLLM_PYTHON, or the `vllm` on PATH). The server tests skip
+without it, and on a CPU without AVX-512 (vLLM's CPU kernels die there with SIGILL)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -27,7 +26,14 @@ import pytest
 
 from tests.support.cli import ROOT, one_error_line, run_optimize
 
-VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", "/tmp/vllmcpu/bin/python"))
+
+def _vllm_python() -> tuple[Path | None, str]:
+    from benchmarks.serve_llm_load import vllm_python
+
+    return vllm_python(None)
+
+
+VLLM_PYTHON, VLLM_WHY = _vllm_python()
 TINY_RUN = (
     "model.hub_id=null",
     "model.max_length=128",
@@ -202,8 +208,8 @@ def vllm_missing() -> str | None:
     """Why vLLM's CPU server cannot run here, in words; None when it can."""
     from engines.hardware import cpu_flags
 
-    if not VLLM_PYTHON.is_file():
-        return f"no vLLM environment at {VLLM_PYTHON} (set VLLM_PYTHON)"
+    if VLLM_PYTHON is None:
+        return VLLM_WHY
     if "avx512f" not in cpu_flags():
         return "vLLM's CPU kernels need AVX-512 (they die with SIGILL on this CPU)"
     return None
