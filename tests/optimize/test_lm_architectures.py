@@ -231,7 +231,9 @@ def test_a_gemma3_q4_k_gguf_goes_through_every_lm_candidate(folders, tmp_path):
     for candidate in race["candidates"]:
         assert candidate["metrics"]["perplexity"] > 0, candidate["outcome"]
         assert candidate["build_s"] > 0 or candidate["cached"]
-    assert race["fewer_than_asked"] is None and "NOTE:" not in proc.stdout
+    # every candidate built; successive halving may still cut one on timing alone (its own NOTE line)
+    notes = [line for line in proc.stdout.splitlines() if "NOTE:" in line and "successive halving" not in line]
+    assert race["fewer_than_asked"] is None and not notes, notes
     assert set(race["budget"]["build_s"]) == {"ort_genai_int4_k_quant_mixed", "openvino_genai_int4_g32"}
     assert "build s" in proc.stdout
 
