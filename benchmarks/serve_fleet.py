@@ -7,12 +7,18 @@
    artifact), at 16 clients: p50 latency of each and the ratio (target <= 1.05), with what the
    shadow compared and dropped.
 
+3. `agreement`: the artifact shadowed by CANDIDATE, fed the texts the gate evaluated (drawn again
+   from the manifest's evaluation source, split, count and seed, checked against its sha256), in
+   the gate's batches: the shadow report's cosine min and mean beside the gate's (target: equal within
+   numerics when the candidate computes what the gate's baseline does, e.g. the FP32 export).
+
 Variants alternate A-B-B-A over `--rounds`, so a change in the machine's other load falls on both;
 the medians are reported. The clients run on one asyncio event loop in this process (keep-alive
 connections, each sends its next request when its answer arrives).
 
-    .venv/bin/python benchmarks/serve_fleet.py ARTIFACT ray [--rounds 2] [--seconds 15] [--threads 2]
+    .venv/bin/python benchmarks/serve_fleet.py ARTIFACT ray [--rounds 2] [--seconds 15] [--ingress proxy haproxy]
     .venv/bin/python benchmarks/serve_fleet.py ARTIFACT shadow [--candidate OTHER] [--rounds 3]
+    .venv/bin/python benchmarks/serve_fleet.py ARTIFACT agreement --candidate FP32_ARTIFACT
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ async def load(port: int, body: bytes, clients: int, seconds: float, warmup_s: f
         b"POST /v1/embeddings HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )
-    state: dict = {"counting": False, "stop": False, "latency": [], "errors": 0, "first_error": None}
+    state: dict = {"counting": False, "stop": False, "latency": [], "errors": 0, "first_error": None, "reconnects": 0}
 
     async def client() -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -96,7 +102,17 @@ async def load(port: int, body: bytes, clients: int, seconds: float, warmup_s: f
             while not state["stop"]:
                 started = time.perf_counter()
                 writer.write(request)
-                status = await read_response(reader)
+                try:
+                    status = await read_response(reader)
+                except asyncio.IncompleteReadError as closed:
+                    if closed.partial:
+                        raise
+                    # The server closed this keep-alive connection before answering (a proxy that
+                    # reloads does): reconnect and send again, as an HTTP client's pool does.
+                    state["reconnects"] += 1
+                    writer.close()
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    continue
                 if status != 200:
                     state["errors"] += 1
                     state["first_error"] = state["first_error"] or status
@@ -119,6 +135,7 @@ async def load(port: int, body: bytes, clients: int, seconds: float, warmup_s: f
         "p50_ms": 1e3 * statistics.median(latency) if latency else None,
         "errors": state["errors"] + len(failures),
         "first_error": state["first_error"] or (repr(failures[0]) if failures else None),
+        "reconnects": state["reconnects"],
     }
 
 
@@ -170,30 +187,76 @@ def median_of(results: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in results if r[key] is not None)
 
 
+def evaluated_texts(artifact: Path) -> list[str]:
+    """The texts the gate evaluated, drawn again as the pipeline drew them, checked by their hash."""
+    import calibration
+    from engines.artifact import read_manifest
+
+    drawn = read_manifest(artifact)["evaluation"]
+    texts = calibration.load(drawn["source"], drawn["split"], drawn["count"], drawn["seed"])
+    if texts.sha256 != drawn["sha256"]:
+        raise SystemExit(f"{artifact}: the evaluation texts drawn again differ from the gate's (sha256)")
+    return list(texts.items)
+
+
+def agreement(artifact: Path, candidate: Path) -> None:
+    from engines.artifact import read_manifest
+    from optimize.evaluate.harness import FIDELITY_BATCH
+
+    texts, report, port = evaluated_texts(artifact), tempfile.mkdtemp(prefix="shadow-report-"), free_port()
+    model = json.loads(body_for(artifact))["model"]
+    command = ["-m", "serve", str(artifact), "--shadow", str(candidate), "--shadow-report", report]
+    proc = start([*command, "--shadow-queue", str(len(texts) + 1)], port)
+    try:
+        # In the gate's batches (FIDELITY_BATCH texts, padded together): an engine that quantizes
+        # activations per batch answers a text differently alone than beside others.
+        batches = [texts[i : i + FIDELITY_BATCH] for i in range(0, len(texts), FIDELITY_BATCH)]
+        bodies = [json.dumps({"model": model, "input": batch}).encode() for batch in batches]
+        wait_for_shadow(port, bodies[0])  # warmed on evaluated texts: every row compared is one
+        for body in bodies[1:]:
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/embeddings", body, {"Content-Type": "application/json"}
+            )
+            urllib.request.urlopen(request, timeout=60).read()
+        time.sleep(5)  # the last comparisons finish off the response path
+    finally:
+        stop(proc)  # writes the report on shutdown
+    shadow = json.loads((Path(report) / "shadow.json").read_text())
+    gate = read_manifest(artifact)["metrics"]["candidate"]["fidelity"]
+    print(f"agreement: shadow {json.dumps(shadow['figures'])}, requests {shadow['requests']}")
+    cosines = f"cosine_min {gate['cosine_min']:.6f} cosine_mean {gate['cosine_mean']:.6f}"
+    print(f"agreement: gate {cosines} ({gate['samples']} samples)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", type=Path)
-    parser.add_argument("target", choices=["ray", "shadow"])
+    parser.add_argument("target", choices=["ray", "shadow", "agreement"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--threads", type=int, default=2, help="total ONNX Runtime threads of the artifact's side")
     parser.add_argument("--clients", type=int, help="default 64 (ray), 16 (shadow)")
+    parser.add_argument(
+        "--ingress", nargs="+", default=["proxy", "haproxy"], choices=["proxy", "haproxy"], help="ray: the ingresses"
+    )
     parser.add_argument("--candidate", type=Path, help="shadow: the candidate (default: the artifact itself)")
     args = parser.parse_args()
     body, art, threads = body_for(args.artifact), str(args.artifact), args.threads
     if args.target == "ray":
         half = max(1, threads // 2)
-        variants = {
-            "one process": ["-m", "serve", art, "--threads", str(threads)],
-            "ray 2 replicas": ["-m", "serve.ray", art, "--replicas", "2", "--threads", str(half)]
-            + ["--cpus-per-replica", str(half)],
-        }
+        replicas = ["-m", "serve.ray", art, "--replicas", "2", "--threads", str(half), "--cpus-per-replica", str(half)]
+        variants = {"one process": ["-m", "serve", art, "--threads", str(threads)]}
+        variants.update({f"ray 2 replicas, {ingress}": [*replicas, "--ingress", ingress] for ingress in args.ingress})
         results = alternate(variants, body, args.clients or 64, args.seconds, args.rounds)
-        one, ray = (median_of(results[n], "req_per_s") for n in variants)
-        errors = sum(r["errors"] for n in variants for r in results[n])
-        print(f"ray: one process {one:.1f} req/s, two replicas {ray:.1f} req/s, ratio {ray / one:.2f} (target >= 0.9)")
-        print(f"ray: failed requests {errors} (target 0)")
+        one = median_of(results["one process"], "req_per_s")
+        for name in list(variants)[1:]:
+            ray = median_of(results[name], "req_per_s")
+            errors = sum(r["errors"] for r in results[name])
+            print(f"{name}: {ray:.1f} req/s against one process's {one:.1f}, ratio {ray / one:.2f} (target >= 0.9)")
+            print(f"{name}: failed requests {errors} (target 0)")
         return
+    if args.target == "agreement":
+        return agreement(args.artifact, args.candidate or args.artifact)
     report = tempfile.mkdtemp(prefix="shadow-report-")
     candidate = str(args.candidate or args.artifact)
     variants = {

@@ -149,3 +149,23 @@ def test_autoscaling_settings_are_ray_serves_own():
     assert options["graceful_shutdown_timeout_s"] == 25 and "num_replicas" not in options
     fixed = deployment_options(build_parser().parse_args(["x", "--replicas", "3"]), ServeConfig())
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+
+
+def test_ingress_and_throughput_switches_are_ray_serves_own():
+    """HAProxy and the throughput mode by default, as environment variables Ray Serve itself reads."""
+    import inspect
+
+    import ray.serve._private.constants as constants
+
+    from serve.config import ServeConfig
+    from serve.ray import build_parser, deployment_options, ray_environment
+
+    default = build_parser().parse_args(["x"])
+    assert ray_environment(default) == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    source = inspect.getsource(constants)
+    assert all(f'"{name}"' in source for name in ray_environment(default))
+    plain = build_parser().parse_args(["x", "--ingress", "proxy", "--no-throughput-optimized"])
+    assert ray_environment(plain) == {}
+    quiet = build_parser().parse_args(["x", "--log-level", "warning"])
+    assert deployment_options(quiet, ServeConfig())["logging_config"] == {"enable_access_log": False}
+    assert deployment_options(default, ServeConfig())["logging_config"] == {"enable_access_log": True}
