@@ -435,3 +435,25 @@ def test_the_baseline_figures_are_kept_under_what_they_were_measured_on(tmp_path
     assert cache.load_baseline(key)["perplexity"] == 18.2
     assert cache.baseline_key("model-and-machine", {**what, "shapes": ["64x64", "1024x128"]}) != key
     assert cache.baseline_key("another-cpu", what) != key
+
+
+def test_the_default_lm_rows_serve_with_the_kv_cache_the_shipped_engine_config_uses():
+    """The race times and ships what recipes/engine/openvino_genai_int4.yaml would build: every default
+    OpenVINO GenAI row computes in that config's precision and serves with its KV cache."""
+    from pathlib import Path
+
+    import yaml
+
+    from optimize.compile.openvino_genai import OVGenAIConfig
+    from optimize.compile.race.candidates import default_candidates
+
+    shipped = yaml.safe_load((Path(__file__).parents[2] / "recipes/engine/openvino_genai_int4.yaml").read_text())
+    shipped = OVGenAIConfig(**shipped["params"])
+    rows = [CANDIDATES[n] for n in default_candidates(generates=True) if CANDIDATES[n].engine == "openvino_genai"]
+    assert len(rows) == 3
+    for row in rows:
+        cfg = OVGenAIConfig(**row.engine_params)
+        assert (cfg.inference_precision, cfg.serving()) == (shipped.inference_precision, shipped.serving())
+    assert any(OVGenAIConfig(**row.engine_params) == shipped for row in rows)
+    # The f32-KV builds stay to be measured by name.
+    assert OVGenAIConfig(**CANDIDATES["openvino_genai_int4_awq"].engine_params).serving()["kv_cache_precision"] == "f32"
