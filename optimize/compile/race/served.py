@@ -51,7 +51,7 @@ def time_served(entries: list, ctx, workload) -> dict:
         leader = min(costs.values())
         for entry in alive:
             if costs[entry.name] >= CUT_RATIO * leader:
-                why = f"{costs[entry.name] / leader:.2f}x the leader's served cost after the first round"
+                why = cut_reason(entry, workload, costs[entry.name] / leader)
                 record["cut"][entry.name] = why
                 entry.served_cut, entry.cost = why, costs[entry.name]  # its round-one cost stays in the report
                 log.info("race: %s cut: %s", entry.name, why)
@@ -59,6 +59,32 @@ def time_served(entries: list, ctx, workload) -> dict:
         if len(alive) < 2:
             break
     return record
+
+
+def cut_reason(entry, workload, ratio: float) -> str:
+    """Why the first round cut it: how far behind the leader, or, where a request failed (its cost
+    is then infinite), where and with what error."""
+    failure = load_failure(entry, workload)
+    if failure is not None:
+        return f"its served load failed: {failure}"
+    return f"{ratio:.2f}x the leader's served cost after the first round"
+
+
+def load_failure(entry, workload) -> str | None:
+    """The first cell (shape, then level) where a served request failed: the shape, the level, how
+    many failed and the first error; None where none failed."""
+    for shape in workload.requests:
+        for level in workload.concurrency:
+            cell = entry.metrics["served"][shape.key][level.key]
+            if cell.get("request_ms") is None:
+                errors = cell.get("errors") or ["no request answered"]
+                if not cell.get("requests"):
+                    return f"the server did not start: {errors[0]}"
+                return (
+                    f"{cell.get('failed')}/{cell.get('requests')} requests failed at {level.clients} "
+                    f"client(s), shape {shape.key}: {errors[0]}"
+                )
+    return None
 
 
 def served_costs(entries: list, workload) -> dict[str, float]:
@@ -95,7 +121,7 @@ def _serve_cells(entry, ctx, workload, prompts: dict, round_no: int) -> dict:
     except RuntimeError as exc:  # recorded, not fatal: its cost is then infinite
         server.stop()
         log.warning("race: %s could not be served: %s", entry.name, exc)
-        failed = {"failed": 1, "requests": 1, "errors": [str(exc)[:200]], "clients": 1, "wall_s": 0}
+        failed = {"failed": 0, "requests": 0, "errors": [str(exc)[:200]], "clients": 1, "wall_s": 0}  # none sent
         return {s.key: {c.key: _cell(failed, 0.0) for c in workload.concurrency} for s in workload.requests}
     cells: dict[str, dict] = {}
     try:
