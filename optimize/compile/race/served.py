@@ -22,6 +22,12 @@ log = logging.getLogger(__name__)
 # Clearly behind after the first round: on a shared 2-core machine one served run moves by 10-20%, and
 # candidates this far apart did not change places when timed again.
 CUT_RATIO = 1.5
+# How long one request may take, queueing included, in the server (its --timeout-s: 30 s by default) and
+# between streamed chunks at the client. The race times what a candidate does under load, not the
+# default server's policy: at 16 clients ONNX Runtime GenAI's static batches of 4 keep the last
+# requests waiting three whole generations, and on SmolLM2 at 1024 prompt tokens + 128 (2 loaded
+# cores) 15 of 16 requests were 504s at 30 s, which made its cost infinite whatever the others' were.
+REQUEST_TIMEOUT_S = 300.0
 
 
 def requests_per_client(clients: int, round_no: int) -> int:
@@ -72,7 +78,7 @@ def cut_reason(entry, workload, ratio: float) -> str:
 
 def load_failure(entry, workload) -> str | None:
     """The first cell (shape, then level) where a served request failed: the shape, the level, how
-    many failed and the first error; None where none failed."""
+    many failed and their errors (the load keeps up to three distinct ones); None where none failed."""
     for shape in workload.requests:
         for level in workload.concurrency:
             cell = entry.metrics["served"][shape.key][level.key]
@@ -82,7 +88,7 @@ def load_failure(entry, workload) -> str | None:
                     return f"the server did not start: {errors[0]}"
                 return (
                     f"{cell.get('failed')}/{cell.get('requests')} requests failed at {level.clients} "
-                    f"client(s), shape {shape.key}: {errors[0]}"
+                    f"client(s), shape {shape.key}: {' | '.join(errors)}"
                 )
     return None
 
@@ -180,6 +186,7 @@ class _Server:
         from optimize.evaluate.served import ServedServer
 
         command = [sys.executable, "-m", "serve", str(folder), "--port", "0", "--allow-failed-gate"]
+        command += ["--timeout-s", f"{REQUEST_TIMEOUT_S:g}"]
         command += ["--threads", str(threads)] if threads else []
         self.name = folder.name
         self.server = ServedServer("serve", command, "/v2/health/ready")
@@ -190,12 +197,12 @@ class _Server:
         from optimize.evaluate.served import drive_async
 
         self.server.wait_ready()
-        asyncio.run(drive_async(self.server.url, self.name, warm, 1, 1, 8, 120))
+        asyncio.run(drive_async(self.server.url, self.name, warm, 1, 1, 8, REQUEST_TIMEOUT_S))
 
     def drive(self, prompts: list, clients: int, per_client: int, output: int) -> dict:
         from optimize.evaluate.served import drive
 
-        return drive(self.server.url, self.name, prompts, clients, per_client, output)
+        return drive(self.server.url, self.name, prompts, clients, per_client, output, REQUEST_TIMEOUT_S)
 
     def stop(self) -> None:
         self.server.stop()
