@@ -22,11 +22,12 @@ log = logging.getLogger(__name__)
 # Clearly behind after the first round: on a shared 2-core machine one served run moves by 10-20%, and
 # candidates this far apart did not change places when timed again.
 CUT_RATIO = 1.5
-# How long one request may take, queueing included, in the server (its --timeout-s: 30 s by default) and
-# between streamed chunks at the client. The race times what a candidate does under load, not the
-# default server's policy: at 16 clients ONNX Runtime GenAI's static batches of 4 keep the last
-# requests waiting three whole generations, and on SmolLM2 at 1024 prompt tokens + 128 (2 loaded
-# cores) 15 of 16 requests were 504s at 30 s, which made its cost infinite whatever the others' were.
+# How long one request may wait for its first token, queueing included: in the server (its --timeout-s,
+# 30 s by default) and at the client (its read timeout: a streamed response starts with its first
+# token). The race times what a candidate does under load, not the default server's policy: at 16
+# clients ONNX Runtime GenAI's static batches of 4 keep the last requests waiting three whole
+# generations, and on SmolLM2 at 1024 prompt tokens + 128 (2 loaded cores) 11 and 15 of 16 requests
+# were 504s at 30 s, which made its cost infinite whatever the others' were (at 300 s: none failed).
 REQUEST_TIMEOUT_S = 300.0
 
 
