@@ -260,7 +260,7 @@ def test_smollm2_int4_cpu_recipe_end_to_end(tmp_path):
     proc = run_optimize(
         "recipe=smollm2_int4_cpu",
         # One candidate per runtime keeps the race to minutes on 2 cores.
-        "engine.params.candidates=[ort_genai_int4_k_quant_mixed,openvino_genai_int4_g32_awq]",
+        "engine.params.candidates=[ort_genai_int4_k_quant_mixed,openvino_genai_int4_g32_awq_kv_u8]",
         # The short-chat shape only: the 1,024-token one is timed on the tiny model (test below), and on
         # SmolLM2 it multiplies PyTorch's baseline time several times over.
         "workload.requests=null",

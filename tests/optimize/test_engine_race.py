@@ -435,3 +435,69 @@ def test_the_baseline_figures_are_kept_under_what_they_were_measured_on(tmp_path
     assert cache.load_baseline(key)["perplexity"] == 18.2
     assert cache.baseline_key("model-and-machine", {**what, "shapes": ["64x64", "1024x128"]}) != key
     assert cache.baseline_key("another-cpu", what) != key
+
+
+def test_the_default_lm_rows_serve_with_the_kv_cache_the_shipped_engine_config_uses():
+    """The race times and ships what recipes/engine/openvino_genai_int4.yaml would build: every default
+    OpenVINO GenAI row computes in that config's precision and serves with its KV cache."""
+    from pathlib import Path
+
+    import yaml
+
+    from optimize.compile.openvino_genai import OVGenAIConfig
+    from optimize.compile.race.candidates import default_candidates
+
+    shipped = yaml.safe_load((Path(__file__).parents[2] / "recipes/engine/openvino_genai_int4.yaml").read_text())
+    shipped = OVGenAIConfig(**shipped["params"])
+    rows = [CANDIDATES[n] for n in default_candidates(generates=True) if CANDIDATES[n].engine == "openvino_genai"]
+    assert len(rows) == 3
+    for row in rows:
+        cfg = OVGenAIConfig(**row.engine_params)
+        assert (cfg.inference_precision, cfg.serving()) == (shipped.inference_precision, shipped.serving())
+    assert any(OVGenAIConfig(**row.engine_params) == shipped for row in rows)
+    # The f32-KV builds stay to be measured by name.
+    assert OVGenAIConfig(**CANDIDATES["openvino_genai_int4_awq"].engine_params).serving()["kv_cache_precision"] == "f32"
+
+
+def test_a_served_load_that_failed_is_reported_with_its_level_and_first_error():
+    """A request that failed makes the served cost infinite; the cut, the outcome and the tables say
+    where it failed and with what error, not only "inf x the leader's"."""
+    from optimize.compile.race.report import cut_note, level_table
+    from optimize.compile.race.served import cut_reason, served_costs
+
+    cfg = OmegaConf.create(
+        {
+            "gate": {"max_ppl_increase_pct": 15.0, "request_shape": None},
+            "evaluate": {"batch_sizes": [1], "task_params": {"prompt_tokens": 64, "new_tokens": 64}},
+            "workload": {"requests": None, "concurrency": [1, 16]},
+        }
+    )
+    load = workload.resolve(cfg)
+    leader = _served(_lm("leader", 500.0, 0.0), (130.0, 60.0), (600.0, 400.0))
+    failing = _served(_lm("failing", 600.0, 0.0), (150.0, 50.0), (700.0, 300.0))
+    error = "ReadTimeout: timed out"
+    failing.metrics["served"]["64x64"]["16"] = {
+        "tokens_per_s": 500.0,
+        "ttft_p95_ms": 900.0,
+        "request_ms": None,
+        "requests": 16,
+        "failed": 3,
+        "errors": [error],
+    }
+    costs = served_costs([leader, failing], load)
+    assert costs["failing"] == float("inf")
+    why = cut_reason(failing, load, costs["failing"] / costs["leader"])
+    assert why == f"its served load failed: 3/16 requests failed at 16 client(s), shape 64x64: {error}"
+    assert cut_note({"cut": {"failing": why}}).endswith(f"(failing: {why})")
+    # Timed to the end (no cut: one candidate left, or the second round): its outcome says it too.
+    winner = race_lm.choose([leader, failing], load, {"requests": {"64x64": {"request_ms": 3000.0}}}, _thresholds(cfg))
+    assert winner.name == "leader"
+    assert failing.outcome.endswith(
+        f"(its served load failed: 3/16 requests failed at 16 client(s), shape 64x64: {error})"
+    )
+    assert failing.columns()["served 16 clients tok/s (TTFT p95 ms)"] == "failed 3/16"
+    race = {
+        "workload": {"requests": [{"prompt": 64, "output": 64}], "concurrency": {"1": 0.5, "16": 0.5}},
+        "candidates": [failing.report()],
+    }
+    assert level_table(race)[2][2] == "failed 3/16"

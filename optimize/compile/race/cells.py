@@ -81,14 +81,17 @@ def _served_cells(served: dict) -> dict:
     levels = list(dict.fromkeys(level for by_level in served.values() for level in by_level))
     cells = {}
     for level in levels:
-        shown = [_served_cell(by_level.get(level) or {}) for by_level in served.values()]
+        shown = [served_cell(by_level.get(level) or {}) for by_level in served.values()]
         cells[f"served {level} clients tok/s (TTFT p95 ms)"] = " | ".join(shown)
     return cells
 
 
-def _served_cell(cell: dict) -> str:
+def served_cell(cell: dict) -> str:
+    """Tokens/s (TTFT p95 ms) of one served cell; where requests failed, how many of how many."""
     if cell.get("failed") or cell.get("tokens_per_s") is None:
-        return "failed"
+        return (
+            f"failed {cell['failed']}/{cell['requests']}" if cell.get("failed") and cell.get("requests") else "failed"
+        )
     return f"{cell['tokens_per_s']:.0f} ({cell['ttft_p95_ms']:.0f})"
 
 

@@ -154,7 +154,7 @@ def choose(entries: list, workload, baseline: dict, thresholds: dict):
     than the baseline at any shape; none passing: the lowest perplexity ships. The cost is the served
     one (served_costs) where the passing candidates were timed as served, else the request time
     (weighted over the shapes) one request at a time."""
-    from optimize.compile.race.served import served_costs
+    from optimize.compile.race.served import load_failure, served_costs
 
     points = workload.requests
     served = [e for e in entries if "served" in e.metrics and not e.served_cut]
@@ -186,6 +186,10 @@ def choose(entries: list, workload, baseline: dict, thresholds: dict):
         entry.outcome = f"lost: cut after the first served round ({entry.served_cut})"
     if cut and winner.outcome.startswith("won"):
         winner.outcome += f" and were timed to the end ({len(cut)} more cut after the first served round)"
+    for entry in served:  # timed to the end, yet a request failed: its cost is infinite, say why
+        failure = load_failure(entry, workload)
+        if failure is not None and entry.outcome:
+            entry.outcome += f" (its served load failed: {failure})"
     return winner
 
 

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 from typing import Optional
 
+from optimize.compile.race.cells import served_cell
 from optimize.compile.race.choice import won_on
 from optimize.compile.race.entry import Entry
 
@@ -124,9 +125,7 @@ def level_table(race: dict) -> list[list[str]]:
         served = (c.get("metrics") or {}).get("served") or {}
         for level in race["workload"]["concurrency"]:
             cells = [served.get(s, {}).get(level) or {} for s in shapes]
-            shown = [
-                f"{x['tokens_per_s']:.0f} ({x['ttft_p95_ms']:.0f})" if x.get("tokens_per_s") else "-" for x in cells
-            ]
+            shown = [served_cell(x) if x else "-" for x in cells]
             cost = f"{c['cost']:.2f}" if c.get("cost") is not None and served else "-"
             rows.append([c["name"], level, *shown, cost, c["outcome"]])
     return rows

@@ -22,6 +22,13 @@ log = logging.getLogger(__name__)
 # Clearly behind after the first round: on a shared 2-core machine one served run moves by 10-20%, and
 # candidates this far apart did not change places when timed again.
 CUT_RATIO = 1.5
+# How long one request may wait for its first token, queueing included: in the server (its --timeout-s,
+# 30 s by default) and at the client (its read timeout: a streamed response starts with its first
+# token). The race times what a candidate does under load, not the default server's policy: at 16
+# clients ONNX Runtime GenAI's static batches of 4 keep the last requests waiting three whole
+# generations, and on SmolLM2 at 1024 prompt tokens + 128 (2 loaded cores) 11 and 15 of 16 requests
+# were 504s at 30 s, which made its cost infinite whatever the others' were (at 300 s: none failed).
+REQUEST_TIMEOUT_S = 300.0
 
 
 def requests_per_client(clients: int, round_no: int) -> int:
@@ -51,7 +58,7 @@ def time_served(entries: list, ctx, workload) -> dict:
         leader = min(costs.values())
         for entry in alive:
             if costs[entry.name] >= CUT_RATIO * leader:
-                why = f"{costs[entry.name] / leader:.2f}x the leader's served cost after the first round"
+                why = cut_reason(entry, workload, costs[entry.name] / leader)
                 record["cut"][entry.name] = why
                 entry.served_cut, entry.cost = why, costs[entry.name]  # its round-one cost stays in the report
                 log.info("race: %s cut: %s", entry.name, why)
@@ -59,6 +66,32 @@ def time_served(entries: list, ctx, workload) -> dict:
         if len(alive) < 2:
             break
     return record
+
+
+def cut_reason(entry, workload, ratio: float) -> str:
+    """Why the first round cut it: how far behind the leader, or, where a request failed (its cost
+    is then infinite), where and with what error."""
+    failure = load_failure(entry, workload)
+    if failure is not None:
+        return f"its served load failed: {failure}"
+    return f"{ratio:.2f}x the leader's served cost after the first round"
+
+
+def load_failure(entry, workload) -> str | None:
+    """The first cell (shape, then level) where a served request failed: the shape, the level, how
+    many failed and their errors (the load keeps up to three distinct ones); None where none failed."""
+    for shape in workload.requests:
+        for level in workload.concurrency:
+            cell = entry.metrics["served"][shape.key][level.key]
+            if cell.get("request_ms") is None:
+                errors = cell.get("errors") or ["no request answered"]
+                if not cell.get("requests"):
+                    return f"the server did not start: {errors[0]}"
+                return (
+                    f"{cell.get('failed')}/{cell.get('requests')} requests failed at {level.clients} "
+                    f"client(s), shape {shape.key}: {' | '.join(errors)}"
+                )
+    return None
 
 
 def served_costs(entries: list, workload) -> dict[str, float]:
@@ -95,7 +128,7 @@ def _serve_cells(entry, ctx, workload, prompts: dict, round_no: int) -> dict:
     except RuntimeError as exc:  # recorded, not fatal: its cost is then infinite
         server.stop()
         log.warning("race: %s could not be served: %s", entry.name, exc)
-        failed = {"failed": 1, "requests": 1, "errors": [str(exc)[:200]], "clients": 1, "wall_s": 0}
+        failed = {"failed": 0, "requests": 0, "errors": [str(exc)[:200]], "clients": 1, "wall_s": 0}  # none sent
         return {s.key: {c.key: _cell(failed, 0.0) for c in workload.concurrency} for s in workload.requests}
     cells: dict[str, dict] = {}
     try:
@@ -154,6 +187,7 @@ class _Server:
         from optimize.evaluate.served import ServedServer
 
         command = [sys.executable, "-m", "serve", str(folder), "--port", "0", "--allow-failed-gate"]
+        command += ["--timeout-s", f"{REQUEST_TIMEOUT_S:g}"]
         command += ["--threads", str(threads)] if threads else []
         self.name = folder.name
         self.server = ServedServer("serve", command, "/v2/health/ready")
@@ -164,12 +198,12 @@ class _Server:
         from optimize.evaluate.served import drive_async
 
         self.server.wait_ready()
-        asyncio.run(drive_async(self.server.url, self.name, warm, 1, 1, 8, 120))
+        asyncio.run(drive_async(self.server.url, self.name, warm, 1, 1, 8, REQUEST_TIMEOUT_S))
 
     def drive(self, prompts: list, clients: int, per_client: int, output: int) -> dict:
         from optimize.evaluate.served import drive
 
-        return drive(self.server.url, self.name, prompts, clients, per_client, output)
+        return drive(self.server.url, self.name, prompts, clients, per_client, output, REQUEST_TIMEOUT_S)
 
     def stop(self) -> None:
         self.server.stop()
