@@ -89,6 +89,10 @@ CANDIDATES.update(
     {
         "openvino_genai_gguf": Candidate("openvino_genai_gguf"),
         "openvino_genai_gguf_dq32": Candidate("openvino_genai_gguf", {"dynamic_quantization_group_size": 32}),
+        # ONNX Runtime GenAI with the file's blocks in its MatMulNBits weights: f32 activations (exact),
+        # or INT8 (accuracy_level 4, the CPU kernel's only fast path for Q8_0's 8-bit weights).
+        "ort_genai_gguf": Candidate("onnxruntime_genai_gguf"),
+        "ort_genai_gguf_int8": Candidate("onnxruntime_genai_gguf", {"accuracy_level": 4}),
     }
 )
 # What the race adds to the default set when the source is a GGUF file.
