@@ -103,6 +103,7 @@ def carry_blocks(gguf_path: Path, onnx_path: Path, accuracy_level: int) -> dict[
     initializers = {i.name: i for i in graph.initializer}
     carried: dict[str, int] = {}
     extra: list[tuple[int, list]] = []
+    block_sums: dict[str, str] = {}  # an input's block sums, computed once for the matrices it feeds
     for index, node in enumerate(graph.node):
         if node.op_type != "MatMulNBits":
             continue
@@ -117,7 +118,9 @@ def carry_blocks(gguf_path: Path, onnx_path: Path, accuracy_level: int) -> dict[
             listed = ", ".join(f"{t.name} ({t.tensor_type.name})" for t in items)
             raise CarryError(f"{node.name} fuses {listed}: one MatMulNBits holds one bit width")
         fused = {key: np.concatenate([w[key] for w in weights]) for key in ("B", "scales", "zero", "offset")}
-        extra.append((index, _replace(node, initializers, graph, fused, bits.pop(), accuracy_level)))
+        _replace(node, initializers, graph, fused, bits.pop(), accuracy_level)
+        if fused["offset"].any():
+            extra.append((index, _offset_nodes(node, graph, fused["offset"], block_sums)))
         for t in items:
             carried[t.tensor_type.name] = carried.get(t.tensor_type.name, 0) + 1
     for index, nodes in reversed(extra):  # after their MatMulNBits, so the graph stays in order
@@ -181,9 +184,8 @@ def _unpermuted(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
-def _replace(node, initializers: dict, graph, fused: dict, bits: int, accuracy_level: int) -> list:
-    """The node's B, scales and zero points become the file's; returns the nodes that add Q4_1's
-    offsets (block sums of the input x m), empty when no block has one."""
+def _replace(node, initializers: dict, graph, fused: dict, bits: int, accuracy_level: int) -> None:
+    """The node's B, scales and zero points become the file's."""
     from onnx import helper, numpy_helper
 
     n_rows, n_blocks = fused["scales"].shape
@@ -208,39 +210,41 @@ def _replace(node, initializers: dict, graph, fused: dict, bits: int, accuracy_l
     del node.attribute[:]
     attributes.update(bits=bits, accuracy_level=accuracy_level)
     node.attribute.extend(helper.make_attribute(k, v) for k, v in attributes.items())
-    if not fused["offset"].any():
-        return []
-    return _offset_nodes(node, graph, fused["offset"], stem)
 
 
-def _offset_nodes(node, graph, offset: np.ndarray, stem: str) -> list:
-    """y = MatMulNBits(x) + ReduceSum(x in blocks of 32) @ m^T: Q4_1's m, exact."""
+def _offset_nodes(node, graph, offset: np.ndarray, block_sums: dict[str, str]) -> list:
+    """y = MatMulNBits(x) + ReduceSum(x in blocks of 32) @ m^T: Q4_1's m, exact. The block sums of
+    an input feeding several matrices (gate and up) are computed once."""
     from onnx import helper, numpy_helper
 
     n_rows, n_blocks = offset.shape
     x, y = node.input[0], node.output[0]
     product = f"{y}_blocks"
     node.output[0] = product
-    graph.initializer.extend(
-        [
-            numpy_helper.from_array(np.array([0, 0, n_blocks, BLOCK], np.int64), f"{stem}_gguf_block_shape"),
-            numpy_helper.from_array(np.array([-1], np.int64), f"{stem}_gguf_last_axis"),
-            numpy_helper.from_array(np.ascontiguousarray(offset.T), f"{stem}_gguf_offsets"),
-        ]
-    )
     prefix = node.name.rsplit("/", 1)[0] + OFFSET_SCOPE.rstrip("/")
+    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(offset.T), f"{prefix}/offsets"))
+    nodes = []
+    if x not in block_sums:
+        block_sums[x] = f"{prefix}/sums"
+        graph.initializer.extend(
+            [
+                numpy_helper.from_array(np.array([0, 0, n_blocks, BLOCK], np.int64), f"{prefix}/block_shape"),
+                numpy_helper.from_array(np.array([-1], np.int64), f"{prefix}/last_axis"),
+            ]
+        )
+        nodes += [
+            helper.make_node("Reshape", [x, f"{prefix}/block_shape"], [f"{prefix}/blocks"], name=f"{prefix}/Reshape"),
+            helper.make_node(
+                "ReduceSum",
+                [f"{prefix}/blocks", f"{prefix}/last_axis"],
+                [block_sums[x]],
+                keepdims=0,
+                name=f"{prefix}/ReduceSum",
+            ),
+        ]
     return [
-        helper.make_node("Reshape", [x, f"{stem}_gguf_block_shape"], [f"{prefix}/blocks"], name=f"{prefix}/Reshape"),
-        helper.make_node(
-            "ReduceSum",
-            [f"{prefix}/blocks", f"{stem}_gguf_last_axis"],
-            [f"{prefix}/sums"],
-            keepdims=0,
-            name=f"{prefix}/ReduceSum",
-        ),
-        helper.make_node(
-            "MatMul", [f"{prefix}/sums", f"{stem}_gguf_offsets"], [f"{prefix}/out"], name=f"{prefix}/MatMul"
-        ),
+        *nodes,
+        helper.make_node("MatMul", [block_sums[x], f"{prefix}/offsets"], [f"{prefix}/out"], name=f"{prefix}/MatMul"),
         helper.make_node("Add", [product, f"{prefix}/out"], [y], name=f"{prefix}/Add"),
     ]
 
