@@ -33,7 +33,7 @@ class GenAIGGUFConfig:
           method: onnxruntime_genai_gguf
           params: {accuracy_level: 1}
 
-    The source must be a Llama, Qwen2 or Qwen3 GGUF file whose layer matrices are Q4_0, Q4_1 or
+    The source must be a Llama or Qwen2 GGUF file whose layer matrices are Q4_0, Q4_1 or
     Q8_0, unchanged by earlier stages.
     """
 

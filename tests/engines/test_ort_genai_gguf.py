@@ -53,23 +53,29 @@ def _build(folder: Path, tmp_path: Path, qtype, accuracy_level: int = 1):
     return path, out, carried, dequantized
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "mixed"])
-def test_carried_blocks_compute_what_the_dequantized_file_does(folder, tmp_path, qtype):
+def _assert_equal_to_the_dequantized_file(out: Path, dequantized) -> None:
     """Per-token log-likelihoods of the carried model against the dequantized file: equal to f32
-    rounding (1e-6 seen); every layer matrix carried, the LM head f32."""
+    rounding (1e-6 seen)."""
     import torch
 
-    from engines.onnxruntime_genai.build import weight_precision
     from engines.onnxruntime_genai.runner import GenAIRunner
 
-    _, out, carried, dequantized = _build(folder, tmp_path, mixed if qtype == "mixed" else qtype)
     ids = [int(i) for i in np.random.default_rng(0).integers(1, 500, 48)]
     ours = np.asarray(GenAIRunner(out).log_likelihood(ids))
     with torch.no_grad():
         logits = dequantized(torch.tensor([ids])).logits[0].double()
     reference = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
     np.testing.assert_allclose(ours, reference, atol=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "mixed"])
+def test_carried_blocks_compute_what_the_dequantized_file_does(folder, tmp_path, qtype):
+    """Equal to the dequantized file; every layer matrix carried, embedding and LM head f32."""
+    from engines.onnxruntime_genai.build import weight_precision
+
+    _, out, carried, dequantized = _build(folder, tmp_path, mixed if qtype == "mixed" else qtype)
+    _assert_equal_to_the_dequantized_file(out, dequantized)
     assert sum(carried.values()) == 2 * 7  # 2 layers of q, k, v, o, gate, up, down
     if qtype == "mixed":
         assert carried == {"Q4_1": 10, "Q4_0": 2, "Q8_0": 2}  # q, v, o, gate, up; k; down
@@ -78,6 +84,16 @@ def test_carried_blocks_compute_what_the_dequantized_file_does(folder, tmp_path,
     layers = weight_precision(out / "model.onnx")
     assert layers["float"]["nodes"] == ["embed_tokens/Gather", "lm_head"], layers
     assert layers["int4" if qtype != "Q8_0" else "int8"]["count"] == 10 - (2 if qtype == "mixed" else 0)
+
+
+@pytest.mark.slow
+def test_a_qwen2_file_is_carried_too(tmp_path):
+    """Qwen2 (biases on Q, K and V, rows not permuted by llama.cpp): equal to the dequantized file."""
+    from tests.support.tiny_archs import tiny_folder
+
+    _, out, carried, dequantized = _build(tiny_folder("qwen2", tmp_path / "hf"), tmp_path, "Q4_1")
+    _assert_equal_to_the_dequantized_file(out, dequantized)
+    assert carried == {"Q4_1": 14}
 
 
 @pytest.mark.slow
