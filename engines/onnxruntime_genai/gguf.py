@@ -15,8 +15,10 @@ The nibble order differs (GGUF: value j low and j + 16 high in byte j; MatMulNBi
 2i + 1 in byte i), so 4-bit values are unpacked and repacked; no value changes. Llama's Q/K rows,
 permuted by llama.cpp for its rotary layout, are put back in the Hugging Face order the builder's
 graph expects (whole rows move: exact). Q, K and V are fused by the builder into one qkv_proj: their
-blocks are concatenated along N. Embedding and LM head stay as the builder makes them from the
-dequantized file (f32 Gather and f32 MatMul: the file's values, not its blocks).
+blocks are concatenated along N. The embedding stays as the builder makes it from the dequantized
+file (an f32 Gather: the file's values, not its blocks); the LM head (output, or the tied token_embd)
+becomes a MatMulNBits of the file's blocks where lm_head_carried says, else stays the builder's f32
+MatMul.
 """
 
 from __future__ import annotations
@@ -54,8 +56,10 @@ NODE_TENSORS = {
     "mlp/up_proj": ("ffn_up",),
     "mlp/down_proj": ("ffn_down",),
 }
-# Embedding and LM head stay f32 (not MatMulNBits: the builder's int4 of them would change values).
-BUILDER_OPTIONS = ["shared_embeddings=false", "nodes_to_exclude=/lm_head/MatMul"]
+# The builder leaves embedding and LM head f32 (its int4 of them would change values); the LM head may
+# then become the file's blocks.
+LM_HEAD = "/lm_head/MatMul"
+BUILDER_OPTIONS = ["shared_embeddings=false", f"nodes_to_exclude={LM_HEAD}"]
 
 
 def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
@@ -70,19 +74,29 @@ def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
     return f"MatMulNBits has no exact form of these tensors' types: {listed}"
 
 
-def became(items: list[GGUFTensor]) -> dict[str, str]:
-    """{gguf type: what it became}: layer matrices of carried types as blocks, the rest (embedding,
-    LM head, types with no exact form) f32 from the dequantized file, named where a type has both."""
+def became(items: list[GGUFTensor], accuracy_level: int) -> dict[str, str]:
+    """{gguf type: what it became}: layer matrices of carried types as blocks, and the LM head where
+    lm_head_carried says; the rest (the embedding, types with no exact form) f32 from the dequantized
+    file, named where a type has both."""
+    names = {t.name for t in items}
+    head = "output.weight" if "output.weight" in names else "token_embd.weight"
+    blocks: dict[str, list[str]] = {}
+    f32: dict[str, list[str]] = {}
+    for t in items:
+        if _carried(t) or (t.name == head and lm_head_carried(t.type, accuracy_level)):
+            blocks.setdefault(t.type, []).append(t.name)
+            if t.name == "token_embd.weight":  # tied: the LM head carried, the embedding's Gather f32
+                f32.setdefault(t.type, []).append("token_embd.weight (as the embedding)")
+        else:
+            f32.setdefault(t.type, []).append(t.name)
     out: dict[str, str] = {}
     for kind in dict.fromkeys(t.type for t in items):
-        of_kind = [t for t in items if t.type == kind]
-        kept = [t.name for t in of_kind if not _carried(t)]
-        if len(kept) == len(of_kind):
+        if kind not in blocks:
             out[kind] = NOT_CARRIED
-        elif not kept:
+        elif kind not in f32:
             out[kind] = CARRIED[kind]
         else:
-            out[kind] = f"{CARRIED[kind]}; {', '.join(kept)}: {NOT_CARRIED}"
+            out[kind] = f"{CARRIED[kind]}; {', '.join(f32[kind])}: {NOT_CARRIED}"
     return out
 
 
@@ -94,6 +108,7 @@ def carry_blocks(gguf_path: Path, onnx_path: Path, accuracy_level: int) -> dict[
     """Replace every layer MatMulNBits weight of the builder's model at onnx_path by the file's blocks
     (in place; its external data rewritten); returns {gguf type: matrices carried}."""
     import onnx
+    from onnx import helper
 
     from engines.openvino.genai_gguf import open_reader
 
@@ -107,22 +122,24 @@ def carry_blocks(gguf_path: Path, onnx_path: Path, accuracy_level: int) -> dict[
     extra: list[tuple[int, list]] = []
     block_sums: dict[str, str] = {}  # an input's block sums, computed once for the matrices it feeds
     for index, node in enumerate(graph.node):
-        if node.op_type != "MatMulNBits":
+        if node.name == LM_HEAD and node.op_type == "MatMul":
+            head = blocks.get("output") or blocks["token_embd"]  # tied: the embedding's blocks
+            if not lm_head_carried(head.tensor_type.name, accuracy_level):
+                continue
+            weights = _as_matmul_nbits(head, None)
+            rows, n_blocks = weights["scales"].shape
+            node.op_type, node.domain = "MatMulNBits", "com.microsoft"
+            node.attribute.extend(
+                helper.make_attribute(k, v) for k, v in {"K": n_blocks * BLOCK, "N": rows, "block_size": BLOCK}.items()
+            )
+            items = [head]
+        elif node.op_type == "MatMulNBits":
+            items, weights = _layer_matrices(node, blocks, arch, heads)
+        else:
             continue
-        parts = _gguf_parts(node.name)
-        if parts is None:
-            raise CarryError(f"the builder's node {node.name} holds no GGUF matrix this carry knows")
-        layer, names = parts
-        items = [blocks[f"blk.{layer}.{n}"] for n in names]
-        weights = [_as_matmul_nbits(t, heads.get(n) if arch == "llama" else None) for t, n in zip(items, names)]
-        bits = {w["bits"] for w in weights}
-        if len(bits) > 1:
-            listed = ", ".join(f"{t.name} ({t.tensor_type.name})" for t in items)
-            raise CarryError(f"{node.name} fuses {listed}: one MatMulNBits holds one bit width")
-        fused = {key: np.concatenate([w[key] for w in weights]) for key in ("B", "scales", "zero", "offset")}
-        _replace(node, initializers, graph, fused, bits.pop(), accuracy_level)
-        if fused["offset"].any():
-            extra.append((index, _offset_nodes(node, graph, fused["offset"], block_sums)))
+        _replace(node, initializers, graph, weights, weights["bits"], accuracy_level)
+        if weights["offset"].any():
+            extra.append((index, _offset_nodes(node, graph, weights["offset"], block_sums)))
         for t in items:
             carried[t.tensor_type.name] = carried.get(t.tensor_type.name, 0) + 1
     for index, nodes in reversed(extra):  # after their MatMulNBits, so the graph stays in order
@@ -130,6 +147,28 @@ def carry_blocks(gguf_path: Path, onnx_path: Path, accuracy_level: int) -> dict[
             graph.node.insert(index + offset, new)
     _save(model, onnx_path)
     return carried
+
+
+def lm_head_carried(kind: str, accuracy_level: int) -> bool:
+    """Whether the LM head becomes the file's blocks: 4-bit types always; Q8_0 only with INT8
+    activations (the CPU kernel's 8-bit path with f32 activations is slower than the f32 MatMul)."""
+    return kind in ("Q4_0", "Q4_1") or (kind == "Q8_0" and accuracy_level == 4)
+
+
+def _layer_matrices(node, blocks: dict, arch: str, heads: dict[str, int]) -> tuple[list, dict]:
+    """(the GGUF tensors a builder MatMulNBits node holds, their MatMulNBits arrays concatenated along N)."""
+    parts = _gguf_parts(node.name)
+    if parts is None:
+        raise CarryError(f"the builder's node {node.name} holds no GGUF matrix this carry knows")
+    layer, names = parts
+    items = [blocks[f"blk.{layer}.{n}"] for n in names]
+    weights = [_as_matmul_nbits(t, heads.get(n) if arch == "llama" else None) for t, n in zip(items, names)]
+    bits = {w["bits"] for w in weights}
+    if len(bits) > 1:
+        listed = ", ".join(f"{t.name} ({t.tensor_type.name})" for t in items)
+        raise CarryError(f"{node.name} fuses {listed}: one MatMulNBits holds one bit width")
+    fused = {key: np.concatenate([w[key] for w in weights]) for key in ("B", "scales", "zero", "offset")}
+    return items, {**fused, "bits": bits.pop()}
 
 
 def _architecture(reader) -> tuple[str, dict[str, int]]:

@@ -2,7 +2,8 @@
 (weights as in the source, nothing quantized again). The model builder makes the decoder from the
 file dequantized; each layer's MatMulNBits weights then become the file's Q4_0 / Q4_1 / Q8_0 blocks,
 copied (engines/onnxruntime_genai/gguf.py), so the candidate computes what the dequantized baseline
-computes. Embedding and LM head stay f32 from the dequantized file.
+computes. The embedding stays f32 from the dequantized file; so does the LM head unless its blocks are
+4-bit, or Q8_0 with INT8 activations (accuracy_level 4).
 """
 
 from __future__ import annotations
@@ -86,7 +87,7 @@ def onnxruntime_genai_gguf_engine(model: Model, cfg: GenAIGGUFConfig, ctx: Conte
         "method": METHOD,
         "weights": "as in the source",
         "gguf_file": gguf_path.name,
-        "gguf_types": genai_gguf.type_summary(tensors, carry.became(tensors)),
+        "gguf_types": genai_gguf.type_summary(tensors, carry.became(tensors, cfg.accuracy_level)),
         "carried": carried,  # {gguf type: matrices whose blocks the MatMulNBits weights are}
         "accuracy_level": cfg.accuracy_level,
         "onnxruntime": metadata.version("onnxruntime"),

@@ -71,19 +71,21 @@ def _assert_equal_to_the_dequantized_file(out: Path, dequantized) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "mixed"])
 def test_carried_blocks_compute_what_the_dequantized_file_does(folder, tmp_path, qtype):
-    """Equal to the dequantized file; every layer matrix carried, embedding and LM head f32."""
+    """Equal to the dequantized file; every layer matrix carried, the embedding f32, the (tied) LM head
+    the file's blocks where they are 4-bit (Q4_0, Q4_1), f32 where Q8_0 (mixed: token_embd Q8_0)."""
     from engines.onnxruntime_genai.build import weight_precision
 
     _, out, carried, dequantized = _build(folder, tmp_path, mixed if qtype == "mixed" else qtype)
     _assert_equal_to_the_dequantized_file(out, dequantized)
-    assert sum(carried.values()) == 2 * 7  # 2 layers of q, k, v, o, gate, up, down
+    head_carried = qtype in ("Q4_0", "Q4_1")
+    assert sum(carried.values()) == 2 * 7 + head_carried  # 2 layers of q, k, v, o, gate, up, down
     if qtype == "mixed":
         assert carried == {"Q4_1": 10, "Q4_0": 2, "Q8_0": 2}  # q, v, o, gate, up; k; down
     else:
-        assert carried == {qtype: 14}
+        assert carried == {qtype: 14 + head_carried}
     layers = weight_precision(out / "model.onnx")
-    assert layers["float"]["nodes"] == ["embed_tokens/Gather", "lm_head"], layers
-    assert layers["int4" if qtype != "Q8_0" else "int8"]["count"] == 10 - (2 if qtype == "mixed" else 0)
+    assert layers["float"]["nodes"] == ["embed_tokens/Gather"] + ([] if head_carried else ["lm_head"]), layers
+    assert layers["int4" if qtype != "Q8_0" else "int8"]["count"] == 10 - (2 if qtype == "mixed" else 0) + head_carried
 
 
 @pytest.mark.slow
@@ -93,7 +95,7 @@ def test_a_qwen2_file_is_carried_too(tmp_path):
 
     _, out, carried, dequantized = _build(tiny_folder("qwen2", tmp_path / "hf"), tmp_path, "Q4_1")
     _assert_equal_to_the_dequantized_file(out, dequantized)
-    assert carried == {"Q4_1": 14}
+    assert carried == {"Q4_1": 15}  # the tied LM head too
 
 
 @pytest.mark.slow
@@ -118,8 +120,21 @@ def test_a_type_with_no_exact_form_is_named(folder, tmp_path):
     assert carry.uncarried(architecture, tensors) == (
         "MatMulNBits has no exact form of these tensors' types: blk.0.ffn_up.weight (Q5_0), blk.1.ffn_up.weight (Q5_0)"
     )
-    became = carry.became(tensors)
+    became = carry.became(tensors, 1)
     assert became["Q8_0"].startswith("MatMulNBits bits 8") and became["Q8_0"].endswith(
         "token_embd.weight: f32, dequantized from the file by the builder (the file's values, not its blocks)"
     )
     assert carry.uncarried(architecture, [t for t in tensors if t.type != "Q5_0"]) is None
+
+
+@pytest.mark.slow
+def test_a_q8_0_lm_head_is_carried_with_int8_activations(folder, tmp_path):
+    """Q8_0 embedding at accuracy_level 4: the LM head 8-bit blocks (the CPU's fast 8-bit path); at
+    accuracy_level 1 it stays f32 (the other tests)."""
+    from engines.onnxruntime_genai.build import weight_precision
+    from engines.onnxruntime_genai.runner import GenAIRunner
+
+    _, out, carried, _ = _build(folder, tmp_path, lambda name: "Q8_0" if "token_embd" in name else "Q4_0", 4)
+    assert carried == {"Q4_0": 14, "Q8_0": 1}
+    assert weight_precision(out / "model.onnx")["int8"]["nodes"] == ["lm_head"]
+    assert np.isfinite(GenAIRunner(out).log_likelihood(list(range(1, 20)))).all()
