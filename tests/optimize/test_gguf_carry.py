@@ -39,8 +39,12 @@ TINY = [
 def test_a_gguf_source_gets_the_candidates_that_keep_its_blocks():
     from optimize.compile.race.candidates import CANDIDATES, default_candidates
 
-    assert default_candidates(True, gguf=True)[:2] == ["openvino_genai_gguf", "openvino_genai_gguf_dq32"]
-    assert not {"openvino_genai_gguf", "openvino_genai_gguf_dq32"} & set(default_candidates(True))
+    assert default_candidates(True, gguf=True)[:3] == [
+        "openvino_genai_gguf",
+        "openvino_genai_gguf_dq32",
+        "ort_genai_gguf",
+    ]
+    assert not {"openvino_genai_gguf", "openvino_genai_gguf_dq32", "ort_genai_gguf"} & set(default_candidates(True))
     assert CANDIDATES["openvino_genai_gguf"].engine == "openvino_genai_gguf"
 
 
