@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+# The scope of the nodes that add a carried GGUF Q4_1 matrix's block offsets (engines/onnxruntime_genai/gguf.py).
+OFFSET_SCOPE = "/gguf_offset/"
 
 
 class BuildError(RuntimeError):
@@ -67,6 +69,8 @@ def weight_precision(onnx_path: Path) -> dict:
             bits = next((a.i for a in node.attribute if a.name == "bits"), 4)
             groups.setdefault(f"int{bits}", []).append(node.name)
         elif node.op_type in ("MatMul", "Gemm", "Gather") and any(i in weights for i in node.input):
+            if OFFSET_SCOPE in node.name:  # a carried Q4_1 matrix's offsets, part of its MatMulNBits
+                continue
             groups.setdefault("float", []).append(node.name)
     return {precision: {"count": len(names), "nodes": _summarize(names)} for precision, names in groups.items()}
 

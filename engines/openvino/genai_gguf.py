@@ -59,7 +59,7 @@ def tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
     blocks of its type (a block count that does not match its shape)."""
     import gguf
 
-    reader = _reader(path)
+    reader = open_reader(path)
     field = reader.fields.get("general.architecture")
     architecture = bytes(field.parts[field.data[0]]).decode() if field else ""
     out = []
@@ -76,7 +76,7 @@ def tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
     return architecture, out
 
 
-def _reader(path: Path):
+def open_reader(path: Path):
     import gguf
 
     try:
@@ -99,12 +99,14 @@ def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
     return f"OpenVINO GenAI's GGUF reader does not read these tensors' types: {listed}"
 
 
-def type_summary(items: list[GGUFTensor]) -> dict:
-    """{gguf type: {count, became, tensors}}: the manifest's record of the weights as in the source."""
+def type_summary(items: list[GGUFTensor], became: dict[str, str] | None = None) -> dict:
+    """{gguf type: {count, became, tensors}}: the manifest's record of the weights as in the source.
+    `became`: what each type became in the engine (default: this reader's CARRIED table)."""
+    table = CARRIED if became is None else became
     out: dict[str, dict] = {}
     for t in items:
         entry = out.setdefault(
-            t.type, {"count": 0, "became": CARRIED.get(t.type, f"{t.type} (as stored)"), "tensors": []}
+            t.type, {"count": 0, "became": table.get(t.type, f"{t.type} (as stored)"), "tensors": []}
         )
         entry["count"] += 1
         entry["tensors"].append(t.name)
@@ -153,7 +155,7 @@ def patch_exact(model, gguf_path: Path) -> dict:
     file as the reader computes it (rows in the file's order, or un-permuted for Llama's Q/K)."""
     import gguf
 
-    reader = _reader(gguf_path)
+    reader = open_reader(gguf_path)
     heads = _head_counts(reader)
     subgraphs = _decompressions(model)
     patched: dict[str, int] = {}

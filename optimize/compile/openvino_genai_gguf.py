@@ -114,14 +114,14 @@ def openvino_genai_gguf_engine(model: Model, cfg: OVGenAIGGUFConfig, ctx: Contex
     return dataclasses.replace(built, layer_precision=layers).recorded(record)
 
 
-def source_gguf(model: Model, ctx: Context) -> Path:
+def source_gguf(model: Model, ctx: Context, method: str = "openvino_genai_gguf") -> Path:
     """The GGUF file the run loaded, when the model is still that file's (no torch-side stage changed it)."""
     source = ctx.source
     if source is None or not source.gguf_file:
-        raise RecipeError("engine.method=openvino_genai_gguf needs a GGUF source (model.source=FILE.gguf)")
+        raise RecipeError(f"engine.method={method} needs a GGUF source (model.source=FILE.gguf)")
     if model.module is not source.module:
         raise RecipeError(
-            "engine.method=openvino_genai_gguf carries the GGUF file through as it is; an earlier stage "
+            f"engine.method={method} carries the GGUF file through as it is; an earlier stage "
             "changed the model, so the file is no longer the model"
         )
     return Path(source.location) / source.gguf_file

@@ -39,8 +39,12 @@ TINY = [
 def test_a_gguf_source_gets_the_candidates_that_keep_its_blocks():
     from optimize.compile.race.candidates import CANDIDATES, default_candidates
 
-    assert default_candidates(True, gguf=True)[:2] == ["openvino_genai_gguf", "openvino_genai_gguf_dq32"]
-    assert not {"openvino_genai_gguf", "openvino_genai_gguf_dq32"} & set(default_candidates(True))
+    assert default_candidates(True, gguf=True)[:3] == [
+        "openvino_genai_gguf",
+        "openvino_genai_gguf_dq32",
+        "ort_genai_gguf",
+    ]
+    assert not {"openvino_genai_gguf", "openvino_genai_gguf_dq32", "ort_genai_gguf"} & set(default_candidates(True))
     assert CANDIDATES["openvino_genai_gguf"].engine == "openvino_genai_gguf"
 
 
@@ -104,3 +108,27 @@ def test_a_gguf_the_reader_cannot_carry_is_one_line_exit_2(tmp_path):
     line = one_error_line(proc, "does not read these tensors' types", "blk.0.ffn_up.weight (Q5_0)", log_lines=True)
     assert "blk.1.ffn_up.weight (Q5_0)" in line
     assert not (tmp_path / "artifact").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("onnxruntime_genai") is None, reason="needs onnxruntime-genai")
+def test_onnxruntime_genai_carries_a_q4_1_gguf_at_the_source_perplexity(q4_1, tmp_path):
+    """engine=onnxruntime_genai_gguf through the command line: the file's blocks in the MatMulNBits
+    weights, the source perplexity, the manifest naming what each type became (the Q8_0 embedding f32)."""
+    out = tmp_path / "artifact"
+    proc = run_optimize(
+        f"model.source={q4_1}",
+        *TINY,
+        "engine=onnxruntime_genai_gguf",
+        "gate.max_ppl_increase_over_source_pct=0.5",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        env={"OPTIMIZE_CACHE": str(tmp_path / "cache")},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert abs(manifest["metrics"]["candidate"]["perplexity_increase_pct"]) < 0.01, manifest["metrics"]
+    record = manifest["stages"]["engine"]
+    assert record["weights"] == "as in the source" and record["carried"] == {"Q4_1": 14}
+    assert record["gguf_types"]["Q8_0"]["became"].startswith("f32, dequantized from the file")
+    assert record["gguf_types"]["Q4_1"]["became"].startswith("MatMulNBits bits 4")

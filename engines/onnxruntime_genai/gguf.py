@@ -1,0 +1,299 @@
+"""ONNX Runtime GenAI from a GGUF file's own blocks: the model builder's decoder (built from the file
+dequantized), each MatMulNBits weight then replaced by the file's blocks for that matrix, copied
+bit for bit, and a summary of what each GGUF tensor type became.
+
+The block formats map onto MatMulNBits (w = (q - zero point) * scale per block of 32 along K):
+- Q4_0 (w = d * (q - 8)): bits 4, scale d, uint8 zero point 8. Exact.
+- Q4_1 (w = d * q + m): bits 4, scale d, uint8 zero point 0, and m carried as a second term: the
+  activations summed per block of 32 times m (a small f32 MatMul added to the output), so
+  x . w = d * (x . q) + m * sum(x). Exact to f32 summation order. (MatMulNBits takes the zero
+  point -m/d as a float instead, but ORT 1.32's CPU kernel then dequantizes the whole matrix on
+  every call: 18x slower than the uint8 path on a 576x1536 matrix.)
+- Q8_0 (w = d * q, q int8): bits 8, q + 128 stored as uint8, zero point 128. Exact; ORT's CPU
+  kernel has a fast 8-bit path only with INT8 activations (accuracy_level 4).
+The nibble order differs (GGUF: value j low and j + 16 high in byte j; MatMulNBits: values 2i and
+2i + 1 in byte i), so 4-bit values are unpacked and repacked; no value changes. Llama's Q/K rows,
+permuted by llama.cpp for its rotary layout, are put back in the Hugging Face order the builder's
+graph expects (whole rows move: exact). Q, K and V are fused by the builder into one qkv_proj: their
+blocks are concatenated along N. The embedding stays as the builder makes it from the dequantized
+file (an f32 Gather: the file's values, not its blocks); the LM head (output, or the tied token_embd)
+becomes a MatMulNBits of the file's blocks where lm_head_carried says, else stays the builder's f32
+MatMul.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from engines.onnxruntime_genai.build import OFFSET_SCOPE
+from engines.openvino.genai_gguf import CarryError, GGUFTensor
+
+log = logging.getLogger(__name__)
+
+# Checked exact against the dequantized file. Qwen3 is not listed: on a tiny Qwen3 read from a GGUF
+# file the builder's own f32 graph (nothing carried) was 0.48 off transformers' log-likelihoods.
+ARCHITECTURES = ("llama", "qwen2")
+BLOCK = 32
+# GGUF types of matrices carried as blocks, and what each becomes in the ONNX model.
+CARRIED = {
+    "Q4_0": "MatMulNBits bits 4, block 32, f32 scale d, uint8 zero point 8 (exact)",
+    "Q4_1": "MatMulNBits bits 4, block 32, f32 scale d, uint8 zero point 0, + block sums x f32 m (exact to f32)",
+    "Q8_0": "MatMulNBits bits 8, block 32, f32 scale d, uint8 zero point 128 (exact)",
+}
+VECTOR_TYPES = ("F32", "F16")  # norms and biases: the builder's f32 copies of the file's values
+NOT_CARRIED = "f32, dequantized from the file by the builder (the file's values, not its blocks)"
+# The builder's MatMulNBits node (under /model/layers.N/) -> the GGUF matrices it holds, in N order.
+NODE_TENSORS = {
+    "attn/qkv_proj": ("attn_q", "attn_k", "attn_v"),
+    "attn/q_proj": ("attn_q",),
+    "attn/k_proj": ("attn_k",),
+    "attn/v_proj": ("attn_v",),
+    "attn/o_proj": ("attn_output",),
+    "mlp/gate_proj": ("ffn_gate",),
+    "mlp/up_proj": ("ffn_up",),
+    "mlp/down_proj": ("ffn_down",),
+}
+# The builder leaves embedding and LM head f32 (its int4 of them would change values); the LM head may
+# then become the file's blocks.
+LM_HEAD = "/lm_head/MatMul"
+BUILDER_OPTIONS = ["shared_embeddings=false", f"nodes_to_exclude={LM_HEAD}"]
+
+
+def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
+    """Why the file cannot be carried as blocks, naming the tensors; None when every layer matrix can."""
+    if architecture not in ARCHITECTURES:
+        return f"the GGUF carry onto MatMulNBits maps {', '.join(ARCHITECTURES)}, not {architecture!r}"
+    bad = [t for t in items if t.name.startswith("blk.") and len(t.shape) >= 2 and t.type not in CARRIED]
+    bad += [t for t in items if len(t.shape) < 2 and t.type not in VECTOR_TYPES]
+    if not bad:
+        return None
+    listed = ", ".join(f"{t.name} ({t.type})" for t in bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+    return f"MatMulNBits has no exact form of these tensors' types: {listed}"
+
+
+def became(items: list[GGUFTensor], accuracy_level: int) -> dict[str, str]:
+    """{gguf type: what it became}: layer matrices of carried types as blocks, and the LM head where
+    lm_head_carried says; the rest (the embedding, types with no exact form) f32 from the dequantized
+    file, named where a type has both."""
+    names = {t.name for t in items}
+    head = "output.weight" if "output.weight" in names else "token_embd.weight"
+    blocks: dict[str, list[str]] = {}
+    f32: dict[str, list[str]] = {}
+    for t in items:
+        if _carried(t) or (t.name == head and lm_head_carried(t.type, accuracy_level)):
+            blocks.setdefault(t.type, []).append(t.name)
+            if t.name == "token_embd.weight":  # tied: the LM head carried, the embedding's Gather f32
+                f32.setdefault(t.type, []).append("token_embd.weight (as the embedding)")
+        else:
+            f32.setdefault(t.type, []).append(t.name)
+    out: dict[str, str] = {}
+    for kind in dict.fromkeys(t.type for t in items):
+        if kind not in blocks:
+            out[kind] = NOT_CARRIED
+        elif kind not in f32:
+            out[kind] = CARRIED[kind]
+        else:
+            out[kind] = f"{CARRIED[kind]}; {', '.join(f32[kind])}: {NOT_CARRIED}"
+    return out
+
+
+def _carried(t: GGUFTensor) -> bool:
+    return t.name.startswith("blk.") and len(t.shape) >= 2 and t.type in CARRIED
+
+
+def carry_blocks(gguf_path: Path, onnx_path: Path, accuracy_level: int) -> dict[str, int]:
+    """Replace every layer MatMulNBits weight of the builder's model at onnx_path by the file's blocks
+    (in place; its external data rewritten); returns {gguf type: matrices carried}."""
+    import onnx
+    from onnx import helper
+
+    from engines.openvino.genai_gguf import open_reader
+
+    reader = open_reader(gguf_path)
+    arch, heads = _architecture(reader)
+    blocks = {t.name.removesuffix(".weight"): t for t in reader.tensors}
+    model = onnx.load(str(onnx_path))
+    graph = model.graph
+    initializers = {i.name: i for i in graph.initializer}
+    carried: dict[str, int] = {}
+    extra: list[tuple[int, list]] = []
+    block_sums: dict[str, str] = {}  # an input's block sums, computed once for the matrices it feeds
+    for index, node in enumerate(graph.node):
+        if node.name == LM_HEAD and node.op_type == "MatMul":
+            head = blocks.get("output") or blocks["token_embd"]  # tied: the embedding's blocks
+            if not lm_head_carried(head.tensor_type.name, accuracy_level):
+                continue
+            weights = _as_matmul_nbits(head, None)
+            rows, n_blocks = weights["scales"].shape
+            node.op_type, node.domain = "MatMulNBits", "com.microsoft"
+            node.attribute.extend(
+                helper.make_attribute(k, v) for k, v in {"K": n_blocks * BLOCK, "N": rows, "block_size": BLOCK}.items()
+            )
+            items = [head]
+        elif node.op_type == "MatMulNBits":
+            items, weights = _layer_matrices(node, blocks, arch, heads)
+        else:
+            continue
+        _replace(node, initializers, graph, weights, weights["bits"], accuracy_level)
+        if weights["offset"].any():
+            extra.append((index, _offset_nodes(node, graph, weights["offset"], block_sums)))
+        for t in items:
+            carried[t.tensor_type.name] = carried.get(t.tensor_type.name, 0) + 1
+    for index, nodes in reversed(extra):  # after their MatMulNBits, so the graph stays in order
+        for offset, new in enumerate(nodes, start=1):
+            graph.node.insert(index + offset, new)
+    _save(model, onnx_path)
+    return carried
+
+
+def lm_head_carried(kind: str, accuracy_level: int) -> bool:
+    """Whether the LM head becomes the file's blocks: 4-bit types always; Q8_0 only with INT8
+    activations (the CPU kernel's 8-bit path with f32 activations is slower than the f32 MatMul)."""
+    return kind in ("Q4_0", "Q4_1") or (kind == "Q8_0" and accuracy_level == 4)
+
+
+def _layer_matrices(node, blocks: dict, arch: str, heads: dict[str, int]) -> tuple[list, dict]:
+    """(the GGUF tensors a builder MatMulNBits node holds, their MatMulNBits arrays concatenated along N)."""
+    parts = _gguf_parts(node.name)
+    if parts is None:
+        raise CarryError(f"the builder's node {node.name} holds no GGUF matrix this carry knows")
+    layer, names = parts
+    items = [blocks[f"blk.{layer}.{n}"] for n in names]
+    weights = [_as_matmul_nbits(t, heads.get(n) if arch == "llama" else None) for t, n in zip(items, names)]
+    bits = {w["bits"] for w in weights}
+    if len(bits) > 1:
+        listed = ", ".join(f"{t.name} ({t.tensor_type.name})" for t in items)
+        raise CarryError(f"{node.name} fuses {listed}: one MatMulNBits holds one bit width")
+    fused = {key: np.concatenate([w[key] for w in weights]) for key in ("B", "scales", "zero", "offset")}
+    return items, {**fused, "bits": bits.pop()}
+
+
+def _architecture(reader) -> tuple[str, dict[str, int]]:
+    """(general.architecture, {attn_q: query heads, attn_k: key-value heads})."""
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field else ""
+    heads = {}
+    for name, key in (("attn_q", "head_count"), ("attn_k", "head_count_kv")):
+        f = reader.fields.get(f"{arch}.attention.{key}")
+        if f is not None:
+            heads[name] = int(f.parts[f.data[0]][0])
+    return arch, heads
+
+
+def _gguf_parts(node_name: str) -> tuple[int, tuple[str, ...]] | None:
+    """/model/layers.3/attn/qkv_proj/MatMul_Q4 -> (3, (attn_q, attn_k, attn_v))."""
+    import re
+
+    match = re.fullmatch(r"/model/layers\.(\d+)/(\w+/\w+)/MatMul(_Q\d)?", node_name)
+    if not match or match.group(2) not in NODE_TENSORS:
+        return None
+    return int(match.group(1)), NODE_TENSORS[match.group(2)]
+
+
+def _as_matmul_nbits(t, permuted_heads: int | None) -> dict:
+    """One GGUF matrix as MatMulNBits arrays: B [N, blocks, blob], scales and uint8 zero points
+    [N, blocks], offset [N, blocks] (Q4_1's m; 0 otherwise), rows in Hugging Face order."""
+    kind = t.tensor_type.name
+    if kind not in CARRIED:
+        raise CarryError(f"GGUF tensor {t.name} ({kind}): MatMulNBits has no exact form of it")
+    rows = int(np.prod(t.shape[1:]))
+    data = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1)
+    if permuted_heads:
+        data = data[_unpermuted(rows, permuted_heads)]
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
+    blocks = data.reshape(rows, -1, size)
+    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    offset = np.zeros_like(scales)
+    if kind == "Q8_0":
+        q = (blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        return {"bits": 8, "B": q, "scales": scales, "zero": np.full(scales.shape, 128, np.uint8), "offset": offset}
+    packed = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
+    values = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # GGUF: j low, j + 16 high
+    B = (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)  # MatMulNBits: 2i low, 2i + 1 high
+    if kind == "Q4_1":
+        offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    zero = np.full(scales.shape, 8 if kind == "Q4_0" else 0, np.uint8)
+    return {"bits": 4, "B": B, "scales": scales, "zero": zero, "offset": offset}
+
+
+def _unpermuted(rows: int, heads: int) -> np.ndarray:
+    """The file's row of each Hugging Face row of Llama's Q/K (llama.cpp interleaves each head's
+    rotary halves; transformers' GGUF loader undoes it the same way)."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
+
+
+def _replace(node, initializers: dict, graph, fused: dict, bits: int, accuracy_level: int) -> None:
+    """The node's B, scales and zero points become the file's."""
+    from onnx import helper, numpy_helper
+
+    n_rows, n_blocks = fused["scales"].shape
+    attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    if attributes["N"] != n_rows or attributes["K"] != n_blocks * BLOCK or attributes.get("block_size") != BLOCK:
+        raise CarryError(
+            f"{node.name}: the builder's matrix is {attributes['N']}x{attributes['K']} (block "
+            f"{attributes.get('block_size')}), the file's {n_rows}x{n_blocks * BLOCK} (block {BLOCK})"
+        )
+    zero = fused["zero"]
+    if bits == 4:  # two blocks' zero points a byte, each row padded to whole bytes
+        zero = np.pad(zero, ((0, 0), (0, n_blocks % 2)))
+        zero = (zero[:, 0::2] | (zero[:, 1::2] << 4)).astype(np.uint8)
+    stem = node.input[1].removesuffix("_Q4").removesuffix("_Q8")
+    names = [stem + "_gguf", f"{stem}_gguf_scales", f"{stem}_gguf_zero_points"]
+    for name, array in zip(names, (fused["B"], fused["scales"], zero)):
+        graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+    for name in node.input[1:]:
+        if name in initializers:
+            graph.initializer.remove(initializers.pop(name))
+    node.input[:] = [node.input[0], *names]
+    del node.attribute[:]
+    attributes.update(bits=bits, accuracy_level=accuracy_level)
+    node.attribute.extend(helper.make_attribute(k, v) for k, v in attributes.items())
+
+
+def _offset_nodes(node, graph, offset: np.ndarray, block_sums: dict[str, str]) -> list:
+    """y = MatMulNBits(x) + ReduceSum(x in blocks of 32) @ m^T: Q4_1's m, exact. The block sums of
+    an input feeding several matrices (gate and up) are computed once."""
+    from onnx import helper, numpy_helper
+
+    n_rows, n_blocks = offset.shape
+    x, y = node.input[0], node.output[0]
+    product = f"{y}_blocks"
+    node.output[0] = product
+    prefix = node.name.rsplit("/", 1)[0] + OFFSET_SCOPE.rstrip("/")
+    graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(offset.T), f"{prefix}/offsets"))
+    nodes = []
+    if x not in block_sums:
+        block_sums[x] = f"{prefix}/sums"
+        graph.initializer.extend(
+            [
+                numpy_helper.from_array(np.array([0, 0, n_blocks, BLOCK], np.int64), f"{prefix}/block_shape"),
+                numpy_helper.from_array(np.array([-1], np.int64), f"{prefix}/last_axis"),
+            ]
+        )
+        nodes += [
+            helper.make_node("Reshape", [x, f"{prefix}/block_shape"], [f"{prefix}/blocks"], name=f"{prefix}/Reshape"),
+            helper.make_node(
+                "ReduceSum",
+                [f"{prefix}/blocks", f"{prefix}/last_axis"],
+                [block_sums[x]],
+                keepdims=0,
+                name=f"{prefix}/ReduceSum",
+            ),
+        ]
+    return [
+        *nodes,
+        helper.make_node("MatMul", [block_sums[x], f"{prefix}/offsets"], [f"{prefix}/out"], name=f"{prefix}/MatMul"),
+        helper.make_node("Add", [product, f"{prefix}/out"], [y], name=f"{prefix}/Add"),
+    ]
+
+
+def _save(model, onnx_path: Path) -> None:
+    """Write the model and its weights anew (onnx appends to an existing external-data file)."""
+    import onnx
+
+    data = onnx_path.with_name(onnx_path.name + ".data")
+    data.unlink(missing_ok=True)
+    onnx.save_model(model, str(onnx_path), save_as_external_data=True, location=data.name, size_threshold=1024)

