@@ -5,9 +5,6 @@ load that fails says where and why."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ from optimize import workload
 from optimize.compile.race import served
 from optimize.compile.race.candidates import CANDIDATES
 from optimize.compile.race.entry import Entry
-from tests.support.serve import ROOT
+from tests.support.tiny_llm import build_in_subprocess
 
 CLIENTS, PROMPT, OUTPUT = 16, 40, 200  # 16 / 4 = four static batches, each 200 decode steps long
 
@@ -31,16 +28,7 @@ def artifact(tmp_path_factory) -> Path:
     from optimize.artifact import write_manifest
 
     out = tmp_path_factory.mktemp("race_served") / "tiny"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.tiny_llm", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    build_in_subprocess(out)
     engine = read_manifest(out)["engine"]
     (out / "manifest.json").unlink()
     write_manifest(out, {"recipe": {"name": "tiny", "resolved": {}}, "engine": engine})

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.support.serve import ROOT, in_process
+from tests.support.serve import in_process
+from tests.support.tiny_llm import build_in_subprocess
 
 
 @pytest.fixture(scope="session")
@@ -19,16 +18,7 @@ def tiny_llm_artifact(tmp_path_factory) -> Path:
     if importlib.util.find_spec("onnxruntime_genai") is None:
         pytest.skip("onnxruntime-genai is not installed")
     out = tmp_path_factory.mktemp("tiny_llm") / "artifact"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.tiny_llm", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    build_in_subprocess(out)
     return out
 
 
@@ -38,16 +28,7 @@ def tiny_ov_llm_artifact(tmp_path_factory) -> Path:
     if any(importlib.util.find_spec(m) is None for m in ("openvino", "openvino_genai", "openvino_tokenizers")):
         pytest.skip("openvino-genai is not installed")
     out = tmp_path_factory.mktemp("tiny_ov_llm") / "artifact"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.support.tiny_llm", str(out), "--openvino"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    build_in_subprocess(out, "--openvino")
     return out
 
 

@@ -33,6 +33,19 @@ OPENVINO_ENGINE = {
 }
 
 
+def build_in_subprocess(out: Path, *flags: str) -> Path:
+    """`python -m tests.support.tiny_llm OUT [FLAGS]` offline, in a process of its own (the builders'
+    libraries stay out of the test process); asserts it succeeded and returns OUT."""
+    import os
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    command = [sys.executable, "-m", "tests.support.tiny_llm", str(out), *flags]
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
 def write_manifest(artifact: Path, engine: dict | None = None) -> None:
     from engines.artifact import MANIFEST, SCHEMA_VERSION, file_table, seal
 
