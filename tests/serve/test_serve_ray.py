@@ -151,7 +151,7 @@ def test_autoscaling_settings_are_ray_serves_own():
     assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
 
 
-def test_ingress_and_throughput_switches_are_ray_serves_own():
+def test_ingress_and_throughput_switches_are_ray_serves_own(monkeypatch):
     """HAProxy and the throughput mode by default, as environment variables Ray Serve itself reads."""
     import inspect
 
@@ -161,9 +161,14 @@ def test_ingress_and_throughput_switches_are_ray_serves_own():
     from serve.ray import build_parser, deployment_options, ray_environment
 
     default = build_parser().parse_args(["x"])
-    assert ray_environment(default) == {"RAY_SERVE_ENABLE_HA_PROXY": "1", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1"}
+    chosen = ray_environment(default)
+    assert chosen["RAY_SERVE_ENABLE_HA_PROXY"] == "1" and chosen["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert chosen["RAY_SERVE_HAPROXY_METRICS_ENABLED"] == "0"
+    assert 1 <= int(chosen["RAY_SERVE_HAPROXY_NBTHREAD"]) <= min(4, os.cpu_count() or 1)
     source = inspect.getsource(constants)
-    assert all(f'"{name}"' in source for name in ray_environment(default))
+    assert all(f'"{name}"' in source for name in chosen)
+    monkeypatch.setenv("RAY_SERVE_HAPROXY_NBTHREAD", "3")  # the user's own setting wins
+    assert ray_environment(default)["RAY_SERVE_HAPROXY_NBTHREAD"] == "3"
     plain = build_parser().parse_args(["x", "--ingress", "proxy", "--no-throughput-optimized"])
     assert ray_environment(plain) == {}
     quiet = build_parser().parse_args(["x", "--log-level", "warning"])
