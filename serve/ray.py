@@ -35,7 +35,7 @@ CHECKS["require_signature"] = "require_signature"
 # (on a 2-core machine, 2 replicas of a small encoder behind it answered 0.2-0.3x one process's
 # requests/s); HAProxy forwards to each replica's own HTTP server, and the throughput mode runs the
 # app on the replica's event loop instead of a second one with a hop per ASGI message.
-# HAProxy's threads: at most the node's cores (Ray's default of 4 on 2 cores took CPU from the
+# HAProxy's threads: at most the driver node's cores (Ray's default of 4 on 2 cores took CPU from the
 # replicas), and Ray's per-request ingress metrics off: the app's own serve_* metrics count every
 # request already, and Ray's cost a log line per request through its HAProxy manager. Together
 # 0.88x -> 0.94x one process on the 2-core machine of docs/deploy.md.
