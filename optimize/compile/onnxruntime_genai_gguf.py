@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from engines import formats
-from optimize.compile.openvino_genai_gguf import precision_of, source_gguf
+from optimize.compile.openvino_genai_gguf import carried_tensors, precision_of, source_gguf
 from optimize.context import Context, Model
 from optimize.errors import RecipeError
 from optimize.registry import register
@@ -64,13 +64,7 @@ def onnxruntime_genai_gguf_engine(model: Model, cfg: GenAIGGUFConfig, ctx: Conte
     from optimize.models import hf_folder
 
     gguf_path = source_gguf(model, ctx, METHOD)
-    try:
-        architecture, tensors = genai_gguf.tensors(gguf_path)
-    except genai_gguf.CarryError as exc:
-        raise RecipeError(f"model.source={ctx.plan.model.source}: {exc}") from None
-    reason = carry.uncarried(architecture, tensors)
-    if reason:
-        raise RecipeError(f"engine.method={METHOD}: {reason}")
+    architecture, tensors = carried_tensors(gguf_path, ctx, METHOD, carry.uncarried)
     out = ctx.scratch / "genai_gguf_engine"
     shutil.rmtree(out, ignore_errors=True)
     assert ctx.source is not None  # source_gguf checked it

@@ -77,13 +77,7 @@ def openvino_genai_gguf_engine(model: Model, cfg: OVGenAIGGUFConfig, ctx: Contex
     from optimize.models import hf_folder
 
     gguf_path = source_gguf(model, ctx)
-    try:
-        architecture, tensors = genai_gguf.tensors(gguf_path)
-    except genai_gguf.CarryError as exc:
-        raise RecipeError(f"model.source={ctx.plan.model.source}: {exc}") from None
-    reason = genai_gguf.uncarried(architecture, tensors)
-    if reason:
-        raise RecipeError(f"engine.method=openvino_genai_gguf: {reason}")
+    architecture, tensors = carried_tensors(gguf_path, ctx, "openvino_genai_gguf", genai_gguf.uncarried)
     out = ctx.scratch / "openvino_genai_gguf_engine"
     shutil.rmtree(out, ignore_errors=True)
     engine_dir = out / ENGINE_DIR
@@ -125,6 +119,21 @@ def source_gguf(model: Model, ctx: Context, method: str = "openvino_genai_gguf")
             "changed the model, so the file is no longer the model"
         )
     return Path(source.location) / source.gguf_file
+
+
+def carried_tensors(gguf_path: Path, ctx: Context, method: str, uncarried) -> tuple:
+    """The file's architecture and tensors, refused in one line where `uncarried` (the engine's own
+    check) names tensors the method cannot carry as they are."""
+    from engines.openvino import genai_gguf
+
+    try:
+        architecture, tensors = genai_gguf.tensors(gguf_path)
+    except genai_gguf.CarryError as exc:
+        raise RecipeError(f"model.source={ctx.plan.model.source}: {exc}") from None
+    reason = uncarried(architecture, tensors)
+    if reason:
+        raise RecipeError(f"engine.method={method}: {reason}")
+    return architecture, tensors
 
 
 def precision_of(tensors) -> str:
