@@ -95,7 +95,11 @@ def build_parser() -> OneLineParser:
         help="longest a batch waits to fill (default 5 or the recipe's)",
     )
     p.add_argument("--max-queue", type=setting("max_queue"), help="queued requests before 429 (default 256)")
-    p.add_argument("--timeout-s", type=setting("timeout_s"), help="per-request timeout, queueing included (default 30)")
+    p.add_argument(
+        "--timeout-s",
+        type=setting("timeout_s"),
+        help="per-request timeout, queueing included (default 30; 300 for a model that generates)",
+    )
     p.add_argument("--max-request-bytes", type=positive(int), help="body size limit, 413 past it (default 4 MiB)")
     p.add_argument("--max-inputs", type=positive(int), help="texts per embeddings request (default 2048)")
     p.add_argument("--max-prompt-tokens", type=positive(int), help="causal LMs: prompt limit (default: context - 1)")

@@ -14,7 +14,7 @@ class ServeConfig:
     max_batch_size: int = 32
     max_queue_delay_ms: float = 5.0
     max_queue: int = 256  # requests waiting for the model; more are refused with 429
-    timeout_s: float = 30.0  # per request, queueing included: 504 past it
+    timeout_s: float = 30.0  # per request, queueing included: 504 past it (GENERATION_TIMEOUT_S for LMs)
     max_request_bytes: int = 4 << 20
     max_inputs: int = 2048  # texts or token arrays in one embeddings request
     max_prompt_tokens: int = 0  # causal LMs; 0: the context length less one
@@ -43,6 +43,15 @@ class ServeConfig:
     def ort_threads(self) -> int:
         # os.cpu_count() sees the host; the affinity mask is what a container actually grants.
         return self.threads or len(os.sched_getaffinity(0))
+
+
+# The request timeout of a model that generates, where neither the command line nor the recipe sets
+# one. A whole answer of serve's max_tokens (512) at 10-20 tokens/s on a 2-core CPU takes 25-50 s, and
+# an engine that batches statically (ONNX Runtime GenAI: 4 sequences) keeps the 16th of 16 clients
+# waiting three generations for its first token: on SmolLM2 at 1024 prompt tokens + 128, 11 to 15 of
+# 16 requests were 504s at 30 s, none at 300 s. The engine race serves its candidates with this too,
+# so what it timed is what the artifact does under serve's defaults.
+GENERATION_TIMEOUT_S = 300.0
 
 
 # Settings an artifact's recipe may carry (recipe.resolved.serve); the command line wins.
@@ -103,6 +112,16 @@ def resolve(cli: dict, manifest: dict) -> ServeConfig:
     values = {k: recipe[k] for k in RECIPE_KEYS if recipe.get(k) is not None}
     names = {f.name for f in fields(ServeConfig)}
     values.update({k: v for k, v in cli.items() if k in names and v is not None})
+    if values.get("timeout_s") is None and generates(manifest):
+        values["timeout_s"] = GENERATION_TIMEOUT_S
     if not values.get("api_key"):
         values["api_key"] = os.environ.get(API_KEY_ENV) or None
     return ServeConfig(**values)
+
+
+def generates(manifest: dict) -> bool:
+    """Whether the artifact's engine format generates text (its requests last whole answers)."""
+    from engines import formats
+
+    engine_format = formats.FORMATS.get((manifest.get("engine") or {}).get("format") or "")
+    return bool(engine_format and engine_format.serves == "causal_lm")

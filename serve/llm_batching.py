@@ -161,6 +161,10 @@ class ContinuousBatchingService:
             cast("StaticBatchEngine", self.engine) if model.batching == "static" else None
         )
         self.last_batch = 0  # requests the last static batch started with
+        # Requests read or tokenized right now (serve.body.arriving, on the event loop): a static batch
+        # being formed waits for them too, so sixteen clients that start together after one lone
+        # request (a warm-up, say) do not start with a batch of one that the other fifteen wait behind.
+        self.arriving = 0
         self.prefixes = (
             PrefixCacheCounter(self.engine.block_tokens, self.engine.num_blocks)
             if self.engine.settings.prefix_caching
@@ -263,16 +267,19 @@ class ContinuousBatchingService:
 
     def gather(self) -> None:
         """Before a static batch starts, wait up to the engine's gather_s until it has as many
-        requests as the last one had (a full batch the first time): one client alone is not kept
-        waiting, clients that come back together share a batch (called with the lock held; submit()
-        notifies)."""
+        requests as the last one had (a full batch the first time), or as are on their way in now
+        if more: one client alone is not kept waiting, clients that come back together share a batch
+        (called with the lock held; submit() notifies)."""
         static = self.static
         assert static is not None
         deadline = time.perf_counter() + static.gather_s
         full = static.settings.max_num_seqs
-        target = min(self.last_batch or full, full)
         alone = static.runs_alone(self.starting[0].sampling)
-        while not alone and len(self.starting) < target:
+
+        def target() -> int:
+            return min(max(self.last_batch or full, len(self.starting) + self.arriving), full)
+
+        while not alone and len(self.starting) < target():
             left = deadline - time.perf_counter()
             if left <= 0:
                 return

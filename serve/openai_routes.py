@@ -130,11 +130,14 @@ async def generate(request: Request, parse, chat: bool):
     from serve.stops import StopMatcher
 
     state = state_of(request)
-    parsed = parse(await read_json(request, state))
-    check_model(state, parsed.model, "completions")
-    state.require_ready()
-    model = state.model
-    prompt_ids, sampling = await model.prepare_off_loop(parsed)
+    # Counted while read and tokenized, for an engine that forms batches (ContinuousBatchingService),
+    # and no longer once submitted.
+    with arriving(state.generator if hasattr(state.generator, "arriving") else None):
+        parsed = parse(await read_json(request, state))
+        check_model(state, parsed.model, "completions")
+        state.require_ready()
+        model = state.model
+        prompt_ids, sampling = await model.prepare_off_loop(parsed)
     state.metrics.prompt_tokens.inc(len(prompt_ids))
     generations = submit_choices(state.generator, prompt_ids, sampling, parsed.n, model.seed_range)
     choices = [Choice(i, g, StopMatcher(parsed.stop), tool_calls(parsed)) for i, g in enumerate(generations)]

@@ -75,7 +75,7 @@ def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
     halving = None
     if lm_race:
         baseline = lm.score(built, ctx, workload, cfg, thresholds, key_base if cfg.cache else None)
-        halving = lm.serve_passing(built, ctx, workload, thresholds)  # each passing one as served, per level
+        halving = lm.serve_passing(built, ctx, workload, thresholds, baseline)  # each passing one as served, per level
         winner = lm.choose(built, workload, baseline, thresholds)
     else:
         baseline = scoring.score(built, ctx, workload, cfg)

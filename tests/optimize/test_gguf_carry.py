@@ -39,13 +39,12 @@ TINY = [
 def test_a_gguf_source_gets_the_candidates_that_keep_its_blocks():
     from optimize.compile.race.candidates import CANDIDATES, default_candidates
 
-    assert default_candidates(True, gguf=True)[:3] == [
-        "openvino_genai_gguf",
-        "openvino_genai_gguf_dq32",
-        "ort_genai_gguf",
-    ]
-    assert not {"openvino_genai_gguf", "openvino_genai_gguf_dq32", "ort_genai_gguf"} & set(default_candidates(True))
+    carried = ["openvino_genai_gguf_kv_u8", "openvino_genai_gguf_dq32_kv_u8", "ort_genai_gguf"]
+    assert default_candidates(True, gguf=True)[:3] == carried
+    assert not set(carried) & set(default_candidates(True))
     assert CANDIDATES["openvino_genai_gguf"].engine == "openvino_genai_gguf"
+    # The default OpenVINO GenAI rows of a GGUF serve with the u8 KV cache, as the re-quantized ones do.
+    assert all(CANDIDATES[n].engine_params["kv_cache_precision"] == "u8" for n in carried[:2])
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +63,7 @@ def test_the_race_carries_a_q4_1_gguf_through_at_the_source_perplexity(q4_1, tmp
     proc = run_optimize(
         f"model.source={q4_1}",
         *TINY,
-        "engine.params.candidates=[openvino_genai_gguf,openvino_genai_int4_g32]",
+        "engine.params.candidates=[openvino_genai_gguf,openvino_genai_gguf_kv_u8,openvino_genai_int4_g32]",
         "gate.max_ppl_increase_over_source_pct=0.5",
         f"output_dir={out}",
         f"hydra.run.dir={tmp_path / 'run'}",
@@ -78,6 +77,10 @@ def test_the_race_carries_a_q4_1_gguf_through_at_the_source_perplexity(q4_1, tmp
     assert carried["precision"] == "gguf:Q4_1+Q8_0"
     check = next(c for c in carried["accuracy_checks"] if c["name"] == "max_ppl_increase_over_source_pct")
     assert check["passed"], check
+    # The u8 KV cache it serves with is the one it was scored with: close, not exact.
+    quantized_cache = race["openvino_genai_gguf_kv_u8"]["metrics"]
+    assert quantized_cache["perplexity"] != carried["metrics"]["perplexity"]
+    assert abs(quantized_cache["perplexity_increase_pct"]) < 2.0, quantized_cache
     reference = manifest["metrics"]["baseline"]["reference"]
     assert reference["kind"] == "gguf" and reference["gguf_types"] == {"Q4_1": 14, "Q8_0": 1}
     assert "baseline: the GGUF file tiny.Q4_1.gguf dequantized to FP32" in proc.stdout

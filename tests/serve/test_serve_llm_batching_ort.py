@@ -101,6 +101,39 @@ def test_a_batch_streams_together_and_matches_one_at_a_time(tiny_llm_artifact, o
         assert seeded(server, PROMPTS[0]) == one_at_a_time_texts[-1]
 
 
+def test_requests_still_being_read_join_the_batch_after_a_lone_request(tiny_llm_artifact):
+    """After one request alone (a warm-up) the next batch would wait for one request only. Requests
+    whose bodies are still arriving when it forms are waited for too (up to the engine's gather
+    time): three clients whose bodies come 20 ms late share a batch with a fourth that is complete at
+    once, rather than waiting a whole generation behind a batch of one."""
+    with running_server(tiny_llm_artifact, "--max-tokens", "64", token_delay_s=0.02) as server:
+        completion(server, PROMPTS[0], 4)
+
+        async def late_body(prompt: str):
+            await asyncio.sleep(0.02)
+            yield json.dumps(body(prompt, 12, stream=True)).encode()
+
+        async def stream(prompt: str, late: bool) -> list[float]:
+            stamps = []
+            content = late_body(prompt) if late else json.dumps(body(prompt, 12, stream=True)).encode()
+            headers = {"content-type": "application/json"}
+            async with httpx.AsyncClient(timeout=60) as client:
+                async with client.stream("POST", server.url + "/v1/completions", content=content, headers=headers) as r:
+                    assert r.status_code == 200, await r.aread()
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: {") and not json.loads(line[6:])["choices"][0]["finish_reason"]:
+                            stamps.append(time.monotonic())
+            return stamps
+
+        async def scenario():
+            late = [asyncio.create_task(stream(p, late=True)) for p in PROMPTS[1:]]
+            await asyncio.sleep(0.005)  # their headers are in: the server is reading their bodies
+            return await asyncio.gather(stream(PROMPTS[0], late=False), *late)
+
+        results = asyncio.run(scenario())
+        assert max(stamps[0] for stamps in results) < min(stamps[-1] for stamps in results)
+
+
 def test_a_request_that_arrives_during_a_batch_waits_for_it(tiny_llm_artifact):
     """What static batching costs: a fifth stream starts only once the batch of four has ended."""
     with running_server(tiny_llm_artifact, "--max-tokens", "64", token_delay_s=0.02) as server:

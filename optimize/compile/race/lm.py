@@ -2,24 +2,23 @@
 in the other modules of this package).
 
 Every candidate decoder is scored against the PyTorch FP32 baseline on the held-out tokens the
-evaluation uses (perplexity, and lm-eval where the gate checks it), then every candidate and the
-baseline generate the same prompts in turn (time to first token and decode tokens/s) at every request
-shape of the workload (`workload.requests`: prompt and output lengths with weights), each candidate
-in a process of its own with only its runtime loaded, as a server runs it; a request's time is
-TTFT + (output - 1) / decode, so first token and decode count together, as a user waiting for an
-answer sees them: a runtime that decodes faster but prefills slower wins short prompts and may lose
-long ones.
+evaluation uses (perplexity, and lm-eval where the gate checks it). Every candidate that passes the
+gate's accuracy checks is then served (`python -m serve` on loopback, race/served.py) and driven at
+every request shape of the workload (`workload.requests`: prompt and output lengths with weights) and
+every level of `workload.concurrency`, with successive halving; the winner is the passing candidate
+with the lowest served cost: at each level its weighted request time as served over the best
+candidate's, weighted over the levels. A request's time counts first token and decode together, as a
+user waiting for an answer sees them: a runtime that decodes faster but prefills slower wins short
+prompts and may lose long ones, and an engine that answers one request soonest but batches
+statically loses a workload that is mostly sixteen clients at once.
 
-Then every candidate that passes the gate's accuracy checks is served (`python -m serve` on loopback,
-race/served.py) and driven at every shape and every level of `workload.concurrency`, with successive
-halving; the winner is the passing candidate with the lowest served cost: at each level its weighted
-request time as served over the best candidate's, weighted over the levels. An engine that answers
-one request soonest but batches statically loses a workload that is mostly sixteen clients at once.
+The baseline is timed one request at a time in this process (kept in the race cache for the next race
+on the same model and machine); candidates are timed only as served, where the decision is made, and
+their one-client cells give the report's TTFT, decode speed and request time (as_served).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import asdict
 from typing import Any
@@ -30,12 +29,12 @@ log = logging.getLogger(__name__)
 
 
 def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: str | None = None) -> dict:
-    """Fill each entry's `metrics` (perplexity, lm-eval where the gate's `thresholds` check it, TTFT
-    and decode at each request shape); returns the baseline's. With `key_base` (the race cache's
-    identity of the model and machine), the baseline's figures are taken from an earlier race on the
-    same data, shapes, runs and threads, or kept for the next one."""
+    """Fill each entry's `metrics` (perplexity, and lm-eval where the gate's `thresholds` check it);
+    returns the baseline's, with its TTFT and decode at each request shape timed one request at a time
+    in this process (candidates are timed as served: serve_passing, then as_served). With `key_base`
+    (the race cache's identity of the model and machine), the baseline's figures are taken from an
+    earlier race on the same data, shapes, runs and threads, or kept for the next one."""
     from engines import engine_bytes, load_engine
-    from engines.runner_process import RunnerProcess
     from optimize.compile.race import cache
     from optimize.evaluate.generation import Tokens, perplexity, request_ms, timed_requests
     from optimize.tasks.causal_lm import eval_config
@@ -60,62 +59,64 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: st
         entry.metrics = {"perplexity": ppl, "perplexity_increase_pct": (ppl / base["perplexity"] - 1) * 100}
     if lm_eval:
         _lm_eval(entries, runners, baseline, base, tokens, data.items, cfg, ctx, reused)
-    runners.clear()  # scored; each candidate is timed in a process of its own (engines/runner_process.py)
-    with contextlib.ExitStack() as stack:
-        timed_runners = {
-            e.name: stack.enter_context(RunnerProcess(e.model.engine_dir, e.model.engine, ctx.threads)) for e in entries
-        }
-        subjects = timed_runners if reused else {"baseline": baseline, **timed_runners}
-        timed = timed_requests(subjects, tokens, data.items, workload.requests, warmup=1, runs=runs)
+    runners.clear()
     if reused:
         log.info("race: the baseline's perplexity and timings are reused from an earlier race on this machine")
-        for r in workload.requests:
-            timed[r.key]["runs"]["baseline"] = reused["requests"][r.key]
-    on_baseline = {r.key: timed[r.key]["runs"]["baseline"] for r in workload.requests}
+        on_baseline = {r.key: reused["requests"][r.key] for r in workload.requests}
+    else:
+        timed = timed_requests({"baseline": baseline}, tokens, data.items, workload.requests, warmup=1, runs=runs)
+        on_baseline = {r.key: timed[r.key]["runs"]["baseline"] for r in workload.requests}
     if key and not reused:
         cache.save_baseline(
             key, {"perplexity": base["perplexity"], "lm_eval": base.get("lm_eval"), "requests": on_baseline}
         )
-    first = workload.requests[0]
     base.update(
         requests={
             r.key: {"generation": on_baseline[r.key], "request_ms": request_ms(on_baseline[r.key], r.output)}
             for r in workload.requests
         },
-        generation=on_baseline[first.key],
+        generation=on_baseline[workload.requests[0].key],
         reused=bool(reused),
     )
-    for entry in entries:
-        entry.metrics["requests"] = {r.key: _at(timed[r.key], entry.name, r.output) for r in workload.requests}
-        head = entry.metrics["requests"][first.key]
-        entry.metrics.update(
-            generation=head["generation"],
-            generation_ms=head["request_ms"],
-            decode_speedup=head["decode_speedup"],
-            other_cpu_share=max(t["other_cpu_share"] for t in timed.values()),
-        )
     return base
 
 
-def _at(run: dict, name: str, output: int) -> dict:
-    """One candidate's figures at one request shape."""
-    from optimize.evaluate.generation import request_ms
-
-    result, base = run["runs"][name], run["runs"]["baseline"]
-    return {
-        "generation": result,
-        "request_ms": request_ms(result, output),
-        "decode_speedup": result["decode_tok_s"]["p50"] / base["decode_tok_s"]["p50"],
-        "other_cpu_share": run["other_cpu_share"],
-        "retimes": run["retimes"],
-    }
-
-
-def generation_ms(result: dict, new_tokens: int) -> float:
-    """Milliseconds to answer: first token, then the rest at the median decode speed."""
-    from optimize.evaluate.generation import request_ms
-
-    return request_ms(result, new_tokens)
+def as_served(entries: list, workload, baseline: dict) -> None:
+    """Each served entry's figures one request at a time, read from its served cells at the fewest
+    clients the workload declares (one, by default): TTFT p50, decode tok/s (from the median gap
+    between streamed tokens) and request time at each shape, and its decode speed over the baseline's
+    (timed in process: the candidate's figure carries HTTP's cost too, so the ratio errs low). Timing
+    every candidate in process as well doubled the race's timing for no decision: what ships is judged
+    as served."""
+    fewest = min(workload.concurrency, key=lambda c: c.clients).key
+    for entry in entries:
+        served = entry.metrics.get("served")
+        if not served:
+            continue
+        requests = {}
+        for shape in workload.requests:
+            cell = served[shape.key][fewest]
+            if cell.get("request_ms") is None or not cell.get("itl_p50_ms"):
+                continue
+            generation = {
+                "ttft_ms": {"p50": cell["ttft_p50_ms"]},
+                "decode_tok_s": {"p50": 1e3 / cell["itl_p50_ms"]},
+                "as_served_clients": int(fewest),
+            }
+            base = baseline["requests"][shape.key]["generation"]
+            speedup = generation["decode_tok_s"]["p50"] / base["decode_tok_s"]["p50"]
+            requests[shape.key] = {
+                "generation": generation,
+                "request_ms": cell["request_ms"],
+                "decode_speedup": speedup,
+            }
+        entry.metrics["requests"] = requests
+        head = requests.get(workload.requests[0].key)
+        if head is not None:
+            entry.metrics.update(
+                generation=head["generation"], generation_ms=head["request_ms"], decode_speedup=head["decode_speedup"]
+            )
+        entry.metrics["other_cpu_share"] = max(c["other_cpu_share"] for by in served.values() for c in by.values())
 
 
 def _lm_eval(entries, runners, baseline, base, tokens, paragraphs, cfg, ctx, reused: dict | None) -> None:
@@ -130,7 +131,7 @@ def _lm_eval(entries, runners, baseline, base, tokens, paragraphs, cfg, ctx, reu
         entry.metrics.update(lm_eval=scores, lm_eval_drop_pts=lm_eval_drop(base["lm_eval"], scores))
 
 
-def serve_passing(entries: list, ctx, workload, thresholds: dict) -> dict:
+def serve_passing(entries: list, ctx, workload, thresholds: dict, baseline: dict) -> dict:
     """Time every candidate that passes accuracy as served, at each shape and concurrency level
     (race/served.py, with successive halving); returns the halving record for the race's."""
     from optimize.compile.race.served import time_served
@@ -138,7 +139,9 @@ def serve_passing(entries: list, ctx, workload, thresholds: dict) -> dict:
     passing = [e for e in entries if accuracy_verdict(e, thresholds).passed]
     if not passing:
         return {"rounds": [], "cut": {}}
-    return time_served(passing, ctx, workload)
+    record = time_served(passing, ctx, workload)
+    as_served(passing, workload, baseline)
+    return record
 
 
 def accuracy_verdict(entry, thresholds: dict):
@@ -149,36 +152,27 @@ def accuracy_verdict(entry, thresholds: dict):
 
 
 def choose(entries: list, workload, baseline: dict, thresholds: dict):
-    """The candidate with the lowest cost over the workload among those that pass every accuracy and
-    size check of the gate (perplexity increase, lm-eval drop, size), preferring those never slower
-    than the baseline at any shape; none passing: the lowest perplexity ships. The cost is the served
-    one (served_costs) where the passing candidates were timed as served, else the request time
-    (weighted over the shapes) one request at a time."""
+    """The candidate with the lowest served cost (served_costs) among those that pass every accuracy
+    and size check of the gate (perplexity increase, lm-eval drop, size), preferring those never
+    slower than the baseline at any shape with one client; none passing: the lowest perplexity ships."""
     from optimize.compile.race.served import load_failure, served_costs
 
-    points = workload.requests
     served = [e for e in entries if "served" in e.metrics and not e.served_cut]
     cut = [e for e in entries if e.served_cut]
     pool = [e for e in entries if not e.served_cut]
-    words = ("shortest generation", "generation time")
     if served:
         for name, value in served_costs(served, workload).items():
             next(e for e in served if e.name == name).cost = value
-        mix = ", ".join(f"{c.clients} clients: {c.weight:.2f}" for c in workload.concurrency)
-        words = (f"lowest served cost ({mix})", "served cost")
-    elif len(points) > 1:
-        for entry in entries:
-            entry.cost = sum(p.weight * entry.metrics["requests"][p.key]["request_ms"] for p in points)
-        words = ("shortest weighted request time", "weighted request time")
+    mix = ", ".join(f"{c.clients} clients: {c.weight:.2f}" for c in workload.concurrency)
     winner = pick(
         pool,
         thresholds,
         measured=lambda e: e.metrics,
-        cost=lambda e: e.cost if e.cost is not None else e.metrics["generation_ms"],
+        cost=lambda e: e.cost if e.cost is not None else float("inf"),  # passing yet not served: never
         error=lambda e: e.metrics["perplexity"],
-        cost_words=words,
-        per_point=lambda e: _per_point(e, workload),
-        baseline={f"{p.key} tokens": baseline["requests"][p.key]["request_ms"] for p in points},
+        cost_words=(f"lowest served cost ({mix})", "served cost"),
+        per_point=_per_point,
+        baseline={f"{p.key} tokens at 1 clients": baseline["requests"][p.key]["request_ms"] for p in workload.requests},
     )
     for entry in cut:
         verdict = accuracy_verdict(entry, thresholds)
@@ -193,9 +187,10 @@ def choose(entries: list, workload, baseline: dict, thresholds: dict):
     return winner
 
 
-def _per_point(entry, workload) -> dict:
-    """Request time at each shape one request at a time, and as served at each shape and level."""
-    points = {f"{p.key} tokens": entry.metrics["requests"][p.key]["request_ms"] for p in workload.requests}
+def _per_point(entry) -> dict:
+    """Request time as served at each shape and level (the baseline's one request at a time is
+    compared with the one-client cells)."""
+    points = {}
     for shape, levels in (entry.metrics.get("served") or {}).items():
         for level, cell in levels.items():
             points[f"{shape} tokens at {level} clients"] = cell["request_ms"] or float("inf")

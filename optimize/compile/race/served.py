@@ -17,18 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from serve.config import GENERATION_TIMEOUT_S
+
 log = logging.getLogger(__name__)
 
 # Clearly behind after the first round: on a shared 2-core machine one served run moves by 10-20%, and
 # candidates this far apart did not change places when timed again.
 CUT_RATIO = 1.5
-# How long one request may wait for its first token, queueing included: in the server (its --timeout-s,
-# 30 s by default) and at the client (its read timeout: a streamed response starts with its first
-# token). The race times what a candidate does under load, not the default server's policy: at 16
-# clients ONNX Runtime GenAI's static batches of 4 keep the last requests waiting three whole
-# generations, and on SmolLM2 at 1024 prompt tokens + 128 (2 loaded cores) 11 and 15 of 16 requests
-# were 504s at 30 s, which made its cost infinite whatever the others' were (at 300 s: none failed).
-REQUEST_TIMEOUT_S = 300.0
 
 
 def requests_per_client(clients: int, round_no: int) -> int:
@@ -152,6 +147,7 @@ def _cell(figures: dict, other_share: float) -> dict:
         "tokens_per_s": figures.get("tokens_per_s"),
         "ttft_p95_ms": figures.get("ttft_p95_ms"),
         "ttft_p50_ms": figures.get("ttft_p50_ms"),
+        "itl_p50_ms": figures.get("itl_p50_ms"),
         "itl_p95_ms": figures.get("itl_p95_ms"),
         "request_ms": round(mean_ms, 1) if mean_ms is not None else None,
         "requests": figures.get("requests"),
@@ -186,8 +182,8 @@ class _Server:
     def __init__(self, folder: Path, threads: int):
         from optimize.evaluate.served import ServedServer
 
+        # serve's defaults, its request timeout for a model that generates included
         command = [sys.executable, "-m", "serve", str(folder), "--port", "0", "--allow-failed-gate"]
-        command += ["--timeout-s", f"{REQUEST_TIMEOUT_S:g}"]
         command += ["--threads", str(threads)] if threads else []
         self.name = folder.name
         self.server = ServedServer("serve", command, "/v2/health/ready")
@@ -198,12 +194,12 @@ class _Server:
         from optimize.evaluate.served import drive_async
 
         self.server.wait_ready()
-        asyncio.run(drive_async(self.server.url, self.name, warm, 1, 1, 8, REQUEST_TIMEOUT_S))
+        asyncio.run(drive_async(self.server.url, self.name, warm, 1, 1, 8, GENERATION_TIMEOUT_S))
 
     def drive(self, prompts: list, clients: int, per_client: int, output: int) -> dict:
         from optimize.evaluate.served import drive
 
-        return drive(self.server.url, self.name, prompts, clients, per_client, output, REQUEST_TIMEOUT_S)
+        return drive(self.server.url, self.name, prompts, clients, per_client, output, GENERATION_TIMEOUT_S)
 
     def stop(self) -> None:
         self.server.stop()
