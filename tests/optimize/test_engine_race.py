@@ -394,6 +394,11 @@ def test_the_declared_concurrency_levels_decide_between_a_static_and_a_continuou
     assert columns["served 16 clients tok/s (TTFT p95 ms)"] == "230 (3000)"
     assert columns["serves concurrent requests"] == "static batches of at most 4"
     assert entries[1].columns()["serves concurrent requests"] == "continuous batching"
+    from optimize.compile.race.cells import serving
+
+    # By the engine format the method builds: the GGUF carriers serve as their runtimes do.
+    assert serving(Entry("g", CANDIDATES["openvino_genai_gguf_kv_u8"])) == "continuous batching"
+    assert serving(Entry("o", CANDIDATES["ort_genai_gguf"])) == "static batches of at most 4"
 
 
 def test_a_candidate_cut_by_successive_halving_keeps_its_first_round_figures_and_says_why():

@@ -8,19 +8,27 @@ below them.
 
 from __future__ import annotations
 
-# How each LM engine serves concurrent requests on CPU (python -m serve; serve/README.md measures
-# both): OpenVINO GenAI's pipeline batches continuously, onnxruntime-genai's Engine only statically
-# (at most 4 sequences, new requests between batches), since its continuous path needs PagedAttention,
-# which its builder makes for CUDA and WebGPU only.
-SERVES_CONCURRENT = {
-    "openvino_genai": ("continuous batching", True),
-    "onnxruntime_genai": ("static batches of at most 4", False),
+# How each batching kind of an LM engine format (engines/formats.py) serves concurrent requests on CPU
+# (python -m serve; serve/README.md measures both): OpenVINO GenAI's pipeline batches continuously,
+# onnxruntime-genai's Engine only statically (at most 4 sequences, new requests between batches), since
+# its continuous path needs PagedAttention, which its builder makes for CUDA and WebGPU only.
+BATCHING_WORDS = {
+    "continuous": "continuous batching",
+    "static": "static batches of at most 4",
+    "none": "one at a time",
 }
 
 
-def serving(entry) -> tuple[str, bool]:
-    """How the entry's engine serves concurrent requests, and whether it batches continuously."""
-    return SERVES_CONCURRENT.get(entry.spec.engine, ("one at a time", False))
+def serving(entry) -> str:
+    """How the entry's engine serves concurrent requests: by its built engine's format, else by the
+    formats its method builds (every LM method builds one)."""
+    from engines import formats
+    from optimize import registry
+
+    built = (entry.model.engine or {}).get("format") if entry.model is not None else None
+    names = (built,) if built else registry.get("engine", entry.spec.engine).formats(None, None)
+    rows = [formats.FORMATS[n] for n in names if n in formats.FORMATS]
+    return BATCHING_WORDS[rows[0].batching if rows else "none"]
 
 
 def columns(entry) -> dict:
@@ -60,7 +68,7 @@ def lm_cells(entry) -> dict:
             f"{generation['decode_tok_s']['p50']:.1f} ({m['decode_speedup']:.2f}x)" if generation else "-"
         ),
         "generation ms": f"{m['generation_ms']:.0f}" if "generation_ms" in m else "-",
-        "serves concurrent requests": serving(entry)[0],
+        "serves concurrent requests": serving(entry),
         **_shape_cells(m.get("requests") or {}),
         **_served_cells(m.get("served") or {}),
         **_cost_cell(entry),

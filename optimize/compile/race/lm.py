@@ -98,13 +98,13 @@ def as_served(entries: list, workload, baseline: dict) -> None:
             cell = served[shape.key][fewest]
             if cell.get("request_ms") is None or not cell.get("itl_p50_ms"):
                 continue
+            decode = 1e3 / cell["itl_p50_ms"]
             generation = {
                 "ttft_ms": {"p50": cell["ttft_p50_ms"]},
-                "decode_tok_s": {"p50": 1e3 / cell["itl_p50_ms"]},
+                "decode_tok_s": {"p50": decode},
                 "as_served_clients": int(fewest),
             }
-            base = baseline["requests"][shape.key]["generation"]
-            speedup = generation["decode_tok_s"]["p50"] / base["decode_tok_s"]["p50"]
+            speedup = decode / baseline["requests"][shape.key]["generation"]["decode_tok_s"]["p50"]
             requests[shape.key] = {
                 "generation": generation,
                 "request_ms": cell["request_ms"],
