@@ -69,7 +69,7 @@ def weight_precision(onnx_path: Path) -> dict:
             bits = next((a.i for a in node.attribute if a.name == "bits"), 4)
             groups.setdefault(f"int{bits}", []).append(node.name)
         elif node.op_type in ("MatMul", "Gemm", "Gather") and any(i in weights for i in node.input):
-            if OFFSET_SCOPE in node.name:  # a carried Q4_1 matrix's offsets, part of its MatMulNBits
+            if OFFSET_SCOPE in node.name:  # a carried Q4_1 or Q4_K matrix's offsets, part of its MatMulNBits
                 continue
             groups.setdefault("float", []).append(node.name)
     return {precision: {"count": len(names), "nodes": _summarize(names)} for precision, names in groups.items()}

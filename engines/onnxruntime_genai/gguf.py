@@ -2,7 +2,7 @@
 dequantized), each MatMulNBits weight then replaced by the file's blocks for that matrix, copied
 bit for bit, and a summary of what each GGUF tensor type became.
 
-The block formats map onto MatMulNBits (w = (q - zero point) * scale per block of 32 along K):
+The block formats map onto MatMulNBits (w = (q - zero point) * scale per block along K):
 - Q4_0 (w = d * (q - 8)): bits 4, scale d, uint8 zero point 8. Exact.
 - Q4_1 (w = d * q + m): bits 4, scale d, uint8 zero point 0, and m carried as a second term: the
   activations summed per block of 32 times m (a small f32 MatMul added to the output), so
@@ -11,14 +11,26 @@ The block formats map onto MatMulNBits (w = (q - zero point) * scale per block o
   every call: 18x slower than the uint8 path on a 576x1536 matrix.)
 - Q8_0 (w = d * q, q int8): bits 8, q + 128 stored as uint8, zero point 128. Exact; ORT's CPU
   kernel has a fast 8-bit path only with INT8 activations (accuracy_level 4).
-The nibble order differs (GGUF: value j low and j + 16 high in byte j; MatMulNBits: values 2i and
-2i + 1 in byte i), so 4-bit values are unpacked and repacked; no value changes. Llama's Q/K rows,
+- Q4_K (per 256 values an f16 d and dmin, per sub-block of 32 a 6-bit scale sc and min m:
+  w = d * sc * q - dmin * m): Q4_1's form per block of 32, bits 4, f32 scale d * sc, uint8 zero point
+  0, and -dmin * m carried as block sums times it. The f32 products are the ones gguf's dequantize
+  makes, so exact to f32 summation order.
+- Q6_K (per 256 values an f16 d, per sub-block of 16 an int8 scale sc, 6-bit q: w = d * sc * (q - 32)):
+  bits 8, block 16, q + 96 stored as uint8, zero point 128, f32 scale d * sc. Exact; 8 bits, so the
+  same CPU speed as Q8_0.
+The nibble order differs (GGUF's Q4_0 / Q4_1: value j low and j + 16 high in byte j; Q4_K: in each
+64 values, 32 low nibbles then 32 high; MatMulNBits: values 2i and 2i + 1 in byte i), so 4-bit values
+are unpacked and repacked; no value changes. Blocks of 32 fused beside blocks of 16 (Q8_0 with Q6_K)
+are written as pairs of blocks of 16, each with the block's scale (exact). Llama's Q/K rows,
 permuted by llama.cpp for its rotary layout, are put back in the Hugging Face order the builder's
 graph expects (whole rows move: exact). Q, K and V are fused by the builder into one qkv_proj: their
-blocks are concatenated along N. The embedding stays as the builder makes it from the dequantized
-file (an f32 Gather: the file's values, not its blocks); the LM head (output, or the tied token_embd)
-becomes a MatMulNBits of the file's blocks where lm_head_carried says, else stays the builder's f32
-MatMul.
+blocks are concatenated along N. One MatMulNBits holds one bit width, so where a layer's Q, K and V
+are of two (Q4_K_M files: V Q6_K beside Q and K Q4_K) builder_options asks the builder for
+separate q_proj, k_proj and v_proj (fuse_qkv=false), each carried at its own width.
+The embedding stays as the builder makes it from the dequantized file (an f32 Gather: the file's
+values, not its blocks); the LM head (output, or the tied token_embd) becomes a MatMulNBits of the
+file's blocks where lm_head_carried says (4-bit types always; Q8_0 and Q6_K with INT8 activations),
+else stays the builder's f32 MatMul.
 """
 
 from __future__ import annotations
@@ -36,13 +48,18 @@ log = logging.getLogger(__name__)
 # Checked exact against the dequantized file. Qwen3 is not listed: on a tiny Qwen3 read from a GGUF
 # file the builder's own f32 graph (nothing carried) was 0.48 off transformers' log-likelihoods.
 ARCHITECTURES = ("llama", "qwen2")
-BLOCK = 32
+BLOCK = 32  # the builder's MatMulNBits block (its option block_size=32); Q6_K's become 16
 # GGUF types of matrices carried as blocks, and what each becomes in the ONNX model.
 CARRIED = {
     "Q4_0": "MatMulNBits bits 4, block 32, f32 scale d, uint8 zero point 8 (exact)",
     "Q4_1": "MatMulNBits bits 4, block 32, f32 scale d, uint8 zero point 0, + block sums x f32 m (exact to f32)",
     "Q8_0": "MatMulNBits bits 8, block 32, f32 scale d, uint8 zero point 128 (exact)",
+    "Q4_K": "MatMulNBits bits 4, block 32, f32 scale d*sc, uint8 zero point 0, + block sums x f32 -dmin*m"
+    " (exact to f32)",
+    "Q6_K": "MatMulNBits bits 8, block 16, f32 scale d*sc, uint8 zero point 128 (exact)",
 }
+BITS = {"Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q8_0": 8, "Q6_K": 8}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q6_K": 210}  # one GGUF block's bytes
 VECTOR_TYPES = ("F32", "F16")  # norms and biases: the builder's f32 copies of the file's values
 NOT_CARRIED = "f32, dequantized from the file by the builder (the file's values, not its blocks)"
 # The builder's MatMulNBits node (under /model/layers.N/) -> the GGUF matrices it holds, in N order.
@@ -60,6 +77,19 @@ NODE_TENSORS = {
 # then become the file's blocks.
 LM_HEAD = "/lm_head/MatMul"
 BUILDER_OPTIONS = ["shared_embeddings=false", f"nodes_to_exclude={LM_HEAD}"]
+QKV = ("attn_q", "attn_k", "attn_v")
+
+
+def builder_options(items: list[GGUFTensor]) -> list[str]:
+    """The builder's options for this file: Q, K and V left unfused (fuse_qkv=false) only where one
+    layer's are of two bit widths, which no one MatMulNBits holds."""
+    widths: dict[str, set[int]] = {}
+    for t in items:
+        layer, _, part = t.name.removesuffix(".weight").rpartition(".")
+        if layer.startswith("blk.") and part in QKV and t.type in BITS:
+            widths.setdefault(layer, set()).add(BITS[t.type])
+    mixed = any(len(bits) > 1 for bits in widths.values())
+    return [*BUILDER_OPTIONS, "fuse_qkv=false"] if mixed else list(BUILDER_OPTIONS)
 
 
 def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
@@ -120,7 +150,7 @@ def carry_blocks(gguf_path: Path, onnx_path: Path, accuracy_level: int) -> dict[
     initializers = {i.name: i for i in graph.initializer}
     carried: dict[str, int] = {}
     extra: list[tuple[int, list]] = []
-    block_sums: dict[str, str] = {}  # an input's block sums, computed once for the matrices it feeds
+    block_sums: dict[tuple[str, int], str] = {}  # an input's block sums, once for the matrices it feeds
     for index, node in enumerate(graph.node):
         if node.name == LM_HEAD and node.op_type == "MatMul":
             head = blocks.get("output") or blocks["token_embd"]  # tied: the embedding's blocks
@@ -128,18 +158,17 @@ def carry_blocks(gguf_path: Path, onnx_path: Path, accuracy_level: int) -> dict[
                 continue
             weights = _as_matmul_nbits(head, None)
             rows, n_blocks = weights["scales"].shape
+            shape = {"K": n_blocks * weights["block"], "N": rows, "block_size": weights["block"]}
             node.op_type, node.domain = "MatMulNBits", "com.microsoft"
-            node.attribute.extend(
-                helper.make_attribute(k, v) for k, v in {"K": n_blocks * BLOCK, "N": rows, "block_size": BLOCK}.items()
-            )
+            node.attribute.extend(helper.make_attribute(k, v) for k, v in shape.items())
             items = [head]
         elif node.op_type == "MatMulNBits":
             items, weights = _layer_matrices(node, blocks, arch, heads)
         else:
             continue
-        _replace(node, initializers, graph, weights, weights["bits"], accuracy_level)
+        _replace(node, initializers, graph, weights, accuracy_level)
         if weights["offset"].any():
-            extra.append((index, _offset_nodes(node, graph, weights["offset"], block_sums)))
+            extra.append((index, _offset_nodes(node, graph, weights["offset"], weights["block"], block_sums)))
         for t in items:
             carried[t.tensor_type.name] = carried.get(t.tensor_type.name, 0) + 1
     for index, nodes in reversed(extra):  # after their MatMulNBits, so the graph stays in order
@@ -150,9 +179,10 @@ def carry_blocks(gguf_path: Path, onnx_path: Path, accuracy_level: int) -> dict[
 
 
 def lm_head_carried(kind: str, accuracy_level: int) -> bool:
-    """Whether the LM head becomes the file's blocks: 4-bit types always; Q8_0 only with INT8
-    activations (the CPU kernel's 8-bit path with f32 activations is slower than the f32 MatMul)."""
-    return kind in ("Q4_0", "Q4_1") or (kind == "Q8_0" and accuracy_level == 4)
+    """Whether the LM head becomes the file's blocks: 4-bit types always; 8-bit ones (Q8_0, Q6_K)
+    only with INT8 activations (the CPU kernel's 8-bit path with f32 activations is slower than the
+    f32 MatMul)."""
+    return BITS.get(kind) == 4 or (BITS.get(kind) == 8 and accuracy_level == 4)
 
 
 def _layer_matrices(node, blocks: dict, arch: str, heads: dict[str, int]) -> tuple[list, dict]:
@@ -167,8 +197,22 @@ def _layer_matrices(node, blocks: dict, arch: str, heads: dict[str, int]) -> tup
     if len(bits) > 1:
         listed = ", ".join(f"{t.name} ({t.tensor_type.name})" for t in items)
         raise CarryError(f"{node.name} fuses {listed}: one MatMulNBits holds one bit width")
+    block = min(w["block"] for w in weights)
+    weights = [_reblocked(w, block) for w in weights]
     fused = {key: np.concatenate([w[key] for w in weights]) for key in ("B", "scales", "zero", "offset")}
-    return items, {**fused, "bits": bits.pop()}
+    return items, {**fused, "bits": bits.pop(), "block": block}
+
+
+def _reblocked(weights: dict, block: int) -> dict:
+    """The same matrix in blocks of `block` (a divisor of its own): each block split, its scale, zero
+    point and offset repeated (exact; values are stored in K order, so B only changes shape)."""
+    if weights["block"] == block:
+        return weights
+    factor = weights["block"] // block
+    rows = len(weights["B"])
+    repeated = {key: np.repeat(weights[key], factor, axis=1) for key in ("scales", "zero", "offset")}
+    B = weights["B"].reshape(rows, -1, block * weights["bits"] // 8)
+    return {**weights, **repeated, "B": B, "block": block}
 
 
 def _architecture(reader) -> tuple[str, dict[str, int]]:
@@ -194,8 +238,9 @@ def _gguf_parts(node_name: str) -> tuple[int, tuple[str, ...]] | None:
 
 
 def _as_matmul_nbits(t, permuted_heads: int | None) -> dict:
-    """One GGUF matrix as MatMulNBits arrays: B [N, blocks, blob], scales and uint8 zero points
-    [N, blocks], offset [N, blocks] (Q4_1's m; 0 otherwise), rows in Hugging Face order."""
+    """One GGUF matrix as MatMulNBits arrays: bits, block, B [N, blocks, blob], scales and uint8 zero
+    points [N, blocks], offset [N, blocks] (added as block sums x offset: Q4_1's m, Q4_K's -dmin*m;
+    0 otherwise), rows in Hugging Face order."""
     kind = t.tensor_type.name
     if kind not in CARRIED:
         raise CarryError(f"GGUF tensor {t.name} ({kind}): MatMulNBits has no exact form of it")
@@ -203,20 +248,66 @@ def _as_matmul_nbits(t, permuted_heads: int | None) -> dict:
     data = np.asarray(t.data, dtype=np.uint8).reshape(rows, -1)
     if permuted_heads:
         data = data[_unpermuted(rows, permuted_heads)]
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[kind]
-    blocks = data.reshape(rows, -1, size)
-    scales = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    blocks = data.reshape(rows, -1, BLOCK_BYTES[kind])
+    if kind == "Q4_K":
+        return _q4_k(blocks)
+    if kind == "Q6_K":
+        return _q6_k(blocks)
+    scales = _f16(blocks[..., 0:2])
     offset = np.zeros_like(scales)
     if kind == "Q8_0":
         q = (blocks[..., 2:].copy().view(np.int8).astype(np.int16) + 128).astype(np.uint8)
-        return {"bits": 8, "B": q, "scales": scales, "zero": np.full(scales.shape, 128, np.uint8), "offset": offset}
+        return _arrays(8, BLOCK, q, scales, 128, offset)
     packed = blocks[..., 4:] if kind == "Q4_1" else blocks[..., 2:]
     values = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)  # GGUF: j low, j + 16 high
-    B = (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)  # MatMulNBits: 2i low, 2i + 1 high
     if kind == "Q4_1":
-        offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-    zero = np.full(scales.shape, 8 if kind == "Q4_0" else 0, np.uint8)
-    return {"bits": 4, "B": B, "scales": scales, "zero": zero, "offset": offset}
+        offset = _f16(blocks[..., 2:4])
+    return _arrays(4, BLOCK, _packed_4bit(values), scales, 8 if kind == "Q4_0" else 0, offset)
+
+
+def _q4_k(blocks: np.ndarray) -> dict:
+    """Q4_K [rows, super-blocks, 144] as Q4_1's form per sub-block of 32: scale d * sc, offset
+    -dmin * m, both the f32 products gguf.quants.Q4_K.dequantize_blocks makes."""
+    from gguf.quants import Q4_K
+
+    rows, supers = blocks.shape[:2]
+    flat = blocks.reshape(-1, 144)
+    sc, m = Q4_K.get_scale_min(flat[:, 4:16].copy())  # the 6-bit scales and mins, [blocks, 8]
+    scales = (_f16(flat[:, 0:2])[:, None] * sc.astype(np.float32)).reshape(rows, supers * 8)
+    offset = -(_f16(flat[:, 2:4])[:, None] * m.astype(np.float32)).reshape(rows, supers * 8)
+    qs = flat[:, 16:].reshape(-1, 4, 1, 32)  # each 64 values: 32 low nibbles, then 32 high
+    values = np.concatenate([qs & 0x0F, qs >> 4], axis=2).reshape(rows, supers * 8, 32)
+    return _arrays(4, 32, _packed_4bit(values), scales, 0, offset)
+
+
+def _q6_k(blocks: np.ndarray) -> dict:
+    """Q6_K [rows, super-blocks, 210] (128 bytes of low nibbles, 64 of high bit pairs, 16 int8
+    scales, f16 d) as 8-bit blocks of 16: q - 32 + 128 with zero point 128, scale d * sc in f32 (the
+    product gguf.quants.Q6_K.dequantize_blocks makes)."""
+    rows, supers = blocks.shape[:2]
+    flat = blocks.reshape(-1, 210)
+    low = flat[:, :128].reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)
+    high = flat[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)
+    q = (low & 0x0F).reshape(-1, 8, 32) | ((high & 0x03).reshape(-1, 8, 32) << 4)  # 0..63, value q - 32
+    sc = flat[:, 192:208].view(np.int8).astype(np.float32)
+    scales = (_f16(flat[:, 208:210])[:, None] * sc).reshape(rows, supers * 16)
+    B = (q + 96).astype(np.uint8).reshape(rows, supers * 16, 16)
+    return _arrays(8, 16, B, scales, 128, np.zeros_like(scales))
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Two bytes a value [..., 2] -> their f16 as f32 [..., 1 dropped]."""
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _packed_4bit(values: np.ndarray) -> np.ndarray:
+    """4-bit values [..., block] in K order -> MatMulNBits' bytes: value 2i low, 2i + 1 high."""
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+
+
+def _arrays(bits: int, block: int, B: np.ndarray, scales: np.ndarray, zero: int, offset: np.ndarray) -> dict:
+    zeros = np.full(scales.shape, zero, np.uint8)
+    return {"bits": bits, "block": block, "B": B, "scales": scales, "zero": zeros, "offset": offset}
 
 
 def _unpermuted(rows: int, heads: int) -> np.ndarray:
@@ -225,16 +316,17 @@ def _unpermuted(rows: int, heads: int) -> np.ndarray:
     return np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows)
 
 
-def _replace(node, initializers: dict, graph, fused: dict, bits: int, accuracy_level: int) -> None:
-    """The node's B, scales and zero points become the file's."""
+def _replace(node, initializers: dict, graph, fused: dict, accuracy_level: int) -> None:
+    """The node's B, scales and zero points become the file's (its block size the file's too)."""
     from onnx import helper, numpy_helper
 
     n_rows, n_blocks = fused["scales"].shape
+    bits, block = fused["bits"], fused["block"]
     attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-    if attributes["N"] != n_rows or attributes["K"] != n_blocks * BLOCK or attributes.get("block_size") != BLOCK:
+    if attributes["N"] != n_rows or attributes["K"] != n_blocks * block:
         raise CarryError(
-            f"{node.name}: the builder's matrix is {attributes['N']}x{attributes['K']} (block "
-            f"{attributes.get('block_size')}), the file's {n_rows}x{n_blocks * BLOCK} (block {BLOCK})"
+            f"{node.name}: the builder's matrix is {attributes['N']}x{attributes['K']}, the file's "
+            f"{n_rows}x{n_blocks * block}"
         )
     zero = fused["zero"]
     if bits == 4:  # two blocks' zero points a byte, each row padded to whole bytes
@@ -249,13 +341,13 @@ def _replace(node, initializers: dict, graph, fused: dict, bits: int, accuracy_l
             graph.initializer.remove(initializers.pop(name))
     node.input[:] = [node.input[0], *names]
     del node.attribute[:]
-    attributes.update(bits=bits, accuracy_level=accuracy_level)
+    attributes.update(bits=bits, block_size=block, accuracy_level=accuracy_level)
     node.attribute.extend(helper.make_attribute(k, v) for k, v in attributes.items())
 
 
-def _offset_nodes(node, graph, offset: np.ndarray, block_sums: dict[str, str]) -> list:
-    """y = MatMulNBits(x) + ReduceSum(x in blocks of 32) @ m^T: Q4_1's m, exact. The block sums of
-    an input feeding several matrices (gate and up) are computed once."""
+def _offset_nodes(node, graph, offset: np.ndarray, block: int, block_sums: dict[tuple[str, int], str]) -> list:
+    """y = MatMulNBits(x) + ReduceSum(x in blocks) @ offset^T: Q4_1's m, Q4_K's -dmin*m, exact. The
+    block sums of an input feeding several matrices (gate and up) are computed once per block size."""
     from onnx import helper, numpy_helper
 
     n_rows, n_blocks = offset.shape
@@ -265,11 +357,11 @@ def _offset_nodes(node, graph, offset: np.ndarray, block_sums: dict[str, str]) -
     prefix = node.name.rsplit("/", 1)[0] + OFFSET_SCOPE.rstrip("/")
     graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(offset.T), f"{prefix}/offsets"))
     nodes = []
-    if x not in block_sums:
-        block_sums[x] = f"{prefix}/sums"
+    if (x, block) not in block_sums:
+        block_sums[x, block] = f"{prefix}/sums"
         graph.initializer.extend(
             [
-                numpy_helper.from_array(np.array([0, 0, n_blocks, BLOCK], np.int64), f"{prefix}/block_shape"),
+                numpy_helper.from_array(np.array([0, 0, n_blocks, block], np.int64), f"{prefix}/block_shape"),
                 numpy_helper.from_array(np.array([-1], np.int64), f"{prefix}/last_axis"),
             ]
         )
@@ -278,14 +370,15 @@ def _offset_nodes(node, graph, offset: np.ndarray, block_sums: dict[str, str]) -
             helper.make_node(
                 "ReduceSum",
                 [f"{prefix}/blocks", f"{prefix}/last_axis"],
-                [block_sums[x]],
+                [block_sums[x, block]],
                 keepdims=0,
                 name=f"{prefix}/ReduceSum",
             ),
         ]
+    sums = block_sums[x, block]
     return [
         *nodes,
-        helper.make_node("MatMul", [block_sums[x], f"{prefix}/offsets"], [f"{prefix}/out"], name=f"{prefix}/MatMul"),
+        helper.make_node("MatMul", [sums, f"{prefix}/offsets"], [f"{prefix}/out"], name=f"{prefix}/MatMul"),
         helper.make_node("Add", [product, f"{prefix}/out"], [y], name=f"{prefix}/Add"),
     ]
 

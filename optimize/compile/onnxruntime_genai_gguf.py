@@ -1,9 +1,10 @@
 """Engine stage for causal LMs from a GGUF source: ONNX Runtime GenAI on the file's own blocks
 (weights as in the source, nothing quantized again). The model builder makes the decoder from the
-file dequantized; each layer's MatMulNBits weights then become the file's Q4_0 / Q4_1 / Q8_0 blocks,
-copied (engines/onnxruntime_genai/gguf.py), so the candidate computes what the dequantized baseline
-computes. The embedding stays f32 from the dequantized file; so does the LM head unless its blocks are
-4-bit, or Q8_0 with INT8 activations (accuracy_level 4).
+file dequantized; each layer's MatMulNBits weights then become the file's Q4_0 / Q4_1 / Q8_0 / Q4_K /
+Q6_K blocks, copied (engines/onnxruntime_genai/gguf.py), so the candidate computes what the dequantized
+baseline computes. Where a layer's Q, K and V are of two bit widths (Q4_K_M files) the builder leaves
+them unfused. The embedding stays f32 from the dequantized file; so does the LM head unless its blocks
+are 4-bit, or 8-bit (Q8_0, Q6_K) with INT8 activations (accuracy_level 4).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ class GenAIGGUFConfig:
           method: onnxruntime_genai_gguf
           params: {accuracy_level: 1}
 
-    The source must be a Llama or Qwen2 GGUF file whose layer matrices are Q4_0, Q4_1 or
-    Q8_0, unchanged by earlier stages.
+    The source must be a Llama or Qwen2 GGUF file whose layer matrices are Q4_0, Q4_1, Q8_0, Q4_K
+    or Q6_K, unchanged by earlier stages.
     """
 
     # 1: activations stay f32 in MatMulNBits (exact against the baseline); 4: INT8 activations, faster
@@ -68,7 +69,8 @@ def onnxruntime_genai_gguf_engine(model: Model, cfg: GenAIGGUFConfig, ctx: Conte
     out = ctx.scratch / "genai_gguf_engine"
     shutil.rmtree(out, ignore_errors=True)
     assert ctx.source is not None  # source_gguf checked it
-    options = ["block_size=32", "is_symmetric=true", f"accuracy_level={cfg.accuracy_level}", *carry.BUILDER_OPTIONS]
+    builder_options = carry.builder_options(tensors)
+    options = ["block_size=32", "is_symmetric=true", f"accuracy_level={cfg.accuracy_level}", *builder_options]
     onnx_path = out / ENGINE_DIR / "model.onnx"
     try:
         build(hf_folder(ctx.source), out / ENGINE_DIR, "int4", "cpu", options, ctx.scratch / "genai_cache")
@@ -84,6 +86,7 @@ def onnxruntime_genai_gguf_engine(model: Model, cfg: GenAIGGUFConfig, ctx: Conte
         "gguf_types": genai_gguf.type_summary(tensors, carry.became(tensors, cfg.accuracy_level)),
         "carried": carried,  # {gguf type: matrices whose blocks the MatMulNBits weights are}
         "accuracy_level": cfg.accuracy_level,
+        "qkv_fused": "fuse_qkv=false" not in builder_options,  # unfused where a layer's are of two bit widths
         "onnxruntime": metadata.version("onnxruntime"),
         "onnxruntime_genai": metadata.version("onnxruntime-genai"),
         "layer_precision": layers,

@@ -21,22 +21,9 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
     """A 2-layer width-256 random Llama (4 query / 2 key-value heads) with the suite's BPE tokenizer."""
-    from tests.support.models import tiny_llama, train_tokenizer
+    from tests.support.models import tiny_llama_folder
 
-    out = tmp_path_factory.mktemp("wide_llama")
-    vocab = train_tokenizer(out)
-    model = tiny_llama(
-        layers=2,
-        ffn=256,
-        hidden=256,
-        vocab_size=vocab,
-        max_positions=256,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=0,
-    )
-    model.save_pretrained(out, safe_serialization=True)
-    return out
+    return tiny_llama_folder(tmp_path_factory.mktemp("wide_llama"), max_positions=256, hidden=256, ffn=256)
 
 
 def mixed(name: str) -> str:

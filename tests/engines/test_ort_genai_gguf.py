@@ -1,8 +1,10 @@
 """A GGUF file's blocks carried into ONNX Runtime GenAI's MatMulNBits weights
 (engines/onnxruntime_genai/gguf.py): the builder's decoder from the file dequantized, its layer
-weights then the file's Q4_0 / Q4_1 / Q8_0 blocks, scored against the file dequantized by
-transformers (the pipeline's baseline): equal within f32 numerics for each type and for a file mixing
-them; a fused matrix of two bit widths and a type with no exact form are refused, naming the tensors."""
+weights then the file's Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K blocks, scored against the file dequantized
+by transformers (the pipeline's baseline): equal within f32 numerics for each type and for files
+mixing them (Q4_K beside Q6_K as Q4_K_M files mix them, Q, K and V then unfused); each type's
+MatMulNBits arrays hold the values gguf dequantizes; a fused matrix of two bit widths and a type with
+no exact form are refused, naming the tensors."""
 
 from __future__ import annotations
 
@@ -25,6 +27,14 @@ def folder(tmp_path_factory) -> Path:
     return tiny_llama_folder(tmp_path_factory.mktemp("llama"))
 
 
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> Path:
+    """Width 256: every matrix fills K-quant super-blocks (narrower rows fall back to Q5_0 / Q8_0)."""
+    from tests.support.models import tiny_llama_folder
+
+    return tiny_llama_folder(tmp_path_factory.mktemp("wide_llama"), max_positions=256, hidden=256, ffn=256)
+
+
 def mixed(name: str) -> str:
     """Each matrix kind its own type; Q and K (fused with V into one qkv_proj) of two 4-bit types."""
     for part, kind in (("attn_q", "Q4_1"), ("attn_k", "Q4_0"), ("ffn_down", "Q8_0"), ("token_embd", "Q8_0")):
@@ -33,21 +43,31 @@ def mixed(name: str) -> str:
     return "Q4_1"
 
 
-def _build(folder: Path, tmp_path: Path, qtype, accuracy_level: int = 1):
-    """(the GGUF path, the carried model's folder, the carried counts, the file dequantized)."""
+def q4_k_m(name: str) -> str:
+    """As llama.cpp's Q4_K_M mixes types: V and down 6-bit (Q6_K), the rest Q4_K; the tied embedding
+    Q6_K too (the LM head of such files), so the head stays f32 with f32 activations."""
+    return "Q6_K" if any(part in name for part in ("attn_v", "ffn_down", "token_embd")) else "Q4_K"
+
+
+def _build(folder: Path, tmp_path: Path, qtype, accuracy_level: int = 1, options: list[str] | None = None):
+    """(the GGUF path, the carried model's folder, the carried counts, the file dequantized). The
+    builder's options are the file's (carry.builder_options) unless given."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from engines.onnxruntime_genai import gguf as carry
     from engines.onnxruntime_genai.build import build
+    from engines.openvino import genai_gguf
     from optimize.models import save_converted
     from tests.support.gguf_writer import write_gguf
 
     path = write_gguf(folder, tmp_path / "model.gguf", qtype)
+    if options is None:
+        options = carry.builder_options(genai_gguf.tensors(path)[1])
     dequantized = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="model.gguf", dtype=torch.float32)
     save_converted(dequantized, tmp_path, "model.gguf", tmp_path / "dequantized", "test")
     out = tmp_path / "ort" / "genai"
-    options = ["block_size=32", f"accuracy_level={accuracy_level}", *carry.BUILDER_OPTIONS]
+    options = ["block_size=32", f"accuracy_level={accuracy_level}", *options]
     build(tmp_path / "dequantized", out, "int4", "cpu", options, tmp_path / "cache")
     carried = carry.carry_blocks(path, out / "model.onnx", accuracy_level)
     return path, out, carried, dequantized
@@ -89,6 +109,69 @@ def test_carried_blocks_compute_what_the_dequantized_file_does(folder, tmp_path,
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_K_M"])
+def test_k_quant_blocks_compute_what_the_dequantized_file_does(wide, tmp_path, qtype):
+    """Q4_K everywhere: fused Q, K and V, the tied LM head its 4-bit blocks. Q4_K_M's mix: Q, K and V
+    unfused (V 8-bit beside 4-bit Q and K), V and down 8-bit blocks of 16, the Q6_K head f32."""
+    from engines.onnxruntime_genai import gguf as carry
+    from engines.onnxruntime_genai.build import weight_precision
+    from engines.openvino import genai_gguf
+
+    path, out, carried, dequantized = _build(wide, tmp_path, q4_k_m if qtype == "Q4_K_M" else qtype)
+    _assert_equal_to_the_dequantized_file(out, dequantized)
+    layers = weight_precision(out / "model.onnx")
+    if qtype == "Q4_K":
+        assert carried == {"Q4_K": 15}
+        assert layers["int4"]["count"] == 11 and layers["float"]["nodes"] == ["embed_tokens/Gather"], layers
+    else:
+        assert carried == {"Q4_K": 10, "Q6_K": 4}  # q, k, o, gate, up; v, down
+        assert layers["int4"]["count"] == 10 and layers["float"]["nodes"] == ["embed_tokens/Gather", "lm_head"]
+        eight_bit = [f"layers.{i}/{node}" for i in (0, 1) for node in ("attn/v_proj", "mlp/down_proj")]
+        assert layers["int8"]["nodes"] == eight_bit, layers
+        became = carry.became(genai_gguf.tensors(path)[1], 1)
+        assert became["Q4_K"] == carry.CARRIED["Q4_K"]
+        assert became["Q6_K"] == f"{carry.CARRIED['Q6_K']}; token_embd.weight: {carry.NOT_CARRIED}"
+
+
+def test_the_matmul_nbits_arrays_hold_the_values_gguf_dequantizes(tmp_path):
+    """Each carried type's MatMulNBits arrays (B, zero points, scales, offsets), unpacked here as the
+    kernel reads them, against gguf.quants.dequantize: equal bit for bit (K-quants' nibble and
+    scale layouts included); Q8_0 split into blocks of 16 (to sit beside Q6_K) the same."""
+    import gguf
+
+    from engines.onnxruntime_genai import gguf as carry
+    from tests.support.gguf_writer import q4_k_blocks, q6_k_blocks
+
+    data = np.random.default_rng(0).standard_normal((6, 512)).astype(np.float32)
+    path = tmp_path / "matrices.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    own = {"Q4_K": q4_k_blocks, "Q6_K": q6_k_blocks}
+    for kind in carry.CARRIED:
+        qtype = getattr(gguf.GGMLQuantizationType, kind)
+        packed = own[kind](data) if kind in own else gguf.quants.quantize(data, qtype)
+        writer.add_tensor(kind, packed, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for t in gguf.GGUFReader(str(path)).tensors:
+        arrays = carry._as_matmul_nbits(t, None)
+        reference = gguf.quants.dequantize(t.data, t.tensor_type).reshape(data.shape)
+        np.testing.assert_array_equal(_unpacked(arrays), reference, err_msg=t.name)
+        assert arrays["block"] == (16 if t.name == "Q6_K" else 32) and arrays["bits"] == carry.BITS[t.name]
+        if t.name == "Q8_0":
+            np.testing.assert_array_equal(_unpacked(carry._reblocked(arrays, 16)), reference)
+
+
+def _unpacked(arrays: dict) -> np.ndarray:
+    """MatMulNBits arrays -> the [N, K] weights they stand for: (q - zero point) * scale + offset."""
+    B = arrays["B"]
+    q = np.stack([B & 0x0F, B >> 4], axis=-1).reshape(*B.shape[:2], -1) if arrays["bits"] == 4 else B
+    w = (q.astype(np.float32) - arrays["zero"][..., None]) * arrays["scales"][..., None] + arrays["offset"][..., None]
+    return w.reshape(len(B), -1)
+
+
+@pytest.mark.slow
 def test_a_qwen2_file_is_carried_too(tmp_path):
     """Qwen2 (biases on Q, K and V, rows not permuted by llama.cpp): equal to the dequantized file."""
     from tests.support.tiny_archs import tiny_folder
@@ -100,13 +183,15 @@ def test_a_qwen2_file_is_carried_too(tmp_path):
 
 @pytest.mark.slow
 def test_a_fused_matrix_of_two_bit_widths_is_refused(folder, tmp_path):
-    """V at 8 bits beside Q and K at 4: the builder's one qkv_proj cannot hold both; named."""
+    """V at 8 bits beside Q and K at 4, built fused (builder_options unfuses such files): the one
+    qkv_proj cannot hold both; named."""
+    from engines.onnxruntime_genai import gguf as carry
     from engines.openvino.genai_gguf import CarryError
 
     with pytest.raises(
         CarryError, match=r"qkv_proj/MatMul_Q4 fuses blk\.0\.attn_q\.weight \(Q4_0\).*attn_v\.weight \(Q8_0\)"
     ):
-        _build(folder, tmp_path, lambda name: "Q8_0" if "attn_v" in name else "Q4_0")
+        _build(folder, tmp_path, lambda name: "Q8_0" if "attn_v" in name else "Q4_0", options=carry.BUILDER_OPTIONS)
 
 
 def test_a_type_with_no_exact_form_is_named(folder, tmp_path):

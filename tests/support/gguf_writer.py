@@ -158,8 +158,8 @@ def q4_k_blocks(data: np.ndarray) -> np.ndarray:
     d = np.maximum(scale.max(axis=-1), 1e-12) / 63.0
     dmin = np.maximum((-low).max(axis=-1), 1e-12) / 63.0
     d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
-    sc = np.clip(np.rint(scale / d16.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
-    mn = np.clip(np.rint(-low / dmin16.astype(np.float32)[:, None]), 0, 63).astype(np.uint8)
+    sc = np.clip(np.rint(scale / _nonzero(d16)[:, None]), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(-low / _nonzero(dmin16)[:, None]), 0, 63).astype(np.uint8)
     step = (d16.astype(np.float32)[:, None] * sc)[..., None]
     offset = (dmin16.astype(np.float32)[:, None] * mn)[..., None]
     q = np.clip(np.rint((sub + offset) / np.where(step > 0, step, 1.0)), 0, 15).astype(np.uint8)
@@ -186,7 +186,7 @@ def q6_k_blocks(data: np.ndarray) -> np.ndarray:
     scale = np.abs(sub).max(axis=-1) / 31.0
     d = np.maximum(scale.max(axis=-1), 1e-12) / 127.0
     d16 = d.astype(np.float16)
-    sc = np.clip(np.rint(scale / d16.astype(np.float32)[:, None]), -128, 127).astype(np.int8)
+    sc = np.clip(np.rint(scale / _nonzero(d16)[:, None]), -128, 127).astype(np.int8)
     step = (d16.astype(np.float32)[:, None] * sc)[..., None]
     q = (np.clip(np.rint(sub / np.where(step > 0, step, 1.0)), -32, 31) + 32).astype(np.uint8).reshape(len(rows), QK_K)
     lo, hi = q & 0x0F, q >> 4
@@ -200,3 +200,10 @@ def q6_k_blocks(data: np.ndarray) -> np.ndarray:
         np.uint8
     )
     return blocks.reshape(*data.shape[:-1], data.shape[-1] // QK_K * 210)
+
+
+def _nonzero(d16: np.ndarray) -> np.ndarray:
+    """A super-block's f16 scale as f32, 1 where it rounded to 0 (an all-zero block, e.g. the padding
+    token's embedding row): its sub-block scales then come out 0 rather than 0/0."""
+    d = d16.astype(np.float32)
+    return np.where(d > 0, d, 1.0)
