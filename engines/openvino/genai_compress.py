@@ -12,6 +12,14 @@ import numpy as np
 from engines.openvino.genai_build import IR_FILE
 
 WEIGHT_FORMATS = ("int4_sym", "int4_asym", "int8_asym")
+# NNCF's measures for ranking which weights stay at 8 bits when ratio < 1: the first needs no data.
+SENSITIVITY_METRICS = (
+    "weight_quantization_error",
+    "hessian_input_activation",
+    "mean_activation_variance",
+    "max_activation_variance",
+    "mean_activation_magnitude",
+)
 
 
 def calibration_inputs(token_rows: Iterable[Iterable[int]]) -> list[dict[str, np.ndarray]]:
@@ -46,6 +54,9 @@ def compress_weights(
     awq: bool = False,
     scale_estimation: bool = False,
     gptq: bool = False,
+    lora_correction: bool = False,
+    lora_adapter_rank: int = 8,
+    sensitivity_metric: Optional[str] = None,
     calibration_batches: Optional[list[dict[str, np.ndarray]]] = None,
     ignored_scope: Optional[dict] = None,
 ) -> Path:
@@ -54,7 +65,9 @@ def compress_weights(
     int4 modes quantize `ratio` of the weight MatMuls (NNCF ranks them) to 4 bits in groups of
     `group_size` input channels and the rest (always the embedding and LM head, NNCF's backup
     precision) to INT8 per channel; int8_asym quantizes every weight to INT8 per channel. awq,
-    scale_estimation and gptq are data-aware and need `calibration_batches` (see calibration_inputs).
+    scale_estimation, gptq and lora_correction (low-rank INT8 adapters of rank `lora_adapter_rank`
+    fitted to what 4 bits lost, not with gptq) are data-aware and need `calibration_batches` (see
+    calibration_inputs), as does a `sensitivity_metric` other than weight_quantization_error.
     The other files in xml's folder (tokenizer, configs) are copied when out_dir differs."""
     from engines.openvino.build import no_telemetry
 
@@ -65,20 +78,40 @@ def compress_weights(
     if mode not in WEIGHT_FORMATS:
         raise ValueError(f"mode {mode!r}: use one of {WEIGHT_FORMATS}")
     xml, out_dir = Path(xml), Path(out_dir)
-    data_aware = awq or scale_estimation or gptq
+    if sensitivity_metric is not None and sensitivity_metric not in SENSITIVITY_METRICS:
+        raise CompressionError(f"sensitivity_metric {sensitivity_metric!r}: use one of {SENSITIVITY_METRICS}")
+    if gptq and lora_correction:
+        raise CompressionError("gptq and lora_correction do not combine (NNCF): choose one")
+    data_aware = needs_data(awq, scale_estimation, gptq, lora_correction, sensitivity_metric)
     if data_aware and not calibration_batches:
-        raise ValueError("awq, scale_estimation and gptq need calibration_batches")
+        raise CompressionError(
+            "awq, scale_estimation, gptq, lora_correction and activation sensitivity need calibration_batches"
+        )
     batches = calibration_batches or []
     kwargs: dict = {"mode": getattr(nncf.CompressWeightsMode, mode.upper())}
     if mode.startswith("int4"):
         kwargs.update(group_size=group_size, ratio=ratio)
+        if sensitivity_metric is not None:
+            kwargs["sensitivity_metric"] = getattr(nncf.SensitivityMetric, sensitivity_metric.upper())
         if data_aware:
             kwargs.update(
                 dataset=nncf.Dataset(batches),
                 awq=awq,
                 scale_estimation=scale_estimation,
                 gptq=gptq,
+                lora_correction=lora_correction,
                 subset_size=len(batches),
+            )
+        if lora_correction:
+            from nncf.quantization.advanced_parameters import (
+                AdvancedCompressionParameters,
+                AdvancedLoraCorrectionParameters,
+            )
+
+            kwargs["advanced_parameters"] = AdvancedCompressionParameters(
+                lora_correction_params=AdvancedLoraCorrectionParameters(
+                    adapter_rank=lora_adapter_rank, subset_size=len(batches)
+                )
             )
     if ignored_scope:
         kwargs["ignored_scope"] = nncf.IgnoredScope(
@@ -93,6 +126,7 @@ def compress_weights(
         nncf.errors.InvalidGroupSizeError,
         nncf.errors.ValidationError,
         nncf.errors.ParameterNotSupportedError,
+        nncf.errors.UnsupportedModelError,
         ValueError,
         RuntimeError,
     ) as exc:
@@ -105,6 +139,12 @@ def compress_weights(
     out = out_dir / IR_FILE
     ov.save_model(compressed, str(out), compress_to_fp16=False)
     return out
+
+
+def needs_data(awq: bool, scale_estimation: bool, gptq: bool, lora_correction: bool, sensitivity_metric) -> bool:
+    """Whether these NNCF settings read activations (calibration text) as well as weights."""
+    activation_sensitivity = sensitivity_metric not in (None, "weight_quantization_error")
+    return bool(awq or scale_estimation or gptq or lora_correction or activation_sensitivity)
 
 
 def _one_line(exc: BaseException) -> str:

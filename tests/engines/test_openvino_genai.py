@@ -259,6 +259,37 @@ def test_data_aware_int4_and_mixed_ratio(ov_fp32, runner, tmp_path):
     assert 0 < layers["int4"]["count"] < 2 * 7 and layers["int8"]["count"] > 2
 
 
+def test_lora_correction_adds_int8_adapters_and_sensitivity_ranks_by_activations(ov_fp32, runner, tmp_path):
+    from engines.openvino.genai_compress import CompressionError, calibration_inputs, compress_weights, weight_precision
+    from engines.openvino.genai_runner import OVGenAIRunner
+
+    batches = calibration_inputs([runner.encode(TEXT * 2), runner.encode("A class definition creates a class object.")])
+    common = dict(mode="int4_asym", group_size=32, awq=True, scale_estimation=True, calibration_batches=batches)
+    plain = compress_weights(ov_fp32, tmp_path / "awq", **common)
+    lora = compress_weights(ov_fp32, tmp_path / "lora", lora_correction=True, lora_adapter_rank=4, **common)
+    plain_layers, lora_layers = weight_precision(plain), weight_precision(lora)
+    assert plain_layers["int4"]["count"] == lora_layers["int4"]["count"] == 2 * 7
+    # Each 4-bit MatMul gains two low-rank INT8 adapter MatMuls beside it.
+    assert lora_layers["int8"]["count"] == plain_layers["int8"]["count"] + 2 * 2 * 7
+    ids = runner.encode(TEXT * 3)
+    scores = [OVGenAIRunner(xml.parent, threads=1).log_likelihood(ids).mean() for xml in (plain, lora)]
+    assert np.isfinite(scores).all() and scores[0] != scores[1]
+    ranked = compress_weights(
+        ov_fp32,
+        tmp_path / "hessian",
+        mode="int4_asym",
+        group_size=32,
+        ratio=0.5,
+        sensitivity_metric="hessian_input_activation",
+        calibration_batches=batches,
+    )
+    assert 0 < weight_precision(ranked)["int4"]["count"] < 2 * 7
+    with pytest.raises(CompressionError, match="need calibration_batches"):
+        compress_weights(ov_fp32, tmp_path / "x", ratio=0.5, sensitivity_metric="mean_activation_variance")
+    with pytest.raises(CompressionError, match="do not combine"):
+        compress_weights(ov_fp32, tmp_path / "y", gptq=True, lora_correction=True, calibration_batches=batches)
+
+
 @pytest.fixture(scope="module")
 def cli_artifact(tiny_llm, tmp_path_factory):
     workdir = tmp_path_factory.mktemp("ov_genai_cli")

@@ -90,6 +90,21 @@ CANDIDATES.update(
         ),
     }
 )
+# INT4 beyond AWQ + scale estimation, from NNCF, all calibrated on the recipe's calibration text:
+# LoRA correction (rank-8 INT8 adapters fitted per layer to what 4 bits lost), GPTQ (error feedback
+# column by column; about 2x the LoRA build on SmolLM2), and mixed precision by sensitivity (the 20% of
+# weight MatMuls whose inputs weigh most, by a Hessian estimate, kept at 8 bits: a bigger file).
+CANDIDATES.update(
+    {
+        "openvino_genai_int4_awq_lora_kv_u8": Candidate("openvino_genai", {**_AWQ, "lora_correction": True, **_KV_U8}),
+        "openvino_genai_int4_awq_gptq_kv_u8": Candidate(
+            "openvino_genai", {**_AWQ, "scale_estimation": False, "gptq": True, **_KV_U8}
+        ),
+        "openvino_genai_int4_awq_r80_kv_u8": Candidate(
+            "openvino_genai", {**_AWQ, "ratio": 0.8, "sensitivity_metric": "hessian_input_activation", **_KV_U8}
+        ),
+    }
+)
 # A GGUF source carried through as it is: OpenVINO GenAI on the file's own blocks (nothing quantized
 # again), activations in f32 (exact against the dequantized baseline) or INT8 per 32 channels.
 CANDIDATES.update(

@@ -96,12 +96,13 @@ def as_served(entries: list, workload, baseline: dict) -> None:
         requests = {}
         for shape in workload.requests:
             cell = served[shape.key][fewest]
-            if cell.get("request_ms") is None or not cell.get("itl_p50_ms"):
+            decode, read_from = _served_decode(cell)
+            if decode is None:
                 continue
-            decode = 1e3 / cell["itl_p50_ms"]
             generation = {
                 "ttft_ms": {"p50": cell["ttft_p50_ms"]},
                 "decode_tok_s": {"p50": decode},
+                "decode_read_from": read_from,
                 "as_served_clients": int(fewest),
             }
             speedup = decode / baseline["requests"][shape.key]["generation"]["decode_tok_s"]["p50"]
@@ -117,6 +118,24 @@ def as_served(entries: list, workload, baseline: dict) -> None:
                 generation=head["generation"], generation_ms=head["request_ms"], decode_speedup=head["decode_speedup"]
             )
         entry.metrics["other_cpu_share"] = max(c["other_cpu_share"] for by in served.values() for c in by.values())
+
+
+def _served_decode(cell: dict) -> tuple[float | None, str]:
+    """Decode tok/s of a served cell: from the median gap between streamed text chunks, or where the
+    stream gave no gaps (replies of one chunk, or tokens that detokenize to no text, as a random tiny
+    model's often do) from the mean request: its tokens after the first over the time after the first
+    chunk, or over the whole request where no chunk came (prefill included, so it errs low)."""
+    if cell.get("request_ms") is None:
+        return None, ""
+    if cell.get("itl_p50_ms"):
+        return 1e3 / cell["itl_p50_ms"], "inter-token gap p50"
+    tokens = (cell.get("output_tokens") or 0) / max(1, cell.get("requests") or 0)
+    after_first = cell["request_ms"] - (cell.get("ttft_p50_ms") or 0.0)
+    if cell.get("ttft_p50_ms") and tokens > 1 and after_first > 0:
+        return 1e3 * (tokens - 1) / after_first, "mean request after the first token"
+    if tokens > 0 and cell["request_ms"] > 0:
+        return 1e3 * tokens / cell["request_ms"], "mean request, prefill included"
+    return None, ""
 
 
 def _lm_eval(entries, runners, baseline, base, tokens, paragraphs, cfg, ctx, reused: dict | None) -> None:

@@ -151,6 +151,7 @@ def _cell(figures: dict, other_share: float) -> dict:
         "itl_p95_ms": figures.get("itl_p95_ms"),
         "request_ms": round(mean_ms, 1) if mean_ms is not None else None,
         "requests": figures.get("requests"),
+        "output_tokens": figures.get("output_tokens"),
         "failed": figures.get("failed"),
         "errors": figures.get("errors"),
         "other_cpu_share": round(other_share, 3),
