@@ -17,7 +17,9 @@ from optimize.registry import register
 
 log = logging.getLogger(__name__)
 ENGINE_DIR = "genai"
-ALGOS = ("default", "rtn", "k_quant", "rtn_last", "k_quant_last", "k_quant_mixed")
+# The builder's own algorithms, and hqq: ONNX Runtime's HQQ quantizer run on the builder's fp32 model
+# (engines/onnxruntime_genai/hqq.py; the LM head at 8 bits).
+ALGOS = ("default", "rtn", "k_quant", "rtn_last", "k_quant_last", "k_quant_mixed", "hqq")
 
 
 @dataclass
@@ -51,6 +53,14 @@ class GenAIConfig:
             raise RecipeError(f"engine.params.block_size={self.block_size} (use 16, 32, 64, 128 or 256)")
         if self.accuracy_level not in (None, 0, 1, 2, 3, 4):
             raise RecipeError(f"engine.params.accuracy_level={self.accuracy_level} (use 1, 2, 3 or 4)")
+        if self.hqq and (self.precision != "int4" or self.matmul_mixed_precision or self.nodes_to_exclude):
+            raise RecipeError(
+                "engine.params.algo_config=hqq takes precision int4 and no matmul_mixed_precision or nodes_to_exclude"
+            )
+
+    @property
+    def hqq(self) -> bool:
+        return self.algo_config == "hqq"
 
     def builder_options(self) -> list[str]:
         options = {
@@ -90,15 +100,25 @@ def onnxruntime_genai_engine(model: Model, cfg: GenAIConfig, ctx: Context) -> Mo
     shutil.rmtree(out, ignore_errors=True)
     from engines.onnxruntime_genai.build import BuildError, build, weight_precision
 
-    options = cfg.builder_options() if cfg.precision in ("int4", "int8") else []
+    options = cfg.builder_options() if cfg.precision in ("int4", "int8") and not cfg.hqq else []
+    built_precision = "fp32" if cfg.hqq else cfg.precision
     try:
-        build(source_dir, out / ENGINE_DIR, cfg.precision, cfg.execution_provider, options, ctx.scratch / "genai_cache")
+        cache = ctx.scratch / "genai_cache"
+        build(source_dir, out / ENGINE_DIR, built_precision, cfg.execution_provider, options, cache)
     except BuildError as exc:
         raise RecipeError(str(exc)) from None
+    if cfg.hqq:
+        from engines.onnxruntime_genai.hqq import HQQError, quantize_hqq
+
+        try:
+            quantize_hqq(out / ENGINE_DIR, cfg.block_size, head_bits=8, accuracy_level=cfg.accuracy_level)
+        except HQQError as exc:
+            raise RecipeError(f"engine.method=onnxruntime_genai: {exc}") from None
     layers = weight_precision(out / ENGINE_DIR / "model.onnx")
     record = {
         "method": "onnxruntime_genai",
-        "builder_options": cfg.builder_options(),
+        "builder_options": options,
+        **({"hqq": {"block_size": cfg.block_size, "head_bits": 8}} if cfg.hqq else {}),
         "precision": cfg.precision,
         "layer_precision": layers,
     }

@@ -12,10 +12,6 @@ import torch
 torch.set_num_threads(1)
 
 TEXTS = [f"paragraph {i} " + "word " * (5 + i % 7) for i in range(48)]
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
 def tiny_bert(layers: int = 4, heads: int = 4, ffn: int = 64):
@@ -78,23 +74,9 @@ def train_tokenizer(out: Path) -> int:
     """Byte-level BPE (512 tokens) trained on CPython's docs, saved to `out`; returns the vocabulary size."""
     from pydoc_data.topics import topics
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from optimize.train_tiny_lm import train_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(list(topics.values())[:20], trainer)
-    special = "<|endoftext|>"
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=special, eos_token=special, unk_token=special, pad_token=special
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
-    return tok.get_vocab_size()
+    return train_bpe(list(topics.values())[:20], 512, out)
 
 
 def encode(texts: list[str], length: int = 16) -> dict[str, np.ndarray]:

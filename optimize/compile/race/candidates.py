@@ -54,6 +54,11 @@ CANDIDATES.update(
         "ort_genai_int4_k_quant_mixed": Candidate(
             "onnxruntime_genai", {"precision": "int4", "accuracy_level": 4, "algo_config": "k_quant_mixed"}
         ),
+        # HQQ (ONNX Runtime's half-quadratic solver, no calibration data) on the builder's fp32 decoder,
+        # the LM head at 8 bits: a slower build than k-quant's.
+        "ort_genai_int4_hqq": Candidate(
+            "onnxruntime_genai", {"precision": "int4", "accuracy_level": 4, "algo_config": "hqq"}
+        ),
         "openvino_genai_int4": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 64}),
         "openvino_genai_int4_g32": Candidate("openvino_genai", {"weight_format": "int4_asym", "group_size": 32}),
         # Data-aware INT4 (AWQ + scale estimation on the calibration text): SmolLM2 +15.5% perplexity at
