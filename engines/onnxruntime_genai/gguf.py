@@ -104,16 +104,17 @@ def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
     return f"MatMulNBits has no exact form of these tensors' types: {listed}"
 
 
-def became(items: list[GGUFTensor], accuracy_level: int) -> dict[str, str]:
+def became(items: list[GGUFTensor], accuracy_level: int, head_accuracy_level: int | None = None) -> dict[str, str]:
     """{gguf type: what it became}: layer matrices of carried types as blocks, and the LM head where
-    lm_head_carried says; the rest (the embedding, types with no exact form) f32 from the dequantized
-    file, named where a type has both."""
+    lm_head_carried says (at head_accuracy_level, if given); the rest (the embedding, types with no
+    exact form) f32 from the dequantized file, named where a type has both."""
+    head_level = accuracy_level if head_accuracy_level is None else head_accuracy_level
     names = {t.name for t in items}
     head = "output.weight" if "output.weight" in names else "token_embd.weight"
     blocks: dict[str, list[str]] = {}
     f32: dict[str, list[str]] = {}
     for t in items:
-        if _carried(t) or (t.name == head and lm_head_carried(t.type, accuracy_level)):
+        if _carried(t) or (t.name == head and lm_head_carried(t.type, head_level)):
             blocks.setdefault(t.type, []).append(t.name)
             if t.name == "token_embd.weight":  # tied: the LM head carried, the embedding's Gather f32
                 f32.setdefault(t.type, []).append("token_embd.weight (as the embedding)")
@@ -134,9 +135,13 @@ def _carried(t: GGUFTensor) -> bool:
     return t.name.startswith("blk.") and len(t.shape) >= 2 and t.type in CARRIED
 
 
-def carry_blocks(gguf_path: Path, onnx_path: Path, accuracy_level: int) -> dict[str, int]:
+def carry_blocks(
+    gguf_path: Path, onnx_path: Path, accuracy_level: int, head_accuracy_level: int | None = None
+) -> dict[str, int]:
     """Replace every layer MatMulNBits weight of the builder's model at onnx_path by the file's blocks
-    (in place; its external data rewritten); returns {gguf type: matrices carried}."""
+    (in place; its external data rewritten); returns {gguf type: matrices carried}. The LM head runs at
+    head_accuracy_level where given: 4 (INT8 activations) carries an 8-bit head's blocks while the
+    layers keep f32 activations."""
     import onnx
     from onnx import helper
 
@@ -151,10 +156,13 @@ def carry_blocks(gguf_path: Path, onnx_path: Path, accuracy_level: int) -> dict[
     carried: dict[str, int] = {}
     extra: list[tuple[int, list]] = []
     block_sums: dict[tuple[str, int], str] = {}  # an input's block sums, once for the matrices it feeds
+    head_level = accuracy_level if head_accuracy_level is None else head_accuracy_level
     for index, node in enumerate(graph.node):
+        level = accuracy_level
         if node.name == LM_HEAD and node.op_type == "MatMul":
             head = blocks.get("output") or blocks["token_embd"]  # tied: the embedding's blocks
-            if not lm_head_carried(head.tensor_type.name, accuracy_level):
+            level = head_level
+            if not lm_head_carried(head.tensor_type.name, level):
                 continue
             weights = _as_matmul_nbits(head, None)
             rows, n_blocks = weights["scales"].shape
@@ -166,7 +174,7 @@ def carry_blocks(gguf_path: Path, onnx_path: Path, accuracy_level: int) -> dict[
             items, weights = _layer_matrices(node, blocks, arch, heads)
         else:
             continue
-        _replace(node, initializers, graph, weights, accuracy_level)
+        _replace(node, initializers, graph, weights, level)
         if weights["offset"].any():
             extra.append((index, _offset_nodes(node, graph, weights["offset"], weights["block"], block_sums)))
         for t in items:

@@ -14,6 +14,7 @@ import logging
 import shutil
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Optional
 
 from engines import formats
 from optimize.compile.openvino_genai_gguf import carried_tensors, precision_of, source_gguf
@@ -42,10 +43,16 @@ class GenAIGGUFConfig:
     # 1: activations stay f32 in MatMulNBits (exact against the baseline); 4: INT8 activations, faster
     # and not exact (ORT's CPU kernel runs 8-bit weights fast only so).
     accuracy_level: int = 1
+    # The LM head's alone (null: accuracy_level). 4 with the layers at 1 carries an 8-bit head (Q8_0 or
+    # Q6_K, as SmolLM2's tied embedding is) as blocks with INT8 activations for that one MatMul, where
+    # it would otherwise stay the builder's f32 head: the largest read of every decoded token.
+    head_accuracy_level: Optional[int] = None
 
     def validate(self):
-        if self.accuracy_level not in (0, 1, 2, 3, 4):
-            raise RecipeError(f"engine.params.accuracy_level={self.accuracy_level} (use 1: f32, 4: INT8 activations)")
+        for name in ("accuracy_level", "head_accuracy_level"):
+            level = getattr(self, name)
+            if level not in (0, 1, 2, 3, 4) and not (name == "head_accuracy_level" and level is None):
+                raise RecipeError(f"engine.params.{name}={level} (use 1: f32, 4: INT8 activations)")
 
 
 @register(
@@ -75,7 +82,7 @@ def onnxruntime_genai_gguf_engine(model: Model, cfg: GenAIGGUFConfig, ctx: Conte
     try:
         build(hf_folder(ctx.source), out / ENGINE_DIR, "int4", "cpu", options, ctx.scratch / "genai_cache")
         log.info("copying %s's blocks into the MatMulNBits weights", gguf_path.name)
-        carried = carry.carry_blocks(gguf_path, onnx_path, cfg.accuracy_level)
+        carried = carry.carry_blocks(gguf_path, onnx_path, cfg.accuracy_level, cfg.head_accuracy_level)
     except (BuildError, genai_gguf.CarryError) as exc:
         raise RecipeError(f"engine.method={METHOD}: {exc}") from None
     layers = weight_precision(onnx_path)
@@ -83,9 +90,12 @@ def onnxruntime_genai_gguf_engine(model: Model, cfg: GenAIGGUFConfig, ctx: Conte
         "method": METHOD,
         "weights": "as in the source",
         "gguf_file": gguf_path.name,
-        "gguf_types": genai_gguf.type_summary(tensors, carry.became(tensors, cfg.accuracy_level)),
+        "gguf_types": genai_gguf.type_summary(
+            tensors, carry.became(tensors, cfg.accuracy_level, cfg.head_accuracy_level)
+        ),
         "carried": carried,  # {gguf type: matrices whose blocks the MatMulNBits weights are}
         "accuracy_level": cfg.accuracy_level,
+        "head_accuracy_level": cfg.head_accuracy_level,
         "qkv_fused": "fuse_qkv=false" not in builder_options,  # unfused where a layer's are of two bit widths
         "onnxruntime": metadata.version("onnxruntime"),
         "onnxruntime_genai": metadata.version("onnxruntime-genai"),

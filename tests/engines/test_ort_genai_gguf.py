@@ -49,7 +49,14 @@ def q4_k_m(name: str) -> str:
     return "Q6_K" if any(part in name for part in ("attn_v", "ffn_down", "token_embd")) else "Q4_K"
 
 
-def _build(folder: Path, tmp_path: Path, qtype, accuracy_level: int = 1, options: list[str] | None = None):
+def _build(
+    folder: Path,
+    tmp_path: Path,
+    qtype,
+    accuracy_level: int = 1,
+    options: list[str] | None = None,
+    head_accuracy_level: int | None = None,
+):
     """(the GGUF path, the carried model's folder, the carried counts, the file dequantized). The
     builder's options are the file's (carry.builder_options) unless given."""
     import torch
@@ -69,7 +76,7 @@ def _build(folder: Path, tmp_path: Path, qtype, accuracy_level: int = 1, options
     out = tmp_path / "ort" / "genai"
     options = ["block_size=32", f"accuracy_level={accuracy_level}", *options]
     build(tmp_path / "dequantized", out, "int4", "cpu", options, tmp_path / "cache")
-    carried = carry.carry_blocks(path, out / "model.onnx", accuracy_level)
+    carried = carry.carry_blocks(path, out / "model.onnx", accuracy_level, head_accuracy_level)
     return path, out, carried, dequantized
 
 
@@ -223,3 +230,39 @@ def test_a_q8_0_lm_head_is_carried_with_int8_activations(folder, tmp_path):
     assert carried == {"Q4_0": 14, "Q8_0": 1}
     assert weight_precision(out / "model.onnx")["int8"]["nodes"] == ["lm_head"]
     assert np.isfinite(GenAIRunner(out).log_likelihood(list(range(1, 20)))).all()
+
+
+@pytest.mark.slow
+def test_an_8_bit_head_alone_takes_int8_activations_and_the_layers_stay_exact(folder, tmp_path):
+    """head_accuracy_level 4 with the layers at 1: the Q8_0 head carried as blocks with INT8
+    activations for that MatMul only; every layer MatMul keeps f32 activations; the log-likelihoods
+    stay within the head's activation rounding of the dequantized file's."""
+    import onnx
+    import torch
+    from onnx import helper
+
+    from engines.onnxruntime_genai import gguf as carry
+    from engines.onnxruntime_genai.runner import GenAIRunner
+    from engines.openvino import genai_gguf
+
+    def kinds(name):
+        return "Q8_0" if "token_embd" in name else "Q4_1"
+
+    path, out, carried, dequantized = _build(folder, tmp_path, kinds, 1, head_accuracy_level=4)
+    assert carried == {"Q4_1": 14, "Q8_0": 1}
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    levels = {
+        n.name: next(helper.get_attribute_value(a) for a in n.attribute if a.name == "accuracy_level")
+        for n in graph.node
+        if n.op_type == "MatMulNBits"
+    }
+    assert levels.pop(carry.LM_HEAD) == 4 and set(levels.values()) == {1}
+    became = carry.became(genai_gguf.tensors(path)[1], 1, 4)
+    assert became["Q8_0"].startswith(carry.CARRIED["Q8_0"])
+    ids = [int(i) for i in np.random.default_rng(0).integers(1, 500, 48)]
+    ours = np.asarray(GenAIRunner(out).log_likelihood(ids))
+    with torch.no_grad():
+        logits = dequantized(torch.tensor([ids])).logits[0].double()
+    reference = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
+    assert not np.allclose(ours, reference, atol=1e-6)  # the head's INT8 activations round
+    np.testing.assert_allclose(ours, reference, atol=0.05)

@@ -125,6 +125,9 @@ CANDIDATES.update(
         # or INT8 (accuracy_level 4, the CPU kernel's only fast path for Q8_0's 8-bit weights).
         "ort_genai_gguf": Candidate("onnxruntime_genai_gguf"),
         "ort_genai_gguf_int8": Candidate("onnxruntime_genai_gguf", {"accuracy_level": 4}),
+        # The layers exact (f32 activations), the 8-bit LM head (SmolLM2's tied Q8_0 embedding) carried
+        # as blocks with INT8 activations for that one MatMul: a quarter of the f32 head's bytes a token.
+        "ort_genai_gguf_head8": Candidate("onnxruntime_genai_gguf", {"head_accuracy_level": 4}),
     }
 )
 # What the race adds to the default set when the source is a GGUF file: the OpenVINO GenAI rows with
