@@ -96,7 +96,7 @@ def train(
     generator = torch.Generator().manual_seed(seed)
     start, losses = time.perf_counter(), []
     model.train()
-    for _ in range(steps):
+    for step in range(steps):
         offsets = torch.randint(0, len(stream) - seq_len - 1, (batch_size,), generator=generator)
         batch = torch.stack([stream[o : o + seq_len] for o in offsets.tolist()])
         loss = model(input_ids=batch, labels=batch).loss
@@ -106,6 +106,8 @@ def train(
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
+        if (step + 1) % 100 == 0:
+            print(f"step {step + 1}/{steps}: loss {sum(losses[-100:]) / 100:.3f}", file=sys.stderr, flush=True)
     model.eval().save_pretrained(out, safe_serialization=True)
     record = {
         "text": "python_prose, calibration split",
