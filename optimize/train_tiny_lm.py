@@ -16,7 +16,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -124,6 +127,10 @@ def train(
     return record
 
 
+# Bounds that keep a typo from asking for a model this trainer is not for (it runs on a CPU).
+MAX_HIDDEN, MAX_LAYERS, MAX_STEPS = 4096, 64, 1_000_000
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
@@ -132,14 +139,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.hidden < 64 or args.hidden % 64 or args.layers < 1 or args.steps < 1:
-        print("error: --hidden must be a multiple of 64, --layers and --steps at least 1", file=sys.stderr)
+    problem = _argument_problem(args)
+    if problem:
+        print(f"error: {problem} (nothing written)", file=sys.stderr)
         return 2
-    if args.out.exists() and any(args.out.iterdir()):
-        print(f"error: {args.out} is not empty (nothing written)", file=sys.stderr)
-        return 2
-    print(json.dumps(train(args.out, args.hidden, args.layers, args.steps, args.seed)))
+    # Trained into a sibling folder and renamed at the end: a failed or interrupted run leaves no
+    # half-written model at OUT.
+    partial = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent))
+    try:
+        record = train(partial, args.hidden, args.layers, args.steps, args.seed)
+        if args.out.exists():
+            args.out.rmdir()  # empty, checked above
+        partial.rename(args.out)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    print(json.dumps(record))
     return 0
+
+
+def _argument_problem(args) -> str | None:
+    if not (64 <= args.hidden <= MAX_HIDDEN and args.hidden % 64 == 0):
+        return f"--hidden must be a multiple of 64 up to {MAX_HIDDEN}"
+    if not (1 <= args.layers <= MAX_LAYERS and 1 <= args.steps <= MAX_STEPS):
+        return f"--layers and --steps at least 1 (at most {MAX_LAYERS} and {MAX_STEPS})"
+    out = args.out
+    if out.exists() and not out.is_dir():
+        return f"{out} is a file, not a folder"
+    if out.is_dir() and any(out.iterdir()):
+        return f"{out} is not empty"
+    parent = out.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        return f"{parent} is not a folder this user can write"
+    return None
 
 
 if __name__ == "__main__":

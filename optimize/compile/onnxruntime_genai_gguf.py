@@ -49,10 +49,10 @@ class GenAIGGUFConfig:
     head_accuracy_level: Optional[int] = None
 
     def validate(self):
-        for name in ("accuracy_level", "head_accuracy_level"):
-            level = getattr(self, name)
-            if level not in (0, 1, 2, 3, 4) and not (name == "head_accuracy_level" and level is None):
-                raise RecipeError(f"engine.params.{name}={level} (use 1: f32, 4: INT8 activations)")
+        levels = (0, 1, 2, 3, 4)
+        for name, allowed in (("accuracy_level", levels), ("head_accuracy_level", (None, *levels))):
+            if getattr(self, name) not in allowed:
+                raise RecipeError(f"engine.params.{name}={getattr(self, name)} (use 1: f32, 4: INT8 activations)")
 
 
 @register(

@@ -49,7 +49,11 @@ def test_the_trained_model_learns_the_prose_and_never_sees_the_evaluation_text(t
 
 @pytest.mark.parametrize(
     "args, message",
-    [(["--hidden", "100"], "multiple of 64"), (["--steps", "0"], "at least 1")],
+    [
+        (["--hidden", "100"], "multiple of 64"),
+        (["--hidden", "10" + "0" * 30], "multiple of 64"),
+        (["--steps", "0"], "at least 1"),
+    ],
 )
 def test_bad_arguments_are_one_line_and_nothing_is_written(tmp_path, args, message):
     out = tmp_path / "lm"
@@ -67,3 +71,27 @@ def test_a_folder_that_holds_files_is_refused(tmp_path):
     )
     assert proc.returncode == 2 and "not empty" in proc.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_a_file_or_an_unwritable_place_for_the_model_is_refused(tmp_path):
+    target = tmp_path / "model.bin"
+    target.write_bytes(b"\xff\xfe not a folder")
+    for out, message in ((target, "is a file"), (tmp_path / "missing" / "lm", "is not a folder")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "optimize.train_tiny_lm", str(out)], capture_output=True, text=True
+        )
+        assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert target.read_bytes() == b"\xff\xfe not a folder" and not (tmp_path / "missing").exists()
+
+
+def test_the_command_line_trains_into_the_folder_and_leaves_nothing_beside_it(tmp_path):
+    out = tmp_path / "lm"
+    out.mkdir()  # an empty folder is taken
+    proc = subprocess.run(
+        [sys.executable, "-m", "optimize.train_tiny_lm", str(out), "--hidden", "64", "--layers", "1", "--steps", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 2
+    assert (out / "model.safetensors").is_file() and [p.name for p in tmp_path.iterdir()] == ["lm"]
