@@ -139,6 +139,7 @@ def median_row(rounds: list[dict]) -> dict:
         values = [r[key] for r in rounds if r[key] is not None]
         row[key] = round(statistics.median(values), 1) if values else None
     row["failed"] = sum(r["failed"] for r in rounds)
+    row["retried"] = sum(r.get("retried", 0) for r in rounds)
     row["rounds"] = len(rounds)
     if len(rounds) > 1:
         row["per_round"] = [{k: r[k] for k in MEDIAN_KEYS} for r in rounds]
@@ -540,14 +541,14 @@ def markdown(report: dict) -> str:
         *([f"CPU features: {', '.join(m['flags'])}"] if m.get("flags") else []),
         *([f"Peers: {peers}"] if peers else []),
         "",
-        "| Server | Clients | Output tok/s | TTFT p50 / p95 / p99 ms | ITL p50 / p95 ms | Failed |",
+        "| Server | Clients | Output tok/s | TTFT p50 / p95 / p99 ms | ITL p50 / p95 ms | Failed (retried) |",
         "|---|---|---|---|---|---|",
     ]
     for name, entry in report["servers"].items():
         for r in entry["levels"]:
             lines.append(
                 f"| {name} | {r['clients']} | {r['tokens_per_s']} | {r['ttft_p50_ms']} / {r['ttft_p95_ms']} / "
-                f"{r['ttft_p99_ms']} | {r['itl_p50_ms']} / {r['itl_p95_ms']} | {r['failed']} |"
+                f"{r['ttft_p99_ms']} | {r['itl_p50_ms']} / {r['itl_p95_ms']} | {r['failed']} ({r.get('retried', 0)}) |"
             )
     for name, r in report["shared_prefix"].items():
         lines.append(

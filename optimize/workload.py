@@ -37,19 +37,27 @@ class BatchPoint:
         return str(self.batch)
 
 
+# What a request shape's prompts are: "plain" ones cut from the evaluation text, or "grounded" chat
+# requests that ask for a given paragraph back edited or summarised (optimize/evaluate/grounded.py),
+# the work prompt lookup pays on; its `prompt` is then the paragraph's tokens.
+REQUEST_KINDS = ("plain", "grounded")
+
+
 @dataclass(frozen=True)
 class RequestPoint:
-    prompt: int  # prompt tokens
+    prompt: int  # prompt tokens (a grounded shape: the paragraph's, before the chat template's words)
     output: int  # generated tokens
     weight: float  # share of requests of this shape (the weights sum to 1)
+    kind: str = "plain"  # one of REQUEST_KINDS
 
     @property
     def label(self) -> str:
         return f"shape={self.key}"
 
     @property
-    def key(self) -> str:
-        return f"{self.prompt}x{self.output}"
+    def key(self) -> str:  # "64x64", "grounded:96x64"
+        size = f"{self.prompt}x{self.output}"
+        return size if self.kind == "plain" else f"{self.kind}:{size}"
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,9 @@ class Workload:
         return {
             "declared": self.declared,
             "batches": {p.key: p.weight for p in self.batches},
-            "requests": [{"prompt": p.prompt, "output": p.output, "weight": p.weight} for p in self.requests],
+            "requests": [
+                {"prompt": p.prompt, "output": p.output, "weight": p.weight, "kind": p.kind} for p in self.requests
+            ],
             "concurrency": {level.key: level.weight for level in self.concurrency},
         }
 
@@ -183,26 +193,31 @@ def _batches(raw) -> tuple[BatchPoint, ...]:
 
 
 def _requests(raw) -> tuple[RequestPoint, ...]:
-    """[{prompt: 64, output: 64, weight: 0.5}, ...] (weight default 1)."""
+    """[{prompt: 64, output: 64, weight: 0.5}, {prompt: 96, output: 64, kind: grounded}, ...] (weight
+    default 1, kind default plain)."""
+    form = "{prompt: TOKENS, output: TOKENS, weight: W, kind: plain | grounded}"
     if not isinstance(raw, list) or not raw:
-        raise RecipeError("workload.requests: give a list of {prompt: TOKENS, output: TOKENS, weight: W}")
+        raise RecipeError(f"workload.requests: give a list of {form}")
     shapes = []
     for i, item in enumerate(raw):
         key = f"workload.requests[{i}]"
         if (
             not isinstance(item, dict)
             or not {"prompt", "output"} <= set(item)
-            or set(item) - {"prompt", "output", "weight"}
+            or set(item) - {"prompt", "output", "weight", "kind"}
         ):
-            raise RecipeError(f"{key}={item!r}: give {{prompt: TOKENS, output: TOKENS, weight: W}}")
+            raise RecipeError(f"{key}={item!r}: give {form}")
         prompt, output = _whole(item["prompt"], f"{key}.prompt"), _whole(item["output"], f"{key}.output")
         if prompt < 2 or output < 2:
             raise RecipeError(f"{key}: prompt and output must be at least 2 tokens")
-        shapes.append((prompt, output, _weight(item.get("weight", 1.0), key)))
-    if len({(p, o) for p, o, _ in shapes}) != len(shapes):
-        raise RecipeError("workload.requests: list each prompt/output shape once")
-    weights = _normalised([w for _, _, w in shapes])
-    return tuple(RequestPoint(p, o, w) for (p, o, _), w in zip(shapes, weights))
+        kind = item.get("kind", "plain")
+        if kind not in REQUEST_KINDS:
+            raise RecipeError(f"{key}.kind={kind!r}: use one of {', '.join(REQUEST_KINDS)}")
+        shapes.append((prompt, output, _weight(item.get("weight", 1.0), key), kind))
+    if len({(p, o, k) for p, o, _, k in shapes}) != len(shapes):
+        raise RecipeError("workload.requests: list each prompt/output shape of a kind once")
+    weights = _normalised([w for _, _, w, _ in shapes])
+    return tuple(RequestPoint(p, o, w, k) for (p, o, _, k), w in zip(shapes, weights))
 
 
 def _concurrency(raw) -> tuple[ConcurrencyLevel, ...]:

@@ -31,12 +31,29 @@ class Tokens:
         self.tokenizer = copy.deepcopy(ctx.encoder.tokenizer)
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
+        self.folder = ctx.source.tokenizer_dir if ctx.source is not None else None  # its chat template
+        self._chat_tokenizer = None
 
     def __call__(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode(list(ids))
+
+    def chat(self, messages: list[dict]) -> list[int]:
+        """A conversation as the model's chat template renders it for a reply, in token ids (the
+        template's special tokens included): what a chat client's request becomes."""
+        if self._chat_tokenizer is None:
+            from transformers import AutoTokenizer
+
+            found = self.folder is not None and AutoTokenizer.from_pretrained(str(self.folder))
+            if not found or not getattr(found, "chat_template", None):
+                raise RecipeError(
+                    f"workload.requests: a grounded shape needs a chat template, and {self.folder} has none"
+                )
+            self._chat_tokenizer = found
+        text = self._chat_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self(str(text))
 
 
 def perplexity(runner, ids: list[int], window: int) -> float:
@@ -105,6 +122,28 @@ def prompts_of(tokens: Tokens, items: list[str], length: int) -> list[list[int]]
     return [joined[i : i + length] for i in range(0, len(joined) - length + 1, length)]
 
 
+# Grounded requests a shape holds at most: one per client at the levels the race times.
+GROUNDED_PROMPTS = 16
+
+
+def shape_prompts(tokens: Tokens, items: list[str], request) -> list[list[int]]:
+    """The prompts of a workload request shape (optimize/workload.py's RequestPoint): cut from the
+    evaluation text, or for a grounded shape chat requests about its paragraphs of about `prompt`
+    tokens, rendered by the model's chat template."""
+    if request.kind != "grounded":
+        return prompts_of(tokens, items, request.prompt)
+    from optimize.evaluate.grounded import grounded_requests
+
+    longest = sum(len(tokens(item)) >= request.prompt for item in items)
+    if not longest:
+        raise RecipeError(
+            f"workload.requests: no evaluation item has the {request.prompt} tokens a {request.key} "
+            "paragraph needs: lower its prompt or give longer evaluation text"
+        )
+    count = min(GROUNDED_PROMPTS, longest)
+    return [tokens.chat(m) for m in grounded_requests(count, request.prompt, tokens, tokens.decode, texts=items)]
+
+
 def timed_requests(
     runners: Mapping[str, TimedGeneration], tokens: Tokens, items: list[str], requests, warmup: int, runs: int
 ) -> dict:
@@ -119,7 +158,7 @@ def timed_requests(
 
     timed = {}
     for request in requests:
-        prompts = prompts_of(tokens, items, request.prompt)
+        prompts = shape_prompts(tokens, items, request)
         log.info("greedy generation %s: %d runs per side", request.key, runs)
         timed[request.key] = quietest(lambda: once(prompts, request.output))  # noqa: B023
     return timed

@@ -35,13 +35,19 @@ def grounded_messages(paragraph: str, task: str = "edit") -> list[dict]:
 
 
 def grounded_paragraphs(
-    count: int, tokens: int, tokenize: Callable[[str], list[int]], decode: Callable[[list[int]], str]
+    count: int,
+    tokens: int,
+    tokenize: Callable[[str], list[int]],
+    decode: Callable[[list[int]], str],
+    texts: list[str] | None = None,
 ) -> list[str]:
-    """`count` held-out paragraphs of about `tokens` tokens each (longer ones cut at a word boundary
-    before the limit); refuses, naming the shortfall, when too few are that long."""
-    import calibration
+    """`count` paragraphs of about `tokens` tokens each from `texts` (by default the held-out CPython
+    documentation; longer ones cut at a word boundary before the limit); refuses, naming the
+    shortfall, when too few are that long."""
+    if texts is None:
+        import calibration
 
-    texts = calibration.load("cpython_docs", "evaluation", 100, 1).items
+        texts = calibration.load("cpython_docs", "evaluation", 100, 1).items
     out = []
     for text in texts:
         ids = tokenize(text)
@@ -60,7 +66,9 @@ def grounded_requests(
     tokenize: Callable[[str], list[int]],
     decode: Callable[[list[int]], str],
     tasks: tuple[str, ...] = ("edit", "summarise"),
+    texts: list[str] | None = None,
 ) -> list[list[dict]]:
-    """`count` chat requests, the tasks taken in turn over distinct paragraphs."""
-    paragraphs = grounded_paragraphs(count, tokens, tokenize, decode)
+    """`count` chat requests, the tasks taken in turn over distinct paragraphs (of `texts`, else the
+    held-out CPython documentation)."""
+    paragraphs = grounded_paragraphs(count, tokens, tokenize, decode, texts)
     return [grounded_messages(p, tasks[i % len(tasks)]) for i, p in enumerate(paragraphs)]

@@ -42,6 +42,7 @@ class Result:
     text: str = ""  # the reply's text, streamed chunks joined
     finish_reason: str | None = None
     schema: dict | None = None  # the JSON schema the request asked the reply to match, if any
+    retries: int = 0  # sent again after the connection closed before any response (see one_request)
 
 
 # The schema a constrained request of the load asks for: small, and bounded in length (a short string,
@@ -107,6 +108,12 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
+# A kept-alive connection the server closed as the request went out ends with no response at all;
+# HTTP clients send such a request again (the openai SDK up to twice), so the load does too, and the
+# time to first token still counts from the first try. llama-server closes idle connections this way.
+CONNECTION_RETRIES = 2
+
+
 async def one_request(
     client,
     url: str,
@@ -118,6 +125,8 @@ async def one_request(
 ) -> Result:
     """One streamed completion; TTFT and gaps are taken at text chunks (the usage chunk has none).
     With `schema`, the request asks for JSON matching it (response_format json_schema)."""
+    import httpx
+
     payload = {
         "model": model,
         "prompt": prompt_ids,
@@ -128,39 +137,51 @@ async def one_request(
     }
     if schema is not None:
         payload["response_format"] = structured_response_format(schema)
-    result, start, last = Result(schema=schema), time.perf_counter(), 0.0
-    chunks = 0
-    try:
-        async with client.stream("POST", url + "/v1/completions", json=payload) as response:
-            result.status = response.status_code
-            if response.status_code != 200:
-                result.error = (await response.aread()).decode(errors="replace")[:200]
-                return result
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    result.tokens = int(chunk["usage"].get("completion_tokens") or 0)
-                choices = chunk.get("choices") or []
-                if choices and choices[0].get("finish_reason"):
-                    result.finish_reason = choices[0]["finish_reason"]
-                if not (choices and choices[0].get("text")):
-                    continue
-                result.text += choices[0]["text"]
-                now = time.perf_counter()
-                chunks += 1
-                if result.ttft_s is None:
-                    result.ttft_s = now - start
-                else:
-                    result.gaps_s.append(now - last)
-                last = now
-                if leave_after_first:
-                    break
-    except Exception as exc:  # counted, not raised: one failed request must not end the run
-        result.error = f"{type(exc).__name__}: {exc}"[:200]
-    result.tokens = result.tokens or chunks
+    result, start = Result(schema=schema), time.perf_counter()
+    while True:
+        try:
+            await _stream_completion(client, url, payload, result, start, leave_after_first)
+        except httpx.RemoteProtocolError as exc:
+            if result.status or result.retries >= CONNECTION_RETRIES:
+                result.error = f"{type(exc).__name__}: {exc}"[:200]
+                break
+            result.retries += 1
+            continue
+        except Exception as exc:  # counted, not raised: one failed request must not end the run
+            result.error = f"{type(exc).__name__}: {exc}"[:200]
+        break
+    result.tokens = result.tokens or len(result.gaps_s) + (result.ttft_s is not None)
     return result
+
+
+async def _stream_completion(client, url: str, payload: dict, result: Result, start: float, leave_after_first: bool):
+    """Sends `payload` and fills `result` from the stream as it comes."""
+    last = 0.0
+    async with client.stream("POST", url + "/v1/completions", json=payload) as response:
+        result.status = response.status_code
+        if response.status_code != 200:
+            result.error = (await response.aread()).decode(errors="replace")[:200]
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                result.tokens = int(chunk["usage"].get("completion_tokens") or 0)
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("finish_reason"):
+                result.finish_reason = choices[0]["finish_reason"]
+            if not (choices and choices[0].get("text")):
+                continue
+            result.text += choices[0]["text"]
+            now = time.perf_counter()
+            if result.ttft_s is None:
+                result.ttft_s = now - start
+            else:
+                result.gaps_s.append(now - last)
+            last = now
+            if leave_after_first:
+                break
 
 
 async def drive_async(
@@ -230,6 +251,7 @@ def summarize(results: list[Result], wall: float, clients: int) -> dict:
         "clients": clients,
         "requests": len(results),
         "failed": len(results) - len(ok),
+        "retried": sum(1 for r in results if r.retries),
         "errors": sorted({r.error or str(r.status) for r in results if r not in ok})[:3],
         "output_tokens": tokens,
         "wall_s": round(wall, 2),

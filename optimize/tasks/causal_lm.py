@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 from engines.runners import CausalLMRunner, TimedGeneration
 from optimize.errors import RecipeError
-from optimize.evaluate.generation import Tokens, perplexity, prompts_of, request_ms, timed_requests
+from optimize.evaluate.generation import Tokens, perplexity, request_ms, shape_prompts, timed_requests
 from optimize.tasks import register_task
 from optimize.tasks.base import Task
 from optimize.tasks.causal_lm_rows import fmt, table_rows
@@ -113,7 +113,7 @@ class CausalLM(Task):
                     f"workload.requests: {request.prompt} prompt + {request.output} output tokens do not fit "
                     f"the model's context of {context} tokens"
                 )
-            prompts_of(tokens, ctx.evaluation_data().items, request.prompt)
+            shape_prompts(tokens, ctx.evaluation_data().items, request)
 
 
 class _LogitsModule:

@@ -37,6 +37,18 @@ def test_weights_are_normalised_and_a_list_means_equal_weights():
     assert [(p.key, p.weight) for p in w.requests] == [("64x64", 0.25), ("1024x128", 0.75)]
 
 
+def test_a_grounded_shape_is_its_own_point_beside_a_plain_one_of_the_same_size():
+    w = workload.resolve(
+        _cfg({"requests": [{"prompt": 96, "output": 64}, {"prompt": 96, "output": 64, "kind": "grounded"}]})
+    )
+    assert [(p.key, p.kind, p.weight) for p in w.requests] == [
+        ("96x64", "plain", 0.5),
+        ("grounded:96x64", "grounded", 0.5),
+    ]
+    assert w.record()["requests"][1] == {"prompt": 96, "output": 64, "weight": 0.5, "kind": "grounded"}
+    assert workload.request_shape("grounded:96x64", w) == (w.requests[1],)
+
+
 def test_weights_near_the_float_limit_are_normalised_without_overflow():
     w = workload.resolve(_cfg({"batches": {1: 1e308, 2: 1e308}}))
     assert [(p.batch, p.weight) for p in w.batches] == [(1, 0.5), (2, 0.5)]
@@ -91,6 +103,12 @@ def test_an_lm_recipe_that_declares_no_concurrency_is_raced_at_1_and_16_clients(
         ({"requests": [{"prompt": 64}]}, {}, "workload.requests[0]="),
         ({"requests": [{"prompt": 64, "output": 64, "tokens": 3}]}, {}, "workload.requests[0]="),
         ({"requests": [{"prompt": 1, "output": 64}]}, {}, "at least 2 tokens"),
+        ({"requests": [{"prompt": 96, "output": 64, "kind": "rag"}]}, {}, "workload.requests[0].kind='rag': use one"),
+        (
+            {"requests": [{"prompt": 96, "output": 64, "kind": "grounded"}] * 2},
+            {},
+            "list each prompt/output shape of a kind once",
+        ),
         ({"concurrency": 0}, {}, "workload.concurrency=0: 0 is not a whole number of at least 1"),
         ({"concurrency": [1, 2.5]}, {}, "workload.concurrency=[1, 2.5]: 2.5 is not a whole number"),
         ({"concurrency": [1, 16, 1]}, {}, "list each level once"),

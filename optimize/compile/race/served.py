@@ -35,10 +35,10 @@ def requests_per_client(clients: int, round_no: int) -> int:
 def time_served(entries: list, ctx, workload) -> dict:
     """Fill `served` (by shape, then level) in each entry's metrics, in rounds; returns the halving record:
     {"rounds": [[names timed], ...], "cut": {name: why}}."""
-    from optimize.evaluate.generation import Tokens, prompts_of
+    from optimize.evaluate.generation import Tokens, shape_prompts
 
     tokens, items = Tokens(ctx), ctx.evaluation_data().items
-    prompts = {r.key: prompts_of(tokens, items, r.prompt) for r in workload.requests}
+    prompts = {r.key: shape_prompts(tokens, items, r) for r in workload.requests}
     record: dict[str, Any] = {"rounds": [], "cut": {}, "cut_ratio": CUT_RATIO}
     alive = list(entries)
     for round_no in (1, 2):
