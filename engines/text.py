@@ -20,7 +20,8 @@ class TextEncoder:
     def __init__(self, tokenizer_dir: str | Path, max_length: int = 128):
         from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
+        self.folder = Path(tokenizer_dir)  # with the tokenizer's config and chat template
+        self.tokenizer = Tokenizer.from_file(str(self.folder / "tokenizer.json"))
         self.max_length = max_length
         self.tokenizer.enable_truncation(max_length)
         pad_id = self.tokenizer.token_to_id("[PAD]")

@@ -31,7 +31,7 @@ class Tokens:
         self.tokenizer = copy.deepcopy(ctx.encoder.tokenizer)
         self.tokenizer.no_truncation()
         self.tokenizer.no_padding()
-        self.folder = ctx.source.tokenizer_dir if ctx.source is not None else None  # its chat template
+        self.folder = getattr(ctx.encoder, "folder", None)  # the shipped tokenizer's: its chat template
         self._chat_tokenizer = None
 
     def __call__(self, text: str) -> list[int]:
@@ -49,7 +49,8 @@ class Tokens:
             found = self.folder is not None and AutoTokenizer.from_pretrained(str(self.folder))
             if not found or not getattr(found, "chat_template", None):
                 raise RecipeError(
-                    f"workload.requests: a grounded shape needs a chat template, and {self.folder} has none"
+                    "workload.requests: a grounded shape needs a chat template, and the model's tokenizer "
+                    f"({self.folder}) has none"
                 )
             self._chat_tokenizer = found
         text = self._chat_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)

@@ -452,6 +452,24 @@ def test_the_per_level_table_shows_every_candidate_at_every_level():
     ]
 
 
+def test_a_grounded_shape_has_its_own_column_read_under_its_own_key():
+    from optimize.compile.race.report import level_table
+
+    entry = _served(_lm("prompt_lookup", 500.0, 0.0), (240.0, 84.0), (250.0, 900.0))
+    entry.metrics["served"]["grounded:96x64"] = entry.metrics["served"].pop("64x64")
+    entry.cost = 1.0
+    race = {
+        "workload": {
+            "requests": [{"prompt": 96, "output": 64, "weight": 1.0, "kind": "grounded"}],
+            "concurrency": {"1": 1.0},
+        },
+        "candidates": [{**entry.report(), "outcome": "won"}],
+    }
+    rows = level_table(race)
+    assert rows[0][2] == "grounded:96x64 tok/s (TTFT p95 ms)"
+    assert rows[1] == ["prompt_lookup", "1", "240 (84)", "1.00", "won"]
+
+
 def test_the_baseline_figures_are_kept_under_what_they_were_measured_on(tmp_path, monkeypatch):
     from optimize.compile.race import cache
 

@@ -27,9 +27,7 @@ def _tokens(folder: Path) -> Tokens:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-    return Tokens(
-        SimpleNamespace(encoder=SimpleNamespace(tokenizer=tokenizer), source=SimpleNamespace(tokenizer_dir=folder))
-    )
+    return Tokens(SimpleNamespace(encoder=SimpleNamespace(tokenizer=tokenizer, folder=folder)))
 
 
 def _paragraphs() -> list[str]:

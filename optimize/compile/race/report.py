@@ -10,6 +10,7 @@ from typing import Optional
 from optimize.compile.race.cells import served_cell
 from optimize.compile.race.choice import won_on
 from optimize.compile.race.entry import Entry
+from optimize.workload import RequestPoint
 
 log = logging.getLogger(__name__)
 PLOT = "race/front.png"  # the race's front in the artifact
@@ -121,7 +122,10 @@ def _front_xy(entry: Entry, point: str, lm: bool) -> tuple[float, float]:
 
 def level_table(race: dict) -> list[list[str]]:
     """The LM race as served: one row per candidate and level, tok/s and TTFT p95 at each shape."""
-    shapes = [f"{r['prompt']}x{r['output']}" for r in race["workload"]["requests"]]
+    shapes = [
+        RequestPoint(r["prompt"], r["output"], r.get("weight", 1.0), r.get("kind", "plain")).key
+        for r in race["workload"]["requests"]
+    ]
     rows = [["candidate", "clients", *(f"{s} tok/s (TTFT p95 ms)" for s in shapes), "served cost", "outcome"]]
     for c in race["candidates"]:
         served = (c.get("metrics") or {}).get("served") or {}
