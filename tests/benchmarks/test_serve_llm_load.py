@@ -12,9 +12,10 @@ import pytest
 from benchmarks import serve_llm_load as bench
 
 
-def level(tokens_per_s, ttft_p95, failed=0):
+def level(tokens_per_s, ttft_p95, failed=0, retried=0):
     return {
-        "clients": 4, "requests": 8, "failed": failed, "errors": [], "output_tokens": 512, "wall_s": 5.0,
+        "clients": 4, "requests": 8, "failed": failed, "retried": retried, "errors": [], "output_tokens": 512,
+        "wall_s": 5.0,
         "tokens_per_s": tokens_per_s, "ttft_p50_ms": ttft_p95 / 2, "ttft_p95_ms": ttft_p95, "ttft_p99_ms": ttft_p95,
         "itl_p50_ms": 10.0, "itl_p95_ms": None if failed else 20.0,
     }  # fmt: skip
@@ -25,6 +26,7 @@ def test_each_figure_is_the_median_of_its_rounds_and_failures_add_up():
     assert row["tokens_per_s"] == 90.0 and row["ttft_p95_ms"] == 200.0
     assert row["itl_p95_ms"] == 20.0  # a round that measured nothing is left out, not counted as zero
     assert row["failed"] == 2 and row["rounds"] == 3 and len(row["per_round"]) == 3
+    assert row["retried"] == 0
     assert "per_round" not in bench.median_row([level(90.0, 300.0)])
 
 
@@ -32,13 +34,15 @@ def test_the_table_says_its_figures_are_medians():
     report = {
         "machine": {"date": "2026-12-01", "cpu": "AMD EPYC", "cores": 2, "other_cpu_share": 0.05},
         "settings": {"rounds": 3},
-        "servers": {"serve, continuous batching": {"levels": [bench.median_row([level(90.0, 300.0)] * 3)]}},
+        "servers": {"serve, continuous batching": {"levels": [bench.median_row([level(90.0, 300.0, retried=1)] * 3)]}},
         "shared_prefix": {},
         "notes": ["vLLM CPU: not run"],
     }
     table = bench.markdown(report)
     assert "medians of 3 rounds" in table.splitlines()[0]
-    assert "| serve, continuous batching | 4 | 90.0 | 150.0 / 300.0 / 300.0 | 10.0 / 20.0 | 0 |" in table
+    assert "| Failed (retried) |" in table.splitlines()[2]
+    # failures and retries summed over the rounds
+    assert "| serve, continuous batching | 4 | 90.0 | 150.0 / 300.0 / 300.0 | 10.0 / 20.0 | 0 (3) |" in table
     assert table.endswith("- vLLM CPU: not run")
 
 
