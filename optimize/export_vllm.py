@@ -20,7 +20,6 @@ figure benchmarks/vllm_perplexity.py compares with the artifact's own.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import math
 import shutil
@@ -159,7 +158,7 @@ def perplexity_ids(root: Path, manifest: dict) -> tuple[list[int], int]:
 
     from engines.text import TextEncoder
     from optimize.context import evaluation_set, load_data
-    from optimize.evaluate.generation import Tokens
+    from optimize.evaluate.generation import Tokens, ids_sha256
     from optimize.plan import DataSettings, EvaluateSettings
 
     recorded = (manifest.get("evaluation") or {}).get("perplexity") or {}
@@ -172,7 +171,7 @@ def perplexity_ids(root: Path, manifest: dict) -> tuple[list[int], int]:
     for with_calibration in (False, True):  # the run removed calibration overlap only when it loaded calibration
         calibration_set = load_data(DataSettings.of(cfg.calibration)) if with_calibration else None
         ids = tokens("\n\n".join(evaluation_set(evaluate, calibration_set).items))[: recorded["tokens"]]
-        if hashlib.sha256(json.dumps(ids).encode()).hexdigest() == recorded["sha256"]:
+        if ids_sha256(ids) == recorded["sha256"]:
             return ids, int(recorded["window"])
     raise RecipeError(f"{root}: the evaluation text rebuilt from the recipe is not the one the perplexity used")
 

@@ -293,20 +293,30 @@ def hf_folder(source) -> Path:
     return folder
 
 
-def save_converted(module, location: Path, gguf_file: str, folder: Path, record_source: str) -> None:
-    """save_pretrained refuses GGUF-loaded models ("quantized with gguf"): rebuild the model from its
-    config without quantization_config, load the dequantized weights, save that (in a staging folder
-    of this run, then sealed and renamed into place)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def dequantized_copy(module):
+    """A GGUF-loaded model as a plain one: rebuilt from its config without quantization_config (which
+    makes save_pretrained refuse and marks the model quantized to trainers), the dequantized weights
+    loaded into it."""
+    from transformers import AutoModelForCausalLM
 
-    from optimize import cache_store
-
-    log.info("converting %s to safetensors under %s (once)", gguf_file, folder)
     config = module.config.__class__.from_dict(module.config.to_dict())
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     clean = AutoModelForCausalLM.from_config(config, dtype=module.dtype)
     clean.load_state_dict(module.state_dict())
+    return clean
+
+
+def save_converted(module, location: Path, gguf_file: str, folder: Path, record_source: str) -> None:
+    """save_pretrained refuses GGUF-loaded models ("quantized with gguf"): rebuild the model from its
+    config without quantization_config, load the dequantized weights, save that (in a staging folder
+    of this run, then sealed and renamed into place)."""
+    from transformers import AutoTokenizer
+
+    from optimize import cache_store
+
+    log.info("converting %s to safetensors under %s (once)", gguf_file, folder)
+    clean = dequantized_copy(module)
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_store.staging(folder)
     try:

@@ -2,6 +2,7 @@
 CPython (pydoc topics and standard-library docstrings), with its own byte-level BPE tokenizer.
 
     python -m optimize.train_tiny_lm OUT [--hidden 256] [--layers 4] [--steps 600] [--seed 0]
+    python -m optimize.train_tiny_lm OUT --from SOURCE [--steps 300] [--lr 1e-4]
 
 Writes a Hugging Face folder (config, model.safetensors, tokenizer, train.json) that
 `model.source=OUT` loads. The held-out (evaluation) split is never trained on: it is what perplexity
@@ -9,6 +10,11 @@ is measured on. The point is a source that was never quantized, so INT4 methods 
 full precision offline (a GGUF source is already 4-bit: quantizing it again measures two roundings).
 About half an hour on 2 shared cores at the defaults; seconds at --hidden 128 --layers 2 --steps 150.
 A model this small and this briefly trained loses almost nothing to any INT4 method (docs/figures.md).
+
+With --from, an existing causal LM (anything `model.source` takes: a folder, a GGUF file, pkg://...)
+is trained further on the same text in FP32 instead: from a GGUF file, its weights leave the file's
+4-bit grid, which gives a full-precision model of a real model's size and shape to compare INT4
+methods on.
 """
 
 from __future__ import annotations
@@ -92,7 +98,48 @@ def train(
         pad_token_id=0,
     )
     model = LlamaForCausalLM(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    return _fit(model, stream, out, steps, seed, seq_len, batch_size, lr, weight_decay=0.1)
+
+
+def continue_training(
+    out: Path,
+    source: str,
+    steps: int = 300,
+    seed: int = 0,
+    seq_len: int = 256,
+    batch_size: int = 4,
+    lr: float = 1e-4,
+) -> dict:
+    """Train the causal LM at `source` further on the same text, in FP32, and save it with its own
+    tokenizer; returns the record (OUT/train.json), which names the source and its sha256. A GGUF
+    source is dequantized first (as the pipeline loads it): the result is its full-precision
+    continuation. RecipeError for a source the pipeline would refuse."""
+    import torch
+    from omegaconf import OmegaConf
+    from transformers import AutoTokenizer
+
+    from optimize import models
+    from optimize.config import ModelConfig
+
+    torch.manual_seed(seed)
+    out.mkdir(parents=True, exist_ok=True)
+    loaded = models.load(OmegaConf.structured(ModelConfig(source=source, task="causal_lm", max_length=seq_len)))
+    model = models.dequantized_copy(loaded.module) if loaded.gguf_file else loaded.module
+    tokenizer = AutoTokenizer.from_pretrained(loaded.location, gguf_file=loaded.gguf_file)
+    tokenizer.save_pretrained(out)
+    stream = torch.tensor([i for t in training_text() for i in tokenizer(t + "\n\n")["input_ids"]])
+    record = _fit(model, stream, out, steps, seed, seq_len, batch_size, lr, weight_decay=0.0)
+    record["from"] = {"source": source, "sha256": models.source_hash(loaded)}
+    (out / "train.json").write_text(json.dumps(record, indent=2))
+    return record
+
+
+def _fit(model, stream, out: Path, steps, seed, seq_len, batch_size, lr, weight_decay) -> dict:
+    """AdamW with warm-up and cosine decay on random windows of the token stream; saves the model
+    (safetensors) and OUT/train.json, and returns the record."""
+    import torch
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))
@@ -110,14 +157,16 @@ def train(
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss.detach()))
-        if (step + 1) % 100 == 0:
-            print(f"step {step + 1}/{steps}: loss {sum(losses[-100:]) / 100:.3f}", file=sys.stderr, flush=True)
+        if (step + 1) % 100 == 0 or step + 1 == steps:
+            recent = losses[-100:]
+            print(f"step {step + 1}/{steps}: loss {sum(recent) / len(recent):.3f}", file=sys.stderr, flush=True)
     model.eval().save_pretrained(out, safe_serialization=True)
     record = {
         "text": "python_prose, calibration split",
         "training_tokens": len(stream),
         "steps": steps,
         "batch": [batch_size, seq_len],
+        "lr": lr,
         "parameters": sum(p.numel() for p in model.parameters()),
         "final_train_loss": round(sum(losses[-20:]) / len(losses[-20:]), 4),
         "seconds": round(time.perf_counter() - start, 1),
@@ -136,18 +185,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path)
     parser.add_argument("--hidden", type=int, default=256, help="width (a multiple of 64)")
     parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--steps", type=int, default=None, help="600 from scratch, 300 with --from")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--from", dest="source", help="train this causal LM further (what model.source takes)")
+    parser.add_argument("--lr", type=float, default=None, help="3e-3 from scratch, 1e-4 with --from")
     args = parser.parse_args(argv)
     problem = _argument_problem(args)
     if problem:
         print(f"error: {problem} (nothing written)", file=sys.stderr)
         return 2
+    from optimize.errors import RecipeError
+
     # Trained into a sibling folder and renamed at the end: a failed or interrupted run leaves no
     # half-written model at OUT.
     partial = Path(tempfile.mkdtemp(prefix=f".{args.out.name}.", dir=args.out.parent))
     try:
-        record = train(partial, args.hidden, args.layers, args.steps, args.seed)
+        try:
+            record = _run(args, partial)
+        except RecipeError as exc:
+            print(f"error: {exc} (nothing written)", file=sys.stderr)
+            return 2
         if args.out.exists():
             args.out.rmdir()  # empty, checked above
         partial.rename(args.out)
@@ -157,11 +214,20 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _run(args, out: Path) -> dict:
+    if args.source:
+        return continue_training(out, args.source, steps=args.steps or 300, seed=args.seed, lr=args.lr or 1e-4)
+    return train(out, args.hidden, args.layers, args.steps or 600, args.seed, lr=args.lr or 3e-3)
+
+
 def _argument_problem(args) -> str | None:
     if not (64 <= args.hidden <= MAX_HIDDEN and args.hidden % 64 == 0):
         return f"--hidden must be a multiple of 64 up to {MAX_HIDDEN}"
-    if not (1 <= args.layers <= MAX_LAYERS and 1 <= args.steps <= MAX_STEPS):
+    steps_ok = args.steps is None or 1 <= args.steps <= MAX_STEPS
+    if not (1 <= args.layers <= MAX_LAYERS and steps_ok):
         return f"--layers and --steps at least 1 (at most {MAX_LAYERS} and {MAX_STEPS})"
+    if args.lr is not None and not (0 < args.lr <= 1):  # NaN fails both comparisons
+        return "--lr must be above 0 and at most 1"
     out = args.out
     if out.exists() and not out.is_dir():
         return f"{out} is a file, not a folder"

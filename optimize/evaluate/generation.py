@@ -8,6 +8,8 @@ and the stages that need the evaluation's token ids.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import time
 from typing import Mapping
@@ -55,6 +57,11 @@ class Tokens:
             self._chat_tokenizer = found
         text = self._chat_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self(str(text))
+
+
+def ids_sha256(ids: list[int]) -> str:
+    """The held-out token ids' identity (the manifest's evaluation.perplexity.sha256)."""
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()
 
 
 def perplexity(runner, ids: list[int], window: int) -> float:

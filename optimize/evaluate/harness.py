@@ -30,6 +30,10 @@ class Subject:
     root: Path
     size_bytes: int
     layer_precision: dict = field(default_factory=dict)  # {precision: {count, nodes}} where a stage said
+    # What was already measured of this side earlier in the run, on this machine (the LM race's
+    # baseline: perplexity by the sha256 of the ids it was scored on, timings by request shape), so the
+    # evaluation does not measure it again.
+    measured: dict = field(default_factory=dict)
 
 
 def sample_count(inputs: dict[str, np.ndarray]) -> int:

@@ -14,15 +14,13 @@ helpers are in optimize/evaluate/generation.py; the table rows in causal_lm_rows
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, List, Optional
 
 from engines.runners import CausalLMRunner, TimedGeneration
 from optimize.errors import RecipeError
-from optimize.evaluate.generation import Tokens, perplexity, request_ms, shape_prompts, timed_requests
+from optimize.evaluate.generation import Tokens, ids_sha256, perplexity, request_ms, shape_prompts, timed_requests
 from optimize.tasks import register_task
 from optimize.tasks.base import Task
 from optimize.tasks.causal_lm_rows import fmt, table_rows
@@ -152,14 +150,14 @@ def evaluate_causal_lm(baseline, candidate, ctx: Context) -> tuple[dict, dict]:
         "candidate": {"size_mb": candidate.size_bytes / 2**20},
     }
     described = dict(data.describe())
-    _perplexity_metrics(metrics, base, cand, tokens, data.items, cfg, described)
+    _perplexity_metrics(metrics, base, cand, tokens, data.items, cfg, described, baseline.measured)
     _sample_metrics(metrics, base, cand, tokens, cfg)
     if ctx.plan.evaluate.latency:
         from engines.runner_process import RunnerProcess
 
         # Timed in a process of its own, with only its runtime loaded (engines/runner_process.py).
         with RunnerProcess(candidate.root, candidate.engine, ctx.threads) as timed:
-            _speed_metrics(metrics, base, timed, tokens, data.items, requests, ctx.plan.evaluate)
+            _speed_metrics(metrics, base, timed, tokens, data.items, requests, ctx.plan.evaluate, baseline.measured)
     else:
         metrics["candidate"]["speed_note"] = "latency not measured (evaluate.latency=false)"
     _roofline_metrics(metrics, base, cand, cfg, ctx.threads)
@@ -178,7 +176,10 @@ def _perplexity_metrics(
     items: list[str],
     cfg: LLMEvalConfig,
     described: dict,
+    measured: dict,
 ) -> None:
+    """Both sides' perplexity on the same held-out ids; the baseline's is taken from `measured` (the
+    race scored it on the same ids and window in this run) where it is there."""
     ids = tokens("\n\n".join(items))[: cfg.perplexity_tokens]
     if len(ids) < cfg.perplexity_tokens:
         raise RecipeError(
@@ -186,14 +187,17 @@ def _perplexity_metrics(
             f"asks for {cfg.perplexity_tokens}: raise evaluate.data.count"
         )
     log.info("perplexity over %d held-out tokens (window %d)", len(ids), cfg.perplexity_window)
-    b, c = perplexity(base, ids, cfg.perplexity_window), perplexity(cand, ids, cfg.perplexity_window)
+    scored = {"tokens": len(ids), "window": cfg.perplexity_window, "sha256": ids_sha256(ids)}
+    earlier = measured.get("perplexity") or {}
+    if earlier.get("sha256") == scored["sha256"] and earlier.get("window") == scored["window"]:
+        b = earlier["value"]
+        metrics["baseline"]["perplexity_from"] = measured["by"]
+    else:
+        b = perplexity(base, ids, cfg.perplexity_window)
+    c = perplexity(cand, ids, cfg.perplexity_window)
     metrics["baseline"]["perplexity"], metrics["candidate"]["perplexity"] = b, c
     metrics["candidate"]["perplexity_increase_pct"] = (c / b - 1) * 100
-    described["perplexity"] = {
-        "tokens": len(ids),
-        "window": cfg.perplexity_window,
-        "sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest(),
-    }
+    described["perplexity"] = scored
 
 
 def _sample_metrics(
@@ -216,12 +220,22 @@ def _speed_metrics(
     items: list[str],
     requests,
     evaluate_cfg,
+    measured: dict,
 ) -> None:
     """Generation speed at every request shape of the workload; the first shape's figures are also the
-    run's headline ones (generation, decode_speedup, ttft_speedup: what a one-shape recipe reports)."""
-    timed = timed_requests(
-        {"baseline": base, "candidate": cand}, tokens, items, requests, evaluate_cfg.warmup, evaluate_cfg.repeats
-    )
+    run's headline ones (generation, decode_speedup, ttft_speedup: what a one-shape recipe reports).
+
+    Where the race timed the baseline at every shape earlier in this run (`measured`), only the
+    candidate is timed now: the PyTorch baseline's long requests are most of an LM evaluation's time,
+    and it is the same model on the same machine with the same prompts."""
+    earlier = measured.get("requests") or {}
+    reuse = all(r.key in earlier for r in requests)
+    runners = {"candidate": cand} if reuse else {"baseline": base, "candidate": cand}
+    timed = timed_requests(runners, tokens, items, requests, evaluate_cfg.warmup, evaluate_cfg.repeats)
+    if reuse:
+        for request in requests:
+            timed[request.key]["runs"]["baseline"] = earlier[request.key]
+        metrics["baseline"]["timed_in"] = f"{measured['by']} ({measured['runs']} runs a shape)"
     for side in ("baseline", "candidate"):
         metrics[side]["requests"] = {}
     for request in requests:

@@ -170,6 +170,8 @@ def table_rows(metrics: dict) -> list[list[str]]:
             )
         if shapes[1:]:
             rows += _shape_rows(b["requests"], c["requests"], shapes)
+        if b.get("timed_in"):  # only the candidate was timed now (causal_lm._speed_metrics)
+            rows.append(["baseline timed in", b["timed_in"], "", ""])
     else:
         rows.append(["decode speed", "-", "-", c.get("speed_note", "not measured")])
     rows += _roofline_rows(b, c)

@@ -189,6 +189,13 @@ def test_causal_lm_race_on_a_tiny_llama_ships_the_fastest_generation_within_the_
         assert metrics["generation"]["decode_tok_s"]["p50"] > 0
         assert metrics["generation_ms"] == one["request_ms"] and metrics["generation"]["as_served_clients"] == 1
     assert race["baseline"]["requests"]["40x8"]["request_ms"] > 0  # the baseline, in process
+    # The evaluation after the race reads the baseline's perplexity and timings the race measured in
+    # this run (the same ids, shapes and machine) instead of measuring them again.
+    evaluated = manifest["metrics"]["baseline"]
+    assert evaluated["perplexity"] == race["baseline"]["perplexity"] and evaluated["perplexity_from"]
+    assert evaluated["requests"] == race["baseline"]["requests"] and evaluated["timed_in"].startswith(
+        "the engine race, earlier in this run"
+    )
     halving = race["served_halving"]
     assert halving["rounds"][0] == [c["name"] for c in passing]
     assert set(halving["cut"]) == {c["name"] for c in passing if c["served_cut"]}

@@ -95,3 +95,38 @@ def test_the_command_line_trains_into_the_folder_and_leaves_nothing_beside_it(tm
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1])["steps"] == 2
     assert (out / "model.safetensors").is_file() and [p.name for p in tmp_path.iterdir()] == ["lm"]
+
+
+@pytest.mark.slow
+def test_training_further_from_a_model_keeps_its_tokenizer_and_moves_its_weights_in_full_precision(tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    start, out = tmp_path / "start", tmp_path / "further"
+    train_tiny_lm.train(start, hidden=64, layers=1, steps=5, vocab_size=300, batch_size=4)
+    record = train_tiny_lm.continue_training(out, str(start), steps=3, seq_len=32, batch_size=2, lr=1e-2)
+    assert record["steps"] == 3 and record["from"]["source"] == str(start)
+    assert list(record["from"]["sha256"]) == ["model.safetensors"]
+    assert (out / "tokenizer.json").read_text() == (start / "tokenizer.json").read_text()
+    before, after = load_file(start / "model.safetensors"), load_file(out / "model.safetensors")
+    assert before.keys() == after.keys()
+    assert all(t.dtype == torch.float32 for t in after.values())
+    moved = [name for name in before if not torch.equal(before[name], after[name])]
+    assert "model.layers.0.mlp.down_proj.weight" in moved
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--from", "/nonexistent/model"], "no such file or directory"),
+        (["--from", "x.gguf", "--lr", "nan"], "--lr"),
+        (["--lr", "0"], "--lr"),
+    ],
+)
+def test_a_source_or_rate_that_cannot_train_is_one_line_and_nothing_is_written(tmp_path, args, message):
+    out = tmp_path / "lm"
+    proc = subprocess.run(
+        [sys.executable, "-m", "optimize.train_tiny_lm", str(out), *args], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
