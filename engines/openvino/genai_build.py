@@ -231,6 +231,28 @@ def save_ir(ov_model, out_dir: Path) -> Path:
     return xml
 
 
+def set_activation_quantization(ov_model, group_size: int) -> None:
+    """The CPU plugin's dynamic quantization of activations (INT8 in groups of `group_size` channels
+    beside 4/8-bit weights; 0: off, activations stay f32) written into the IR's runtime options, where
+    every runner that compiles it reads it: scoring, LLMPipeline and the continuous-batching pipeline."""
+    ov_model.set_rt_info(str(group_size), ["runtime_options", "DYNAMIC_QUANTIZATION_GROUP_SIZE"])
+
+
+def rewrite_activation_quantization(xml: Path, group_size: int) -> None:
+    """set_activation_quantization on a saved IR: written beside it, then moved over it."""
+    import openvino as ov
+
+    model = ov.Core().read_model(str(xml))
+    set_activation_quantization(model, group_size)
+    staged = xml.parent / ".activation_quantization"
+    shutil.rmtree(staged, ignore_errors=True)
+    written = save_ir(model, staged)
+    del model  # the old .bin is no longer read
+    for path in (written, written.with_suffix(".bin")):
+        path.replace(xml.parent / path.name)
+    staged.rmdir()
+
+
 def convert_tokenizer(hf_folder: Path, out_dir: Path) -> None:
     """openvino_tokenizer.xml and openvino_detokenizer.xml (openvino_tokenizers), with the chat template
     and special tokens in their runtime info, where LLMPipeline reads them."""

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from engines.openvino.genai_build import IR_FILE
+from engines.openvino.genai_build import IR_FILE, set_activation_quantization
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ def build_from_gguf(gguf_path: Path, out_dir: Path, dynamic_quantization_group_s
             ) from None
         model = ov.Core().read_model(str(work / IR_FILE))
         patched = patch_exact(model, Path(gguf_path))
-        model.set_rt_info(str(dynamic_quantization_group_size), ["runtime_options", "DYNAMIC_QUANTIZATION_GROUP_SIZE"])
+        set_activation_quantization(model, dynamic_quantization_group_size)
         ov.save_model(model, str(out_dir / IR_FILE), compress_to_fp16=False)
     finally:
         shutil.rmtree(work, ignore_errors=True)

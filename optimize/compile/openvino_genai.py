@@ -68,6 +68,19 @@ class OVGenAIConfig:
     prompt_lookup: bool = False
     num_assistant_tokens: int = 5  # tokens proposed per decode step
     max_ngram_size: int = 3  # longest prompt n-gram matched
+    # The CPU plugin's dynamic quantization of activations beside the compressed weights: null (the
+    # plugin's default: INT8 in groups), 0 (f32 activations) or a group size, written into the IR.
+    # With prompt lookup null means 0: a verification pass quantizes several tokens' activations
+    # where plain decoding quantizes one's, and near-ties flip (SmolLM2 INT8, 8 grounded requests:
+    # 5 of 8 greedy texts identical to the plain engine's with the default, 8 of 8 with 0).
+    dynamic_quantization_group_size: Optional[int] = None
+
+    @property
+    def activation_groups(self) -> Optional[int]:
+        """The dynamic quantization group size the IR records (None: the plugin's default)."""
+        if self.dynamic_quantization_group_size is None and self.prompt_lookup:
+            return 0
+        return self.dynamic_quantization_group_size
 
     @property
     def int4(self) -> bool:
@@ -115,6 +128,11 @@ class OVGenAIConfig:
             raise RecipeError(f"engine.params.kv_cache_group_size={self.kv_cache_group_size} (channels, or 0)")
         if self.num_assistant_tokens < 1 or self.max_ngram_size < 1:
             raise RecipeError("engine.params.num_assistant_tokens and max_ngram_size must be >= 1")
+        if self.dynamic_quantization_group_size is not None and self.dynamic_quantization_group_size < 0:
+            raise RecipeError(
+                f"engine.params.dynamic_quantization_group_size={self.dynamic_quantization_group_size}"
+                " (channels per group, 0 for f32 activations, or null)"
+            )
         from engines.openvino.runner import openvino_missing
 
         packages = {
@@ -214,6 +232,11 @@ def openvino_genai_engine(model: Model, cfg: OVGenAIConfig, ctx: Context) -> Mod
         final = xml.parent
         record["nncf"] = _nncf_record(cfg, len(batches) if batches else 0)
     shutil.move(str(final), str(out / ENGINE_DIR))
+    if cfg.activation_groups is not None:
+        from engines.openvino.genai_build import rewrite_activation_quantization
+
+        rewrite_activation_quantization(out / ENGINE_DIR / xml.name, cfg.activation_groups)
+        record["dynamic_quantization_group_size"] = cfg.activation_groups
     layers = weight_precision(out / ENGINE_DIR / xml.name)
     record["layer_precision"] = layers
     # The KV cache and prompt lookup as the engine block says are what scoring (optimize/tasks) and

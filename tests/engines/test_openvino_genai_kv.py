@@ -159,3 +159,47 @@ def test_recipe_kv_settings_are_checked_before_any_build():
         "kv_cache_group_size": 32,
         "prompt_lookup": {"num_assistant_tokens": 4, "max_ngram_size": 3},
     }
+
+
+def test_prompt_lookup_on_compressed_weights_keeps_activations_f32_and_its_greedy_output(ov_dir, tmp_path):
+    """On compressed weights the CPU plugin quantizes activations to INT8 by default, and a verification
+    pass quantizes several tokens where plain decoding quantizes one: prompt lookup's IR records f32
+    activations (0), every runner reads it from the IR, and its greedy tokens stay the plain ones."""
+    import shutil
+
+    import openvino as ov
+
+    from engines.generation import BatchSettings
+    from engines.openvino.genai_batch import OVGenAIBatchEngine
+    from engines.openvino.genai_build import IR_FILE, rewrite_activation_quantization
+    from engines.openvino.genai_compress import compress_weights
+    from optimize.compile.openvino_genai import OVGenAIConfig
+    from optimize.errors import RecipeError
+
+    assert OVGenAIConfig().activation_groups is None  # the plugin's default
+    assert OVGenAIConfig(prompt_lookup=True).activation_groups == 0
+    assert OVGenAIConfig(prompt_lookup=True, dynamic_quantization_group_size=32).activation_groups == 32
+    with pytest.raises(RecipeError, match="engine.params.dynamic_quantization_group_size=-1"):
+        OVGenAIConfig(weight_format="fp32", dynamic_quantization_group_size=-1).validate()
+
+    int8 = compress_weights(ov_dir / IR_FILE, tmp_path / "int8", mode="int8_asym").parent
+    for path in ov_dir.iterdir():  # tokenizer and configs beside the compressed IR
+        if not (int8 / path.name).exists():
+            shutil.copy2(path, int8 / path.name)
+    rewrite_activation_quantization(int8 / IR_FILE, 0)
+    options = ov.Core().read_model(str(int8 / IR_FILE)).get_rt_info()["runtime_options"]
+    assert options["DYNAMIC_QUANTIZATION_GROUP_SIZE"].astype(str) == "0"
+    assert sorted(p.name for p in int8.iterdir() if p.name.startswith(".")) == []  # nothing staged is left
+
+    settings = BatchSettings(max_num_seqs=4, kv_cache_bytes=1 << 22)
+    plain = OVGenAIBatchEngine(int8, settings, threads=1, kv_cache_precision="u8")
+    lookup = OVGenAIBatchEngine(
+        int8,
+        BatchSettings(max_num_seqs=4, kv_cache_bytes=1 << 22, prompt_lookup=True),
+        threads=1,
+        kv_cache_precision="u8",
+    )
+    prompts = [plain.encode(GROUNDED), plain.encode("def main():\n    return 1\n" * 3)]
+    expected, _ = _run(plain, prompts, 24)
+    got, accepted = _run(lookup, prompts, 24)
+    assert got == expected and accepted

@@ -82,7 +82,9 @@ CANDIDATES.update(
 # u8's: engines/openvino/genai_batch.py). Prompt lookup: n-gram speculation from the prompt, for
 # input-grounded work at low concurrency (on SmolLM2's INT8 build, edits and summaries of a given
 # paragraph: 2.52x plain at one client, 0.78x at 16, 2-core Zen 5), so by name, for a workload of
-# `grounded` shapes where the race times it at the declared concurrency.
+# `grounded` shapes where the race times it at the declared concurrency. Its builds keep activations
+# in f32 (engine.params.dynamic_quantization_group_size, 0 by default with prompt lookup), so its
+# greedy output is the plain engine's on the same IR.
 _AWQ = {"weight_format": "int4_asym", "group_size": 64, "awq": True, "scale_estimation": True}
 _KV_U8 = {"inference_precision": "f32", "kv_cache_precision": "u8"}
 CANDIDATES.update(
