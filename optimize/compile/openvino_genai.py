@@ -24,6 +24,7 @@ from optimize.registry import register
 log = logging.getLogger(__name__)
 ENGINE_DIR = "openvino_genai"
 WEIGHT_FORMATS = ("int4_sym", "int4_asym", "int8_asym", "fp32")
+MAX_ACTIVATION_GROUP = 1 << 16  # wider than any layer's input: a larger group is a typo
 
 
 @dataclass
@@ -128,10 +129,11 @@ class OVGenAIConfig:
             raise RecipeError(f"engine.params.kv_cache_group_size={self.kv_cache_group_size} (channels, or 0)")
         if self.num_assistant_tokens < 1 or self.max_ngram_size < 1:
             raise RecipeError("engine.params.num_assistant_tokens and max_ngram_size must be >= 1")
-        if self.dynamic_quantization_group_size is not None and self.dynamic_quantization_group_size < 0:
+        groups = self.dynamic_quantization_group_size
+        if groups is not None and not 0 <= groups <= MAX_ACTIVATION_GROUP:
             raise RecipeError(
                 f"engine.params.dynamic_quantization_group_size={self.dynamic_quantization_group_size}"
-                " (channels per group, 0 for f32 activations, or null)"
+                f" (channels per group up to {MAX_ACTIVATION_GROUP}, 0 for f32 activations, or null)"
             )
         from engines.openvino.runner import openvino_missing
 

@@ -181,6 +181,8 @@ def test_prompt_lookup_on_compressed_weights_keeps_activations_f32_and_its_greed
     assert OVGenAIConfig(prompt_lookup=True, dynamic_quantization_group_size=32).activation_groups == 32
     with pytest.raises(RecipeError, match="engine.params.dynamic_quantization_group_size=-1"):
         OVGenAIConfig(weight_format="fp32", dynamic_quantization_group_size=-1).validate()
+    with pytest.raises(RecipeError, match="dynamic_quantization_group_size=1000000000000000000000000000000"):
+        OVGenAIConfig(weight_format="fp32", dynamic_quantization_group_size=10**30).validate()
 
     int8 = compress_weights(ov_dir / IR_FILE, tmp_path / "int8", mode="int8_asym").parent
     for path in ov_dir.iterdir():  # tokenizer and configs beside the compressed IR
