@@ -20,7 +20,8 @@ class ArgumentParser(argparse.ArgumentParser):
     """The tools' command lines (verify, export, publish, compare): a bad argument is one line, exit 2."""
 
     def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
+        # An argument quoted in the message may hold line breaks: the refusal stays one line.
+        print("error: " + " ".join(str(message).splitlines()), file=sys.stderr)
         sys.exit(2)
 
 

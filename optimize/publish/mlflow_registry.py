@@ -159,14 +159,17 @@ def _check_sqlite(uri: str) -> None:
             "(use sqlite:///RELATIVE/PATH.db or sqlite:////ABSOLUTE/PATH.db, without ?options); nothing published"
         )
     path = Path(path_text)
-    if path.is_dir() or path_text.endswith("/"):
-        raise RecipeError(
-            f"MLflow tracking URI {shown(uri)}: {path} is a directory, not a database file; nothing published"
-        )
-    if os.path.lexists(path):
-        _check_database(uri, path)
-    else:
-        _check_folder(uri, path.parent)
+    try:
+        if path.is_dir() or path_text.endswith("/"):
+            raise RecipeError(
+                f"MLflow tracking URI {shown(uri)}: {path} is a directory, not a database file; nothing published"
+            )
+        if os.path.lexists(path):
+            _check_database(uri, path)
+        else:
+            _check_folder(uri, path.parent)
+    except OSError as exc:  # a name too long for the file system, a path through a file
+        raise RecipeError(f"MLflow tracking URI {shown(uri)}: {exc.strerror or exc}; nothing published") from None
 
 
 def _check_database(uri: str, path: Path) -> None:

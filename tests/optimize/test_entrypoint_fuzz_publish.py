@@ -122,3 +122,17 @@ def test_publish_exits_0_or_refuses_in_one_line(playground, data):
 def test_compare_exits_0_or_refuses_in_one_line(playground, data):
     argv = data.draw(compare_argv(playground))
     exit_0_or_one_line(run("optimize.reports.compare", argv, playground), argv)
+
+
+def test_what_the_fuzzer_found_is_one_line():
+    """Two inputs Hypothesis drew: an argument holding a carriage return, and an SQLite path longer than
+    the file system takes (it raised OSError, a traceback with exit 1)."""
+    from optimize.errors import RecipeError
+    from optimize.publish.mlflow_registry import _check_sqlite
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "optimize.publish", "x", "--to", "mlflow", "\r0"], capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1
+    with pytest.raises(RecipeError, match="File name too long; nothing published"):
+        _check_sqlite("sqlite:///" + "x" * 300)
