@@ -25,6 +25,7 @@ from optimize.registry import register
 log = logging.getLogger(__name__)
 ENGINE_DIR = "genai"
 METHOD = "onnxruntime_genai_gguf"
+OFFSET_FORMS = ("block_sums", "int8_grid")  # engines.onnxruntime_genai.gguf.OFFSET_FORMS, checked by a test
 
 
 @dataclass
@@ -47,12 +48,26 @@ class GenAIGGUFConfig:
     # Q6_K, as SmolLM2's tied embedding is) as blocks with INT8 activations for that one MatMul, where
     # it would otherwise stay the builder's f32 head: the largest read of every decoded token.
     head_accuracy_level: Optional[int] = None
+    # How blocks with a per-block offset (Q4_1's m, Q4_K's mins) are carried. block_sums: 4-bit blocks,
+    # the offset added as the activations' block sums times it (exact to f32; a MatMul and an Add per
+    # matrix). int8_grid: 8-bit blocks whose zero point sits on a grid 16 times finer than the file's
+    # step, no added nodes (each weight within 1/32 of a step; twice the bytes): ONNX Runtime's
+    # dispatch of the added nodes costs more than reading the bytes. Needs accuracy_level 4, the
+    # kernel's only fast path for 8-bit weights.
+    offset_form: str = "block_sums"
 
     def validate(self):
         levels = (0, 1, 2, 3, 4)
         for name, allowed in (("accuracy_level", levels), ("head_accuracy_level", (None, *levels))):
             if getattr(self, name) not in allowed:
                 raise RecipeError(f"engine.params.{name}={getattr(self, name)} (use 1: f32, 4: INT8 activations)")
+        if self.offset_form not in OFFSET_FORMS:
+            raise RecipeError(f"engine.params.offset_form={self.offset_form} (use one of {', '.join(OFFSET_FORMS)})")
+        if self.offset_form == "int8_grid" and self.accuracy_level != 4:
+            raise RecipeError(
+                f"engine.params.offset_form=int8_grid needs engine.params.accuracy_level=4, not "
+                f"{self.accuracy_level}: ONNX Runtime's CPU kernel runs 8-bit weights fast only with INT8 activations"
+            )
 
 
 @register(
@@ -82,7 +97,10 @@ def onnxruntime_genai_gguf_engine(model: Model, cfg: GenAIGGUFConfig, ctx: Conte
     try:
         build(hf_folder(ctx.source), out / ENGINE_DIR, "int4", "cpu", options, ctx.scratch / "genai_cache")
         log.info("copying %s's blocks into the MatMulNBits weights", gguf_path.name)
-        carried = carry.carry_blocks(gguf_path, onnx_path, cfg.accuracy_level, cfg.head_accuracy_level)
+        grid: dict[int, int] = {}
+        carried = carry.carry_blocks(
+            gguf_path, onnx_path, cfg.accuracy_level, cfg.head_accuracy_level, cfg.offset_form, grid
+        )
     except (BuildError, genai_gguf.CarryError) as exc:
         raise RecipeError(f"engine.method={METHOD}: {exc}") from None
     layers = weight_precision(onnx_path)
@@ -91,11 +109,15 @@ def onnxruntime_genai_gguf_engine(model: Model, cfg: GenAIGGUFConfig, ctx: Conte
         "weights": "as in the source",
         "gguf_file": gguf_path.name,
         "gguf_types": genai_gguf.type_summary(
-            tensors, carry.became(tensors, cfg.accuracy_level, cfg.head_accuracy_level)
+            tensors, carry.became(tensors, cfg.accuracy_level, cfg.head_accuracy_level, cfg.offset_form)
         ),
         "carried": carried,  # {gguf type: matrices whose blocks the MatMulNBits weights are}
         "accuracy_level": cfg.accuracy_level,
         "head_accuracy_level": cfg.head_accuracy_level,
+        "offset_form": cfg.offset_form,
+        # int8_grid: {k: blocks} of the offset types' blocks put on a grid k times finer than their step
+        # (each weight within 1/(2k) of a step of the file's; 16 where a block's offset is within its range).
+        **({"offset_grid": {str(k): n for k, n in sorted(grid.items())}} if grid else {}),
         "qkv_fused": "fuse_qkv=false" not in builder_options,  # unfused where a layer's are of two bit widths
         "onnxruntime": metadata.version("onnxruntime"),
         "onnxruntime_genai": metadata.version("onnxruntime-genai"),

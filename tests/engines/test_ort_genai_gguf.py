@@ -56,6 +56,8 @@ def _build(
     accuracy_level: int = 1,
     options: list[str] | None = None,
     head_accuracy_level: int | None = None,
+    offset_form: str = "block_sums",
+    grid: dict | None = None,
 ):
     """(the GGUF path, the carried model's folder, the carried counts, the file dequantized). The
     builder's options are the file's (carry.builder_options) unless given."""
@@ -76,7 +78,7 @@ def _build(
     out = tmp_path / "ort" / "genai"
     options = ["block_size=32", f"accuracy_level={accuracy_level}", *options]
     build(tmp_path / "dequantized", out, "int4", "cpu", options, tmp_path / "cache")
-    carried = carry.carry_blocks(path, out / "model.onnx", accuracy_level, head_accuracy_level)
+    carried = carry.carry_blocks(path, out / "model.onnx", accuracy_level, head_accuracy_level, offset_form, grid)
     return path, out, carried, dequantized
 
 
@@ -312,3 +314,115 @@ def test_int8_activations_meet_q4_1_blocks_on_centred_zero_points(folder, tmp_pa
     uncentred = np.abs(np.subtract(*_log_likelihoods(out, dequantized)))
     assert centred.max() < 0.05, centred.max()
     assert centred.mean() < 0.8 * uncentred.mean(), (centred.mean(), uncentred.mean())  # 0.65x seen
+
+
+def _q4_1_file(tmp_path: Path, data: np.ndarray) -> Path:
+    import gguf
+
+    path = tmp_path / "q.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    q4_1 = gguf.GGMLQuantizationType.Q4_1
+    writer.add_tensor("q", gguf.quants.quantize(data, q4_1), raw_dtype=q4_1)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
+def test_offset_blocks_on_the_int8_grid_stay_within_a_32nd_of_a_step(tmp_path, kind):
+    """offset_form int8_grid: Q4_1's and Q4_K's blocks (4 bits and an offset) become 8-bit blocks with
+    no offset: every weight within d / (2k) of the file's, k = 16 (1/32 of a step) for every block whose
+    offset lies within its range; a block of scale 0 exact; a block all above zero on a coarser grid
+    that still fits 8 bits; each grid counted."""
+    import gguf
+
+    from engines.onnxruntime_genai import gguf as carry
+    from tests.support.gguf_writer import q4_k_blocks
+
+    data = np.random.default_rng(2).standard_normal((8, 256)).astype(np.float32)
+    data[0, :32] = 0.0  # scale 0, offset 0
+    data[2, 32:64] = 0.75  # scale 0, offset 0.75: one value
+    data[1, :32] = np.linspace(1.0, 2.0, 32)  # all above zero: -m / d = -15
+    if kind == "Q4_1":
+        tensor = gguf.GGUFReader(str(_q4_1_file(tmp_path, data))).tensors[0]
+    else:
+        path = tmp_path / "k.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_tensor("k", q4_k_blocks(data), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+        writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+        writer.close()
+        tensor = gguf.GGUFReader(str(path)).tensors[0]
+    arrays = carry._as_matmul_nbits(tensor, None)
+    grid: dict[int, int] = {}
+    on_grid = carry._on_grid(arrays, "q", grid)
+    assert on_grid["bits"] == 8 and on_grid["B"].dtype == np.uint8 and on_grid["zero"].dtype == np.uint8
+    assert not on_grid["offset"].any()
+    file_weights, grid_weights = _unpacked(arrays), _unpacked(on_grid)
+    steps = np.repeat(arrays["scales"], 32, axis=1)
+    error = np.abs(grid_weights - file_weights)
+    spans = np.repeat((-arrays["offset"] >= 0) & (-arrays["offset"] <= 15 * arrays["scales"]), 32, axis=1)
+    assert (error[spans] <= steps[spans] / 32 + 1e-6).all(), (error[spans] / steps[spans].clip(1e-12)).max()
+    assert (error <= steps / 2 + 1e-6).all()
+    if kind == "Q4_1":
+        np.testing.assert_array_equal(grid_weights[0, :32], 0.0)
+        np.testing.assert_allclose(grid_weights[2, 32:64], file_weights[2, 32:64], rtol=1e-6)
+        assert (error[1, :32] <= steps[1, :32] / 16 + 1e-6).all()  # -m / d = -15: k = 8 fits 8 bits
+    assert sum(grid.values()) == arrays["scales"].size and grid[16] > 0.9 * arrays["scales"].size
+
+
+def test_an_offset_beyond_the_int8_grid_is_refused_naming_the_matrix(tmp_path):
+    """A block whose values sit far from zero against their spread (-m / d about -15,000) has no 8-bit
+    form with a zero point in 0..255: refused, naming the matrix and the form that carries it."""
+    import gguf
+
+    from engines.onnxruntime_genai import gguf as carry
+    from engines.openvino.genai_gguf import CarryError
+
+    data = np.random.default_rng(3).standard_normal((2, 64)).astype(np.float32)
+    data[0, :32] = np.linspace(100.0, 100.1, 32)
+    arrays = carry._as_matmul_nbits(gguf.GGUFReader(str(_q4_1_file(tmp_path, data))).tensors[0], None)
+    with pytest.raises(
+        CarryError,
+        match=r"layers\.0/mlp/up_proj/MatMul_Q4: 1 block\(s\) with an offset beyond .* offset_form=block_sums",
+    ):
+        carry._on_grid(arrays, "/model/layers.0/mlp/up_proj/MatMul_Q4")
+
+
+@pytest.mark.slow
+def test_q4_1_on_the_int8_grid_adds_no_nodes_and_keeps_the_files_log_likelihoods(folder, tmp_path):
+    """The whole carry at offset_form int8_grid, accuracy_level 4: every layer MatMulNBits 8-bit, no
+    offset node in the graph, every block on the 16-step grid, and log-likelihoods within INT8
+    activation rounding of the dequantized file."""
+    import onnx
+
+    from engines.onnxruntime_genai import gguf as carry
+    from engines.onnxruntime_genai.build import OFFSET_SCOPE
+    from engines.openvino import genai_gguf
+
+    grid: dict[int, int] = {}
+    path, out, carried, dequantized = _build(folder, tmp_path, "Q4_1", 4, offset_form="int8_grid", grid=grid)
+    assert carried == {"Q4_1": 15}
+    graph = onnx.load(str(out / "model.onnx"), load_external_data=False).graph
+    assert not [n.name for n in graph.node if OFFSET_SCOPE in n.name]
+    bits = {next(a.i for a in n.attribute if a.name == "bits") for n in graph.node if n.op_type == "MatMulNBits"}
+    assert bits == {8}
+    assert set(grid) == {16}
+    assert carry.became(genai_gguf.tensors(path)[1], 4, None, "int8_grid")["Q4_1"].startswith(carry.GRID["Q4_1"])
+    _assert_equal_to_the_dequantized_file(out, dequantized, atol=0.05)
+
+
+def test_int8_grid_needs_int8_activations_and_a_known_form():
+    """The recipe's refusals: int8_grid at accuracy_level 1 (8-bit weights have no fast path with f32
+    activations), an unknown form; the stage's list of forms is the carry's."""
+    from engines.onnxruntime_genai import gguf as carry
+    from optimize.compile.onnxruntime_genai_gguf import OFFSET_FORMS, GenAIGGUFConfig
+    from optimize.errors import RecipeError
+
+    assert OFFSET_FORMS == carry.OFFSET_FORMS
+    with pytest.raises(RecipeError, match="offset_form=int8_grid needs engine.params.accuracy_level=4"):
+        GenAIGGUFConfig(offset_form="int8_grid").validate()
+    with pytest.raises(RecipeError, match="offset_form=int4"):
+        GenAIGGUFConfig(accuracy_level=4, offset_form="int4").validate()
+    GenAIGGUFConfig(accuracy_level=4, offset_form="int8_grid").validate()

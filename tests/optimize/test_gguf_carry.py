@@ -39,7 +39,7 @@ TINY = [
 def test_a_gguf_source_gets_the_candidates_that_keep_its_blocks():
     from optimize.compile.race.candidates import CANDIDATES, default_candidates
 
-    carried = ["openvino_genai_gguf_kv_u8", "openvino_genai_gguf_dq32_kv_u8", "ort_genai_gguf_int8"]
+    carried = ["openvino_genai_gguf_kv_u8", "openvino_genai_gguf_dq32_kv_u8", "ort_genai_gguf_int8_grid"]
     assert default_candidates(True, gguf=True)[:3] == carried
     assert not set(carried) & set(default_candidates(True))
     assert CANDIDATES["openvino_genai_gguf"].engine == "openvino_genai_gguf"
