@@ -3,6 +3,7 @@ CPython (pydoc topics and standard-library docstrings), with its own byte-level 
 
     python -m optimize.train_tiny_lm OUT [--hidden 256] [--layers 4] [--steps 600] [--seed 0]
     python -m optimize.train_tiny_lm OUT --from SOURCE [--steps 300] [--lr 1e-4]
+    python -m optimize.train_tiny_lm OUT --from SOURCE --rotate [--steps 0] [--seed 0]
 
 Writes a Hugging Face folder (config, model.safetensors, tokenizer, train.json) that
 `model.source=OUT` loads. The held-out (evaluation) split is never trained on: it is what perplexity
@@ -16,6 +17,12 @@ is trained further on the same text in FP32 instead, and saved as a full-precisi
 real model's size and shape. From a 4-bit file its weights stay near the file's grid: SmolLM2's Q4_1
 weights moved a median 3% of their block's step in 150 steps at --lr 3e-4 (docs/figures.md), so INT4
 methods compared on it are compared on a model that was 4-bit, not on one trained in full precision.
+
+With --rotate the source's residual stream is first rotated by a random orthogonal matrix (--seed;
+optimize/rotation.py): the same function in FP32 (checked on its logits), and every weight a mix of
+hundreds of the source's, so none is left on a 4-bit grid. --steps 0 saves it without training. Its
+caveat: rotation spreads outlier channels, so INT4 loses less on it than on a model trained in full
+precision.
 """
 
 from __future__ import annotations
@@ -110,11 +117,13 @@ def continue_training(
     seq_len: int = 256,
     batch_size: int = 4,
     lr: float = 1e-4,
+    rotate: bool = False,
 ) -> dict:
     """Train the causal LM at `source` further on the same text, in FP32, and save it with its own
     tokenizer; returns the record (OUT/train.json), which names the source and its sha256. A GGUF
     source is dequantized first (as the pipeline loads it): the result is its full-precision
-    continuation. RecipeError for a source the pipeline would refuse."""
+    continuation. With `rotate` its residual stream is rotated first (seeded by `seed`); steps may
+    then be 0. RecipeError for a source the pipeline would refuse or a model rotation cannot keep."""
     import torch
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
@@ -128,11 +137,30 @@ def continue_training(
     model = models.dequantized_copy(loaded.module) if loaded.gguf_file else loaded.module
     tokenizer = AutoTokenizer.from_pretrained(loaded.location, gguf_file=loaded.gguf_file)
     tokenizer.save_pretrained(out)
-    stream = torch.tensor([i for t in training_text() for i in tokenizer(t + "\n\n")["input_ids"]])
-    record = _fit(model, stream, out, steps, seed, seq_len, batch_size, lr, weight_decay=0.0)
+    rotated = _rotated(model, seed) if rotate else None
+    if steps:
+        stream = torch.tensor([i for t in training_text() for i in tokenizer(t + "\n\n")["input_ids"]])
+        record = _fit(model, stream, out, steps, seed, seq_len, batch_size, lr, weight_decay=0.0)
+    else:
+        model.eval().save_pretrained(out, safe_serialization=True)
+        record = {"steps": 0, "parameters": sum(p.numel() for p in model.parameters())}
     record["from"] = {"source": source, "sha256": models.source_hash(loaded)}
+    if rotated is not None:
+        record["rotated"] = rotated
     (out / "train.json").write_text(json.dumps(record, indent=2))
     return record
+
+
+def _rotated(model, seed: int) -> dict:
+    """Rotate the model's residual stream (optimize/rotation.py); its record."""
+    from optimize.errors import RecipeError
+    from optimize.rotation import RotationError, rotate_residual
+
+    try:
+        difference = rotate_residual(model, seed)
+    except RotationError as exc:
+        raise RecipeError(f"--rotate: {exc}") from None
+    return {"seed": seed, "max_logit_difference_over_spread": difference}
 
 
 def _fit(model, stream, out: Path, steps, seed, seq_len, batch_size, lr, weight_decay) -> dict:
@@ -190,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--from", dest="source", help="train this causal LM further (what model.source takes)")
     parser.add_argument("--lr", type=float, default=None, help="3e-3 from scratch, 1e-4 with --from")
+    parser.add_argument(
+        "--rotate", action="store_true", help="with --from: rotate the residual stream first (the same function)"
+    )
     args = parser.parse_args(argv)
     problem = _argument_problem(args)
     if problem:
@@ -217,16 +248,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args, out: Path) -> dict:
     if args.source:
-        return continue_training(out, args.source, steps=args.steps or 300, seed=args.seed, lr=args.lr or 1e-4)
+        steps = 300 if args.steps is None else args.steps
+        return continue_training(out, args.source, steps=steps, seed=args.seed, lr=args.lr or 1e-4, rotate=args.rotate)
     return train(out, args.hidden, args.layers, args.steps or 600, args.seed, lr=args.lr or 3e-3)
 
 
 def _argument_problem(args) -> str | None:
     if not (64 <= args.hidden <= MAX_HIDDEN and args.hidden % 64 == 0):
         return f"--hidden must be a multiple of 64 up to {MAX_HIDDEN}"
-    steps_ok = args.steps is None or 1 <= args.steps <= MAX_STEPS
-    if not (1 <= args.layers <= MAX_LAYERS and steps_ok):
-        return f"--layers and --steps at least 1 (at most {MAX_LAYERS} and {MAX_STEPS})"
+    if args.rotate and not args.source:
+        return "--rotate rotates a model given with --from"
+    if args.rotate and args.steps == 0:
+        pass  # a rotation alone
+    elif not (args.steps is None or 1 <= args.steps <= MAX_STEPS):
+        return f"--steps at least 1 (0 with --rotate) and at most {MAX_STEPS}"
+    if not 1 <= args.layers <= MAX_LAYERS:
+        return f"--layers at least 1 and at most {MAX_LAYERS}"
     if args.lr is not None and not (0 < args.lr <= 1):  # NaN fails both comparisons
         return "--lr must be above 0 and at most 1"
     out = args.out

@@ -56,6 +56,8 @@ def test_the_trained_model_learns_the_prose_and_never_sees_the_evaluation_text(t
         (["--lr", "0"], "--lr"),
         (["--from", "x.gguf", "--lr", "nan"], "--lr"),
         (["--from", "/nonexistent/model"], "no such file or directory"),
+        (["--rotate"], "--rotate rotates a model given with --from"),
+        (["--rotate", "--steps", "0"], "--rotate rotates a model given with --from"),
     ],
 )
 def test_bad_arguments_are_one_line_and_nothing_is_written(tmp_path, args, message):
@@ -116,3 +118,52 @@ def test_training_further_from_a_model_keeps_its_tokenizer_and_moves_its_weights
     assert all(t.dtype == torch.float32 for t in after.values())
     moved = [name for name in before if not torch.equal(before[name], after[name])]
     assert "model.layers.0.mlp.down_proj.weight" in moved
+
+
+def test_a_rotated_copy_is_the_same_function_with_no_weight_where_it_was(tmp_path):
+    """--from SOURCE --rotate --steps 0: saved untied, its logits the source's, every matrix new, the
+    rotation recorded; a model it cannot rotate exactly (Gemma 3) is one line, exit 2, nothing written."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.tiny_archs import tiny_folder
+
+    source, out = tiny_folder("llama", tmp_path / "src"), tmp_path / "rotated"
+    proc = subprocess.run(
+        [sys.executable, "-m", "optimize.train_tiny_lm", str(out), "--from", str(source), "--rotate", "--steps", "0"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    record = json.loads((out / "train.json").read_text())
+    assert record["steps"] == 0 and record["rotated"]["seed"] == 0
+    assert record["rotated"]["max_logit_difference_over_spread"] <= 1e-3
+    ids = torch.arange(3, 60).unsqueeze(0)
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(str(f)).eval()(input_ids=ids).logits for f in (source, out)]
+    assert float((logits[1] - logits[0]).abs().max()) <= 1e-3 * float(logits[0].std())
+    before, after = load_file(source / "model.safetensors"), load_file(out / "model.safetensors")
+    assert "lm_head.weight" in after and json.loads((out / "config.json").read_text())["tie_word_embeddings"] is False
+    name = "model.layers.1.self_attn.q_proj.weight"
+    assert not torch.allclose(before[name], after[name], atol=1e-3)
+
+    gemma, refused = tiny_folder("gemma3", tmp_path / "gemma"), tmp_path / "no"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "optimize.train_tiny_lm",
+            str(refused),
+            "--from",
+            str(gemma),
+            "--rotate",
+            "--steps",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "--rotate: a residual rotation is kept exact for llama" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not refused.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma", "rotated", "src"]
