@@ -143,9 +143,12 @@ def race_table() -> str:
     generating = ", ".join(f"`{name}`" for name in tasks.names() if tasks.get(name).generates)
 
     def default_for(name: str) -> str:
-        if name in default_candidates(generates=True):
+        full_precision, gguf = default_candidates(generates=True), default_candidates(generates=True, gguf=True)
+        if name in full_precision and name in gguf:
             return generating
-        if name in default_candidates(generates=True, gguf=True):
+        if name in full_precision:
+            return f"{generating} from a full-precision source"
+        if name in gguf:
             return f"{generating} from a GGUF file"
         return f"every task but {generating}" if name in default_candidates(generates=False) else "when named"
 

@@ -35,7 +35,8 @@ permuted by llama.cpp for its rotary layout, are put back in the Hugging Face or
 graph expects (whole rows move: exact). Q, K and V are fused by the builder into one qkv_proj: their
 blocks are concatenated along N. One MatMulNBits holds one bit width, so where a layer's Q, K and V
 are of two (Q4_K_M files: V Q6_K beside Q and K Q4_K) builder_options asks the builder for
-separate q_proj, k_proj and v_proj (fuse_qkv=false), each carried at its own width.
+separate q_proj, k_proj and v_proj (fuse_qkv=false), each carried at its own width. Gate and up are
+fused the same way (fuse_mlp_gate_up) where a layer holds them at one width.
 The embedding stays as the builder makes it from the dequantized file (an f32 Gather: the file's
 values, not its blocks); the LM head (output, or the tied token_embd) becomes a MatMulNBits of the
 file's blocks where lm_head_carried says (4-bit types always; Q8_0 and Q6_K with INT8 activations),
@@ -90,6 +91,7 @@ NODE_TENSORS = {
     "attn/k_proj": ("attn_k",),
     "attn/v_proj": ("attn_v",),
     "attn/o_proj": ("attn_output",),
+    "mlp/gate_up_proj": ("ffn_gate", "ffn_up"),
     "mlp/gate_proj": ("ffn_gate",),
     "mlp/up_proj": ("ffn_up",),
     "mlp/down_proj": ("ffn_down",),
@@ -99,18 +101,33 @@ NODE_TENSORS = {
 LM_HEAD = "/lm_head/MatMul"
 BUILDER_OPTIONS = ["shared_embeddings=false", f"nodes_to_exclude={LM_HEAD}"]
 QKV = ("attn_q", "attn_k", "attn_v")
+GATE_UP = ("ffn_gate", "ffn_up")
+# Gate and up read the same input; the builder fuses them on request into one MatMulNBits and a Split
+# (fuse_mlp_gate_up), as it fuses Q, K and V by default: one dispatch and one activation quantization a
+# layer fewer, on SmolLM2's Q4_1 file (INT8 activations, the 8-bit grid) 1.02-1.13x the decode speed.
 
 
 def builder_options(items: list[GGUFTensor]) -> list[str]:
-    """The builder's options for this file: Q, K and V left unfused (fuse_qkv=false) only where one
-    layer's are of two bit widths, which no one MatMulNBits holds."""
-    widths: dict[str, set[int]] = {}
+    """The builder's options for this file: Q, K and V fused, and gate and up, except where one
+    layer's are of two bit widths (Q4_K_M files mix them), which no one MatMulNBits holds."""
+    mixed = _mixed_width_groups(items)
+    options = list(BUILDER_OPTIONS)
+    if QKV in mixed:
+        options.append("fuse_qkv=false")
+    if GATE_UP not in mixed:
+        options.append("fuse_mlp_gate_up=true")
+    return options
+
+
+def _mixed_width_groups(items: list[GGUFTensor]) -> set[tuple[str, ...]]:
+    """The fusable groups (QKV, GATE_UP) that some layer holds at two bit widths."""
+    widths: dict[tuple[str, tuple[str, ...]], set[int]] = {}
     for t in items:
         layer, _, part = t.name.removesuffix(".weight").rpartition(".")
-        if layer.startswith("blk.") and part in QKV and t.type in BITS:
-            widths.setdefault(layer, set()).add(BITS[t.type])
-    mixed = any(len(bits) > 1 for bits in widths.values())
-    return [*BUILDER_OPTIONS, "fuse_qkv=false"] if mixed else list(BUILDER_OPTIONS)
+        group = next((g for g in (QKV, GATE_UP) if part in g), None)
+        if layer.startswith("blk.") and group and t.type in BITS:
+            widths.setdefault((layer, group), set()).add(BITS[t.type])
+    return {group for (_, group), bits in widths.items() if len(bits) > 1}
 
 
 def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:

@@ -2,9 +2,9 @@
 (weights as in the source, nothing quantized again). The model builder makes the decoder from the
 file dequantized; each layer's MatMulNBits weights then become the file's Q4_0 / Q4_1 / Q8_0 / Q4_K /
 Q6_K blocks, copied (engines/onnxruntime_genai/gguf.py), so the candidate computes what the dequantized
-baseline computes. Where a layer's Q, K and V are of two bit widths (Q4_K_M files) the builder leaves
-them unfused. The embedding stays f32 from the dequantized file; so does the LM head unless its blocks
-are 4-bit, or 8-bit (Q8_0, Q6_K) with INT8 activations (accuracy_level 4).
+baseline computes. Q, K and V are fused into one MatMulNBits, and gate and up, except where a layer's
+are of two bit widths (Q4_K_M files). The embedding stays f32 from the dequantized file; so does the
+LM head unless its blocks are 4-bit, or 8-bit (Q8_0, Q6_K) with INT8 activations (accuracy_level 4).
 """
 
 from __future__ import annotations
@@ -118,7 +118,9 @@ def onnxruntime_genai_gguf_engine(model: Model, cfg: GenAIGGUFConfig, ctx: Conte
         # int8_grid: {k: blocks} of the offset types' blocks put on a grid k times finer than their step
         # (each weight within 1/(2k) of a step of the file's; 16 where a block's offset is within its range).
         **({"offset_grid": {str(k): n for k, n in sorted(grid.items())}} if grid else {}),
-        "qkv_fused": "fuse_qkv=false" not in builder_options,  # unfused where a layer's are of two bit widths
+        # Unfused where a layer's are of two bit widths.
+        "qkv_fused": "fuse_qkv=false" not in builder_options,
+        "gate_up_fused": "fuse_mlp_gate_up=true" in builder_options,
         "onnxruntime": metadata.version("onnxruntime"),
         "onnxruntime_genai": metadata.version("onnxruntime-genai"),
         "layer_precision": layers,

@@ -119,14 +119,18 @@ def test_carried_blocks_compute_what_the_dequantized_file_does(folder, tmp_path,
         assert carried == {qtype: 14 + head_carried}
     layers = weight_precision(out / "model.onnx")
     assert layers["float"]["nodes"] == ["embed_tokens/Gather"] + ([] if head_carried else ["lm_head"]), layers
-    assert layers["int4" if qtype != "Q8_0" else "int8"]["count"] == 10 - (2 if qtype == "mixed" else 0) + head_carried
+    # Per layer one MatMulNBits each for qkv, o, gate_up (gate and up fused) and down.
+    kind = "int4" if qtype != "Q8_0" else "int8"
+    assert layers[kind]["count"] == 8 - (2 if qtype == "mixed" else 0) + head_carried
+    assert "layers.1/mlp/gate_up_proj" in layers[kind]["nodes"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q4_K_M"])
 def test_k_quant_blocks_compute_what_the_dequantized_file_does(wide, tmp_path, qtype):
-    """Q4_K everywhere: fused Q, K and V, the tied LM head its 4-bit blocks. Q4_K_M's mix: Q, K and V
-    unfused (V 8-bit beside 4-bit Q and K), V and down 8-bit blocks of 16, the Q6_K head f32."""
+    """Q4_K everywhere: fused Q, K and V (and gate and up), the tied LM head its 4-bit blocks. Q4_K_M's
+    mix: Q, K and V unfused (V 8-bit beside 4-bit Q and K), gate and up fused, V and down 8-bit blocks
+    of 16, the Q6_K head f32."""
     from engines.onnxruntime_genai import gguf as carry
     from engines.onnxruntime_genai.build import weight_precision
     from engines.openvino import genai_gguf
@@ -136,10 +140,10 @@ def test_k_quant_blocks_compute_what_the_dequantized_file_does(wide, tmp_path, q
     layers = weight_precision(out / "model.onnx")
     if qtype == "Q4_K":
         assert carried == {"Q4_K": 15}
-        assert layers["int4"]["count"] == 11 and layers["float"]["nodes"] == ["embed_tokens/Gather"], layers
+        assert layers["int4"]["count"] == 9 and layers["float"]["nodes"] == ["embed_tokens/Gather"], layers
     else:
         assert carried == {"Q4_K": 10, "Q6_K": 4}  # q, k, o, gate, up; v, down
-        assert layers["int4"]["count"] == 10 and layers["float"]["nodes"] == ["embed_tokens/Gather", "lm_head"]
+        assert layers["int4"]["count"] == 8 and layers["float"]["nodes"] == ["embed_tokens/Gather", "lm_head"]
         eight_bit = [f"layers.{i}/{node}" for i in (0, 1) for node in ("attn/v_proj", "mlp/down_proj")]
         assert layers["int8"]["nodes"] == eight_bit, layers
         became = carry.became(genai_gguf.tensors(path)[1], 1)
@@ -426,3 +430,16 @@ def test_int8_grid_needs_int8_activations_and_a_known_form():
     with pytest.raises(RecipeError, match="offset_form=int4"):
         GenAIGGUFConfig(accuracy_level=4, offset_form="int4").validate()
     GenAIGGUFConfig(accuracy_level=4, offset_form="int8_grid").validate()
+
+
+def test_the_builder_fuses_gate_and_up_and_qkv_unless_a_layer_holds_them_at_two_widths():
+    from engines.onnxruntime_genai import gguf as carry
+    from engines.openvino.genai_gguf import GGUFTensor
+
+    def tensors(types: dict[str, str]) -> list:
+        return [GGUFTensor(f"blk.0.{part}.weight", kind, (64, 64)) for part, kind in types.items()]
+
+    uniform = {"attn_q": "Q4_1", "attn_k": "Q4_0", "attn_v": "Q4_1", "ffn_gate": "Q4_1", "ffn_up": "Q4_1"}
+    assert carry.builder_options(tensors(uniform)) == [*carry.BUILDER_OPTIONS, "fuse_mlp_gate_up=true"]
+    q4_k_m = {**uniform, "attn_v": "Q6_K", "ffn_up": "Q6_K"}
+    assert carry.builder_options(tensors(q4_k_m)) == [*carry.BUILDER_OPTIONS, "fuse_qkv=false"]

@@ -502,11 +502,14 @@ def test_the_default_lm_rows_serve_with_the_kv_cache_the_shipped_engine_config_u
 
     shipped = yaml.safe_load((Path(__file__).parents[2] / "recipes/engine/openvino_genai_int4.yaml").read_text())
     shipped = OVGenAIConfig(**shipped["params"])
-    rows = [CANDIDATES[n] for n in default_candidates(generates=True) if CANDIDATES[n].engine == "openvino_genai"]
-    assert len(rows) == 3
-    for row in rows:
-        cfg = OVGenAIConfig(**row.engine_params)
-        assert (cfg.inference_precision, cfg.serving()) == (shipped.inference_precision, shipped.serving())
+    for gguf in (False, True):
+        names = default_candidates(generates=True, gguf=gguf)
+        rows = [CANDIDATES[n] for n in names if CANDIDATES[n].engine == "openvino_genai"]
+        assert len(rows) == 3
+        for row in rows:
+            cfg = OVGenAIConfig(**row.engine_params)
+            assert (cfg.inference_precision, cfg.serving()) == (shipped.inference_precision, shipped.serving())
+    # The shipped config is the GGUF source's mixed row (from full precision GPTQ replaces scale estimation).
     assert any(OVGenAIConfig(**row.engine_params) == shipped for row in rows)
     # The f32-KV builds stay to be measured by name.
     assert OVGenAIConfig(**CANDIDATES["openvino_genai_int4_awq"].engine_params).serving()["kv_cache_precision"] == "f32"

@@ -42,6 +42,10 @@ def test_a_gguf_source_gets_the_candidates_that_keep_its_blocks():
     carried = ["openvino_genai_gguf_kv_u8", "openvino_genai_gguf_dq32_kv_u8", "ort_genai_gguf_int8_grid"]
     assert default_candidates(True, gguf=True)[:3] == carried
     assert not set(carried) & set(default_candidates(True))
+    # The mixed INT4 row: GPTQ from a full-precision source, AWQ + scale estimation from a 4-bit file.
+    assert "openvino_genai_int4_awq_gptq_r80_kv_u8" in default_candidates(True)
+    assert "openvino_genai_int4_awq_r80_kv_u8" in default_candidates(True, gguf=True)
+    assert len(default_candidates(True)) == len(default_candidates(True, gguf=True)) - len(carried)
     assert CANDIDATES["openvino_genai_gguf"].engine == "openvino_genai_gguf"
     # The default OpenVINO GenAI rows of a GGUF serve with the u8 KV cache, as the re-quantized ones do.
     assert all(CANDIDATES[n].engine_params["kv_cache_precision"] == "u8" for n in carried[:2])
