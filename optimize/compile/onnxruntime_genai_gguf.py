@@ -51,8 +51,8 @@ class GenAIGGUFConfig:
     # How blocks with a per-block offset (Q4_1's m, Q4_K's mins) are carried. block_sums: 4-bit blocks,
     # the offset added as the activations' block sums times it (exact to f32; a MatMul and an Add per
     # matrix). int8_grid: 8-bit blocks whose zero point sits on a grid 16 times finer than the file's
-    # step, no added nodes (each weight within 1/32 of a step; twice the bytes): ONNX Runtime's
-    # dispatch of the added nodes costs more than reading the bytes. Needs accuracy_level 4, the
+    # step, no added nodes (each weight within 1/32 of a step; twice the bytes): nearer the file than
+    # block_sums with INT8 activations, and as fast or faster. Needs accuracy_level 4, the
     # kernel's only fast path for 8-bit weights.
     offset_form: str = "block_sums"
 

@@ -124,6 +124,8 @@ def test_the_report_says_when_a_cached_copy_was_rejected():
     )
     assert cells.build_words(entry) == "3 (cached copy failed its check)"
     assert entry.report()["cache_rebuilt"] == "its files differ"
+    entry.cache_rebuilt = "it was built by another version of this code or its packages"
+    assert cells.build_words(entry) == "3 (cached copy from another version)"
 
 
 def test_a_cache_folder_from_before_records_or_with_a_link_is_rebuilt(isolated_cache, tmp_path):

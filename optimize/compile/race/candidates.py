@@ -158,10 +158,10 @@ CANDIDATES.update(
 # What the race adds to the default set when the source is a GGUF file: the OpenVINO GenAI rows with
 # the u8 KV cache, as the re-quantized defaults (the f32-cache rows, exact to the dequantized file, by
 # name), and ONNX Runtime GenAI on the file's blocks with INT8 activations in every layer, the offset
-# types on the 8-bit grid: on SmolLM2's Q4_1 file +0.1% perplexity and 1.02-1.14x the decode speed of
-# ort_genai_gguf_int8 (+0.4%: 4-bit blocks on their nearest zero points, the rest of each offset as
-# added nodes) in separate processes on a 2-core Zen 4, 263 MB on disk against 223. int8, head8 and
-# the exact ort_genai_gguf stay by name.
+# types on the 8-bit grid: on SmolLM2's Q4_1 file +0.1% perplexity against ort_genai_gguf_int8's
+# +0.4% (4-bit blocks on their nearest zero points, the rest of each offset as added nodes), level to
+# 1.18x its decode speed depending on the hour on a 2-core Zen 4, 262 MB on disk against 223. int8,
+# head8 and the exact ort_genai_gguf stay by name.
 DEFAULT_GGUF = ["openvino_genai_gguf_kv_u8", "openvino_genai_gguf_dq32_kv_u8", "ort_genai_gguf_int8_grid"]
 # What the race builds when the recipe names no candidates: decoders for a task that generates
 # (a causal LM), graph engines for every other. The OpenVINO GenAI rows serve with the u8 KV cache

@@ -41,7 +41,10 @@ def build_words(entry) -> str:
         return "-"
     if entry.cached:
         return "cached"
-    rebuilt = " (cached copy failed its check)" if entry.cache_rebuilt else ""
+    rebuilt = ""
+    if entry.cache_rebuilt:  # a new version of the code is routine; anything else is a copy gone bad
+        stale = "another version" in entry.cache_rebuilt
+        rebuilt = " (cached copy from another version)" if stale else " (cached copy failed its check)"
     return f"{entry.build_s:.0f}" + (f" (over {entry.budget_s:.0f})" if entry.over_budget else "") + rebuilt
 
 
