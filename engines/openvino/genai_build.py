@@ -239,18 +239,25 @@ def set_activation_quantization(ov_model, group_size: int) -> None:
 
 
 def rewrite_activation_quantization(xml: Path, group_size: int) -> None:
-    """set_activation_quantization on a saved IR: written beside it, then moved over it."""
+    """set_activation_quantization on a saved IR."""
+    rewrite_ir(xml, lambda model: set_activation_quantization(model, group_size))
+
+
+def rewrite_ir(xml: Path, change):
+    """`change(model)` on the IR at xml, the result written beside it, then moved over it (the old
+    .bin is read while the new one is written); returns what `change` returned."""
     import openvino as ov
 
     model = ov.Core().read_model(str(xml))
-    set_activation_quantization(model, group_size)
-    staged = xml.parent / ".activation_quantization"
+    result = change(model)
+    staged = xml.parent / ".rewritten"
     shutil.rmtree(staged, ignore_errors=True)
     written = save_ir(model, staged)
     del model  # the old .bin is no longer read
     for path in (written, written.with_suffix(".bin")):
         path.replace(xml.parent / path.name)
     staged.rmdir()
+    return result
 
 
 def convert_tokenizer(hf_folder: Path, out_dir: Path) -> None:

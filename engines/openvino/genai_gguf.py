@@ -113,16 +113,20 @@ def type_summary(items: list[GGUFTensor], became: dict[str, str] | None = None) 
     return out
 
 
-def build_from_gguf(gguf_path: Path, out_dir: Path, dynamic_quantization_group_size: int = 0) -> dict:
+def build_from_gguf(gguf_path: Path, out_dir: Path, dynamic_quantization_group_size: int = 0) -> tuple[dict, dict]:
     """out_dir holds openvino_model.xml/.bin built by OpenVINO GenAI's GGUF reader from the file, the
-    rounded constants made exact; returns {gguf type: patched tensor count}. The reader writes the IR
-    beside the file it reads, so it reads a link to the file inside a scratch folder.
+    rounded constants made exact and the projections that read one input fused (each layer's q, k, v;
+    gate, up: engines/openvino/fuse_projections.py); returns ({gguf type: patched tensor count}, the
+    fusion's counts). The reader writes the IR beside the file it reads, so it reads a link to the
+    file inside a scratch folder.
 
     The CPU plugin's dynamic quantization (activations to INT8 in groups, its default for 4/8-bit
     weights) is set in the IR's runtime options, where every runner that compiles it reads it: 0 keeps
     activations in f32, so the IR computes what the dequantized model does."""
     import openvino as ov
     import openvino_genai
+
+    from engines.openvino.fuse_projections import fuse_projections
 
     out_dir.mkdir(parents=True, exist_ok=True)
     work = out_dir / ".gguf_reader"
@@ -139,11 +143,12 @@ def build_from_gguf(gguf_path: Path, out_dir: Path, dynamic_quantization_group_s
             ) from None
         model = ov.Core().read_model(str(work / IR_FILE))
         patched = patch_exact(model, Path(gguf_path))
+        fused = fuse_projections(model).record()
         set_activation_quantization(model, dynamic_quantization_group_size)
         ov.save_model(model, str(out_dir / IR_FILE), compress_to_fp16=False)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return patched
+    return patched, fused
 
 
 # ---------------------------------------------------------------- making the rounded constants exact

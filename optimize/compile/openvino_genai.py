@@ -234,11 +234,7 @@ def openvino_genai_engine(model: Model, cfg: OVGenAIConfig, ctx: Context) -> Mod
         final = xml.parent
         record["nncf"] = _nncf_record(cfg, len(batches) if batches else 0)
     shutil.move(str(final), str(out / ENGINE_DIR))
-    if cfg.activation_groups is not None:
-        from engines.openvino.genai_build import rewrite_activation_quantization
-
-        rewrite_activation_quantization(out / ENGINE_DIR / xml.name, cfg.activation_groups)
-        record["dynamic_quantization_group_size"] = cfg.activation_groups
+    record.update(_finish_ir(out / ENGINE_DIR / xml.name, cfg.activation_groups))
     layers = weight_precision(out / ENGINE_DIR / xml.name)
     record["layer_precision"] = layers
     # The KV cache and prompt lookup as the engine block says are what scoring (optimize/tasks) and
@@ -247,6 +243,24 @@ def openvino_genai_engine(model: Model, cfg: OVGenAIConfig, ctx: Context) -> Mod
     engine.update(cfg.serving())
     built = model.with_engine(out, engine, precision=cfg.precision)
     return dataclasses.replace(built, layer_precision=layers).recorded(record)
+
+
+def _finish_ir(xml, activation_groups: Optional[int]) -> dict:
+    """The saved IR rewritten once: each layer's q, k, v and its gate, up fused into one MatMul each
+    (the same weights, fewer FullyConnected calls a decode step: engines/openvino/fuse_projections.py),
+    and the activations' dynamic quantization written into its runtime options where set. Returns
+    what the engine record says of it."""
+    from engines.openvino.fuse_projections import fuse_projections
+    from engines.openvino.genai_build import rewrite_ir, set_activation_quantization
+
+    def change(ov_model) -> dict:
+        done: dict[str, Any] = {"fused_projections": fuse_projections(ov_model).record()}
+        if activation_groups is not None:
+            set_activation_quantization(ov_model, activation_groups)
+            done["dynamic_quantization_group_size"] = activation_groups
+        return done
+
+    return rewrite_ir(xml, change)
 
 
 def _nncf_record(cfg: OVGenAIConfig, calibration_texts: int) -> dict:

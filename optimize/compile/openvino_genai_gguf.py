@@ -93,7 +93,7 @@ def openvino_genai_gguf_engine(model: Model, cfg: OVGenAIGGUFConfig, ctx: Contex
     engine_dir = out / ENGINE_DIR
     log.info("OpenVINO GenAI reading %s as it is", gguf_path.name)
     try:
-        patched = genai_gguf.build_from_gguf(gguf_path, engine_dir, cfg.dynamic_quantization_group_size)
+        patched, fused = genai_gguf.build_from_gguf(gguf_path, engine_dir, cfg.dynamic_quantization_group_size)
     except genai_gguf.CarryError as exc:
         raise RecipeError(f"engine.method=openvino_genai_gguf: {exc}") from None
     assert ctx.source is not None  # source_gguf checked it
@@ -107,6 +107,7 @@ def openvino_genai_gguf_engine(model: Model, cfg: OVGenAIGGUFConfig, ctx: Contex
         "gguf_file": gguf_path.name,
         "gguf_types": genai_gguf.type_summary(tensors),
         "made_exact": patched,  # {gguf type: tensors whose rounded zero point / scale were replaced}
+        "fused_projections": fused,
         "dynamic_quantization_group_size": cfg.dynamic_quantization_group_size,
         "openvino": metadata.version("openvino"),
         "openvino_genai": metadata.version("openvino-genai"),

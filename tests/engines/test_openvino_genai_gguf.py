@@ -54,7 +54,8 @@ def _carried(folder: Path, tmp_path: Path, qtype):
     architecture, tensors = genai_gguf.tensors(path)
     assert genai_gguf.uncarried(architecture, tensors) is None
     out = tmp_path / "ov"
-    patched = genai_gguf.build_from_gguf(path, out)
+    patched, fused = genai_gguf.build_from_gguf(path, out)
+    assert fused["groups"] == 2 * 2 and fused["fused"] >= 2  # q, k, v and gate, up of 2 layers, alike where fused
     convert_tokenizer(folder, out)
     copy_configs(folder, out)
     ids = [int(i) for i in np.random.default_rng(0).integers(1, 500, 48)]
