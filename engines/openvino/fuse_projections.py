@@ -6,8 +6,8 @@ Why: the CPU plugin runs each compressed MatMul of a decode step as its own Full
 135M-parameter model most of a step's time is spent per FullyConnected rather than per weight byte:
 SmolLM2's INT8 IR spent 78% of a 10-11 ms step in 211 of them (35 us each). Seven per layer become
 four, and the continuous-batching pipeline decoded one request 1.10-1.14x as fast (2-core Zen 4).
-Hand-written: the plugin's own QKV fusion applies only where it runs bf16 on AMX, and optimum-intel
-exports the projections apart.
+Hand-written: on this CPU the plugin ran each projection as its own FullyConnected (its profile
+lists seven a layer), and optimum-intel exports them apart.
 
 The weights are not changed, only placed side by side: every constant of a member's decompression
 subgraph (NNCF's Convert, Subtract and Multiply of the weight, zero points and scales) is stacked
