@@ -12,8 +12,8 @@ What it is for here: each new weight mixes hundreds of old ones, so a model dequ
 file (whose weights sit on that file's grid of blocks) becomes a full-precision model of the same
 function and perplexity with no grid under it, a source on which INT4 methods can be compared from
 full precision offline. A rotation also spreads the residual stream's outlier channels over all
-channels, so INT4 loses less on a rotated model than on one trained in full precision: a comparison on
-it says which method is better on such a model, not how much a real full-precision one loses.
+channels, which favours INT4: a comparison on it says which method is better on such a model, not
+how much a model trained in full precision loses.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ methods compared on it are compared on a model that was 4-bit, not on one traine
 With --rotate the source's residual stream is first rotated by a random orthogonal matrix (--seed;
 optimize/rotation.py): the same function in FP32 (checked on its logits), and every weight a mix of
 hundreds of the source's, so none is left on a 4-bit grid. --steps 0 saves it without training. Its
-caveat: rotation spreads outlier channels, so INT4 loses less on it than on a model trained in full
-precision.
+caveat: rotation spreads outlier channels, which favours INT4, so a comparison on it ranks methods
+rather than saying how much a model trained in full precision loses.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and a VariadicSplit that hands each consumer its own part.
 Why: the CPU plugin runs each compressed MatMul of a decode step as its own FullyConnected, and on a
 135M-parameter model most of a step's time is spent per FullyConnected rather than per weight byte:
 SmolLM2's INT8 IR spent 78% of a 10-11 ms step in 211 of them (35 us each). Seven per layer become
-four, and the continuous-batching pipeline decoded one request 1.10-1.14x as fast (2-core Zen 4).
+four, and the continuous-batching pipeline decoded one request 1.10-1.17x as fast (2-core Zen 4).
 Hand-written: on this CPU the plugin ran each projection as its own FullyConnected (its profile
 lists seven a layer), and optimum-intel exports them apart.
 
@@ -77,6 +77,8 @@ def _fuse(members: list) -> bool:
 
     members, name = _named(members)
     nodes, trees = [m[0] for m in members], [m[1] for m in members]
+    if any(n.input_value(0) != nodes[0].input_value(0) for n in nodes[1:]):  # grouped by name: make sure
+        return False
     rows = [int(_rows(t)) for t in trees]
     weight = _stacked(trees, rows)
     if weight is None:
@@ -176,7 +178,8 @@ def _stacked(trees: list, rows: list[int]):
         data = _stacked([t[1][0] for t in trees], rows)
         target = nodes[0].input_value(1).get_node().get_data().copy()
         target[0] = sum(rows)
-        return None if data is None else ops.reshape(data, ops.constant(target), False)
+        special_zero = bool(nodes[0].get_attributes().get("special_zero", False))
+        return None if data is None else ops.reshape(data, ops.constant(target), special_zero)
     inputs = [_stacked([t[1][i] for t in trees], rows) for i in range(len(trees[0][1]))]
     if any(i is None for i in inputs):
         return None
