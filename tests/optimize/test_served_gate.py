@@ -175,7 +175,7 @@ def test_sigint_during_the_served_gate_is_exit_130_with_nothing_written(tiny_llm
         f"output_dir={out}",
     ]
     # `python -m optimize` with Ctrl-C's handler in place even where this runner's SIGINT is ignored (a
-    # child inherits that, and a library loaded by an earlier test may have set it).
+    # child inherits that: bash starts background jobs so).
     with_sigint = (
         "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
         "runpy.run_module('optimize', run_name='__main__', alter_sys=True)"

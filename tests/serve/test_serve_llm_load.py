@@ -90,7 +90,7 @@ def test_a_server_that_will_never_be_ready_is_one_line_at_once(tiny_ov_llm_artif
 SIGINT_SCRIPT = """
 import json, os, signal, sys
 
-# A child inherits an ignored SIGINT from its parent (a test runner some library set so): Ctrl-C's
+# A child inherits an ignored SIGINT from its parent (bash starts background jobs so): Ctrl-C's
 # handler back, as a terminal's process has it.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
