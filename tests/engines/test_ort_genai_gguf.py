@@ -276,22 +276,12 @@ def test_centred_zero_points_keep_the_weights_and_leave_a_residual_of_half_a_ste
     """Q4_1's form rebased on the nearest integer zero point: the same weights to f32 rounding, zero
     points within 4 bits, each block's remaining offset at most half its scale where -m / d lies in
     0..15 (a block spanning zero), and a zero scale left as it was."""
-    import gguf
-
     from engines.onnxruntime_genai import gguf as carry
 
     data = np.random.default_rng(1).standard_normal((8, 256)).astype(np.float32)
     data[0, :32] = 0.0  # a block of zeros: scale 0
     data[1, :32] = np.linspace(1.0, 2.0, 32)  # a block all above zero: -m / d below 0, clipped
-    path = tmp_path / "q.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    q4_1 = gguf.GGMLQuantizationType.Q4_1
-    writer.add_tensor("q", gguf.quants.quantize(data, q4_1), raw_dtype=q4_1)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    arrays = carry._as_matmul_nbits(gguf.GGUFReader(str(path)).tensors[0], None)
+    arrays = carry._as_matmul_nbits(_one_tensor(tmp_path, "Q4_1", data), None)
     centred = carry._centred(arrays)
     np.testing.assert_allclose(_unpacked(centred), _unpacked(arrays), rtol=1e-6, atol=1e-6)
     assert centred["zero"].dtype == np.uint8 and centred["zero"].max() <= 15
@@ -320,18 +310,22 @@ def test_int8_activations_meet_q4_1_blocks_on_centred_zero_points(folder, tmp_pa
     assert centred.mean() < 0.8 * uncentred.mean(), (centred.mean(), uncentred.mean())  # 0.65x seen
 
 
-def _q4_1_file(tmp_path: Path, data: np.ndarray) -> Path:
+def _one_tensor(tmp_path: Path, kind: str, data: np.ndarray):
+    """`data` written as one GGUF tensor of `kind` (Q4_1 by gguf's quantizer, Q4_K by the tests' own),
+    read back."""
     import gguf
 
-    path = tmp_path / "q.gguf"
+    from tests.support.gguf_writer import q4_k_blocks
+
+    path = tmp_path / f"{kind}.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    q4_1 = gguf.GGMLQuantizationType.Q4_1
-    writer.add_tensor("q", gguf.quants.quantize(data, q4_1), raw_dtype=q4_1)
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    writer.add_tensor(kind, q4_k_blocks(data) if kind == "Q4_K" else gguf.quants.quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path
+    return gguf.GGUFReader(str(path)).tensors[0]
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
@@ -340,25 +334,13 @@ def test_offset_blocks_on_the_int8_grid_stay_within_a_32nd_of_a_step(tmp_path, k
     no offset: every weight within d / (2k) of the file's, k = 16 (1/32 of a step) for every block whose
     offset lies within its range; a block of scale 0 exact; a block all above zero on a coarser grid
     that still fits 8 bits; each grid counted."""
-    import gguf
-
     from engines.onnxruntime_genai import gguf as carry
-    from tests.support.gguf_writer import q4_k_blocks
 
     data = np.random.default_rng(2).standard_normal((8, 256)).astype(np.float32)
     data[0, :32] = 0.0  # scale 0, offset 0
     data[2, 32:64] = 0.75  # scale 0, offset 0.75: one value
     data[1, :32] = np.linspace(1.0, 2.0, 32)  # all above zero: -m / d = -15
-    if kind == "Q4_1":
-        tensor = gguf.GGUFReader(str(_q4_1_file(tmp_path, data))).tensors[0]
-    else:
-        path = tmp_path / "k.gguf"
-        writer = gguf.GGUFWriter(str(path), "llama")
-        writer.add_tensor("k", q4_k_blocks(data), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
-        writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
-        writer.close()
-        tensor = gguf.GGUFReader(str(path)).tensors[0]
-    arrays = carry._as_matmul_nbits(tensor, None)
+    arrays = carry._as_matmul_nbits(_one_tensor(tmp_path, kind, data), None)
     grid: dict[int, int] = {}
     on_grid = carry._on_grid(arrays, "q", grid)
     assert on_grid["bits"] == 8 and on_grid["B"].dtype == np.uint8 and on_grid["zero"].dtype == np.uint8
@@ -379,14 +361,12 @@ def test_offset_blocks_on_the_int8_grid_stay_within_a_32nd_of_a_step(tmp_path, k
 def test_an_offset_beyond_the_int8_grid_is_refused_naming_the_matrix(tmp_path):
     """A block whose values sit far from zero against their spread (-m / d about -15,000) has no 8-bit
     form with a zero point in 0..255: refused, naming the matrix and the form that carries it."""
-    import gguf
-
     from engines.onnxruntime_genai import gguf as carry
     from engines.openvino.genai_gguf import CarryError
 
     data = np.random.default_rng(3).standard_normal((2, 64)).astype(np.float32)
     data[0, :32] = np.linspace(100.0, 100.1, 32)
-    arrays = carry._as_matmul_nbits(gguf.GGUFReader(str(_q4_1_file(tmp_path, data))).tensors[0], None)
+    arrays = carry._as_matmul_nbits(_one_tensor(tmp_path, "Q4_1", data), None)
     with pytest.raises(
         CarryError,
         match=r"layers\.0/mlp/up_proj/MatMul_Q4: 1 block\(s\) with an offset beyond .* offset_form=block_sums",
