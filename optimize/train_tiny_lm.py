@@ -256,6 +256,8 @@ def _run(args, out: Path) -> dict:
 def _argument_problem(args) -> str | None:
     if not (64 <= args.hidden <= MAX_HIDDEN and args.hidden % 64 == 0):
         return f"--hidden must be a multiple of 64 up to {MAX_HIDDEN}"
+    if not 0 <= args.seed < 2**63:  # torch's generators take a 64-bit seed
+        return "--seed must be at least 0 and below 2**63"
     if args.rotate and not args.source:
         return "--rotate rotates a model given with --from"
     if args.rotate and args.steps == 0:

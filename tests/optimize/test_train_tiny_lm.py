@@ -57,6 +57,8 @@ def test_the_trained_model_learns_the_prose_and_never_sees_the_evaluation_text(t
         (["--from", "x.gguf", "--lr", "nan"], "--lr"),
         (["--from", "/nonexistent/model"], "no such file or directory"),
         (["--rotate"], "--rotate rotates a model given with --from"),
+        (["--seed", "1" + "0" * 30], "--seed must be at least 0"),
+        (["--from", "x.gguf", "--rotate", "--steps", "0", "--seed", "-1"], "--seed must be at least 0"),
         (["--rotate", "--steps", "0"], "--rotate rotates a model given with --from"),
     ],
 )
