@@ -313,7 +313,7 @@ class ContinuousBatchingService:
             sequence.push("error", exc)
             return self.release(sequence, None)
         sequence.ids = []
-        if hasattr(self.engine, "text_stream"):  # optional: a streaming detokenizer per request
+        if hasattr(self.engine, "text_stream"):  # optional: a streaming detokenizer per request (None: none)
             sequence.text_stream = self.engine.text_stream()
         self.running[request_id] = sequence
         if self.metrics:

@@ -20,6 +20,7 @@ from engines.openvino.genai_runner import (
     runner_properties,
 )
 from engines.openvino.runner import PRECISIONS
+from engines.text_stream import HFTextStream, hf_streams
 
 # Tokens per KV-cache block of the CPU plugin's paged attention (what the continuous-batching
 # pipeline allocates and frees), whatever the cache precision: measured on this OpenVINO GenAI by the
@@ -107,6 +108,7 @@ class OVGenAIBatchEngine(OVGenAIText):
         spinning: bool = True,
         kv_cache_group_size: int = 0,
         prompt_lookup: dict | None = None,
+        tokenizer_json: Path | None = None,
     ):
         import openvino_genai as ov_genai
 
@@ -139,11 +141,21 @@ class OVGenAIBatchEngine(OVGenAIText):
         self.pipe = ov_genai.ContinuousBatchingPipeline(str(self.dir), scheduler, "CPU", properties)
         self.tokenizer = self.pipe.get_tokenizer()
         self.eos_token_ids = self._eos_ids(config)
+        self.streams = hf_streams(tokenizer_json, self.decode, self._special_ids())
         # The pipeline allocates its blocks at the first step; until then it reports 0.
         self.kv_cache_bytes = self.num_blocks * self.block_bytes
 
     def default_config(self):
         return self.pipe.get_config()
+
+    def _special_ids(self) -> list[int]:
+        bos = int(self.tokenizer.get_bos_token_id())
+        return sorted(self.eos_token_ids | ({bos} if bos >= 0 else set()))
+
+    def text_stream(self) -> HFTextStream | None:
+        """A streaming detokenizer for one request where the artifact's tokenizer.json writes what
+        the engine's decode writes (engines/text_stream.py); None: the service decodes with decode()."""
+        return self.streams() if self.streams is not None else None
 
     @property
     def proposed_per_step(self) -> int:
@@ -218,7 +230,9 @@ def load_ov_genai_batch_engine(
     """The continuous-batching engine of an {"format": "openvino-genai", ...} artifact (what serve runs
     when it takes several requests at once)."""
     folder, engine_kw = engine_settings(root, engine)
-    return OVGenAIBatchEngine(folder, settings, threads=threads, spinning=spinning, **engine_kw)
+    tokenizer_dir = Path(root) / engine["tokenizer"] if engine.get("tokenizer") else folder
+    tokenizer_json = tokenizer_dir / "tokenizer.json"
+    return OVGenAIBatchEngine(folder, settings, threads, spinning=spinning, tokenizer_json=tokenizer_json, **engine_kw)
 
 
 # mypy checks that the engine implements the generation interface (engines/generation.py).
