@@ -30,6 +30,9 @@ CHECK_TEXTS = (
     "naïve café, Straße, Ελληνικά, русский, 日本語のテキスト, 한국어, emoji 😀🚀 and ½ → ∞",
     "   leading spaces, trailing spaces   ",
 )
+# Added tokens (special or not) the check places among the sample texts, at most, and per sequence.
+MAX_ADDED_CHECKED = 512
+ADDED_PER_SEQUENCE = 64
 
 
 class HFTextStream:
@@ -63,13 +66,19 @@ class HFStreams:
 
 def check_sequences(tokenizer, special_ids: list[int]) -> list[list[int]]:
     """The id sequences the check decodes: each sample text, alone and with the special tokens placed
-    at its start, in its middle and at its end."""
+    at its start, in its middle and at its end, and the sample texts around every added token the
+    tokenizer file lists (up to MAX_ADDED_CHECKED of them), special or not: whether such a token is
+    skipped or written is where two conversions of one tokenizer can differ."""
     sequences = []
-    for text in CHECK_TEXTS:
-        ids = tokenizer.encode(text, add_special_tokens=False).ids
+    samples = [tokenizer.encode(text, add_special_tokens=False).ids for text in CHECK_TEXTS]
+    for ids in samples:
         middle = len(ids) // 2
         sequences.append(ids)
         sequences.append(special_ids + ids[:middle] + special_ids + ids[middle:] + special_ids)
+    added = sorted(tokenizer.get_added_tokens_decoder())[:MAX_ADDED_CHECKED]
+    for start in range(0, len(added), ADDED_PER_SEQUENCE):
+        around = samples[(start // ADDED_PER_SEQUENCE) % len(samples)]
+        sequences.append(around[:8] + added[start : start + ADDED_PER_SEQUENCE] + around[8:])
     return sequences
 
 

@@ -65,10 +65,20 @@ def test_the_check_covers_every_sample_text_and_the_special_tokens(byte_bpe):
 
     tokenizer, _ = _reference(byte_bpe)
     sequences = check_sequences(tokenizer, [7, 9])
-    assert len(sequences) == 2 * len(CHECK_TEXTS)
-    joined = [tokenizer.decode(s) for s in sequences[::2]]
+    texts = sequences[: 2 * len(CHECK_TEXTS)]
+    joined = [tokenizer.decode(s) for s in texts[::2]]
     assert joined == list(CHECK_TEXTS)  # the byte-level BPE holds every sample exactly
-    assert all(s[:2] == [7, 9] and s[-2:] == [7, 9] for s in sequences[1::2])
+    assert all(s[:2] == [7, 9] and s[-2:] == [7, 9] for s in texts[1::2])
+    added = set(tokenizer.get_added_tokens_decoder())
+    assert added and added <= {i for s in sequences[len(texts) :] for i in s}  # every added token placed
+
+
+def test_an_added_token_the_engine_writes_where_the_file_skips_it_is_refused(byte_bpe):
+    tokenizer, decode = _reference(byte_bpe)
+    added = sorted(tokenizer.get_added_tokens_decoder())
+    assert added  # the trained BPE lists its special tokens (<|endoftext|>, ...)
+    writes_them = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+    assert hf_streams(byte_bpe, writes_them, []) is None  # even with no special id given to the check
 
 
 @pytest.mark.slow
