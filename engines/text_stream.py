@@ -92,6 +92,7 @@ def hf_streams(
         return None
     try:
         from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream  # noqa: F401 (tokenizers 0.21 and later)
 
         tokenizer = Tokenizer.from_file(str(tokenizer_json))
     except Exception as exc:  # an unreadable file only costs the fast path
