@@ -10,7 +10,8 @@ text and answers a token in about a microsecond.
 
 Where the artifact holds the model's tokenizer.json, HFStreams uses it, but only after checking, once,
 that it writes the same text as the engine's own decode on sample texts (ASCII, code, multi-byte
-UTF-8 and the special tokens the engine skips). Where it does not, the engine keeps its own decode:
+UTF-8, the special tokens the engine skips, and every added token the file lists). Where it does
+not, the engine keeps its own decode:
 the two tokenizers came from the same files, and a difference between them is a difference in what
 clients read.
 """

@@ -177,7 +177,8 @@ class OVGenAIBatchEngine(OVGenAIText):
             f"continuous batching in OpenVINO GenAI's scheduler: up to {s.max_num_seqs} sequences, "
             f"KV cache {self.kv_cache_bytes / 2**20:.1f} MiB ({self.num_blocks} blocks of {self.block_tokens} tokens) "
             f"{self.kv_cache_precision}{group} at {self.block_bytes} bytes a block, "
-            f"{s.max_batched_tokens} tokens per step, prefix caching {'on' if s.prefix_caching else 'off'}, {lookup}"
+            f"{s.max_batched_tokens} tokens per step, prefix caching {'on' if s.prefix_caching else 'off'}, {lookup}, "
+            f"text streamed by {'tokenizers (checked against the engine)' if self.streams else 'the engine'}"
         )
 
     def blocks_for(self, tokens: int) -> int:

@@ -99,6 +99,8 @@ def test_openvino_genai_batch_engine_streams_its_own_decode(tmp_path):
     assert engine.text_stream() is not None
     plain = OVGenAIBatchEngine(ov_dir, settings, threads=1)  # no tokenizer.json given: its own decode
     assert plain.text_stream() is None
+    assert "text streamed by tokenizers" in engine.describe()  # the server's startup line says which
+    assert "text streamed by the engine" in plain.describe()
 
     prompts = [engine.encode("Return the größte Zahl: "), engine.encode("def main():")]
     handles = [engine.add(i, p, Sampling(max_new_tokens=24)) for i, p in enumerate(prompts)]
