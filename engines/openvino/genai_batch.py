@@ -20,7 +20,7 @@ from engines.openvino.genai_runner import (
     runner_properties,
 )
 from engines.openvino.runner import PRECISIONS
-from engines.text_stream import HFTextStream, hf_streams
+from engines.text_stream import HFStreams, HFTextStream, hf_streams
 
 # Tokens per KV-cache block of the CPU plugin's paged attention (what the continuous-batching
 # pipeline allocates and frees), whatever the cache precision: measured on this OpenVINO GenAI by the
@@ -141,6 +141,7 @@ class OVGenAIBatchEngine(OVGenAIText):
         self.pipe = ov_genai.ContinuousBatchingPipeline(str(self.dir), scheduler, "CPU", properties)
         self.tokenizer = self.pipe.get_tokenizer()
         self.eos_token_ids = self._eos_ids(config)
+        self.streams: HFStreams | None = None  # decode() is the engine's own while it is checked
         self.streams = hf_streams(tokenizer_json, self.decode, self._special_ids())
         # The pipeline allocates its blocks at the first step; until then it reports 0.
         self.kv_cache_bytes = self.num_blocks * self.block_bytes
@@ -151,6 +152,11 @@ class OVGenAIBatchEngine(OVGenAIText):
     def _special_ids(self) -> list[int]:
         bos = int(self.tokenizer.get_bos_token_id())
         return sorted(self.eos_token_ids | ({bos} if bos >= 0 else set()))
+
+    def decode(self, ids: list[int]) -> str:
+        """The text of ids: by tokenizers where it was checked against the engine's decode (one call of
+        which runs the detokenizer IR), else by that decode."""
+        return self.streams.decode(ids) if self.streams is not None else super().decode(ids)
 
     def text_stream(self) -> HFTextStream | None:
         """A streaming detokenizer for one request where the artifact's tokenizer.json writes what

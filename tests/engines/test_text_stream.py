@@ -47,6 +47,19 @@ def test_streams_what_the_whole_decode_writes_multibyte_and_special_tokens_inclu
     assert any(piece == "" for piece in pieces)  # a character split over byte tokens waits for its last
 
 
+def test_one_tokens_text_is_the_engines_a_byte_of_a_character_included(byte_bpe, caplog):
+    tokenizer, decode = _reference(byte_bpe)
+    streams = hf_streams(byte_bpe, decode, [])
+    assert streams is not None
+    byte_tokens = [t for t in tokenizer.encode("日本語 😀", add_special_tokens=False).ids if decode([t]) == "\ufffd"]
+    assert byte_tokens and all(streams.decode([t]) == "\ufffd" for t in byte_tokens)
+
+    # An engine that writes a lone byte otherwise (as nothing, say) keeps its own decode.
+    caplog.set_level(logging.INFO, "engines")
+    assert hf_streams(byte_bpe, lambda ids: decode(ids).replace("\ufffd", ""), []) is None
+    assert "writes '\ufffd' where the engine writes ''" in caplog.text
+
+
 def test_refused_where_it_would_write_other_text(byte_bpe, caplog):
     caplog.set_level(logging.INFO, "engines")
     _, decode = _reference(byte_bpe)
@@ -114,4 +127,7 @@ def test_openvino_genai_batch_engine_streams_its_own_decode(tmp_path):
             ids[i] += new
             text[i] += "".join(streams[i].decode(t) for t in new)
     assert all(len(i) == 24 for i in ids)
-    assert text == [engine.decode(i) for i in ids]
+    assert text == [plain.decode(i) for i in ids]  # the engine's own decode (the detokenizer IR)
+    assert [engine.decode(i) for i in ids] == text  # decode() by tokenizers now
+    tokens = sorted({t for i in ids for t in i})
+    assert [engine.decode([t]) for t in tokens] == [plain.decode([t]) for t in tokens]  # logprobs' token texts
