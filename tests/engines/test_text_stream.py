@@ -67,6 +67,9 @@ def test_refused_where_it_would_write_other_text(byte_bpe, caplog):
     assert "writes" in caplog.text
     assert hf_streams(None, decode, []) is None
     assert hf_streams(byte_bpe.parent / "absent.json", decode, []) is None
+    folder = byte_bpe.parent / "a_folder.json"
+    folder.mkdir()
+    assert hf_streams(folder, decode, []) is None  # a folder where the file is expected
     broken = byte_bpe.parent / "broken.json"
     broken.write_text("{not json")
     assert hf_streams(broken, decode, []) is None
