@@ -50,14 +50,14 @@ def tiny_llama(
     return LlamaForCausalLM(config).eval()
 
 
-def tiny_llama_folder(out: Path, max_positions: int = 512, hidden: int = 64, ffn: int = 128) -> Path:
-    """A Hugging Face folder: a 2-layer random Llama (width 64 unless told; 256 fills K-quant
+def tiny_llama_folder(out: Path, max_positions: int = 512, hidden: int = 64, ffn: int = 128, layers: int = 2) -> Path:
+    """A Hugging Face folder: a random Llama (2 layers of width 64 unless told; 256 fills K-quant
     super-blocks) and a byte-level BPE tokenizer trained on CPython's docs (with a chat template),
     token 0 for bos, eos and padding. Offline, a few seconds."""
     out = Path(out)
     vocab_size = train_tokenizer(out)
     model = tiny_llama(
-        layers=2,
+        layers=layers,
         ffn=ffn,
         hidden=hidden,
         vocab_size=vocab_size,
