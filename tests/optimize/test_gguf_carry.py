@@ -11,29 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import one_error_line, run_optimize
+from tests.support.cli import TINY_LM_RACE, one_error_line, run_optimize
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("gguf", "openvino", "openvino_genai", "openvino_tokenizers")),
     reason="needs gguf, openvino, openvino-genai and openvino-tokenizers",
 )
-
-TINY = [
-    "recipe=smollm2_int4_cpu",
-    "model.max_length=128",
-    "gate.max_ppl_increase_pct=1000",
-    "gate.min_decode_speedup=null",
-    "evaluate.data.count=8",
-    "evaluate.warmup=1",
-    "evaluate.repeats=2",
-    "calibration.count=4",
-    "evaluate.task_params.perplexity_tokens=256",
-    "evaluate.task_params.perplexity_window=128",
-    "evaluate.task_params.prompt_tokens=16",
-    "evaluate.task_params.new_tokens=8",
-    "evaluate.task_params.lm_eval_tasks=[]",
-    "workload.requests=null",
-]
 
 
 def test_a_gguf_source_gets_the_candidates_that_keep_its_blocks():
@@ -66,7 +49,7 @@ def test_the_race_carries_a_q4_1_gguf_through_at_the_source_perplexity(q4_1, tmp
     out = tmp_path / "artifact"
     proc = run_optimize(
         f"model.source={q4_1}",
-        *TINY,
+        *TINY_LM_RACE,
         "engine.params.candidates=[openvino_genai_gguf,openvino_genai_gguf_kv_u8,openvino_genai_int4_g32]",
         "gate.max_ppl_increase_over_source_pct=0.5",
         f"output_dir={out}",
@@ -105,7 +88,7 @@ def test_a_gguf_the_reader_cannot_carry_is_one_line_exit_2(tmp_path):
     path = write_gguf(folder, tmp_path / "tiny.Q5_0.gguf", lambda name: "Q5_0" if "ffn_up" in name else "Q8_0")
     proc = run_optimize(
         f"model.source={path}",
-        *TINY,
+        *TINY_LM_RACE,
         "engine=openvino_genai_gguf",
         f"output_dir={tmp_path / 'artifact'}",
         f"hydra.run.dir={tmp_path / 'run'}",
@@ -125,7 +108,7 @@ def test_onnxruntime_genai_carries_a_q4_1_gguf_at_the_source_perplexity(q4_1, tm
     out = tmp_path / "artifact"
     proc = run_optimize(
         f"model.source={q4_1}",
-        *TINY,
+        *TINY_LM_RACE,
         "engine=onnxruntime_genai_gguf",
         "gate.max_ppl_increase_over_source_pct=0.5",
         f"output_dir={out}",

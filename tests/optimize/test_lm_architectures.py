@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.cli import one_error_line, run_optimize
+from tests.support.cli import TINY_LM_RACE, one_error_line, run_optimize
 from tests.support.tiny_archs import ARCHITECTURES
 
 pytest.importorskip("gguf")
@@ -183,30 +183,11 @@ def test_builder_config_writes_what_the_genai_builder_reads():
     assert phi3.original_max_position_embeddings == phi3.max_position_embeddings  # not LongRoPE
 
 
-# The race through every LM candidate, from a GGUF file: the tiny counts of test_causal_lm.py.
-RACE = [
-    "recipe=smollm2_int4_cpu",
-    "model.max_length=128",
-    "gate.max_ppl_increase_pct=1000",
-    "gate.min_decode_speedup=null",
-    "evaluate.data.count=8",
-    "evaluate.warmup=1",
-    "evaluate.repeats=2",
-    "calibration.count=4",
-    "evaluate.task_params.perplexity_tokens=256",
-    "evaluate.task_params.perplexity_window=128",
-    "evaluate.task_params.prompt_tokens=16",
-    "evaluate.task_params.new_tokens=8",
-    "evaluate.task_params.lm_eval_tasks=[]",
-    "workload.requests=null",
-]
-
-
 def _race(gguf_path: Path, tmp_path: Path, *overrides: str):
     out = tmp_path / "artifact"
     proc = run_optimize(
         f"model.source={gguf_path}",
-        *RACE,
+        *TINY_LM_RACE,
         *overrides,
         f"output_dir={out}",
         f"hydra.run.dir={tmp_path / 'run'}",

@@ -14,28 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import run_optimize
+from tests.support.cli import TINY_LM_RACE, run_optimize
 
 pytestmark = pytest.mark.slow
 
 CANDIDATES = ("ort_genai_int4", "openvino_genai_int8")
 OVERRIDES = [
-    "recipe=smollm2_int4_cpu",
+    *(o for o in TINY_LM_RACE if not o.startswith("workload.requests=")),
     "engine=auto",
     f"engine.params.candidates=[{','.join(CANDIDATES)}]",
-    "model.max_length=128",
-    "gate.max_ppl_increase_pct=1000",  # random weights: accuracy is not what is raced here
     "gate.max_ppl_increase_over_source_pct=null",
-    "gate.min_decode_speedup=null",
-    "evaluate.data.count=8",
-    "evaluate.warmup=1",
-    "evaluate.repeats=2",
-    "calibration.count=4",
-    "evaluate.task_params.perplexity_tokens=256",
-    "evaluate.task_params.perplexity_window=128",
-    "evaluate.task_params.prompt_tokens=16",
-    "evaluate.task_params.new_tokens=8",
-    "evaluate.task_params.lm_eval_tasks=[]",
     "workload.requests=[{prompt:16,output:32}]",
 ]
 

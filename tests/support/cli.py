@@ -31,6 +31,28 @@ FAST_OVERRIDES = [
 ]
 
 
+# The LM race at the tiny counts the causal-LM tests use (a random Llama or a small GGUF file): a few
+# evaluation texts and tokens, no lm-eval, no speed bar (a timed check is "untrusted" whenever another
+# process shares the machine), a perplexity bar no random model fails. One request shape unless a
+# test names its own.
+TINY_LM_RACE = [
+    "recipe=smollm2_int4_cpu",
+    "model.max_length=128",
+    "gate.max_ppl_increase_pct=1000",
+    "gate.min_decode_speedup=null",
+    "evaluate.data.count=8",
+    "evaluate.warmup=1",
+    "evaluate.repeats=2",
+    "calibration.count=4",
+    "evaluate.task_params.perplexity_tokens=256",
+    "evaluate.task_params.perplexity_window=128",
+    "evaluate.task_params.prompt_tokens=16",
+    "evaluate.task_params.new_tokens=8",
+    "evaluate.task_params.lm_eval_tasks=[]",
+    "workload.requests=null",
+]
+
+
 def run_optimize(
     *overrides: str, cwd: Path | None = None, timeout: int = 900, env: dict | None = None
 ) -> subprocess.CompletedProcess:
