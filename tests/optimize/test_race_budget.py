@@ -13,7 +13,7 @@ from optimize.compile.race import budget as race_budget
 from optimize.compile.race import candidates, cells
 from optimize.compile.race.entry import Entry
 from optimize.errors import RecipeError
-from tests.support.cli import run_optimize
+from tests.support.cli import TINY_LM_RACE, run_optimize
 
 
 class _Sized:
@@ -95,14 +95,13 @@ def test_a_race_cut_by_its_budget_says_so_before_the_winner(tmp_path):
     the report's first words about the race say the winner came from one of three."""
     pytest.importorskip("onnxruntime_genai")
     pytest.importorskip("openvino_genai")
-    from tests.optimize.test_lm_architectures import RACE
     from tests.support.models import tiny_llama_folder
 
     source = tiny_llama_folder(tmp_path / "src")
     out = tmp_path / "artifact"
     proc = run_optimize(
         f"model.source={source}",
-        *RACE,
+        *TINY_LM_RACE,
         "engine.params.candidates=[ort_genai_int4,openvino_genai_int8,openvino_genai_int4_g32]",
         "+engine.params.candidate_budget_s.default=1",
         f"output_dir={out}",
