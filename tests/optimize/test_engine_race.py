@@ -13,7 +13,7 @@ from optimize.compile.race.entry import Entry
 from optimize.config import recipe_dict
 from optimize.errors import RecipeError
 from optimize.registry import build_config, get
-from tests.support.cli import run_optimize
+from tests.support.cli import TINY_LM_RACE, run_optimize
 
 
 def _entry(name: str, cosine_min: float, p50: float) -> Entry:
@@ -142,21 +142,9 @@ def test_causal_lm_race_on_a_tiny_llama_ships_the_fastest_generation_within_the_
     out = tmp_path / "artifact"
     proc = run_optimize(
         f"model.source={source}",
-        "recipe=smollm2_int4_cpu",
+        *(o for o in TINY_LM_RACE if not o.startswith("workload.requests=")),
         "engine=auto",
-        "model.max_length=128",
         "engine.params.candidates=[ort_genai_int4,openvino_genai_int4_g32,openvino_genai_int8]",
-        "gate.max_ppl_increase_pct=1000",
-        "gate.min_decode_speedup=null",
-        "evaluate.data.count=8",
-        "evaluate.warmup=1",
-        "evaluate.repeats=2",
-        "calibration.count=4",
-        "evaluate.task_params.perplexity_tokens=256",
-        "evaluate.task_params.perplexity_window=128",
-        "evaluate.task_params.prompt_tokens=16",
-        "evaluate.task_params.new_tokens=8",
-        "evaluate.task_params.lm_eval_tasks=[]",
         "workload.requests=[{prompt:16,output:8},{prompt:40,output:8}]",
         f"output_dir={out}",
         f"hydra.run.dir={tmp_path / 'run'}",
