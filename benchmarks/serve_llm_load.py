@@ -33,7 +33,7 @@ a peer found nowhere is one line in the report's notes and the run goes on witho
 Requests and time are bounded (--requests-per-level, --timeout-s); --rounds N runs each level N
 times and reports each figure's median. The servers of a level are all up at once and take turns
 round by round (the order reversed every other round), so their medians come from the same minutes:
-on a shared machine one engine's speed moved 1.3-1.4x within half an hour while another's did not.
+on a shared machine one engine's speed moved 1.3x within twenty minutes while another's did not.
 The servers waiting their turn are idle; a note says where they used more than 2% of the CPUs while
 another was measured. The machine block names the CPU, its features and the peers' versions;
 `other_cpu_share` is the share of all CPUs used by anything but this benchmark and its servers while
@@ -155,7 +155,7 @@ IDLE_CPU_NOTE = 0.02  # a share of the CPUs that idle servers beside the measure
 def interleaved_rounds(live: list, model: str, prompts, args, clients: int) -> list[dict]:
     """One level's row for each (variant, server) in `live`. Each round drives every server in turn,
     the order reversed every other round, so each server's median comes from the same minutes as the
-    others': on a shared machine an engine's one-client speed moved 1.3-1.4x within half an hour,
+    others': on a shared machine an engine's one-client speed moved 1.3x within twenty minutes,
     which servers measured one after the other would read as a difference between them."""
     per_client = max(1, args.requests_per_level // clients)
     rounds: list[list[dict]] = [[] for _ in live]
