@@ -6,6 +6,16 @@ prints llama-bench's decode reference (tg64: 64 tokens generated after an empty 
 threads, its mean tokens/s over --repetitions) on the GGUF file an artifact's recipe starts from (or
 the GGUF given). benchmarks/serve_llm_load.py runs `llama-server` on the same file.
 
+    .venv/bin/python -m benchmarks.llamacpp ARTIFACT --rounds 5 [--runs 5] [--threads 2] [--tokens 64]
+
+compares the artifact's own decode with it, in turns: each round runs llama-bench once (one
+repetition) and times the artifact's greedy decode (`--tokens` new tokens after a 64-token held-out
+prompt, the median of --runs generations, in a worker process of its own as the pipeline times its
+candidates), the order reversed every other round; it prints each round's pair and ratio and the
+medians. On a shared machine either engine's speed moves with the half hour (llama-bench read 112 to
+158 tok/s on one 2-core machine in one day), so figures taken one after the other measure the hour as
+much as the engines.
+
 A peer's program is found by its flag, else its environment variable, else on PATH, never at a path
 of one machine: PEERS_LLAMA_SERVER and PEERS_LLAMA_BENCH name llama.cpp's binaries (a build's
 build/bin/ holds both). A path given that is not an executable is refused in one line (exit 2); a
@@ -21,7 +31,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -155,6 +165,49 @@ def decode_reference(
     }
 
 
+def decode_in_turns(
+    artifact: Path, binary: Path, gguf: Path, args: argparse.Namespace, prompt_tokens: int = 64
+) -> dict:
+    """llama-bench's tg and the artifact's decode tokens/s, round by round in alternating order, and
+    the median of each and of their ratios (the artifact's over llama-bench's)."""
+    import statistics
+
+    from benchmarks.peers_lm import artifact_tokens, evaluation_texts
+    from engines.artifact import read_manifest
+    from engines.runner_process import RunnerProcess
+    from optimize.evaluate.generation import prompts_of, speed
+
+    engine = read_manifest(artifact)["engine"]
+    prompts = prompts_of(artifact_tokens(artifact, engine), evaluation_texts(), prompt_tokens)
+    with RunnerProcess(artifact, engine, threads=args.threads) as runner:
+        speed({"artifact": runner}, prompts, args.tokens, 1, 1)  # loads and warms the engine
+
+        def artifact_decode() -> float:
+            return speed({"artifact": runner}, prompts, args.tokens, 0, args.runs)["artifact"]["decode_tok_s"]["p50"]
+
+        def bench_decode() -> float:
+            return decode_reference(binary, gguf, args.threads, args.tokens, 1, args.llama_bench_args)["tokens_per_s"]
+
+        rounds = in_turns({"llama_bench": bench_decode, "artifact": artifact_decode}, args.rounds)
+    for number, row in enumerate(rounds, start=1):
+        row["ratio"] = round(row["artifact"] / row["llama_bench"], 3)
+        print(f"round {number}: llama-bench {row['llama_bench']}, artifact {row['artifact']} tok/s: {row['ratio']}x")
+    return {
+        "rounds": rounds,
+        **{f"median_{k}": statistics.median(r[k] for r in rounds) for k in ("llama_bench", "artifact", "ratio")},
+    }
+
+
+def in_turns(measures: dict[str, Callable[[], float]], rounds: int) -> list[dict]:
+    """Each round calls every measure once, in the given order on even rounds and reversed on odd ones
+    (so neither side always runs on the other's warm or cold caches); {name: figure} a round."""
+    names = list(measures)
+    return [
+        {name: round(measures[name](), 1) for name in (names if number % 2 == 0 else names[::-1])}
+        for number in range(rounds)
+    ]
+
+
 def gguf_of(target: Path) -> Path:
     """A .gguf file as given, or the GGUF an artifact folder's recipe starts from (refused otherwise)."""
     if target.suffix == ".gguf":
@@ -174,12 +227,27 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repetitions", type=int, default=5)
     p.add_argument("--llama-bench-args", type=shlex.split, default=[], help="more llama-bench flags ('--repack 0')")
+    p.add_argument("--rounds", type=int, default=0, help="compare an artifact's own decode, in turns, this many rounds")
+    p.add_argument("--runs", type=int, default=5, help="the artifact's timed generations a round (their median)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    if args.rounds < 0 or args.runs < 1:
+        refuse(f"--rounds {args.rounds} --runs {args.runs}: rounds 0 or more, runs 1 or more")
+    if args.rounds and args.target.suffix == ".gguf":
+        refuse("--rounds compares an artifact's decode with llama-bench: give the artifact folder, not a .gguf")
     gguf = gguf_of(args.target)
     binary, why = find_tool(args.llama_bench, "PEERS_LLAMA_BENCH", "llama-bench", "--llama-bench")
     if binary is None:
         refuse(why)
+    if args.rounds:
+        result = decode_in_turns(args.target, binary, gguf, args)
+        print(
+            f"medians of {args.rounds} rounds: llama-bench tg{args.tokens} {result['median_llama_bench']} tok/s, "
+            f"artifact {result['median_artifact']} tok/s, {result['median_ratio']}x"
+        )
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        return result
     result = decode_reference(binary, gguf, args.threads, args.tokens, args.repetitions, args.llama_bench_args)
     print(
         f"llama-bench {result['test']} on {gguf.name}, {result['threads']} threads, build {result['build']}: "

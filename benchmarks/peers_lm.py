@@ -33,7 +33,7 @@ disk, the CPU, the share of the CPUs other processes used while timing, package 
 `--work DIR` keeps the built peers there and reuses them on the next run. The llama.cpp side venv
 (llama-cpp-python compiles llama.cpp from source, several minutes):
 
-    python3 -m venv /work/peer-venvs/llamacpp && /work/peer-venvs/llamacpp/bin/pip install llama-cpp-python
+    python3 -m venv VENV && VENV/bin/pip install llama-cpp-python   # then --llamacpp-python VENV/bin/python
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ from engines.runner_process import RunnerProcessError, WorkerProcess  # noqa: E4
 BASELINE = "PyTorch FP32"
 ARTIFACT = "artifact"
 PERPLEXITY_BAR = 0.15  # a peer more than this above PyTorch FP32's perplexity fails the recipe's gate
-DEFAULT_LLAMACPP_PYTHON = "/work/peer-venvs/llamacpp/bin/python"
 OPTIMUM_INTEL_GROUP = 128  # optimum-intel's default INT4 group size for a model without a tuned config
 WEIGHT_SUFFIXES = (".bin", ".onnx", ".data", ".safetensors", ".gguf")
 
@@ -311,7 +310,7 @@ def llamacpp_worker() -> None:
 def llamacpp_peer(python: str | None, gguf: Path, threads: int, window: int) -> tuple[Any, str]:
     """(worker or None, note). None with the reason when the side venv is missing or fails."""
     if not python:
-        return None, "not asked for (--llamacpp-python '')"
+        return None, "no llama-cpp-python venv given (--llamacpp-python PY or $PEERS_LLAMACPP_PYTHON)"
     if not Path(python).exists():
         return None, f"llama-cpp-python not available (no side venv at {python}; see the module docstring)"
     check = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True, text=True)
@@ -505,8 +504,8 @@ def parse_args(argv=None):
     parser.add_argument("--work", type=Path, default=None, help="keep (and reuse) the built peers here")
     parser.add_argument(
         "--llamacpp-python",
-        default=os.environ.get("PEERS_LLAMACPP_PYTHON", DEFAULT_LLAMACPP_PYTHON),
-        help="python of a venv with llama-cpp-python ('' to skip llama.cpp)",
+        default=os.environ.get("PEERS_LLAMACPP_PYTHON", ""),
+        help="python of a venv with llama-cpp-python (else $PEERS_LLAMACPP_PYTHON; none: llama.cpp is skipped)",
     )
     parser.add_argument("--texts", type=int, default=64, help="evaluation paragraphs (the pipeline's count)")
     parser.add_argument("--perplexity-tokens", type=int, default=2048)

@@ -197,6 +197,38 @@ def test_llama_bench_found_nowhere_is_refused_in_one_line(tmp_path, monkeypatch,
     )
 
 
+def test_in_turns_alternates_the_order_round_by_round():
+    from benchmarks import llamacpp
+
+    calls = []
+
+    def measure(name, figure):
+        return lambda: calls.append(name) or figure
+
+    rounds = llamacpp.in_turns({"bench": measure("bench", 150.04), "ours": measure("ours", 140.0)}, 3)
+    assert calls == ["bench", "ours", "ours", "bench", "bench", "ours"]
+    assert rounds == [{"bench": 150.0, "ours": 140.0}] * 3
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--rounds", "2"], "--rounds compares an artifact's decode with llama-bench: give the artifact folder"),
+        (["--rounds", "2", "--runs", "0"], "--rounds 2 --runs 0: rounds 0 or more, runs 1 or more"),
+    ],
+)
+def test_decode_in_turns_refuses_a_gguf_or_no_runs_in_one_line(tmp_path, capsys, argv, expected):
+    from benchmarks import llamacpp
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(SystemExit) as exit_info:
+        llamacpp.main([str(gguf), *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {expected}") and err.count("\n") == 1
+
+
 def test_a_constrained_reply_is_valid_only_when_it_parses_and_validates():
     import jsonschema_rs
 
