@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from optimize.evaluate.served import ServedServer, drive, drive_async
+from optimize.evaluate.served import ServedServer, ServerNotReady, drive, drive_async
 
 LEVELS = (1, 4, 16)
 
@@ -350,6 +350,9 @@ class Variant:
     ready_path: str = "/v2/health/ready"
     env: dict | None = None
     levels: list[int] | None = None
+    # Flags to start it once more with where a signal kills it at startup, and why they help.
+    on_crash_flags: tuple[str, ...] = ()
+    on_crash_why: str = ""
 
 
 PORT = "{port}"
@@ -371,14 +374,28 @@ def llamacpp_variants(args, manifest: dict) -> tuple[list[Variant], str]:
     args.peer_versions["llama-server"] = llamacpp.version(binary)
     name = f"llama.cpp llama-server ({gguf.name}, -np = clients)"
     return [
-        Variant(
-            name,
-            llamacpp.server_command(binary, gguf, clients, args.threads, PORT, args.llama_server_args),
-            "/health",
-            levels=[clients],
-        )
+        llama_server_variant(name, binary, gguf, clients, args.threads, args.llama_server_args)
         for clients in args.levels
     ], ""
+
+
+def llama_server_variant(name: str, binary: Path, gguf: Path, slots: int, threads: int, extra: list[str]) -> Variant:
+    """llama-server with `slots` parallel sequences, started once more without weight repacking where
+    a signal kills it at startup (unless its flags already say so)."""
+    from benchmarks import llamacpp
+
+    return Variant(
+        name,
+        llamacpp.server_command(binary, gguf, slots, threads, PORT, extra),
+        "/health",
+        levels=[slots],
+        on_crash_flags=() if "--no-repack" in extra else ("--no-repack",),
+        on_crash_why=REPACK_CRASH,
+    )
+
+
+# Seen on an Intel Xeon VM with AMX: llama.cpp's repacked-weight kernels fault at the first batch.
+REPACK_CRASH = "weight repacking's kernels fault on some CPUs (AMX tile loads in VMs)"
 
 
 def vllm_python(given: str | None) -> tuple[Path | None, str]:
@@ -439,23 +456,43 @@ def vllm_version(python: Path) -> str:
 
 
 def start(variant: Variant, timeout_s: float = 300) -> tuple[ServedServer | None, str]:
-    port = free_port() if PORT in variant.command else None
-    command = [str(port) if part == PORT else part for part in variant.command]
+    """The variant's server once ready, or None and why. Where a signal kills it at startup and the
+    variant has flags for that, it starts once more with them, and the note says so."""
+    server, crash = start_once(variant.command, variant, timeout_s)
+    if crash is None:
+        return server, ""
+    if not (crash.signal_name and variant.on_crash_flags):
+        return None, str(crash)  # names the server and why
+    flags = " ".join(variant.on_crash_flags)
+    server, again = start_once([*variant.command, *variant.on_crash_flags], variant, timeout_s)
+    if again is not None:
+        return None, f"{again} (and {crash.signal_name} without {flags})"
+    died = f"without it, it died with {crash.signal_name}: {variant.on_crash_why}"
+    return server, f"{variant.name} ran with {flags}: {died}"
+
+
+def start_once(
+    command: list[str], variant: Variant, timeout_s: float
+) -> tuple[ServedServer | None, ServerNotReady | None]:
+    """(server, None) once ready, or (None, the ServerNotReady that says why)."""
+    port = free_port() if PORT in command else None
+    command = [str(port) if part == PORT else part for part in command]
     server = ServedServer(variant.name, command, variant.ready_path, env=variant.env, port=port)
     try:
         server.wait_ready(timeout_s)
-        return server, ""
-    except RuntimeError as exc:
+        return server, None
+    except ServerNotReady as exc:
         server.stop()
-        return None, f"{variant.name} did not start: {exc}"
+        return None, exc
 
 
 def started(variant: Variant, model: str, prompts, args, report: dict) -> ServedServer | None:
     """The variant's server, up and warmed with one request; None (and a note why) if it did not start."""
     server, why = start(variant, args.start_timeout_s)
-    if server is None:
+    if why:
         report["notes"].append(why)
         print(why)
+    if server is None:
         return None
     warm(server, model, prompts[-1])
     return server
@@ -673,7 +710,8 @@ def parse_args(argv=None):
         "--llama-server-args",
         type=shlex.split,
         default=shlex.split(os.environ.get("PEERS_LLAMA_SERVER_ARGS", "")),
-        help="more llama-server flags, last ('--no-repack' where its AMX kernels fault; else $PEERS_LLAMA_SERVER_ARGS)",
+        help="more llama-server flags, last (else $PEERS_LLAMA_SERVER_ARGS); one a signal kills at startup runs again "
+        "with --no-repack",
     )
     p.add_argument("--gguf", type=Path, default=None, help="the GGUF llama-server serves (default: the recipe's)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's threads")

@@ -265,7 +265,26 @@ def summarize(results: list[Result], wall: float, clients: int) -> dict:
 
 
 class ServerNotReady(RuntimeError):
-    """The server exited, refused the readiness check or was not ready in time (one line: which)."""
+    """The server exited, refused the readiness check or was not ready in time (one line: which).
+    `signal_name`: the signal that ended it, where one did (SIGSEGV, SIGILL...), else None."""
+
+    def __init__(self, message: str, signal_name: str | None = None):
+        super().__init__(message)
+        self.signal_name = signal_name
+
+
+def signal_of(returncode: int) -> str | None:
+    """The name of the signal that ended a process (Popen's negative return code), else None."""
+    try:
+        return signal.Signals(-returncode).name if returncode < 0 else None
+    except ValueError:  # not a signal this platform names
+        return None
+
+
+def exit_status(returncode: int) -> str:
+    """A process's return code as a person reads it: `2`, or `-11 (SIGSEGV)` where a signal ended it."""
+    name = signal_of(returncode)
+    return f"{returncode} ({name})" if name else str(returncode)
 
 
 class ServedServer:
@@ -321,7 +340,9 @@ class ServedServer:
         while time.monotonic() < deadline and not stop():
             if self.proc.poll() is not None:
                 self.reader.join(5)  # its last lines say why
-                raise ServerNotReady(f"{self.name} exited with {self.proc.returncode}: {self.last_lines()}")
+                code = self.proc.returncode
+                why = f"{self.name} exited with {exit_status(code)}: {self.last_lines()}"
+                raise ServerNotReady(why, signal_of(code))
             status = None
             if self.port:
                 with contextlib.suppress(httpx.HTTPError):

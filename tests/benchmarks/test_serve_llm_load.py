@@ -197,6 +197,60 @@ def test_llama_bench_found_nowhere_is_refused_in_one_line(tmp_path, monkeypatch,
     )
 
 
+# A llama-server stand-in: killed by SIGSEGV at startup unless given --no-repack, as llama.cpp's
+# repacked-weight kernels are on an Intel Xeon VM with AMX; with it, /health answers 200.
+CRASHING_SERVER = """
+import http.server, os, signal, sys
+
+if "--no-repack" not in sys.argv:
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+port = int(sys.argv[sys.argv.index("--port") + 1])
+http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+"""
+
+
+def test_a_llama_server_killed_by_a_signal_at_startup_runs_again_without_repacking_and_says_so(tmp_path, monkeypatch):
+    binary = executable(
+        no_peers_anywhere(monkeypatch, tmp_path) / "llama-server", f"#!{sys.executable}\n{CRASHING_SERVER}"
+    )
+    args = bench.parse_args([str(tmp_path), "--levels", "1", "--threads", "1"])
+    args.peer_versions = {}
+    (variant,), _ = bench.llamacpp_variants(args, smollm2_manifest())
+    assert variant.command[0] == str(binary) and "--no-repack" not in variant.command
+    server, note = bench.start(variant, timeout_s=60)
+    assert server is not None, note
+    try:
+        assert "--no-repack" in server.proc.args  # the second start
+        assert note.startswith(f"{variant.name} ran with --no-repack: without it, it died with SIGSEGV")
+    finally:
+        server.stop()
+
+
+def test_a_server_killed_by_a_signal_with_nothing_to_retry_is_one_line_naming_the_signal(tmp_path, monkeypatch):
+    crashing = executable(
+        no_peers_anywhere(monkeypatch, tmp_path) / "llama-server", f"#!{sys.executable}\n{CRASHING_SERVER}"
+    )
+    variant = bench.Variant("some server", [str(crashing), "--port", bench.PORT], "/health")
+    server, note = bench.start(variant, timeout_s=60)
+    assert server is None
+    assert note.startswith("some server exited with -11 (SIGSEGV)") and "\n" not in note
+    given = bench.parse_args([str(tmp_path), "--llama-server-args=--no-repack"])
+    given.peer_versions = {}
+    variants, _ = bench.llamacpp_variants(given, smollm2_manifest())
+    assert variants[0].on_crash_flags == ()  # already without repacking: nothing else to try
+
+
 def test_in_turns_alternates_the_order_round_by_round():
     from benchmarks import llamacpp
 
@@ -268,9 +322,7 @@ def test_a_real_llama_server_serves_the_load_on_loopback_with_its_slots(tmp_path
         pytest.skip(why)
     extra = bench.parse_args([str(tmp_path)]).llama_server_args  # $PEERS_LLAMA_SERVER_ARGS, as the benchmark
     gguf = write_gguf(tiny_llama_folder(tmp_path / "hf"), tmp_path / "tiny.Q8_0.gguf")
-    server, why = bench.start(
-        bench.Variant("llama-server", llamacpp.server_command(binary, gguf, 2, 1, bench.PORT, extra), "/health")
-    )
+    server, why = bench.start(bench.llama_server_variant("llama-server", binary, gguf, 2, 1, extra))
     assert server is not None, why
     try:
         figures = drive(server.url, "tiny", [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]], 2, 2, 8, 60)
