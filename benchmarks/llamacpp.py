@@ -241,18 +241,17 @@ def main(argv=None) -> dict:
         refuse(why)
     if args.rounds:
         result = decode_in_turns(args.target, binary, gguf, args)
-        print(
+        summary = (
             f"medians of {args.rounds} rounds: llama-bench tg{args.tokens} {result['median_llama_bench']} tok/s, "
             f"artifact {result['median_artifact']} tok/s, {result['median_ratio']}x"
         )
-        if args.json:
-            args.json.write_text(json.dumps(result, indent=2))
-        return result
-    result = decode_reference(binary, gguf, args.threads, args.tokens, args.repetitions, args.llama_bench_args)
-    print(
-        f"llama-bench {result['test']} on {gguf.name}, {result['threads']} threads, build {result['build']}: "
-        f"{result['tokens_per_s']} +/- {result['stddev_tokens_per_s']} tok/s"
-    )
+    else:
+        result = decode_reference(binary, gguf, args.threads, args.tokens, args.repetitions, args.llama_bench_args)
+        summary = (
+            f"llama-bench {result['test']} on {gguf.name}, {result['threads']} threads, build {result['build']}: "
+            f"{result['tokens_per_s']} +/- {result['stddev_tokens_per_s']} tok/s"
+        )
+    print(summary)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result
