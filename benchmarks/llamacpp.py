@@ -208,6 +208,9 @@ def in_turns(measures: dict[str, Callable[[], float]], rounds: int) -> list[dict
     ]
 
 
+MAX_COUNT = 100  # rounds, or generations a round: more only makes a run hours long
+
+
 def gguf_of(target: Path) -> Path:
     """A .gguf file as given, or the GGUF an artifact folder's recipe starts from (refused otherwise)."""
     if target.suffix == ".gguf":
@@ -231,8 +234,8 @@ def main(argv=None) -> dict:
     p.add_argument("--runs", type=int, default=5, help="the artifact's timed generations a round (their median)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    if args.rounds < 0 or args.runs < 1:
-        refuse(f"--rounds {args.rounds} --runs {args.runs}: rounds 0 or more, runs 1 or more")
+    if not (0 <= args.rounds <= MAX_COUNT and 1 <= args.runs <= MAX_COUNT):
+        refuse(f"--rounds {args.rounds} --runs {args.runs}: rounds 0 to {MAX_COUNT}, runs 1 to {MAX_COUNT}")
     if args.rounds and args.target.suffix == ".gguf":
         refuse("--rounds compares an artifact's decode with llama-bench: give the artifact folder, not a .gguf")
     gguf = gguf_of(args.target)

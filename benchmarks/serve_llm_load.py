@@ -489,7 +489,7 @@ def start_once(
 def started(variant: Variant, model: str, prompts, args, report: dict) -> ServedServer | None:
     """The variant's server, up and warmed with one request; None (and a note why) if it did not start."""
     server, why = start(variant, args.start_timeout_s)
-    if why:
+    if why and why not in report["notes"]:  # a peer started once per level says it once
         report["notes"].append(why)
         print(why)
     if server is None:

@@ -268,7 +268,8 @@ def test_in_turns_alternates_the_order_round_by_round():
     ("argv", "expected"),
     [
         (["--rounds", "2"], "--rounds compares an artifact's decode with llama-bench: give the artifact folder"),
-        (["--rounds", "2", "--runs", "0"], "--rounds 2 --runs 0: rounds 0 or more, runs 1 or more"),
+        (["--rounds", "2", "--runs", "0"], "--rounds 2 --runs 0: rounds 0 to 100, runs 1 to 100"),
+        (["--rounds", "2", "--runs", "10" * 12], f"--rounds 2 --runs {'10' * 12}: rounds 0 to 100, runs 1 to 100"),
     ],
 )
 def test_decode_in_turns_refuses_a_gguf_or_no_runs_in_one_line(tmp_path, capsys, argv, expected):
