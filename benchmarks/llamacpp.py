@@ -165,6 +165,44 @@ def decode_reference(
     }
 
 
+# Seen on an Intel Xeon VM with AMX: llama.cpp's repacked weights (its AMX buffer type) decode one token
+# at a time, but its kernels fault at the first batch of two or more tokens, so any prompt kills it.
+REPACK_CRASH = "weight repacking's kernels fault on some CPUs (AMX tile loads in VMs)"
+PROBE_PROMPT_TOKENS = 8
+
+
+def prompt_failure(binary: Path, gguf: Path, threads: int, extra: Sequence[str], timeout_s: float = 300) -> str:
+    """'' when llama-bench with these flags reads a PROBE_PROMPT_TOKENS-token prompt; else how it ended
+    (its exit status, with the signal's name where a signal ended it)."""
+    from optimize.evaluate.served import exit_status
+
+    command = [str(binary), "-m", str(gguf), "-p", str(PROBE_PROMPT_TOKENS), "-n", "0", "-t", str(threads),
+               "-r", "1", "-o", "json", *extra]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    return "" if done.returncode == 0 else exit_status(done.returncode)
+
+
+def serving_flags(binary: Path, gguf: Path, threads: int, extra: Sequence[str]) -> tuple[list[str], str]:
+    """llama-bench's flags for a llama.cpp that can answer a request on this machine, and a note where
+    they are not the ones given: `extra`, or `extra` with `--repack 0` where llama-bench with repacked
+    weights dies on a prompt (its tg test has no prompt, so it would time a program no request can
+    use). RuntimeError where no such flags are found."""
+    failure = prompt_failure(binary, gguf, threads, extra)
+    if not failure:
+        return list(extra), ""
+    died = " ".join(["llama-bench", *extra]) + f" exited with {failure} on a prompt of {PROBE_PROMPT_TOKENS} tokens"
+    if "--repack" in extra or "SIG" not in failure:
+        raise RuntimeError(f"{died}: its decode would be that of a program that cannot read a prompt")
+    retry = [*extra, "--repack", "0"]
+    again = prompt_failure(binary, gguf, threads, retry)
+    if again:
+        raise RuntimeError(f"{died}, and with --repack 0 it exited with {again}")
+    return retry, (
+        f"llama-bench ran with --repack 0: with repacked weights it decodes from an empty prompt but "
+        f"died with {failure} on a prompt of {PROBE_PROMPT_TOKENS} tokens; {REPACK_CRASH}"
+    )
+
+
 def decode_in_turns(
     artifact: Path, binary: Path, gguf: Path, args: argparse.Namespace, prompt_tokens: int = 64
 ) -> dict:
@@ -222,6 +260,27 @@ def gguf_of(target: Path) -> Path:
     return gguf if gguf is not None else refuse(why)
 
 
+def measure(args: argparse.Namespace, binary: Path, gguf: Path) -> tuple[dict, str]:
+    """The result of either mode and its summary line, llama-bench run with flags that can serve."""
+    flags, note = serving_flags(binary, gguf, args.threads, args.llama_bench_args)
+    if note:
+        print(f"note: {note}")
+    args.llama_bench_args = flags
+    if args.rounds:
+        result = decode_in_turns(args.target, binary, gguf, args)
+        summary = (
+            f"medians of {args.rounds} rounds: llama-bench tg{args.tokens} {result['median_llama_bench']} tok/s, "
+            f"artifact {result['median_artifact']} tok/s, {result['median_ratio']}x"
+        )
+    else:
+        result = decode_reference(binary, gguf, args.threads, args.tokens, args.repetitions, flags)
+        summary = (
+            f"llama-bench {result['test']} on {gguf.name}, {result['threads']} threads, build {result['build']}: "
+            f"{result['tokens_per_s']} +/- {result['stddev_tokens_per_s']} tok/s"
+        )
+    return {**result, "llama_bench_args": flags, "note": note}, summary
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1].strip())
     p.add_argument("target", type=Path, help="an artifact folder (its recipe's GGUF) or a .gguf file")
@@ -242,18 +301,11 @@ def main(argv=None) -> dict:
     binary, why = find_tool(args.llama_bench, "PEERS_LLAMA_BENCH", "llama-bench", "--llama-bench")
     if binary is None:
         refuse(why)
-    if args.rounds:
-        result = decode_in_turns(args.target, binary, gguf, args)
-        summary = (
-            f"medians of {args.rounds} rounds: llama-bench tg{args.tokens} {result['median_llama_bench']} tok/s, "
-            f"artifact {result['median_artifact']} tok/s, {result['median_ratio']}x"
-        )
-    else:
-        result = decode_reference(binary, gguf, args.threads, args.tokens, args.repetitions, args.llama_bench_args)
-        summary = (
-            f"llama-bench {result['test']} on {gguf.name}, {result['threads']} threads, build {result['build']}: "
-            f"{result['tokens_per_s']} +/- {result['stddev_tokens_per_s']} tok/s"
-        )
+    try:
+        result, summary = measure(args, binary, gguf)
+    except RuntimeError as exc:  # llama-bench failed: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(1) from None
     print(summary)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -390,12 +390,8 @@ def llama_server_variant(name: str, binary: Path, gguf: Path, slots: int, thread
         "/health",
         levels=[slots],
         on_crash_flags=() if "--no-repack" in extra else ("--no-repack",),
-        on_crash_why=REPACK_CRASH,
+        on_crash_why=llamacpp.REPACK_CRASH,
     )
-
-
-# Seen on an Intel Xeon VM with AMX: llama.cpp's repacked-weight kernels fault at the first batch.
-REPACK_CRASH = "weight repacking's kernels fault on some CPUs (AMX tile loads in VMs)"
 
 
 def vllm_python(given: str | None) -> tuple[Path | None, str]:

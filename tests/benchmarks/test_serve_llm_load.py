@@ -251,6 +251,58 @@ def test_a_server_killed_by_a_signal_with_nothing_to_retry_is_one_line_naming_th
     assert variants[0].on_crash_flags == ()  # already without repacking: nothing else to try
 
 
+# A llama-bench stand-in: with its weights repacked (the default) it decodes from an empty prompt at
+# 300 tok/s but dies with SIGSEGV on any prompt, as llama.cpp does on an Intel Xeon VM with AMX; with
+# --repack 0 it reads prompts and decodes at 110 tok/s. $CRASH_ANY_PROMPT: it dies on prompts either way.
+CRASHING_BENCH = """
+import json, os, signal, sys
+
+args = sys.argv[1:]
+repacked = "--repack" not in args or args[args.index("--repack") + 1] != "0"
+if int(args[args.index("-p") + 1]) > 0 and (repacked or os.environ.get("CRASH_ANY_PROMPT")):
+    os.kill(os.getpid(), signal.SIGSEGV)
+tokens = int(args[args.index("-n") + 1])
+print(json.dumps([{"n_gen": tokens, "n_threads": 2, "avg_ts": 300.0 if repacked else 110.0, "stddev_ts": 1.0}]))
+"""
+
+
+def test_llama_bench_that_dies_on_a_prompt_is_timed_without_repacking_and_says_so(tmp_path, monkeypatch, capsys):
+    from benchmarks import llamacpp
+
+    executable(no_peers_anywhere(monkeypatch, tmp_path) / "llama-bench", f"#!{sys.executable}\n{CRASHING_BENCH}")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    result = llamacpp.main([str(gguf), "--repetitions", "1"])
+    assert result["tokens_per_s"] == 110.0 and result["llama_bench_args"] == ["--repack", "0"]
+    assert result["note"].startswith("llama-bench ran with --repack 0: with repacked weights it decodes")
+    assert "died with -11 (SIGSEGV) on a prompt of 8 tokens" in result["note"]
+    assert capsys.readouterr().out.startswith(f"note: {result['note']}\n")
+
+
+@pytest.mark.parametrize(
+    ("argv", "crash_any_prompt", "expected"),
+    [
+        (["--llama-bench-args=--repack 1"], "", "llama-bench --repack 1 exited with -11 (SIGSEGV) on a prompt of 8 "
+         "tokens: its decode would be that of a program that cannot read a prompt"),
+        ([], "1", "llama-bench exited with -11 (SIGSEGV) on a prompt of 8 tokens, and with --repack 0 it exited with "
+         "-11 (SIGSEGV)"),
+    ],
+)  # fmt: skip
+def test_llama_bench_that_no_flags_keep_alive_on_a_prompt_is_one_line(
+    tmp_path, monkeypatch, capsys, argv, crash_any_prompt, expected
+):
+    from benchmarks import llamacpp
+
+    executable(no_peers_anywhere(monkeypatch, tmp_path) / "llama-bench", f"#!{sys.executable}\n{CRASHING_BENCH}")
+    monkeypatch.setenv("CRASH_ANY_PROMPT", crash_any_prompt)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(SystemExit) as exit_info:
+        llamacpp.main([str(gguf), *argv])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == f"error: {expected}\n"
+
+
 def test_in_turns_alternates_the_order_round_by_round():
     from benchmarks import llamacpp
 
