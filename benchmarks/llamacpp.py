@@ -137,6 +137,14 @@ def bench_command(
             "-r", str(repetitions), "-o", "json", *extra]  # fmt: skip
 
 
+def run_bench(command: list[str], timeout_s: float) -> subprocess.CompletedProcess:
+    """llama-bench's run; RuntimeError (one line) where it outlasts `timeout_s`."""
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(f"llama-bench did not finish within {timeout_s:.0f} s: {shlex.join(command)}") from None
+
+
 def decode_reference(
     binary: Path,
     gguf: Path,
@@ -148,11 +156,11 @@ def decode_reference(
 ) -> dict:
     """llama-bench's tg`tokens` on `gguf`: mean and stddev tokens/s, and the build it measured."""
     command = bench_command(binary, gguf, threads, tokens, repetitions, extra)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    done = run_bench(command, timeout_s)
     if done.returncode != 0:
         tail = " | ".join(done.stderr.strip().splitlines()[-2:])
         raise RuntimeError(f"llama-bench exited with {done.returncode}: {tail}")
-    row = next(r for r in json.loads(done.stdout) if r.get("n_gen") == tokens)
+    row = tg_row(done.stdout, tokens)
     return {
         "test": f"tg{tokens}",
         "gguf": gguf.name,
@@ -178,7 +186,7 @@ def prompt_failure(binary: Path, gguf: Path, threads: int, extra: Sequence[str],
 
     command = [str(binary), "-m", str(gguf), "-p", str(PROBE_PROMPT_TOKENS), "-n", "0", "-t", str(threads),
                "-r", "1", "-o", "json", *extra]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
+    done = run_bench(command, timeout_s)
     return "" if done.returncode == 0 else exit_status(done.returncode)
 
 
@@ -201,6 +209,15 @@ def serving_flags(binary: Path, gguf: Path, threads: int, extra: Sequence[str]) 
         f"llama-bench ran with --repack 0: with repacked weights it decodes from an empty prompt but "
         f"died with {failure} on a prompt of {PROBE_PROMPT_TOKENS} tokens; {REPACK_CRASH}"
     )
+
+
+def tg_row(output: str, tokens: int) -> dict:
+    """llama-bench's JSON row of the tg`tokens` test; RuntimeError where its output holds none."""
+    try:
+        rows = json.loads(output)
+        return next(r for r in rows if isinstance(r, dict) and r.get("n_gen") == tokens and "avg_ts" in r)
+    except (ValueError, TypeError, StopIteration):
+        raise RuntimeError(f"llama-bench printed no tg{tokens} result as JSON: {output.strip()[:120]!r}") from None
 
 
 def decode_in_turns(

@@ -303,6 +303,23 @@ def test_llama_bench_that_no_flags_keep_alive_on_a_prompt_is_one_line(
     assert capsys.readouterr().err == f"error: {expected}\n"
 
 
+@pytest.mark.parametrize(
+    ("program", "expected"),
+    [
+        ("print('no json here')", "llama-bench printed no tg64 result as JSON: 'no json here'"),
+        ("print('[{\"n_gen\": 0}]')", "llama-bench printed no tg64 result as JSON"),
+        ("import time; time.sleep(30)", "llama-bench did not finish within 1 s"),
+    ],
+)
+def test_a_llama_bench_that_prints_no_result_or_hangs_is_one_line(tmp_path, program, expected):
+    from benchmarks import llamacpp
+
+    binary = executable(tmp_path / "llama-bench", f"#!{sys.executable}\n{program}\n")
+    with pytest.raises(RuntimeError) as error:
+        llamacpp.decode_reference(binary, tmp_path / "m.gguf", repetitions=1, timeout_s=1)
+    assert str(error.value).startswith(expected) and "\n" not in str(error.value)
+
+
 def test_in_turns_alternates_the_order_round_by_round():
     from benchmarks import llamacpp
 
