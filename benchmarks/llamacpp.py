@@ -174,8 +174,9 @@ def decode_reference(
 
 
 # Seen on an Intel Xeon VM with AMX: llama.cpp's repacked weights (its AMX buffer type) decode one token
-# at a time, but its kernels fault at the first batch of two or more tokens, so any prompt kills it.
-REPACK_CRASH = "weight repacking's kernels fault on some CPUs (AMX tile loads in VMs)"
+# at a time, but a batch of two or more tokens dies in its AMX kernel (SIGILL at a tilezero in
+# tinygemm_kernel_amx), so any prompt kills it. AMX itself runs there: the fault is llama.cpp's.
+REPACK_CRASH = "llama.cpp's AMX kernels for repacked weights fault on some CPUs (seen on an Intel Xeon VM)"
 PROBE_PROMPT_TOKENS = 8
 
 
