@@ -180,31 +180,38 @@ REPACK_CRASH = "llama.cpp's AMX kernels for repacked weights fault on some CPUs 
 PROBE_PROMPT_TOKENS = 8
 
 
-def prompt_failure(binary: Path, gguf: Path, threads: int, extra: Sequence[str], timeout_s: float = 300) -> str:
-    """'' when llama-bench with these flags reads a PROBE_PROMPT_TOKENS-token prompt; else how it ended
-    (its exit status, with the signal's name where a signal ended it)."""
-    from optimize.evaluate.served import exit_status
+def prompt_failure(
+    binary: Path, gguf: Path, threads: int, extra: Sequence[str], timeout_s: float = 300
+) -> tuple[int, str]:
+    """llama-bench's exit status on a PROBE_PROMPT_TOKENS-token prompt with these flags, and how it
+    ended in words: "-4 (SIGILL)" where a signal killed it, "1 (LAST LINE IT WROTE)" where it failed."""
+    from optimize.evaluate.served import exit_status, signal_of
 
     command = [str(binary), "-m", str(gguf), "-p", str(PROBE_PROMPT_TOKENS), "-n", "0", "-t", str(threads),
                "-r", "1", "-o", "json", *extra]  # fmt: skip
     done = run_bench(command, timeout_s)
-    return "" if done.returncode == 0 else exit_status(done.returncode)
+    if done.returncode == 0 or signal_of(done.returncode):
+        return done.returncode, exit_status(done.returncode)
+    said = (done.stderr.strip().splitlines() or ["nothing on stderr"])[-1]
+    return done.returncode, f"{done.returncode} ({said[:200]})"
 
 
 def serving_flags(binary: Path, gguf: Path, threads: int, extra: Sequence[str]) -> tuple[list[str], str]:
     """llama-bench's flags for a llama.cpp that can answer a request on this machine, and a note where
-    they are not the ones given: `extra`, or `extra` with `--repack 0` where llama-bench with repacked
-    weights dies on a prompt (its tg test has no prompt, so it would time a program no request can
-    use). RuntimeError where no such flags are found."""
-    failure = prompt_failure(binary, gguf, threads, extra)
-    if not failure:
+    they are not the ones given: `extra`, or `extra` with `--repack 0` where a signal kills llama-bench
+    with repacked weights on a prompt (its tg test has no prompt, so it would time a program no request
+    can use). RuntimeError where no such flags are found."""
+    from optimize.evaluate.served import signal_of
+
+    status, failure = prompt_failure(binary, gguf, threads, extra)
+    if status == 0:
         return list(extra), ""
     died = " ".join(["llama-bench", *extra]) + f" exited with {failure} on a prompt of {PROBE_PROMPT_TOKENS} tokens"
-    if "--repack" in extra or "SIG" not in failure:
-        raise RuntimeError(f"{died}: its decode would be that of a program that cannot read a prompt")
+    if "--repack" in extra or not signal_of(status):
+        raise RuntimeError(died)
     retry = [*extra, "--repack", "0"]
-    again = prompt_failure(binary, gguf, threads, retry)
-    if again:
+    status, again = prompt_failure(binary, gguf, threads, retry)
+    if status != 0:
         raise RuntimeError(f"{died}, and with --repack 0 it exited with {again}")
     return retry, (
         f"llama-bench ran with --repack 0: with repacked weights it decodes from an empty prompt but "
