@@ -16,6 +16,11 @@ medians. On a shared machine either engine's speed moves with the half hour (lla
 158 tok/s on one 2-core machine in one day), so figures taken one after the other measure the hour as
 much as the engines.
 
+Either way llama-bench first reads an 8-token prompt. Its tg test has no prompt, and on some machines
+llama.cpp's repacked weights decode from an empty prompt yet die on any prompt (an Intel Xeon VM with
+AMX: SIGILL in its AMX kernel), a speed no request can get; where a signal kills it there, it is timed
+with `--repack 0`, the llama.cpp that serves, and the output says so.
+
 A peer's program is found by its flag, else its environment variable, else on PATH, never at a path
 of one machine: PEERS_LLAMA_SERVER and PEERS_LLAMA_BENCH name llama.cpp's binaries (a build's
 build/bin/ holds both). A path given that is not an executable is refused in one line (exit 2); a
@@ -158,8 +163,10 @@ def decode_reference(
     command = bench_command(binary, gguf, threads, tokens, repetitions, extra)
     done = run_bench(command, timeout_s)
     if done.returncode != 0:
+        from optimize.evaluate.served import exit_status
+
         tail = " | ".join(done.stderr.strip().splitlines()[-2:])
-        raise RuntimeError(f"llama-bench exited with {done.returncode}: {tail}")
+        raise RuntimeError(f"llama-bench exited with {exit_status(done.returncode)}: {tail}")
     row = tg_row(done.stdout, tokens)
     return {
         "test": f"tg{tokens}",
@@ -207,7 +214,7 @@ def serving_flags(binary: Path, gguf: Path, threads: int, extra: Sequence[str]) 
     if status == 0:
         return list(extra), ""
     died = " ".join(["llama-bench", *extra]) + f" exited with {failure} on a prompt of {PROBE_PROMPT_TOKENS} tokens"
-    if "--repack" in extra or not signal_of(status):
+    if any(flag.startswith("--repack") for flag in extra) or not signal_of(status):
         raise RuntimeError(died)
     retry = [*extra, "--repack", "0"]
     status, again = prompt_failure(binary, gguf, threads, retry)
