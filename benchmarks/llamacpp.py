@@ -8,13 +8,13 @@ the GGUF given). benchmarks/serve_llm_load.py runs `llama-server` on the same fi
 
     .venv/bin/python -m benchmarks.llamacpp ARTIFACT --rounds 5 [--runs 5] [--threads 2] [--tokens 64]
 
-compares the artifact's own decode with it, in turns: each round runs llama-bench once (one
-repetition) and times the artifact's greedy decode (`--tokens` new tokens after a 64-token held-out
-prompt, the median of --runs generations, in a worker process of its own as the pipeline times its
-candidates), the order reversed every other round; it prints each round's pair and ratio and the
-medians. On a shared machine either engine's speed moves with the half hour (llama-bench read 112 to
-158 tok/s on one 2-core machine in one day), so figures taken one after the other measure the hour as
-much as the engines.
+compares the artifact's own decode with it, in turns: each round runs llama-bench for --runs
+repetitions (the median of its per-repetition figures) and times the artifact's greedy decode
+(`--tokens` new tokens after a 64-token held-out prompt, the median of --runs generations, in a worker
+process of its own as the pipeline times its candidates), the order reversed every other round; it
+prints each round's pair and ratio and the medians. On a shared machine either engine's speed moves
+with the half hour (llama-bench read 112 to 158 tok/s on one 2-core machine in one day), so figures
+taken one after the other measure the hour as much as the engines.
 
 Either way llama-bench first reads an 8-token prompt. Its tg test has no prompt, and on some machines
 llama.cpp's repacked weights decode from an empty prompt yet die on any prompt (an Intel Xeon VM with
@@ -174,6 +174,7 @@ def decode_reference(
         "threads": row.get("n_threads", threads),
         "tokens_per_s": round(float(row["avg_ts"]), 2),
         "stddev_tokens_per_s": round(float(row.get("stddev_ts") or 0.0), 2),
+        "median_tokens_per_s": round(median_of(row.get("samples_ts")) or float(row["avg_ts"]), 2),
         "repetitions": repetitions,
         "build": f"{row.get('build_number', '')} ({row.get('build_commit', '')})",
         "command": command,
@@ -226,6 +227,15 @@ def serving_flags(binary: Path, gguf: Path, threads: int, extra: Sequence[str]) 
     )
 
 
+def median_of(samples) -> float | None:
+    """The median of llama-bench's per-repetition figures (`samples_ts`), None where it gave none."""
+    import statistics
+
+    if not isinstance(samples, list) or not samples:
+        return None
+    return float(statistics.median(float(x) for x in samples))
+
+
 def tg_row(output: str, tokens: int) -> dict:
     """llama-bench's JSON row of the tg`tokens` test; RuntimeError where its output holds none."""
     try:
@@ -256,7 +266,8 @@ def decode_in_turns(
             return speed({"artifact": runner}, prompts, args.tokens, 0, args.runs)["artifact"]["decode_tok_s"]["p50"]
 
         def bench_decode() -> float:
-            return decode_reference(binary, gguf, args.threads, args.tokens, 1, args.llama_bench_args)["tokens_per_s"]
+            reference = decode_reference(binary, gguf, args.threads, args.tokens, args.runs, args.llama_bench_args)
+            return reference["median_tokens_per_s"]
 
         rounds = in_turns({"llama_bench": bench_decode, "artifact": artifact_decode}, args.rounds)
     for number, row in enumerate(rounds, start=1):
@@ -322,7 +333,7 @@ def main(argv=None) -> dict:
     p.add_argument("--repetitions", type=int, default=5)
     p.add_argument("--llama-bench-args", type=shlex.split, default=[], help="more llama-bench flags ('--repack 0')")
     p.add_argument("--rounds", type=int, default=0, help="compare an artifact's own decode, in turns, this many rounds")
-    p.add_argument("--runs", type=int, default=5, help="the artifact's timed generations a round (their median)")
+    p.add_argument("--runs", type=int, default=5, help="timed runs a round for each side (their median)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if not (0 <= args.rounds <= MAX_COUNT and 1 <= args.runs <= MAX_COUNT):

@@ -324,6 +324,18 @@ def test_a_llama_bench_that_prints_no_result_or_hangs_is_one_line(tmp_path, prog
     assert str(error.value).startswith(expected) and "\n" not in str(error.value)
 
 
+def test_llama_bench_per_repetition_figures_give_a_median_beside_its_mean(tmp_path):
+    from benchmarks import llamacpp
+
+    rows = '[{"n_gen": 64, "n_threads": 2, "avg_ts": 173.3, "stddev_ts": 100.0, "samples_ts": [100.0, 300.0, 120.0]}]'
+    binary = executable(tmp_path / "llama-bench", f"#!{sys.executable}\nprint({rows!r})\n")
+    result = llamacpp.decode_reference(binary, tmp_path / "m.gguf", repetitions=3)
+    assert result["median_tokens_per_s"] == 120.0 and result["tokens_per_s"] == 173.3
+    no_samples = '[{"n_gen": 64, "avg_ts": 90.0}]'  # a llama-bench that gives its mean only
+    one = executable(tmp_path / "older-llama-bench", f"#!{sys.executable}\nprint({no_samples!r})\n")
+    assert llamacpp.decode_reference(one, tmp_path / "m.gguf", repetitions=1)["median_tokens_per_s"] == 90.0
+
+
 def test_in_turns_alternates_the_order_round_by_round():
     from benchmarks import llamacpp
 
