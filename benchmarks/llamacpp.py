@@ -290,6 +290,23 @@ def in_turns(measures: dict[str, Callable[[], float]], rounds: int) -> list[dict
 
 
 MAX_COUNT = 100  # rounds, or generations a round: more only makes a run hours long
+MAX_THREADS = 1024
+MAX_TOKENS = 4096  # generated tokens a test: longer outgrows a small model's context
+
+
+def refuse_bad_counts(args: argparse.Namespace) -> None:
+    """Counts outside what can give a figure (no threads, no tokens, no repetition: llama-bench aborts
+    or reports 0 tok/s) are refused in one line before anything runs."""
+    ranges = {
+        "--rounds": (args.rounds, 0, MAX_COUNT),
+        "--runs": (args.runs, 1, MAX_COUNT),
+        "--repetitions": (args.repetitions, 1, MAX_COUNT),
+        "--threads": (args.threads, 1, MAX_THREADS),
+        "--tokens": (args.tokens, 1, MAX_TOKENS),
+    }
+    for flag, (value, low, high) in ranges.items():
+        if not low <= value <= high:
+            refuse(f"{flag} {value}: from {low} to {high}")
 
 
 def gguf_of(target: Path) -> Path:
@@ -336,8 +353,7 @@ def main(argv=None) -> dict:
     p.add_argument("--runs", type=int, default=5, help="timed runs a round for each side (their median)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    if not (0 <= args.rounds <= MAX_COUNT and 1 <= args.runs <= MAX_COUNT):
-        refuse(f"--rounds {args.rounds} --runs {args.runs}: rounds 0 to {MAX_COUNT}, runs 1 to {MAX_COUNT}")
+    refuse_bad_counts(args)
     if args.rounds and args.target.suffix == ".gguf":
         refuse("--rounds compares an artifact's decode with llama-bench: give the artifact folder, not a .gguf")
     gguf = gguf_of(args.target)

@@ -353,11 +353,16 @@ def test_in_turns_alternates_the_order_round_by_round():
     ("argv", "expected"),
     [
         (["--rounds", "2"], "--rounds compares an artifact's decode with llama-bench: give the artifact folder"),
-        (["--rounds", "2", "--runs", "0"], "--rounds 2 --runs 0: rounds 0 to 100, runs 1 to 100"),
-        (["--rounds", "2", "--runs", "10" * 12], f"--rounds 2 --runs {'10' * 12}: rounds 0 to 100, runs 1 to 100"),
+        (["--rounds", "2", "--runs", "0"], "--runs 0: from 1 to 100"),
+        (["--rounds", "2", "--runs", "10" * 12], f"--runs {'10' * 12}: from 1 to 100"),
+        (["--rounds", "-1"], "--rounds -1: from 0 to 100"),
+        (["--repetitions", "0"], "--repetitions 0: from 1 to 100"),  # llama-bench would report 0 tok/s
+        (["--threads", "0"], "--threads 0: from 1 to 1024"),  # llama-bench aborts
+        (["--threads", "9" * 20], f"--threads {'9' * 20}: from 1 to 1024"),
+        (["--tokens", "-1"], "--tokens -1: from 1 to 4096"),
     ],
 )
-def test_decode_in_turns_refuses_a_gguf_or_no_runs_in_one_line(tmp_path, capsys, argv, expected):
+def test_counts_that_give_no_figure_or_rounds_on_a_gguf_are_refused_in_one_line(tmp_path, capsys, argv, expected):
     from benchmarks import llamacpp
 
     gguf = tmp_path / "m.gguf"
