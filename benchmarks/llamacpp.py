@@ -136,9 +136,11 @@ def bench_command(
     tokens: int,
     repetitions: int,
     extra: Sequence[str] = (),
+    prompt: int = 0,
 ) -> list[str]:
-    """tg`tokens` only (`-p 0`: no prompt-processing test), JSON out, the user's own flags last."""
-    return [str(binary), "-m", str(gguf), "-p", "0", "-n", str(tokens), "-t", str(threads),
+    """tg`tokens` (with the default `-p 0`: no prompt-processing test), JSON out, the user's own flags
+    last; with `prompt` tokens and no `tokens`, the pp test alone."""
+    return [str(binary), "-m", str(gguf), "-p", str(prompt), "-n", str(tokens), "-t", str(threads),
             "-r", str(repetitions), "-o", "json", *extra]  # fmt: skip
 
 
@@ -159,7 +161,8 @@ def decode_reference(
     extra: Sequence[str] = (),
     timeout_s: float = 600,
 ) -> dict:
-    """llama-bench's tg`tokens` on `gguf`: mean and stddev tokens/s, and the build it measured."""
+    """llama-bench's tg`tokens` on `gguf`: mean, stddev and median tokens/s over its repetitions, and
+    the build it measured."""
     command = bench_command(binary, gguf, threads, tokens, repetitions, extra)
     done = run_bench(command, timeout_s)
     if done.returncode != 0:
@@ -174,7 +177,7 @@ def decode_reference(
         "threads": row.get("n_threads", threads),
         "tokens_per_s": round(float(row["avg_ts"]), 2),
         "stddev_tokens_per_s": round(float(row.get("stddev_ts") or 0.0), 2),
-        "median_tokens_per_s": round(median_of(row.get("samples_ts")) or float(row["avg_ts"]), 2),
+        "median_tokens_per_s": round(median_of(row.get("samples_ts"), default=float(row["avg_ts"])), 2),
         "repetitions": repetitions,
         "build": f"{row.get('build_number', '')} ({row.get('build_commit', '')})",
         "command": command,
@@ -195,9 +198,7 @@ def prompt_failure(
     ended in words: "-4 (SIGILL)" where a signal killed it, "1 (LAST LINE IT WROTE)" where it failed."""
     from optimize.evaluate.served import exit_status, signal_of
 
-    command = [str(binary), "-m", str(gguf), "-p", str(PROBE_PROMPT_TOKENS), "-n", "0", "-t", str(threads),
-               "-r", "1", "-o", "json", *extra]  # fmt: skip
-    done = run_bench(command, timeout_s)
+    done = run_bench(bench_command(binary, gguf, threads, 0, 1, extra, prompt=PROBE_PROMPT_TOKENS), timeout_s)
     if done.returncode == 0 or signal_of(done.returncode):
         return done.returncode, exit_status(done.returncode)
     said = (done.stderr.strip().splitlines() or ["nothing on stderr"])[-1]
@@ -227,12 +228,12 @@ def serving_flags(binary: Path, gguf: Path, threads: int, extra: Sequence[str]) 
     )
 
 
-def median_of(samples) -> float | None:
-    """The median of llama-bench's per-repetition figures (`samples_ts`), None where it gave none."""
+def median_of(samples, default: float) -> float:
+    """The median of llama-bench's per-repetition figures (`samples_ts`), `default` where it gave none."""
     import statistics
 
     if not isinstance(samples, list) or not samples:
-        return None
+        return default
     return float(statistics.median(float(x) for x in samples))
 
 
