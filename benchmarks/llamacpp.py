@@ -247,10 +247,10 @@ def tg_row(output: str, tokens: int) -> dict:
 
 
 def decode_in_turns(
-    artifact: Path, binary: Path, gguf: Path, args: argparse.Namespace, prompt_tokens: int = 64
+    artifact: Path, binary: Path, gguf: Path, args: argparse.Namespace, flags: Sequence[str], prompt_tokens: int = 64
 ) -> dict:
-    """llama-bench's tg and the artifact's decode tokens/s, round by round in alternating order, and
-    the median of each and of their ratios (the artifact's over llama-bench's)."""
+    """llama-bench's tg (with `flags`) and the artifact's decode tokens/s, round by round in alternating
+    order, and the median of each and of their ratios (the artifact's over llama-bench's)."""
     import statistics
 
     from benchmarks.peers_lm import artifact_tokens, evaluation_texts
@@ -267,7 +267,7 @@ def decode_in_turns(
             return speed({"artifact": runner}, prompts, args.tokens, 0, args.runs)["artifact"]["decode_tok_s"]["p50"]
 
         def bench_decode() -> float:
-            reference = decode_reference(binary, gguf, args.threads, args.tokens, args.runs, args.llama_bench_args)
+            reference = decode_reference(binary, gguf, args.threads, args.tokens, args.runs, flags)
             return reference["median_tokens_per_s"]
 
         rounds = in_turns({"llama_bench": bench_decode, "artifact": artifact_decode}, args.rounds)
@@ -326,9 +326,8 @@ def measure(args: argparse.Namespace, binary: Path, gguf: Path) -> tuple[dict, s
     flags, note = serving_flags(binary, gguf, args.threads, args.llama_bench_args)
     if note:
         print(f"note: {note}")
-    args.llama_bench_args = flags
     if args.rounds:
-        result = decode_in_turns(args.target, binary, gguf, args)
+        result = decode_in_turns(args.target, binary, gguf, args, flags)
         summary = (
             f"medians of {args.rounds} rounds: llama-bench tg{args.tokens} {result['median_llama_bench']} tok/s, "
             f"artifact {result['median_artifact']} tok/s, {result['median_ratio']}x"
