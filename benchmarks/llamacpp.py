@@ -17,9 +17,11 @@ with the half hour (llama-bench read 112 to 158 tok/s on one 2-core machine in o
 taken one after the other measure the hour as much as the engines.
 
 Either way llama-bench first reads an 8-token prompt. Its tg test has no prompt, and on some machines
-llama.cpp's repacked weights decode from an empty prompt yet die on any prompt (an Intel Xeon VM with
-AMX: SIGILL in its AMX kernel), a speed no request can get; where a signal kills it there, it is timed
-with `--repack 0`, the llama.cpp that serves, and the output says so.
+llama.cpp's repacked weights decode from an empty prompt yet die on a prompt read in one batch (an
+Intel Xeon VM with AMX: SIGILL in its AMX kernel on any batch of two rows or more). Where a signal kills
+it there, it is timed with the first flags that read the prompt: `-ub 1` (one token a batch, the
+repacked weights kept: the llama.cpp that serves one sequence there), else `--repack 0`; the output
+says which and why.
 
 A peer's program is found by its flag, else its environment variable, else on PATH, never at a path
 of one machine: PEERS_LLAMA_SERVER and PEERS_LLAMA_BENCH name llama.cpp's binaries (a build's
@@ -184,11 +186,27 @@ def decode_reference(
     }
 
 
-# Seen on an Intel Xeon VM with AMX: llama.cpp's repacked weights (its AMX buffer type) decode one token
-# at a time, but a batch of two or more tokens dies in its AMX kernel (SIGILL at a tilezero in
-# tinygemm_kernel_amx), so any prompt kills it. AMX itself runs there: the fault is llama.cpp's.
-REPACK_CRASH = "llama.cpp's AMX kernels for repacked weights fault on some CPUs (seen on an Intel Xeon VM)"
+# Seen on an Intel Xeon VM with AMX: llama.cpp's repacked weights (its AMX buffer type) run a batch of
+# one row through a VNNI kernel, but a batch of two rows or more dies in its AMX kernel (SIGILL at a
+# tilezero in tinygemm_kernel_amx). AMX itself runs there: the fault is llama.cpp's. So one sequence
+# read one token a batch (-ub 1) keeps the repacked weights and their speed; several sequences at once
+# are a batch of several rows whatever -ub says, and need the plain weights.
+REPACK_CRASH = (
+    "llama.cpp's AMX kernels for repacked weights fault on batches of two rows or more on some CPUs "
+    "(seen on an Intel Xeon VM); batches of one row (-ub 1) keep them for one sequence at a time"
+)
 PROBE_PROMPT_TOKENS = 8
+# What keeps llama.cpp alive on a prompt where a signal kills it, in the order tried: one-row batches
+# (the repacked weights stay, so does their speed), then the plain weights. Each with the flags by which
+# the user's own flags already decide that setting (then it is not tried).
+UBATCH_FLAGS = ("-ub", "--ubatch-size")
+BENCH_FALLBACKS = ((("-ub", "1"), UBATCH_FLAGS), (("--repack", "0"), ("--repack",)))
+SERVER_FALLBACKS = ((("-ub", "1"), UBATCH_FLAGS), (("--no-repack",), ("--no-repack", "-nr", "--repack")))
+
+
+def fallbacks_left(fallbacks, extra: Sequence[str]) -> list[tuple[str, ...]]:
+    """The fallbacks' flags, leaving out those the user's own flags already decide."""
+    return [flags for flags, deciding in fallbacks if not set(deciding) & set(extra)]
 
 
 def prompt_failure(
@@ -207,25 +225,28 @@ def prompt_failure(
 
 def serving_flags(binary: Path, gguf: Path, threads: int, extra: Sequence[str]) -> tuple[list[str], str]:
     """llama-bench's flags for a llama.cpp that can answer a request on this machine, and a note where
-    they are not the ones given: `extra`, or `extra` with `--repack 0` where a signal kills llama-bench
-    with repacked weights on a prompt (its tg test has no prompt, so it would time a program no request
-    can use). RuntimeError where no such flags are found."""
+    they are not the ones given: `extra`, or `extra` and the first of BENCH_FALLBACKS that reads a
+    prompt where a signal kills llama-bench on one (its tg test has no prompt, so it would time a
+    program no request can use). RuntimeError where no such flags are found."""
     from optimize.evaluate.served import signal_of
 
     status, failure = prompt_failure(binary, gguf, threads, extra)
     if status == 0:
         return list(extra), ""
     died = " ".join(["llama-bench", *extra]) + f" exited with {failure} on a prompt of {PROBE_PROMPT_TOKENS} tokens"
-    if any(flag.startswith("--repack") for flag in extra) or not signal_of(status):
+    if not signal_of(status):
         raise RuntimeError(died)
-    retry = [*extra, "--repack", "0"]
-    status, again = prompt_failure(binary, gguf, threads, retry)
-    if status != 0:
-        raise RuntimeError(f"{died}, and with --repack 0 it exited with {again}")
-    return retry, (
-        f"llama-bench ran with --repack 0: with repacked weights it decodes from an empty prompt but "
-        f"died with {failure} on a prompt of {PROBE_PROMPT_TOKENS} tokens; {REPACK_CRASH}"
-    )
+    tried: list[str] = []
+    for fallback in fallbacks_left(BENCH_FALLBACKS, extra):
+        status, again = prompt_failure(binary, gguf, threads, [*extra, *fallback])
+        if status == 0:
+            also = "".join(f", {line}" for line in tried)
+            return [*extra, *fallback], (
+                f"llama-bench ran with {' '.join(fallback)}: it died with {failure} on a prompt of "
+                f"{PROBE_PROMPT_TOKENS} tokens{also}; {REPACK_CRASH}"
+            )
+        tried.append(f"with {' '.join(fallback)} it exited with {again}")
+    raise RuntimeError(", and ".join([died, *tried]))
 
 
 def median_of(samples, default: float) -> float:
@@ -348,7 +369,9 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repetitions", type=int, default=5)
-    p.add_argument("--llama-bench-args", type=shlex.split, default=[], help="more llama-bench flags ('--repack 0')")
+    p.add_argument(
+        "--llama-bench-args", type=shlex.split, default=[], help="more llama-bench flags ('-ub 1', '--repack 0')"
+    )
     p.add_argument("--rounds", type=int, default=0, help="compare an artifact's own decode, in turns, this many rounds")
     p.add_argument("--runs", type=int, default=5, help="timed runs a round for each side (their median)")
     p.add_argument("--json", type=Path)

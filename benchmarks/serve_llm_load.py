@@ -126,8 +126,10 @@ def metric(url: str, name: str) -> float:
 # --- scenarios -------------------------------------------------------------------------------------
 
 
-def warm(server: ServedServer, model: str, prompt) -> None:
-    asyncio.run(drive_async(server.url, model, [prompt], 1, 1, 8, 120))
+def warm(server: ServedServer, model: str, prompt, clients: int = 1) -> int:
+    """`clients` requests of 8 tokens at once; how many failed."""
+    results, _ = asyncio.run(drive_async(server.url, model, [prompt], clients, 1, 8, 120))
+    return sum(1 for r in results if r.status != 200 or r.error)
 
 
 MEDIAN_KEYS = ("tokens_per_s", "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p95_ms")
@@ -350,8 +352,9 @@ class Variant:
     ready_path: str = "/v2/health/ready"
     env: dict | None = None
     levels: list[int] | None = None
-    # Flags to start it once more with where a signal kills it at startup, and why they help.
-    on_crash_flags: tuple[str, ...] = ()
+    # Flags to start it once more with, in turn, where a signal kills it at startup or in its warm-up
+    # (as many requests at once as its level's clients), and why they help.
+    on_crash_flags: tuple[tuple[str, ...], ...] = ()
     on_crash_why: str = ""
 
 
@@ -380,8 +383,9 @@ def llamacpp_variants(args, manifest: dict) -> tuple[list[Variant], str]:
 
 
 def llama_server_variant(name: str, binary: Path, gguf: Path, slots: int, threads: int, extra: list[str]) -> Variant:
-    """llama-server with `slots` parallel sequences, started once more without weight repacking where
-    a signal kills it at startup (unless its flags already say so)."""
+    """llama-server with `slots` parallel sequences, started once more with one-row batches, then
+    without weight repacking, where a signal kills it at startup or in its warm-up (each unless its
+    flags already decide that setting)."""
     from benchmarks import llamacpp
 
     return Variant(
@@ -389,7 +393,7 @@ def llama_server_variant(name: str, binary: Path, gguf: Path, slots: int, thread
         llamacpp.server_command(binary, gguf, slots, threads, PORT, extra),
         "/health",
         levels=[slots],
-        on_crash_flags=() if "--no-repack" in extra else ("--no-repack",),
+        on_crash_flags=tuple(llamacpp.fallbacks_left(llamacpp.SERVER_FALLBACKS, extra)),
         on_crash_why=llamacpp.REPACK_CRASH,
     )
 
@@ -451,46 +455,66 @@ def vllm_version(python: Path) -> str:
     return done.stdout.strip()
 
 
-def start(variant: Variant, timeout_s: float = 300) -> tuple[ServedServer | None, str]:
-    """The variant's server once ready, or None and why. Where a signal kills it at startup and the
-    variant has flags for that, it starts once more with them, and the note says so."""
-    server, crash = start_once(variant.command, variant, timeout_s)
+def start(variant: Variant, timeout_s: float = 300, warm_up=None) -> tuple[ServedServer | None, str]:
+    """The variant's server once ready (and through `warm_up(server)`, which returns how many of its
+    requests failed), or None and why. Where a signal kills it and the variant has flags for that, it
+    starts once more with each in turn until one lives, and the note says which."""
+    server, crash = start_once(variant.command, variant, timeout_s, warm_up)
     if crash is None:
         return server, ""
     if not (crash.signal_name and variant.on_crash_flags):
         return None, str(crash)  # names the server and why
-    flags = " ".join(variant.on_crash_flags)
-    server, again = start_once([*variant.command, *variant.on_crash_flags], variant, timeout_s)
-    if again is not None:
-        return None, f"{again} (and {crash.signal_name} without {flags})"
-    died = f"without it, it died with {crash.signal_name}: {variant.on_crash_why}"
-    return server, f"{variant.name} ran with {flags}: {died}"
+    tried = []
+    for flags in variant.on_crash_flags:
+        server, again = start_once([*variant.command, *flags], variant, timeout_s, warm_up)
+        if again is None:
+            died = f"without it, it died with {crash.signal_name}" + "".join(f", {t}" for t in tried)
+            return server, f"{variant.name} ran with {' '.join(flags)}: {died}: {variant.on_crash_why}"
+        if not again.signal_name:
+            return None, f"{again} (and {crash.signal_name} without {' '.join(flags)})"
+        tried.append(f"with {' '.join(flags)} it died with {again.signal_name}")
+    return None, f"{crash} ({', '.join(tried)})"
 
 
 def start_once(
-    command: list[str], variant: Variant, timeout_s: float
+    command: list[str], variant: Variant, timeout_s: float, warm_up=None
 ) -> tuple[ServedServer | None, ServerNotReady | None]:
-    """(server, None) once ready, or (None, the ServerNotReady that says why)."""
+    """(server, None) once ready and warm, or (None, the ServerNotReady that says why)."""
     port = free_port() if PORT in command else None
     command = [str(port) if part == PORT else part for part in command]
     server = ServedServer(variant.name, command, variant.ready_path, env=variant.env, port=port)
     try:
         server.wait_ready(timeout_s)
+        if warm_up is not None and warm_up(server):
+            died_in_warm_up(server)
         return server, None
     except ServerNotReady as exc:
         server.stop()
         return None, exc
 
 
-def started(variant: Variant, model: str, prompts, args, report: dict) -> ServedServer | None:
-    """The variant's server, up and warmed with one request; None (and a note why) if it did not start."""
-    server, why = start(variant, args.start_timeout_s)
+def died_in_warm_up(server: ServedServer, grace_s: float = 5) -> None:
+    """ServerNotReady where the server, whose warm-up requests failed, has exited (a crash closes the
+    connections a moment before the process is gone); nothing where it lives on."""
+    import subprocess
+
+    from optimize.evaluate.served import exit_status, signal_of
+
+    try:
+        code = server.proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        return
+    why = f"{server.name} exited with {exit_status(code)} in its warm-up: {server.last_lines()}"
+    raise ServerNotReady(why, signal_of(code))
+
+
+def started(variant: Variant, model: str, prompts, args, report: dict, clients: int) -> ServedServer | None:
+    """The variant's server, up and warmed with `clients` requests at once; None (and a note why) if it
+    did not start or died warming up."""
+    server, why = start(variant, args.start_timeout_s, lambda s: warm(s, model, prompts[-1], clients))
     if why and why not in report["notes"]:  # a peer started once per level says it once
         report["notes"].append(why)
         print(why)
-    if server is None:
-        return None
-    warm(server, model, prompts[-1])
     return server
 
 
@@ -536,7 +560,7 @@ def run(args) -> dict:
                 if variant.name in lasting:
                     server = lasting[variant.name]
                 else:
-                    server = started(variant, model, prompts, args, report)
+                    server = started(variant, model, prompts, args, report, clients)
                     if variant.levels is None:
                         lasting[variant.name] = server
                 if server is not None:
@@ -706,8 +730,8 @@ def parse_args(argv=None):
         "--llama-server-args",
         type=shlex.split,
         default=shlex.split(os.environ.get("PEERS_LLAMA_SERVER_ARGS", "")),
-        help="more llama-server flags, last (else $PEERS_LLAMA_SERVER_ARGS); one a signal kills at startup runs again "
-        "with --no-repack",
+        help="more llama-server flags, last (else $PEERS_LLAMA_SERVER_ARGS); one a signal kills at startup or in its "
+        "warm-up runs again with -ub 1, then with --no-repack",
     )
     p.add_argument("--gguf", type=Path, default=None, help="the GGUF llama-server serves (default: the recipe's)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's threads")

@@ -199,13 +199,18 @@ def test_llama_bench_found_nowhere_is_refused_in_one_line(tmp_path, monkeypatch,
     )
 
 
-# A llama-server stand-in: killed by SIGSEGV at startup unless given --no-repack, as llama.cpp's
-# repacked-weight kernels are on an Intel Xeon VM with AMX; with it, /health answers 200.
+# A llama-server stand-in, as llama.cpp's repacked-weight kernels are on an Intel Xeon VM with AMX:
+# killed by SIGSEGV at startup unless given --no-repack or -ub 1; with -ub 1 and two slots or more it is
+# killed by the first completion it is sent (sequences side by side make batches of several rows).
+# Alive, /health answers 200 and a completion 404 (the warm-up's failures are not a crash).
 CRASHING_SERVER = """
 import http.server, os, signal, sys
 
-if "--no-repack" not in sys.argv:
+args = sys.argv[1:]
+one_row = "-ub" in args and args[args.index("-ub") + 1] == "1"
+if "--no-repack" not in args and not one_row:
     os.kill(os.getpid(), signal.SIGSEGV)
+slots = int(args[args.index("-np") + 1]) if "-np" in args else 1
 
 
 class Health(http.server.BaseHTTPRequestHandler):
@@ -213,28 +218,57 @@ class Health(http.server.BaseHTTPRequestHandler):
         self.send_response(200)
         self.end_headers()
 
+    def do_POST(self):
+        if one_row and slots > 1:
+            os.kill(os.getpid(), signal.SIGSEGV)
+        self.send_response(404)
+        self.end_headers()
+
     def log_message(self, *args):
         pass
 
 
-port = int(sys.argv[sys.argv.index("--port") + 1])
+port = int(args[args.index("--port") + 1])
 http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 """
 
 
-def test_a_llama_server_killed_by_a_signal_at_startup_runs_again_without_repacking_and_says_so(tmp_path, monkeypatch):
+def crashing_server_variants(monkeypatch, tmp_path, levels: str) -> tuple[Path, list]:
     binary = executable(
         no_peers_anywhere(monkeypatch, tmp_path) / "llama-server", f"#!{sys.executable}\n{CRASHING_SERVER}"
     )
-    args = bench.parse_args([str(tmp_path), "--levels", "1", "--threads", "1"])
+    args = bench.parse_args([str(tmp_path), "--levels", levels, "--threads", "1"])
     args.peer_versions = {}
-    (variant,), _ = bench.llamacpp_variants(args, smollm2_manifest())
+    variants, _ = bench.llamacpp_variants(args, smollm2_manifest())
+    return binary, variants
+
+
+def warm_up_of(variant):
+    """What `started` warms a server with: as many completions at once as the level's clients."""
+    return lambda server: bench.warm(server, "m", [1, 2, 3], variant.levels[0])
+
+
+def test_a_llama_server_killed_at_startup_serves_one_client_with_one_row_batches_and_says_so(tmp_path, monkeypatch):
+    binary, (variant,) = crashing_server_variants(monkeypatch, tmp_path, "1")
     assert variant.command[0] == str(binary) and "--no-repack" not in variant.command
-    server, note = bench.start(variant, timeout_s=60)
+    server, note = bench.start(variant, 60, warm_up_of(variant))
     assert server is not None, note
     try:
-        assert "--no-repack" in server.proc.args  # the second start
-        assert note.startswith(f"{variant.name} ran with --no-repack: without it, it died with SIGSEGV")
+        assert server.proc.args[-2:] == ["-ub", "1"]  # the second start, repacked weights kept
+        assert note.startswith(f"{variant.name} ran with -ub 1: without it, it died with SIGSEGV: llama.cpp's AMX")
+    finally:
+        server.stop()
+
+
+def test_a_llama_server_that_dies_warming_its_slots_with_one_row_batches_runs_without_repacking(tmp_path, monkeypatch):
+    _, (variant,) = crashing_server_variants(monkeypatch, tmp_path, "4")
+    server, note = bench.start(variant, 60, warm_up_of(variant))
+    assert server is not None, note
+    try:
+        assert server.proc.args[-1] == "--no-repack" and "-ub" not in server.proc.args  # the third start
+        assert note.startswith(
+            f"{variant.name} ran with --no-repack: without it, it died with SIGSEGV, with -ub 1 it died with SIGSEGV:"
+        )
     finally:
         server.stop()
 
@@ -247,15 +281,17 @@ def test_a_server_killed_by_a_signal_with_nothing_to_retry_is_one_line_naming_th
     server, note = bench.start(variant, timeout_s=60)
     assert server is None
     assert note.startswith("some server exited with -11 (SIGSEGV)") and "\n" not in note
-    given = bench.parse_args([str(tmp_path), "--llama-server-args=--no-repack"])
-    given.peer_versions = {}
-    variants, _ = bench.llamacpp_variants(given, smollm2_manifest())
-    assert variants[0].on_crash_flags == ()  # already without repacking: nothing else to try
+    for flags, left in [("--no-repack", [("-ub", "1")]), ("-ub 2", [("--no-repack",)]), ("-ub 1 -nr", [])]:
+        given = bench.parse_args([str(tmp_path), f"--llama-server-args={flags}"])
+        given.peer_versions = {}
+        variants, _ = bench.llamacpp_variants(given, smollm2_manifest())
+        assert list(variants[0].on_crash_flags) == left  # what the user's flags already decide is not retried
 
 
 # A llama-bench stand-in: with its weights repacked (the default) it decodes from an empty prompt at
-# 300 tok/s but dies with SIGSEGV on any prompt, as llama.cpp does on an Intel Xeon VM with AMX; with
-# --repack 0 it reads prompts and decodes at 110 tok/s. $CRASH_ANY_PROMPT: it dies on prompts either way.
+# 300 tok/s but dies with SIGSEGV on a prompt read in batches of several tokens, as llama.cpp does on an
+# Intel Xeon VM with AMX; with -ub 1 it reads prompts and keeps 300 tok/s; with --repack 0 it reads
+# prompts and decodes at 110 tok/s. $CRASH_ONE_ROW: -ub 1 dies too. $CRASH_ANY_PROMPT: every prompt dies.
 CRASHING_BENCH = """
 import json, os, signal, sys
 
@@ -263,35 +299,49 @@ args = sys.argv[1:]
 if "--bogus" in args:
     sys.exit("error: invalid parameter for argument: --bogus")
 repacked = "--repack" not in args or args[args.index("--repack") + 1] != "0"
-if int(args[args.index("-p") + 1]) > 0 and (repacked or os.environ.get("CRASH_ANY_PROMPT")):
+one_row = "-ub" in args and args[args.index("-ub") + 1] == "1" and not os.environ.get("CRASH_ONE_ROW")
+dies = (repacked and not one_row) or os.environ.get("CRASH_ANY_PROMPT")
+if int(args[args.index("-p") + 1]) > 0 and dies:
     os.kill(os.getpid(), signal.SIGSEGV)
 tokens = int(args[args.index("-n") + 1])
 print(json.dumps([{"n_gen": tokens, "n_threads": 2, "avg_ts": 300.0 if repacked else 110.0, "stddev_ts": 1.0}]))
 """
 
 
-def test_llama_bench_that_dies_on_a_prompt_is_timed_without_repacking_and_says_so(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    ("crash_one_row", "flags", "tokens_per_s", "also"),
+    [
+        ("", ["-ub", "1"], 300.0, ""),  # one-row batches keep the repacked weights' speed
+        ("1", ["--repack", "0"], 110.0, ", with -ub 1 it exited with -11 (SIGSEGV)"),
+    ],
+)
+def test_llama_bench_that_dies_on_a_prompt_is_timed_with_the_first_flags_that_read_one_and_says_so(
+    tmp_path, monkeypatch, capsys, crash_one_row, flags, tokens_per_s, also
+):
     from benchmarks import llamacpp
 
     executable(no_peers_anywhere(monkeypatch, tmp_path) / "llama-bench", f"#!{sys.executable}\n{CRASHING_BENCH}")
+    monkeypatch.setenv("CRASH_ONE_ROW", crash_one_row)
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
     result = llamacpp.main([str(gguf), "--repetitions", "1"])
-    assert result["tokens_per_s"] == 110.0 and result["llama_bench_args"] == ["--repack", "0"]
-    assert result["note"].startswith("llama-bench ran with --repack 0: with repacked weights it decodes")
-    assert "died with -11 (SIGSEGV) on a prompt of 8 tokens" in result["note"]
+    assert result["tokens_per_s"] == tokens_per_s and result["llama_bench_args"] == flags
+    assert result["note"].startswith(
+        f"llama-bench ran with {' '.join(flags)}: it died with -11 (SIGSEGV) on a prompt of 8 tokens{also}; "
+        "llama.cpp's AMX kernels"
+    )
     assert capsys.readouterr().out.startswith(f"note: {result['note']}\n")
 
 
 @pytest.mark.parametrize(
     ("argv", "crash_any_prompt", "expected"),
     [
-        (["--llama-bench-args=--repack 1"], "", "llama-bench --repack 1 exited with -11 (SIGSEGV) on a prompt of 8 "
-         "tokens"),
+        (["--llama-bench-args=--repack 1 -ub 4"], "", "llama-bench --repack 1 -ub 4 exited with -11 (SIGSEGV) on a "
+         "prompt of 8 tokens"),  # both settings decided by the user: nothing to try
         (["--llama-bench-args=--bogus 1"], "", "llama-bench --bogus 1 exited with 1 (error: invalid parameter for "
          "argument: --bogus) on a prompt of 8 tokens"),
-        ([], "1", "llama-bench exited with -11 (SIGSEGV) on a prompt of 8 tokens, and with --repack 0 it exited with "
-         "-11 (SIGSEGV)"),
+        ([], "1", "llama-bench exited with -11 (SIGSEGV) on a prompt of 8 tokens, and with -ub 1 it exited with "
+         "-11 (SIGSEGV), and with --repack 0 it exited with -11 (SIGSEGV)"),
     ],
 )  # fmt: skip
 def test_llama_bench_that_no_flags_keep_alive_on_a_prompt_is_one_line(
