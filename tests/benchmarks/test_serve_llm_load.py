@@ -453,8 +453,9 @@ def test_the_schema_mix_table_gives_the_ratio_and_the_invalid_count():
 @pytest.mark.slow
 def test_a_real_llama_server_serves_the_load_on_loopback_with_its_slots(tmp_path):
     """llama-server (when one is found: $PEERS_LLAMA_SERVER or PATH) on a tiny random Llama written as
-    GGUF, started as the benchmark starts it, driven by the benchmark's load with token-id prompts;
-    skipped where none is found."""
+    GGUF, started and warmed with both its slots busy as the benchmark does (on a CPU where its repacked
+    weights die on a batch, that finds the flags that serve), driven by the benchmark's load with token-id
+    prompts; skipped where none is found."""
     from benchmarks import llamacpp
     from optimize.evaluate.served import drive
     from tests.support.gguf_writer import write_gguf
@@ -465,7 +466,8 @@ def test_a_real_llama_server_serves_the_load_on_loopback_with_its_slots(tmp_path
         pytest.skip(why)
     extra = bench.parse_args([str(tmp_path)]).llama_server_args  # $PEERS_LLAMA_SERVER_ARGS, as the benchmark
     gguf = write_gguf(tiny_llama_folder(tmp_path / "hf"), tmp_path / "tiny.Q8_0.gguf")
-    server, why = bench.start(bench.llama_server_variant("llama-server", binary, gguf, 2, 1, extra))
+    variant = bench.llama_server_variant("llama-server", binary, gguf, 2, 1, extra)
+    server, why = bench.start(variant, 300, lambda s: bench.warm(s, "tiny", [5, 6, 7, 8], 2))  # as `started` does
     assert server is not None, why
     try:
         figures = drive(server.url, "tiny", [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18]], 2, 2, 8, 60)
