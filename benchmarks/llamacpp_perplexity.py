@@ -107,23 +107,28 @@ def score(scorer: Path, gguf: Path, ids: list[int], window: int, threads: int, r
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def configurations(window: int) -> dict[str, tuple[bool, int]]:
+FILE_LAYOUT = "weights as in the file"
+
+
+def configurations(window: int, repack: bool = True) -> dict[str, tuple[bool, int]]:
     """What llama.cpp is scored with, in the order tried, as (repack, rows a batch): as it runs by
-    default, one row a batch with its weights still repacked, and the file's own layout."""
-    return {
+    default, one row a batch with its weights still repacked, and the file's own layout (alone where
+    not `repack`)."""
+    tried = {
         "repacked weights": (True, window),
         "repacked weights, one row a batch": (True, 1),
-        "weights as in the file": (False, window),
+        FILE_LAYOUT: (False, window),
     }
+    return tried if repack else {FILE_LAYOUT: tried[FILE_LAYOUT]}
 
 
-def measure(scorer: Path, gguf: Path, ids: list[int], window: int, threads: int) -> dict:
+def measure(scorer: Path, gguf: Path, ids: list[int], window: int, threads: int, repack: bool = True) -> dict:
     """llama.cpp's perplexity on `ids` (and each scored token's negative log-likelihood), with the
-    first configuration no signal kills, and notes on the ones that died."""
+    first of `configurations` no signal kills, and notes on the ones that died."""
     notes = []
-    for name, (repack, ubatch) in configurations(window).items():
+    for name, (repacked, ubatch) in configurations(window, repack).items():
         try:
-            result = score(scorer, gguf, ids, window, threads, repack, ubatch)
+            result = score(scorer, gguf, ids, window, threads, repacked, ubatch)
         except ScorerCrash as crash:
             notes.append(f"with {name} it died with {crash}")
             continue
@@ -155,7 +160,7 @@ def report(artifact: Path, args: argparse.Namespace) -> dict:
     except RecipeError as exc:
         refuse(str(exc))
     scorer = compiled_scorer(llama_tree(args.llama_cpp))
-    result = measure(scorer, gguf, ids, window, args.threads)
+    result = measure(scorer, gguf, ids, window, args.threads, repack=not args.no_repack)
     del result["per_token"]  # the figure is the perplexity; tests read the tokens' own
     baseline, candidate = recorded(manifest, "baseline"), recorded(manifest, "candidate")
     result.update(gguf=gguf.name, window=window, baseline_perplexity=baseline, artifact_perplexity=candidate)
@@ -185,6 +190,7 @@ def main(argv=None) -> dict:
     p.add_argument("--llama-cpp", help="llama.cpp's source tree with a build (else $PEERS_LLAMA_CPP or llama-server's)")
     p.add_argument("--gguf", type=Path, help="the GGUF file to score (default: the recipe's)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--no-repack", action="store_true", help="score with the file's layout (llama.cpp's plain kernels)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     if not 1 <= args.threads <= 1024:

@@ -81,6 +81,8 @@ def test_a_scorer_a_signal_kills_runs_again_with_one_row_batches_then_the_files_
     assert result["ran_with"] == "repacked weights, one row a batch"
     assert result["notes"] == ["with repacked weights it died with -4 (SIGILL)"]
     assert result["perplexity"] == pytest.approx(math.exp(2.0))
+    plain = scoring.measure(scorer, tmp_path / "m.gguf", [1, 2, 3], WINDOW, threads=1, repack=False)  # --no-repack
+    assert plain["ran_with"] == "weights as in the file" and plain["notes"] == []
     monkeypatch.setenv("DIE_ALWAYS", "1")
     with pytest.raises(RuntimeError) as error:
         scoring.measure(scorer, tmp_path / "m.gguf", [1, 2, 3], WINDOW, threads=1)
