@@ -42,6 +42,13 @@ class ScorerCrash(RuntimeError):
     """A signal killed the scorer (a kernel fault, not a wrong input)."""
 
 
+class ScorerRefused(RuntimeError):
+    """The scorer refused its input: ids outside the vocabulary, or a model llama.cpp does not load."""
+
+
+REFUSED_EXITS = (2, 3)  # llamacpp_score.c: bad ids or arguments, a model or context that did not load
+
+
 def refuse(message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -103,7 +110,8 @@ def score(scorer: Path, gguf: Path, ids: list[int], window: int, threads: int, r
         raise ScorerCrash(exit_status(done.returncode))
     if done.returncode != 0:
         said = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise RuntimeError(f"llama.cpp's scorer exited with {done.returncode} on {gguf.name}: {said[:200]}")
+        failed = ScorerRefused if done.returncode in REFUSED_EXITS else RuntimeError
+        raise failed(f"llama.cpp's scorer exited with {done.returncode} on {gguf.name}: {said[:200]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -145,16 +153,22 @@ def recorded(manifest: dict, side: str) -> float | None:
 
 def report(artifact: Path, args: argparse.Namespace) -> dict:
     from benchmarks import llamacpp
+    from engines.artifact import ArtifactError, read_manifest
     from optimize.errors import RecipeError
     from optimize.export_vllm import perplexity_ids
+    from optimize.gguf_header import read_header
 
-    manifest_path = artifact / "manifest.json"
-    if not manifest_path.is_file():
-        refuse(f"{artifact}: no manifest.json (an artifact folder the pipeline wrote)")
-    manifest = json.loads(manifest_path.read_text())
+    try:
+        manifest = read_manifest(artifact)  # checked: its shape and its own digest
+    except ArtifactError as exc:
+        refuse(str(exc))
     gguf, why = (args.gguf, "") if args.gguf else llamacpp.recipe_gguf(manifest)
     if gguf is None or not gguf.is_file():
         refuse(why or f"--gguf {gguf}: no such file")
+    try:
+        read_header(gguf)  # a bounded read of its header: not a GGUF is one line here, not llama.cpp's log
+    except RecipeError as exc:
+        refuse(f"{gguf}: {exc}")
     try:
         ids, window = perplexity_ids(artifact, manifest)
     except RecipeError as exc:
@@ -197,6 +211,8 @@ def main(argv=None) -> dict:
         refuse(f"--threads {args.threads}: from 1 to 1024")
     try:
         result = report(args.artifact, args)
+    except ScorerRefused as exc:
+        refuse(str(exc))
     except RuntimeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -63,11 +63,15 @@ def test_llama_cpp_scores_every_token_of_every_window_as_pytorch_does(tmp_path):
 
 
 # A scorer stand-in: killed by SIGILL with repacked weights in batches of several rows (as llama.cpp's
-# AMX kernels are on an Intel Xeon VM), by any run with $DIE_ALWAYS; else a fixed figure.
+# AMX kernels are on an Intel Xeon VM), by any run with $DIE_ALWAYS; with $REFUSE it exits 3 as the
+# scorer does on a model llama.cpp does not load; else a fixed figure.
 CRASHING_SCORER = """
 import json, os, signal, sys
 
 model, window, threads, repack, ubatch = sys.argv[1:]
+if os.environ.get("REFUSE"):
+    print("llama_model_load: error loading model architecture: unknown model architecture", file=sys.stderr)
+    sys.exit(3)
 if os.environ.get("DIE_ALWAYS") or (repack == "1" and ubatch != "1"):
     os.kill(os.getpid(), signal.SIGILL)
 ids = sys.stdin.read().split()
@@ -83,6 +87,10 @@ def test_a_scorer_a_signal_kills_runs_again_with_one_row_batches_then_the_files_
     assert result["perplexity"] == pytest.approx(math.exp(2.0))
     plain = scoring.measure(scorer, tmp_path / "m.gguf", [1, 2, 3], WINDOW, threads=1, repack=False)  # --no-repack
     assert plain["ran_with"] == "weights as in the file" and plain["notes"] == []
+    monkeypatch.setenv("REFUSE", "1")  # bad input, not a crash: nothing else is tried, and main exits 2
+    with pytest.raises(scoring.ScorerRefused, match="exited with 3 on m.gguf: llama_model_load: error loading"):
+        scoring.measure(scorer, tmp_path / "m.gguf", [1, 2, 3], WINDOW, threads=1)
+    monkeypatch.delenv("REFUSE")
     monkeypatch.setenv("DIE_ALWAYS", "1")
     with pytest.raises(RuntimeError) as error:
         scoring.measure(scorer, tmp_path / "m.gguf", [1, 2, 3], WINDOW, threads=1)
@@ -93,20 +101,39 @@ def test_a_scorer_a_signal_kills_runs_again_with_one_row_batches_then_the_files_
     )
 
 
-def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+def sealed_manifest(folder: Path, source: str) -> None:
+    """A manifest read_manifest accepts (its shape and digest), whose recipe starts from `source`."""
     import json
 
+    from engines.artifact import MANIFEST, SCHEMA_VERSION, seal
+
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "recipe": smollm2_manifest(source)["recipe"],
+        "engine": {},
+        "gate": {"passed": True, "checks": []},
+        "files": [],
+    }
+    (folder / MANIFEST).write_text(json.dumps(seal(manifest)))
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     def refused(argv) -> str:
         with pytest.raises(SystemExit) as exit_info:
             scoring.main(argv)
         assert exit_info.value.code == 2
         return capsys.readouterr().err
 
-    assert refused([str(tmp_path)]) == f"error: {tmp_path}: no manifest.json (an artifact folder the pipeline wrote)\n"
+    assert refused([str(tmp_path)]) == f"error: {tmp_path} is not an artifact: no manifest.json\n"
     assert refused([str(tmp_path), "--threads", "0"]) == "error: --threads 0: from 1 to 1024\n"
-    (tmp_path / "manifest.json").write_text(json.dumps(smollm2_manifest("hub/some-model")))
+    (tmp_path / "manifest.json").write_text("{not json")
+    assert refused([str(tmp_path)]).startswith(f"error: {tmp_path / 'manifest.json'} is not valid JSON")
+    sealed_manifest(tmp_path, "hub/some-model")
     assert refused([str(tmp_path)]).startswith("error: the recipe's model.source 'hub/some-model' is not a GGUF file")
-    assert refused([str(tmp_path), "--llama-cpp", str(tmp_path)]).startswith("error: the recipe's model.source")
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    assert refused([str(tmp_path), "--gguf", str(tmp_path / "empty.gguf")]) == (
+        f"error: {tmp_path / 'empty.gguf'}: it is 0 bytes, shorter than a GGUF header\n"
+    )
     with pytest.raises(SystemExit):
         scoring.llama_tree(str(tmp_path))
     assert capsys.readouterr().err == (
