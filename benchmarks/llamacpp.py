@@ -84,12 +84,20 @@ def source_path(source: str) -> Path:
     return resolve_package_path(source) if source.startswith("pkg://") else Path(source).expanduser()
 
 
+def recipe_source(manifest: dict) -> str:
+    """The recipe's model.source as the manifest records it; '' where it records none as a string."""
+    value: object = manifest
+    for key in ("recipe", "resolved", "model", "source"):
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, str) else ""
+
+
 def recipe_gguf(manifest: dict) -> tuple[Path | None, str]:
     """The GGUF file the artifact's recipe loaded (model.source, pkg:// resolved as the pipeline does),
     or (None, why) when its source is not one."""
     from optimize.errors import RecipeError
 
-    source = ((manifest.get("recipe") or {}).get("resolved") or {}).get("model", {}).get("source") or ""
+    source = recipe_source(manifest)
     if not source.endswith(".gguf"):
         return None, f"the recipe's model.source {source or '(none)'!r} is not a GGUF file (--gguf PATH)"
     try:

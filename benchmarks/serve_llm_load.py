@@ -420,7 +420,7 @@ def vllm_model_dir(manifest: dict) -> tuple[Path | None, str]:
     from benchmarks import llamacpp
 
     gguf, _ = llamacpp.recipe_gguf(manifest)
-    source = ((manifest.get("recipe") or {}).get("resolved") or {}).get("model", {}).get("source") or ""
+    source = llamacpp.recipe_source(manifest)
     folder = llamacpp.converted_folder(gguf) if gguf else llamacpp.source_path(source) if source else None
     if folder is None or not ((folder / "model.safetensors").is_file() or (folder / "config.json").is_file()):
         why = "run the recipe once to convert its GGUF, or --vllm-model DIR"

@@ -161,10 +161,17 @@ def perplexity_ids(root: Path, manifest: dict) -> tuple[list[int], int]:
     from optimize.evaluate.generation import Tokens, ids_sha256
     from optimize.plan import DataSettings, EvaluateSettings
 
-    recorded = (manifest.get("evaluation") or {}).get("perplexity") or {}
-    if not recorded.get("sha256"):
+    evaluation = manifest.get("evaluation")
+    recorded = evaluation.get("perplexity") if isinstance(evaluation, dict) else None
+    if not isinstance(recorded, dict) or not recorded.get("sha256") or not isinstance(recorded["sha256"], str):
         raise RecipeError(f"{root}: the manifest records no held-out perplexity (evaluation.perplexity)")
-    cfg = OmegaConf.create(manifest["recipe"]["resolved"])
+    if not all(isinstance(recorded.get(key), int) and recorded[key] > 0 for key in ("tokens", "window")):
+        raise RecipeError(f"{root}: evaluation.perplexity records no positive whole tokens and window")
+    recipe = manifest.get("recipe")
+    resolved = recipe.get("resolved") if isinstance(recipe, dict) else None
+    if not isinstance(resolved, dict):
+        raise RecipeError(f"{root}: the manifest records no resolved recipe (recipe.resolved)")
+    cfg = OmegaConf.create(resolved)
     tokenizer = checker.contained(root, str(manifest["engine"].get("tokenizer") or ""), "engine.tokenizer")
     tokens = Tokens(SimpleNamespace(encoder=TextEncoder(tokenizer, cfg.model.max_length)))
     evaluate = EvaluateSettings.of(cfg.evaluate)

