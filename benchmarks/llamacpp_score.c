@@ -8,8 +8,8 @@
  *
  * ids: whitespace-separated token ids. REPACK 1 lets llama.cpp repack weights for its CPU kernels
  * (its default), 0 keeps the file's layout. UBATCH: rows per physical batch. Prints one JSON line:
- * {"nll": SUM, "tokens": SCORED, "vocab": N, "per_token": [EACH SCORED TOKEN'S NLL, IN ORDER]}. Exit 2: bad arguments or ids; 3: the model or context
- * did not load; 4: llama_decode failed. */
+ * {"nll": SUM, "tokens": SCORED, "vocab": N, "per_token": [EACH SCORED TOKEN'S NLL, IN ORDER]}.
+ * Exit 2: bad arguments or ids; 3: the model or context did not load; 4: llama_decode failed. */
 #include "llama.h"
 
 #include <math.h>
