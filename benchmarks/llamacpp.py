@@ -40,15 +40,10 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+
+from benchmarks.artifact_input import artifact_manifest, refuse
 
 SLOT_CONTEXT = 1024  # tokens of context per llama-server slot: a 64-token prompt and 64 new tokens fit
-
-
-def refuse(message: str) -> NoReturn:
-    """Bad input: one line on stderr, exit 2, before anything has started."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def find_tool(given: str | None, env: str, name: str, flag: str) -> tuple[Path | None, str]:
@@ -343,10 +338,9 @@ def gguf_of(target: Path) -> Path:
     """A .gguf file as given, or the GGUF an artifact folder's recipe starts from (refused otherwise)."""
     if target.suffix == ".gguf":
         return target if target.is_file() else refuse(f"{target}: no such file")
-    manifest_path = target / "manifest.json"
-    if not manifest_path.is_file():
+    if not (target / "manifest.json").is_file():
         refuse(f"{target}: neither a .gguf file nor an artifact folder (no manifest.json)")
-    gguf, why = recipe_gguf(json.loads(manifest_path.read_text()))
+    gguf, why = recipe_gguf(artifact_manifest(target))
     return gguf if gguf is not None else refuse(why)
 
 

@@ -33,7 +33,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import NoReturn
+
+from benchmarks.artifact_input import artifact_manifest, refuse
 
 SCORER_SOURCE = Path(__file__).with_name("llamacpp_score.c")
 
@@ -47,11 +48,6 @@ class ScorerRefused(RuntimeError):
 
 
 REFUSED_EXITS = (2, 3)  # llamacpp_score.c: bad ids or arguments, a model or context that did not load
-
-
-def refuse(message: str) -> NoReturn:
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def llama_tree(given: str | None) -> Path:
@@ -153,15 +149,11 @@ def recorded(manifest: dict, side: str) -> float | None:
 
 def report(artifact: Path, args: argparse.Namespace) -> dict:
     from benchmarks import llamacpp
-    from engines.artifact import ArtifactError, read_manifest
     from optimize.errors import RecipeError
     from optimize.export_vllm import perplexity_ids
     from optimize.gguf_header import read_header
 
-    try:
-        manifest = read_manifest(artifact)  # checked: its shape and its own digest
-    except ArtifactError as exc:
-        refuse(str(exc))
+    manifest = artifact_manifest(artifact)
     gguf, why = (args.gguf, "") if args.gguf else llamacpp.recipe_gguf(manifest)
     if gguf is None or not gguf.is_file():
         refuse(why or f"--gguf {gguf}: no such file")

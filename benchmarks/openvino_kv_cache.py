@@ -18,6 +18,8 @@ import json
 import sys
 from pathlib import Path
 
+from benchmarks.artifact_input import artifact_manifest, refuse
+
 GIB = 2**30
 
 
@@ -31,7 +33,7 @@ def held_out_ids(folder: Path, tokens: int) -> list[int]:
     texts = calibration.load("cpython_docs", "evaluation", 100, 1).items
     ids = tokenizer.encode("\n\n".join(texts), add_special_tokens=False).ids[:tokens]
     if len(ids) < tokens:
-        raise SystemExit(f"error: the held-out text has {len(ids)} tokens; --tokens {tokens} asked")
+        refuse(f"the held-out text has {len(ids)} tokens; --tokens {tokens} asked")
     return ids
 
 
@@ -90,18 +92,15 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--sequence-tokens", type=int, default=1024)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
-    manifest_path = args.artifact / "manifest.json"
-    if not manifest_path.is_file():
-        p.error(f"{args.artifact} is not an artifact (no manifest.json)")
-    engine = json.loads(manifest_path.read_text()).get("engine") or {}
+    engine = artifact_manifest(args.artifact).get("engine") or {}
     if engine.get("format") != "openvino-genai":
-        p.error(f"{args.artifact} is not an OpenVINO GenAI artifact (engine format {engine.get('format')})")
+        refuse(f"{args.artifact} is not an OpenVINO GenAI artifact (engine format {engine.get('format')})")
     folder = args.artifact / engine.get("dir", ".")
     ids = held_out_ids(folder, args.tokens)
     try:
         rows = [measure(folder, engine, s, ids, args.window, args.sequence_tokens) for s in args.precisions]
     except (ValueError, RuntimeError) as exc:  # a precision or group size the plugin refuses
-        raise SystemExit(f"error: {str(exc).strip().splitlines()[-1]}") from None
+        refuse(str(exc).strip().splitlines()[-1])
     from benchmarks.serve_prompt_lookup import machine
 
     print(markdown(rows, args.sequence_tokens, machine()))

@@ -80,6 +80,15 @@ def stop_server(proc: subprocess.Popen) -> None:
     proc.wait(60)
 
 
+def refuse_unless_embeddings(artifact: Path) -> None:
+    """One line and exit 2 unless the artifact is whole and serve answers /v1/embeddings with it."""
+    from benchmarks.artifact_input import artifact_manifest, refuse
+
+    engine = artifact_manifest(artifact, serves="encoder").get("engine") or {}
+    if engine.get("task") != "sentence_embedding":
+        refuse(f"{artifact}: a {engine.get('task')} encoder; this benchmark times /v1/embeddings (sentence_embedding)")
+
+
 def model_name(artifact: Path) -> str:
     from engines.artifact import read_manifest
     from serve.app import default_model_name
@@ -241,6 +250,7 @@ def main() -> None:
     parser.add_argument("--skip-latency", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
+    refuse_unless_embeddings(args.artifact)
     from serve.config import ServeConfig
 
     threads = ServeConfig().ort_threads()

@@ -360,10 +360,16 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
+    from benchmarks.artifact_input import artifact_manifest
+    from optimize.evaluate.served import ServerNotReady
+
     args = parse_args(argv)
-    if not (args.artifact / "manifest.json").is_file():
-        raise SystemExit(f"error: {args.artifact} has no manifest.json")
-    report = run(args)
+    artifact_manifest(args.artifact, serves="causal_lm")
+    try:
+        report = run(args)
+    except ServerNotReady as exc:  # the server this benchmark started did not come up: one line, not a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     table = markdown(report)
     print(table)
     if args.json:

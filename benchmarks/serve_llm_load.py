@@ -55,6 +55,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.artifact_input import artifact_manifest, artifact_tokenizer, refuse
 from optimize.evaluate.served import ServedServer, ServerNotReady, drive, drive_async
 
 LEVELS = (1, 4, 16)
@@ -71,20 +72,9 @@ def held_out_prompts(tokenize, count: int, tokens: int, prefix_tokens: int) -> t
     texts = calibration.load("cpython_docs", "evaluation", 100, 1).items
     encoded = [ids for ids in map(tokenize, texts) if len(ids) >= tokens]
     if len(encoded) < count + 1:
-        raise SystemExit(f"error: only {len(encoded)} held-out paragraphs have {tokens} tokens; {count + 1} needed")
+        refuse(f"only {len(encoded)} held-out paragraphs have {tokens} tokens; {count + 1} needed")
     system = [t for ids in encoded[count:] for t in ids][:prefix_tokens]
     return [ids[:tokens] for ids in encoded[:count]], system
-
-
-def artifact_tokenizer(artifact: Path):
-    """The artifact's Hugging Face tokenizer.json (both GenAI engines' folders carry one)."""
-    from tokenizers import Tokenizer
-
-    found = sorted(artifact.rglob("tokenizer.json"))
-    if not found:
-        raise SystemExit(f"error: {artifact} has no tokenizer.json")
-    tokenizer = Tokenizer.from_file(str(found[0]))
-    return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), tokenizer.decode
 
 
 # --- servers ---------------------------------------------------------------------------------------
@@ -370,7 +360,7 @@ def llamacpp_variants(args, manifest: dict) -> tuple[list[Variant], str]:
     if binary is None:
         return [], f"llama.cpp: not run: {why}"
     if args.gguf is not None and not args.gguf.is_file():
-        llamacpp.refuse(f"--gguf {args.gguf}: no such file")
+        refuse(f"--gguf {args.gguf}: no such file")
     gguf, why = (args.gguf, "") if args.gguf else llamacpp.recipe_gguf(manifest)
     if gguf is None:
         return [], f"llama.cpp: not run: {why}"
@@ -744,8 +734,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    if not (args.artifact / "manifest.json").is_file():
-        raise SystemExit(f"error: {args.artifact} has no manifest.json")
+    artifact_manifest(args.artifact, serves="causal_lm")
     report = run(args)
     table = markdown(report)
     print(table)

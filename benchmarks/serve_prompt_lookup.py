@@ -20,22 +20,12 @@ import platform
 import sys
 from pathlib import Path
 
+from benchmarks.artifact_input import artifact_manifest, artifact_tokenizer, refuse
 from optimize.evaluate.grounded import grounded_requests
 from optimize.evaluate.served import ServedServer, drive, one_request
 
 MODES = {"plain": "--no-prompt-lookup", "prompt lookup": "--prompt-lookup"}
 SPEC_METRICS = ("serve_spec_decode_num_drafts_total", "serve_spec_decode_num_accepted_tokens_total")
-
-
-def artifact_tokenizer(artifact: Path):
-    """The artifact's tokenizer.json (both GenAI engines' folders carry one): encode and decode."""
-    from tokenizers import Tokenizer
-
-    found = sorted(artifact.rglob("tokenizer.json"))
-    if not found:
-        raise SystemExit(f"error: {artifact} has no tokenizer.json")
-    tokenizer = Tokenizer.from_file(str(found[0]))
-    return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), tokenizer.decode
 
 
 def machine() -> str:
@@ -129,8 +119,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if min(args.clients) < 1 or args.prompt_tokens < 8 or args.new_tokens < 1 or args.per_client < 1:
         p.error("--clients, --new-tokens and --per-client must be >= 1, --prompt-tokens >= 8")
-    if not (args.artifact / "manifest.json").is_file():
-        p.error(f"{args.artifact} is not an artifact (no manifest.json)")
+    artifact_manifest(args.artifact, serves="causal_lm")
     return args
 
 
@@ -141,7 +130,7 @@ def main(argv=None) -> dict:
     try:
         messages = grounded_requests(count, args.prompt_tokens, tokenize, decode)
     except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        refuse(str(exc))
     report: dict = {"machine": machine(), "requests": count, "new_tokens": args.new_tokens}
     for name, flag in MODES.items():
         report[name] = measure(args.artifact, flag, args, messages)

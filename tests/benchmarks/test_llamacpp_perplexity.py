@@ -124,15 +124,21 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
         assert exit_info.value.code == 2
         return capsys.readouterr().err
 
-    assert refused([str(tmp_path)]) == f"error: {tmp_path} is not an artifact: no manifest.json\n"
-    assert refused([str(tmp_path), "--threads", "0"]) == "error: --threads 0: from 1 to 1024\n"
-    (tmp_path / "manifest.json").write_text("{not json")
-    assert refused([str(tmp_path)]).startswith(f"error: {tmp_path / 'manifest.json'} is not valid JSON")
-    sealed_manifest(tmp_path, "hub/some-model")
-    assert refused([str(tmp_path)]).startswith("error: the recipe's model.source 'hub/some-model' is not a GGUF file")
+    artifact = tmp_path / "artifact"  # the GGUF below lies outside it: a file the manifest does not list is refused
+    artifact.mkdir()
+    assert refused([str(artifact)]) == f"error: {artifact} is not an artifact: no manifest.json\n"
+    assert refused([str(artifact), "--threads", "0"]) == "error: --threads 0: from 1 to 1024\n"
+    (artifact / "manifest.json").write_text("{not json")
+    assert refused([str(artifact)]).startswith(f"error: {artifact / 'manifest.json'} is not valid JSON")
+    sealed_manifest(artifact, "hub/some-model")
+    assert refused([str(artifact)]).startswith("error: the recipe's model.source 'hub/some-model' is not a GGUF file")
     (tmp_path / "empty.gguf").write_bytes(b"")
-    assert refused([str(tmp_path), "--gguf", str(tmp_path / "empty.gguf")]) == (
+    assert refused([str(artifact), "--gguf", str(tmp_path / "empty.gguf")]) == (
         f"error: {tmp_path / 'empty.gguf'}: it is 0 bytes, shorter than a GGUF header\n"
+    )
+    (artifact / "stray.bin").write_bytes(b"not listed")
+    assert refused([str(artifact)]) == (
+        f"error: {artifact} does not match its manifest: unexpected file stray.bin (not in the manifest)\n"
     )
     with pytest.raises(SystemExit):
         scoring.llama_tree(str(tmp_path))

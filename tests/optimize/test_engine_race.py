@@ -465,6 +465,45 @@ def test_a_grounded_shape_has_its_own_column_read_under_its_own_key():
     assert rows[1] == ["prompt_lookup", "1", "240 (84)", "1.00", "won"]
 
 
+def test_the_report_command_prints_a_race_and_refuses_anything_else_in_one_line(tmp_path, capsys):
+    import json
+
+    from engines.artifact import MANIFEST, SCHEMA_VERSION, seal
+    from optimize.compile.race.report import main
+
+    entry = _served(_lm("ov_continuous", 600.0, 0.0), (110.0, 70.0), (610.0, 400.0))
+    entry.cost = 1.0
+    race = {
+        "seconds": 42.0,
+        "winner": "ov_continuous",
+        "workload": {"requests": [{"prompt": 64, "output": 64}], "concurrency": {"1": 0.5, "16": 0.5}},
+        "candidates": [{**entry.report(), "outcome": "won"}],
+    }
+
+    def sealed(stages: dict) -> str:
+        manifest = {"schema_version": SCHEMA_VERSION, "duration_s": 60.0, "stages": stages, "files": []}
+        (tmp_path / MANIFEST).write_text(json.dumps(seal(manifest)))
+        return str(tmp_path)
+
+    def refused(argv: list[str]) -> str:
+        assert main(argv) == 2
+        error = capsys.readouterr().err
+        assert error.count("\n") == 1, error
+        return error
+
+    assert main([sealed({"engine": race})]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0] == "race 42 s of the run's 60 s; won by ov_continuous"
+    assert printed[3].split() == ["ov_continuous", "1", "110", "(70)", "1.00", "won"]
+    assert refused([]) == "error: usage: python -m optimize.compile.race.report ARTIFACT\n"
+    assert refused([str(tmp_path / "none")]) == f"error: {tmp_path / 'none'} is not a directory\n"
+    not_a_race = "its engine was not chosen by a race (no race in the manifest's stages)\n"
+    assert refused([sealed({"engine": {"format": "onnx"}})]).endswith(not_a_race)
+    assert refused([sealed({})]).endswith(not_a_race)
+    malformed = {**race, "candidates": [{"name": "x"}]}  # sealed again after an edit: its digest still matches
+    assert "the manifest's race record is malformed (KeyError" in refused([sealed({"engine": malformed})])
+
+
 def test_the_baseline_figures_are_kept_under_what_they_were_measured_on(tmp_path, monkeypatch):
     from optimize.compile.race import cache
 

@@ -4,6 +4,7 @@ why each lost) and the plot of its front."""
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -139,22 +140,41 @@ def level_table(race: dict) -> list[list[str]]:
 
 def main(argv: list[str]) -> int:
     """python -m optimize.compile.race.report ARTIFACT: the race's wall time and its per-level table."""
-    from engines.artifact import read_manifest
+    from engines.artifact import ArtifactError, read_manifest
 
-    manifest = read_manifest(argv[0])
-    race = manifest["stages"]["engine"]
-    print(f"race {race['seconds']:.0f} s of the run's {manifest['duration_s']:.0f} s; won by {race['winner']}")
-    for note in (race.get("fewer_than_asked"), race.get("served_cut_note")):
-        if note:
-            print(f"NOTE: {note}")
-    rows = level_table(race)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for row in [rows[0], ["-" * w for w in widths], *rows[1:]]:
-        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    if len(argv) != 1:
+        return refused("usage: python -m optimize.compile.race.report ARTIFACT")
+    try:
+        manifest = read_manifest(argv[0])
+    except ArtifactError as exc:
+        return refused(str(exc))
+    race = (manifest.get("stages") or {}).get("engine")
+    if not isinstance(race, dict) or not isinstance(race.get("candidates"), list) or "seconds" not in race:
+        return refused(f"{argv[0]}: its engine was not chosen by a race (no race in the manifest's stages)")
+    try:  # a manifest sealed again after an edit passes its digest check with any shape inside
+        lines = race_lines(race, manifest)
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        return refused(f"{argv[0]}: the manifest's race record is malformed ({type(exc).__name__}: {exc})")
+    print("\n".join(lines))
     return 0
 
 
-if __name__ == "__main__":
-    import sys
+def race_lines(race: dict, manifest: dict) -> list[str]:
+    """The headline, the race's notes and its per-level table, as printed."""
+    lines = [f"race {race['seconds']:.0f} s of the run's {manifest['duration_s']:.0f} s; won by {race['winner']}"]
+    lines += [f"NOTE: {note}" for note in (race.get("fewer_than_asked"), race.get("served_cut_note")) if note]
+    rows = level_table(race)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for row in [rows[0], ["-" * w for w in widths], *rows[1:]]:
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return lines
 
+
+def refused(message: str) -> int:
+    """Bad input: one line on stderr, exit 2."""
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
