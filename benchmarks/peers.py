@@ -468,6 +468,9 @@ def parse_args(argv=None):
         help="python of a venv with optimum-onnx[onnxruntime] (env PEERS_OPTIMUM_PYTHON)",
     )
     args = parser.parse_args(argv)
+    from benchmarks.artifact_input import refuse_unwritable
+
+    refuse_unwritable(args.json, args.markdown)
     args.model = args.model or default_model_dir()
     return args
 

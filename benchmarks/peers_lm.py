@@ -517,7 +517,11 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=0, help="0: each runtime's default (llama.cpp: all cores)")
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--markdown", nargs="?", const="-", help="also write the table to this file")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    from benchmarks.artifact_input import refuse_unwritable
+
+    refuse_unwritable(args.json, args.markdown)
+    return args
 
 
 def artifact_recipe(manifest: dict) -> str:

@@ -360,10 +360,11 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> int:
-    from benchmarks.artifact_input import artifact_manifest
+    from benchmarks.artifact_input import artifact_manifest, refuse_unwritable
     from optimize.evaluate.served import ServerNotReady
 
     args = parse_args(argv)
+    refuse_unwritable(args.json, args.markdown)
     artifact_manifest(args.artifact, serves="causal_lm")
     try:
         report = run(args)

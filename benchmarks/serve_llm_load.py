@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.artifact_input import artifact_manifest, artifact_tokenizer, refuse
+from benchmarks.artifact_input import artifact_manifest, artifact_tokenizer, refuse, refuse_unwritable
 from optimize.evaluate.served import ServedServer, ServerNotReady, drive, drive_async
 
 LEVELS = (1, 4, 16)
@@ -734,6 +734,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    refuse_unwritable(args.json, args.markdown)
     artifact_manifest(args.artifact, serves="causal_lm")
     report = run(args)
     table = markdown(report)

@@ -20,7 +20,7 @@ import platform
 import sys
 from pathlib import Path
 
-from benchmarks.artifact_input import artifact_manifest, artifact_tokenizer, refuse
+from benchmarks.artifact_input import artifact_manifest, artifact_tokenizer, refuse, refuse_unwritable
 from optimize.evaluate.grounded import grounded_requests
 from optimize.evaluate.served import ServedServer, drive, one_request
 
@@ -119,6 +119,7 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if min(args.clients) < 1 or args.prompt_tokens < 8 or args.new_tokens < 1 or args.per_client < 1:
         p.error("--clients, --new-tokens and --per-client must be >= 1, --prompt-tokens >= 8")
+    refuse_unwritable(args.json)
     artifact_manifest(args.artifact, serves="causal_lm")
     return args
 

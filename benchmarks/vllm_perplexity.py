@@ -42,13 +42,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--json", type=Path, help="write the figures here as well")
     parser.add_argument("--allow-failed-gate", action="store_true", help="export an artifact whose gate failed")
     args = parser.parse_args(argv)
+    from benchmarks.artifact_input import artifact_manifest, refuse_unwritable
     from benchmarks.serve_llm_load import vllm_python
+
+    refuse_unwritable(args.json)
 
     args.vllm_python, why = vllm_python(args.vllm_python)
     if args.vllm_python is None:
         print(f"error: {why}", file=sys.stderr)
         return 2
-    manifest = json.loads((args.artifact / "manifest.json").read_text())
+    manifest = artifact_manifest(args.artifact, serves="causal_lm")
     with tempfile.TemporaryDirectory() as scratch:
         folder = args.vllm_dir or export(args.artifact, Path(scratch) / "vllm", args.allow_failed_gate)
         if folder is None:

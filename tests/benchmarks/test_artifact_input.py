@@ -85,3 +85,20 @@ def test_a_missing_or_unreadable_tokenizer_is_refused(tmp_path, capsys):
     assert refused(capsys, artifact_input.artifact_tokenizer, tmp_path).startswith(
         f"error: {tmp_path / 'tokenizer.json'}: not a tokenizer the tokenizers library reads"
     )
+
+
+def test_a_report_path_that_cannot_be_written_is_refused_before_anything_runs(artifact, tmp_path, capsys):
+    artifact_input.refuse_unwritable(None, "-", tmp_path / "report.json")  # not asked, stdout, a new file
+    assert refused(capsys, artifact_input.refuse_unwritable, None, tmp_path) == (
+        f"error: {tmp_path} is a folder; give the file the report should be written to\n"
+    )
+    missing = tmp_path / "no-such-folder" / "report.json"
+    assert refused(capsys, artifact_input.refuse_unwritable, missing) == (
+        f"error: {missing}: there is no folder {missing.parent} to write it in\n"
+    )
+    from benchmarks import llamacpp_perplexity
+
+    # the benchmark stops on it before reading the artifact (whose recipe here names no GGUF)
+    assert refused(capsys, llamacpp_perplexity.main, [str(artifact), "--json", str(missing)]) == (
+        f"error: {missing}: there is no folder {missing.parent} to write it in\n"
+    )
