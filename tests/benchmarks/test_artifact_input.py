@@ -65,6 +65,11 @@ def test_a_changed_missing_or_extra_file_is_refused(artifact, capsys):
     assert refused(capsys, artifact_input.artifact_manifest, artifact) == (
         f"error: {artifact} does not match its manifest: unexpected file stray.txt (not in the manifest)\n"
     )
+    (artifact / "stray.txt").unlink()
+    tokenizer.unlink()
+    assert refused(capsys, artifact_input.artifact_manifest, artifact) == (
+        f"error: {artifact} does not match its manifest: missing file genai/tokenizer.json\n"
+    )
 
 
 def test_an_edited_or_broken_manifest_is_refused(artifact, capsys):
