@@ -1,8 +1,8 @@
 """Command line: verify the artifact, then serve it until SIGTERM (drained) or SIGINT.
 
 Exit codes: 0 after a clean (drained) shutdown, 1 if the model failed to load, 2 for bad input
-(missing or tampered artifact, failed gate without the override, bad flags), always with one line
-`error: ...` on stderr.
+(missing or tampered artifact, failed gate without the override, bad flags, a host or port it cannot
+listen on), always with one line `error: ...` on stderr.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import NoReturn
 
 from serve.config import API_KEY_ENV, LIMITS, number_problem
+
+MAX_THREADS = 1024  # --threads: a count no CPU here has; past it the runtimes fail inside the model load
 
 
 def one_line(message: str) -> str:
@@ -71,10 +73,6 @@ def key_problem(key: str) -> str | None:
 
 def positive(kind):
     return number(kind, 0, inclusive=False)
-
-
-def non_negative(kind):
-    return number(kind, 0, inclusive=True)
 
 
 def build_parser() -> OneLineParser:
@@ -152,7 +150,9 @@ def build_parser() -> OneLineParser:
         help="open connections and requests in progress before new ones get 503 (default 1024)",
     )
     p.add_argument(
-        "--threads", type=non_negative(int), help="ONNX Runtime threads (default: the CPUs this process may use)"
+        "--threads",
+        type=number(int, 0, True, high=MAX_THREADS),
+        help="ONNX Runtime threads (default: the CPUs this process may use)",
     )
     p.add_argument(
         "--ort-spinning",
@@ -280,6 +280,27 @@ def check_artifact(
     return manifest
 
 
+def check_listen_address(host: str, port: int) -> None:
+    """A host this machine cannot listen on, or a port another process holds, is one line and exit 2
+    before the model loads: uvicorn finds either only after the load, and says it in its own log lines.
+    The probe binds as uvicorn does (address reuse on; an empty host: every interface), then lets go
+    of the port for uvicorn to take."""
+    import socket
+
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+    except (socket.gaierror, UnicodeError, ValueError) as exc:
+        fail(f"--host {host[:100]}: not an address this machine can listen on ({exc})")
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            fail(f"cannot listen on {host}:{port}: {exc.strerror or exc}")
+
+
 def check_candidate(args) -> dict:
     """The shadow's candidate: a URL (verified where it is served), or an artifact folder verified as
     the served one is, without --allow-modified. Returns its manifest ({} for a URL)."""
@@ -295,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.api_key is None:
         check_key_from_env()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    check_listen_address(args.host, args.port)
     root = Path(args.artifact)
     manifest = check_artifact(root, args.allow_modified, args.allow_failed_gate, args.key, args.require_signature)
 

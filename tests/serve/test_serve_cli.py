@@ -40,11 +40,24 @@ def clone(artifact: Path, dest: Path) -> Path:
         (["ARTIFACT", "--max-batch-size", "0"], ["--max-batch-size"]),
         (["ARTIFACT", "--port", "http"], ["--port"]),
         (["ARTIFACT", "--no-such-flag"], ["--no-such-flag"]),
+        (["ARTIFACT", "--threads", "99999999999999"], ["--threads", "<= 1024"]),
+        (["ARTIFACT", "--host", "bad..host"], ["--host bad..host", "not an address this machine can listen on"]),
+        (["ARTIFACT", "--host", "192.0.2.1"], ["cannot listen on 192.0.2.1:8000"]),  # TEST-NET-1: no host has it
     ],
 )
 def test_bad_command_lines(encoder_artifact, args, words):
     args = [str(encoder_artifact) if a == "ARTIFACT" else a for a in args]
     one_error_line(serve(*args), *words)
+
+
+def test_a_port_another_process_holds_is_refused_before_the_model_loads(encoder_artifact):
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        one_error_line(serve(str(encoder_artifact), "--port", str(port)), f"127.0.0.1:{port}", "Address already in use")
 
 
 def test_changed_file_refuses_to_start(encoder_artifact, tmp_path):
