@@ -14,6 +14,7 @@ import re
 import shutil
 from pathlib import Path
 
+from engines.cache import cache_root
 from engines.pytorch.runner import HF_TASKS, PICKLE_SUFFIXES
 from optimize import tasks
 from optimize.context import SourceModel
@@ -261,10 +262,6 @@ def source_hash(source: SourceModel) -> dict:
 
 
 # ---------------------------------------------------------------- GGUF -> cached Hugging Face folder
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("OPTIMIZE_CACHE") or Path.home() / ".cache" / "optimize").expanduser()
 
 
 def hf_folder(source) -> Path:

@@ -1,0 +1,266 @@
+"""A GGUF file in the native kernels: its hyperparameters checked, its blocks repacked 16 rows to a
+group (kernels.c gives the layout; the bytes per weight stay the file's), and one decoding step.
+
+What it carries as it is: a Llama whose matrices are Q4_0, Q4_1 or Q8_0 (mixed freely) and whose
+norms are F32 or F16. Anything else is named before a byte is repacked (`uncarried`, `hyperparameters`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from engines.hardware import usable_cores
+from engines.native_gguf import build
+from engines.openvino.genai_gguf import CarryError, GGUFTensor, open_reader
+
+ARCHITECTURES = ("llama",)
+# GGUF types of matrices carried as they are, and what each becomes (the manifest's record).
+CARRIED = {
+    "Q4_0": "4-bit groups of 16 rows, the file's f16 scale, offset -8 x scale (exact)",
+    "Q4_1": "4-bit groups of 16 rows, the file's f16 scale and offset (exact)",
+    "Q8_0": "8-bit groups of 16 rows, the file's f16 scale (exact)",
+}
+VECTOR_TYPES = ("F32", "F16")
+KIND_4BIT, KIND_8BIT = 0, 1
+GROUP = 16
+DEFAULT_CONTEXT = 4096  # positions the KV cache holds unless told (f32: SmolLM2-135M, 190 MB)
+LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+class NativeModelError(CarryError):
+    """The file cannot run in the native kernels as it is (one line naming the tensor or field)."""
+
+
+def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
+    """Why the file cannot be carried through, naming the tensors; None when every tensor can."""
+    if architecture not in ARCHITECTURES:
+        return f"the native GGUF kernels run {', '.join(ARCHITECTURES)}, not {architecture!r}"
+    bad = [t for t in items if len(t.shape) >= 2 and t.type not in CARRIED]
+    bad += [t for t in items if len(t.shape) < 2 and t.type not in VECTOR_TYPES]
+    if not bad:
+        return None
+    listed = ", ".join(f"{t.name} ({t.type})" for t in bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
+    return f"the native GGUF kernels carry {', '.join(CARRIED)} matrices, not these tensors' types: {listed}"
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    layers: int
+    dim: int
+    ffn: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    context_length: int  # the model's own
+    rope_base: float
+    eps: float
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+
+def field(reader, key: str, default=None):
+    found = reader.fields.get(key)
+    if found is None:
+        if default is None:
+            raise NativeModelError(f"the GGUF file has no {key}")
+        return default
+    return found.contents()
+
+
+def hyperparameters(reader) -> Hyperparameters:
+    """The model's shape, refused in one line where the kernels cannot run it."""
+    arch = "llama"
+    h = Hyperparameters(
+        layers=int(field(reader, f"{arch}.block_count")),
+        dim=int(field(reader, f"{arch}.embedding_length")),
+        ffn=int(field(reader, f"{arch}.feed_forward_length")),
+        heads=int(field(reader, f"{arch}.attention.head_count")),
+        kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", field(reader, f"{arch}.attention.head_count"))),
+        vocab=next((int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight"), 0),
+        context_length=int(field(reader, f"{arch}.context_length")),
+        rope_base=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+    )
+    problems = []
+    if h.vocab == 0:
+        problems.append("it has no token_embd.weight")
+    if h.heads <= 0 or h.kv_heads <= 0 or h.dim % h.heads or h.heads % h.kv_heads or h.head_dim % 2:
+        problems.append(f"{h.heads} heads and {h.kv_heads} key/value heads do not divide width {h.dim} into even heads")
+    elif int(field(reader, f"{arch}.rope.dimension_count", h.head_dim)) != h.head_dim:
+        problems.append("its rotary embedding covers part of each head (the kernels rotate whole heads)")
+    for width, name in ((h.dim, "width"), (h.ffn, "feed-forward width"), (h.kv_heads * h.head_dim, "key/value width")):
+        if width <= 0 or width % 32:
+            problems.append(f"its {name} {width} is not a whole number of 32-wide blocks")
+    if str(field(reader, f"{arch}.rope.scaling.type", "none")) not in ("none", ""):
+        problems.append("it scales its rotary embedding (rope.scaling), which the kernels do not")
+    if any(t.name == "rope_freqs.weight" or t.name.endswith(".bias") for t in reader.tensors):
+        problems.append("it has rotary frequency factors or biases, which the kernels do not apply")
+    if problems:
+        raise NativeModelError("the native GGUF kernels cannot run this file: " + "; ".join(problems))
+    return h
+
+
+def repacked(t) -> tuple[int, np.ndarray]:
+    """(kind, bytes) of a Q4_0 / Q4_1 / Q8_0 tensor in kernels.c's 16-row groups, its rows padded with
+    zeros to a multiple of 16 (only a vocabulary can need it: every layer width is checked to be one)."""
+    kind = t.tensor_type.name
+    raw = np.asarray(t.data, dtype=np.uint8)
+    rows = raw.shape[0]
+    padded = -rows % GROUP
+    if padded:
+        raw = np.concatenate([raw, np.zeros((padded, raw.shape[1]), np.uint8)])
+    if kind == "Q8_0":
+        return KIND_8BIT, _groups_8bit(raw.reshape(raw.shape[0], -1, 34))
+    if kind == "Q4_1":
+        blocks = raw.reshape(raw.shape[0], -1, 20)
+        return KIND_4BIT, _groups_4bit(blocks[..., 4:], blocks[..., 0:2], blocks[..., 2:4])
+    if kind == "Q4_0":  # d * (q - 8) is d * q + m with m = -8d, exact in f16 (a power of two)
+        blocks = raw.reshape(raw.shape[0], -1, 18)
+        d = blocks[..., 0:2].copy().view(np.float16)
+        offset = (d.astype(np.float32) * -8).astype(np.float16).view(np.uint8)
+        return KIND_4BIT, _groups_4bit(blocks[..., 2:], blocks[..., 0:2], offset)
+    raise NativeModelError(f"{t.name} is {kind}; the native GGUF kernels carry {', '.join(CARRIED)}")
+
+
+def _groups_4bit(qs: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """[rows, blocks, 16] nibbles (ggml: element e < 16 in byte e's low nibble, e >= 16 in byte e-16's
+    high one) and [rows, blocks, 2] f16 scales and offsets -> [groups, blocks, 320] bytes."""
+    rows, blocks = qs.shape[:2]
+    groups = rows // GROUP
+    values = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [rows, blocks, 32], element order
+    values = values.reshape(groups, GROUP, blocks, 4, 2, 4)  # group, lane, block, t, low/high, k
+    packed = (values[..., 0, :] | (values[..., 1, :] << 4)).astype(np.uint8)
+    packed = packed.transpose(0, 2, 3, 1, 4).reshape(groups, blocks, 256)
+    lanes = [
+        a.reshape(groups, GROUP, blocks, 2).transpose(0, 2, 1, 3).reshape(groups, blocks, 32) for a in (scale, offset)
+    ]
+    return np.ascontiguousarray(np.concatenate([packed, *lanes], axis=-1))
+
+
+def _groups_8bit(blocks: np.ndarray) -> np.ndarray:
+    """[rows, blocks, 34] Q8_0 blocks (f16 scale, 32 int8) -> [groups, blocks, 544] bytes."""
+    rows, count = blocks.shape[:2]
+    groups = rows // GROUP
+    values = blocks[..., 2:].reshape(groups, GROUP, count, 8, 4).transpose(0, 2, 3, 1, 4).reshape(groups, count, 512)
+    scales = blocks[..., 0:2].reshape(groups, GROUP, count, 2).transpose(0, 2, 1, 3).reshape(groups, count, 32)
+    return np.ascontiguousarray(np.concatenate([values, scales], axis=-1))
+
+
+def _vector(t) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(t.data).astype(np.float32).reshape(-1))
+
+
+def _library() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build.library()))
+    p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+    lib.ng_new.restype = p
+    lib.ng_new.argtypes = [i, i, i, i, i, i, i, f, f, i]
+    lib.ng_layer.argtypes = [p, i, p, p, p, p, p]
+    lib.ng_head.argtypes = [p, p, i, p, i, p]
+    lib.ng_step.argtypes = [p, i, i, p]
+    lib.ng_free.argtypes = [p]
+    return lib
+
+
+class NativeGGUF:
+    """One sequence's decoder over `path`'s blocks: step(token, position) -> the next token's logits."""
+
+    def __init__(self, path: str | Path, context: int = 0, threads: int = 0):
+        reader = open_reader(Path(path))
+        arch = field(reader, "general.architecture", "")
+        tensors = {t.name: t for t in reader.tensors}
+        reason = uncarried(
+            str(arch), [GGUFTensor(t.name, t.tensor_type.name, tuple(int(n) for n in t.shape)) for t in reader.tensors]
+        )
+        if reason:
+            raise NativeModelError(reason)
+        self.hyper = h = hyperparameters(reader)
+        self.context = min(context or DEFAULT_CONTEXT, h.context_length)
+        self.threads = threads or usable_cores()
+        self._keep: list[np.ndarray] = []  # the arrays the C side points into
+        self.weight_bytes_per_token = 0  # every matrix a step reads (the embedding gives one row)
+        self._lib = _library()
+        rows = h.vocab + (-h.vocab % GROUP)
+        handle = self._lib.ng_new(
+            h.layers, h.dim, h.ffn, h.heads, h.kv_heads, rows, self.context, h.rope_base, h.eps, self.threads
+        )
+        if not handle:
+            raise NativeModelError(f"out of memory for a KV cache of {self.context} positions")
+        self._model = handle
+        for layer in range(h.layers):
+            self._load_layer(tensors, layer)
+        self._load_head(tensors)
+        self._logits = np.zeros(rows, np.float32)
+
+    def _tensor(self, tensors: dict, name: str):
+        if name not in tensors:
+            raise NativeModelError(f"the GGUF file has no {name}")
+        return tensors[name]
+
+    def _pointer(self, array: np.ndarray) -> int:
+        self._keep.append(array)
+        return array.ctypes.data
+
+    def _load_layer(self, tensors: dict, layer: int) -> None:
+        h = self.hyper
+        kv = h.kv_heads * h.head_dim
+        shapes = {"attn_q": (h.dim, h.dim), "attn_k": (h.dim, kv), "attn_v": (h.dim, kv), "attn_output": (h.dim, h.dim),
+                  "ffn_gate": (h.dim, h.ffn), "ffn_up": (h.dim, h.ffn), "ffn_down": (h.ffn, h.dim)}  # fmt: skip
+        for name, shape in shapes.items():  # (row length, rows), as GGUF lists them
+            found = tuple(int(n) for n in self._tensor(tensors, f"blk.{layer}.{name}.weight").shape)
+            if found != shape:
+                raise NativeModelError(
+                    f"blk.{layer}.{name}.weight is {list(found)}, not {list(shape)} as the header says"
+                )
+        parts = {name: repacked(tensors[f"blk.{layer}.{name}.weight"]) for name in LAYER_MATRICES}
+        matrices: list[tuple[int, int, np.ndarray]] = []  # kind, rows, bytes
+        for fused in (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)):
+            kinds = {parts[name][0] for name in fused}
+            # One matrix where the parts share a kind (one pass over the activations), else each its own.
+            if len(kinds) == 1:
+                data = np.concatenate([parts[name][1] for name in fused])
+                matrices.append((kinds.pop(), data.shape[0] * GROUP, data))
+            else:
+                matrices += [(parts[name][0], parts[name][1].shape[0] * GROUP, parts[name][1]) for name in fused]
+        self.weight_bytes_per_token += sum(m[2].nbytes for m in matrices)
+        n = len(matrices)
+        kinds = (ctypes.c_int * n)(*[m[0] for m in matrices])
+        rows = (ctypes.c_int * n)(*[m[1] for m in matrices])
+        data = (ctypes.c_void_p * n)(*[self._pointer(m[2]) for m in matrices])
+        norms = [
+            self._pointer(_vector(self._tensor(tensors, f"blk.{layer}.{n}.weight"))) for n in ("attn_norm", "ffn_norm")
+        ]
+        self._lib.ng_layer(self._model, layer, *norms, kinds, rows, data)
+
+    def _load_head(self, tensors: dict) -> None:
+        embedding_kind, embedding = repacked(tensors["token_embd.weight"])
+        head_kind, head = (
+            (embedding_kind, embedding) if "output.weight" not in tensors else repacked(tensors["output.weight"])
+        )
+        norm = self._pointer(_vector(self._tensor(tensors, "output_norm.weight")))
+        self.weight_bytes_per_token += head.nbytes
+        self._lib.ng_head(self._model, norm, embedding_kind, self._pointer(embedding), head_kind, self._pointer(head))
+
+    def step(self, token: int, position: int) -> np.ndarray:
+        """The logits after `token` at `position` (positions 0 .. position - 1 already stepped). The
+        array is overwritten by the next step."""
+        if not 0 <= token < self.hyper.vocab:
+            raise ValueError(f"token {token} is outside the vocabulary (0..{self.hyper.vocab - 1})")
+        if not 0 <= position < self.context:
+            raise ValueError(f"position {position} is past the KV cache's {self.context}")
+        self._lib.ng_step(self._model, token, position, self._logits.ctypes.data)
+        return self._logits[: self.hyper.vocab]
+
+    def close(self) -> None:
+        if getattr(self, "_model", None):
+            self._lib.ng_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        self.close()
