@@ -21,6 +21,7 @@ OPENVINO_GENAI = "openvino-genai"
 TENSORRT_RTX = "tensorrt-rtx"
 TORCH_CUDA = "torch-cuda"
 COMPRESSED_TENSORS = "compressed-tensors"
+NATIVE_GGUF = "native-gguf"
 
 # Seeds an engine's Python binding takes (it raises on anything else: a 500 otherwise). ONNX Runtime
 # GenAI's random_seed is a signed 32-bit integer whose -1 means "seed from the clock", so negative seeds
@@ -126,6 +127,9 @@ FORMATS: dict[str, EngineFormat] = {
             batch_loader="engines.openvino.genai_batch:load_ov_genai_batch_engine",
             seed_range=UINT64_SEEDS,
         ),
+        # A GGUF file's own blocks in the pipeline's AVX-512 VNNI kernels (engines/native_gguf); one
+        # sequence at a time.
+        EngineFormat(NATIVE_GGUF, "engines.native_gguf.runner:load_native_gguf_runner", (), "causal_lm"),
         # A plan built ahead of time for RTX-class GPUs; loading it refuses elsewhere, naming what is missing.
         EngineFormat(TENSORRT_RTX, "engines.tensorrt_rtx.runner:load_rtx_runner", ("tensorrt_rtx",), "encoder"),
         # The pipeline's PyTorch model on one NVIDIA GPU (bf16, FP8 or INT4 Linears); measured, not served.

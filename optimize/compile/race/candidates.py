@@ -153,6 +153,9 @@ CANDIDATES.update(
         # The layers exact (f32 activations), the 8-bit LM head (SmolLM2's tied Q8_0 embedding) carried
         # as blocks with INT8 activations for that one MatMul: a quarter of the f32 head's bytes a token.
         "ort_genai_gguf_head8": Candidate("onnxruntime_genai_gguf", {"head_accuracy_level": 4}),
+        # The file itself in the pipeline's own kernels (AVX-512 VNNI CPUs): its blocks byte for byte,
+        # activations at 16 bits, one sequence at a time.
+        "native_gguf": Candidate("native_gguf"),
     }
 )
 # What the race adds to the default set when the source is a GGUF file: the OpenVINO GenAI rows with
@@ -161,8 +164,15 @@ CANDIDATES.update(
 # types on the 8-bit grid: on SmolLM2's Q4_1 file +0.1% perplexity against ort_genai_gguf_int8's
 # +0.4% (4-bit blocks on their nearest zero points, the rest of each offset as added nodes), level to
 # 1.18x its decode speed depending on the hour on a 2-core Zen 4, 262 MB on disk against 223. int8,
-# head8 and the exact ort_genai_gguf stay by name.
-DEFAULT_GGUF = ["openvino_genai_gguf_kv_u8", "openvino_genai_gguf_dq32_kv_u8", "ort_genai_gguf_int8_grid"]
+# head8 and the exact ort_genai_gguf stay by name. The native kernels decode one sequence fastest of
+# all on SmolLM2's Q4_1 file (1.3x llama-bench tg64 on an AMX Xeon, perplexity +0.003%) and batch none:
+# what the race ships for one client where the CPU has AVX-512 VNNI (elsewhere it is not built).
+DEFAULT_GGUF = [
+    "openvino_genai_gguf_kv_u8",
+    "openvino_genai_gguf_dq32_kv_u8",
+    "ort_genai_gguf_int8_grid",
+    "native_gguf",
+]
 # What the race builds when the recipe names no candidates: decoders for a task that generates
 # (a causal LM), graph engines for every other. The OpenVINO GenAI rows serve with the u8 KV cache
 # the shipped engine config uses, so the race times and ships what the engine config would build.

