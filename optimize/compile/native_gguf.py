@@ -87,7 +87,7 @@ def native_gguf_engine(model: Model, cfg: NativeGGUFConfig, ctx: Context) -> Mod
         "gguf_types": type_summary(tensors, native.CARRIED),
         "activations": "16 bits per block of 32 (two 8-bit planes into AVX-512 VNNI)",
         "kv_cache_precision": "f32",
-        "kernels": library.parent.name,  # the cache key: source, compiler and CPU flags
+        "kernel_build": library.parent.name,  # its cache key: the source, the compiler and the CPU flags
     }
     engine = {"format": formats.NATIVE_GGUF, "dir": ENGINE_DIR, "gguf": gguf_path.name, "context": cfg.context}
     return model.with_engine(out, engine, precision=precision_of(tensors)).recorded(record)

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from engines.native_gguf import build as native_build
+
 from tests.support.cli import TINY_LM_RACE, one_error_line, run_optimize
 
 pytestmark = pytest.mark.skipif(
@@ -22,8 +24,8 @@ pytestmark = pytest.mark.skipif(
 def test_a_gguf_source_gets_the_candidates_that_keep_its_blocks():
     from optimize.compile.race.candidates import CANDIDATES, default_candidates
 
-    carried = ["openvino_genai_gguf_kv_u8", "openvino_genai_gguf_dq32_kv_u8", "ort_genai_gguf_int8_grid"]
-    assert default_candidates(True, gguf=True)[:3] == carried
+    carried = ["openvino_genai_gguf_kv_u8", "openvino_genai_gguf_dq32_kv_u8", "ort_genai_gguf_int8_grid", "native_gguf"]
+    assert default_candidates(True, gguf=True)[:4] == carried
     assert not set(carried) & set(default_candidates(True))
     # The mixed INT4 row: GPTQ from a full-precision source, AWQ + scale estimation from a 4-bit file.
     assert "openvino_genai_int4_awq_gptq_r80_kv_u8" in default_candidates(True)
@@ -50,7 +52,7 @@ def test_the_race_carries_a_q4_1_gguf_through_at_the_source_perplexity(q4_1, tmp
     proc = run_optimize(
         f"model.source={q4_1}",
         *TINY_LM_RACE,
-        "engine.params.candidates=[openvino_genai_gguf,openvino_genai_gguf_kv_u8,openvino_genai_int4_g32]",
+        "engine.params.candidates=[openvino_genai_gguf,openvino_genai_gguf_kv_u8,openvino_genai_int4_g32,native_gguf]",
         "gate.max_ppl_increase_over_source_pct=0.5",
         f"output_dir={out}",
         f"hydra.run.dir={tmp_path / 'run'}",
@@ -68,6 +70,12 @@ def test_the_race_carries_a_q4_1_gguf_through_at_the_source_perplexity(q4_1, tmp
     quantized_cache = race["openvino_genai_gguf_kv_u8"]["metrics"]
     assert quantized_cache["perplexity"] != carried["metrics"]["perplexity"]
     assert abs(quantized_cache["perplexity_increase_pct"]) < 2.0, quantized_cache
+    # The native kernels: the same perplexity where the CPU runs them, a named reason where it cannot.
+    native = race["native_gguf"]
+    if native_build.unsupported_cpu() is None:
+        assert abs(native["metrics"]["perplexity_increase_pct"]) < 0.05, native
+    else:
+        assert "AVX-512 VNNI" in native["outcome"], native
     reference = manifest["metrics"]["baseline"]["reference"]
     assert reference["kind"] == "gguf" and reference["gguf_types"] == {"Q4_1": 14, "Q8_0": 1}
     assert "baseline: the GGUF file tiny.Q4_1.gguf dequantized to FP32" in proc.stdout
@@ -79,8 +87,15 @@ def test_the_race_carries_a_q4_1_gguf_through_at_the_source_perplexity(q4_1, tmp
 
 
 @pytest.mark.slow
-def test_a_gguf_the_reader_cannot_carry_is_one_line_exit_2(tmp_path):
-    """engine.method=openvino_genai_gguf alone on a file with Q5_0 matrices: exit 2 naming them."""
+@pytest.mark.parametrize(
+    "method, says",
+    [
+        ("openvino_genai_gguf", "does not read these tensors' types"),
+        ("native_gguf", "matrices, not these tensors' types"),
+    ],
+)
+def test_a_gguf_the_reader_cannot_carry_is_one_line_exit_2(tmp_path, method, says):
+    """engine.method=openvino_genai_gguf (or native_gguf) alone on a file with Q5_0 matrices: exit 2 naming them."""
     from tests.support.gguf_writer import write_gguf
     from tests.support.models import tiny_llama_folder
 
@@ -89,13 +104,13 @@ def test_a_gguf_the_reader_cannot_carry_is_one_line_exit_2(tmp_path):
     proc = run_optimize(
         f"model.source={path}",
         *TINY_LM_RACE,
-        "engine=openvino_genai_gguf",
+        f"engine={method}",
         f"output_dir={tmp_path / 'artifact'}",
         f"hydra.run.dir={tmp_path / 'run'}",
         env={"OPTIMIZE_CACHE": str(tmp_path / "cache")},
     )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    line = one_error_line(proc, "does not read these tensors' types", "blk.0.ffn_up.weight (Q5_0)", log_lines=True)
+    line = one_error_line(proc, says, "blk.0.ffn_up.weight (Q5_0)", log_lines=True)
     assert "blk.1.ffn_up.weight (Q5_0)" in line
     assert not (tmp_path / "artifact").exists()
 
@@ -122,3 +137,52 @@ def test_onnxruntime_genai_carries_a_q4_1_gguf_at_the_source_perplexity(q4_1, tm
     assert record["weights"] == "as in the source" and record["carried"] == {"Q4_1": 14}
     assert record["gguf_types"]["Q8_0"]["became"].startswith("f32, dequantized from the file")
     assert record["gguf_types"]["Q4_1"]["became"].startswith("MatMulNBits bits 4")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(native_build.unsupported_cpu() is not None, reason="the native kernels need AVX-512 VNNI")
+def test_the_native_kernels_carry_a_q4_1_gguf_at_the_source_perplexity_and_serve_it(q4_1, tmp_path):
+    """engine=native_gguf through the command line: the file itself in the artifact, the source
+    perplexity, the manifest naming what each type became; then the artifact answers a chat request."""
+    from tests.support.serve import in_process
+
+    out = tmp_path / "artifact"
+    proc = run_optimize(
+        f"model.source={q4_1}",
+        *TINY_LM_RACE,
+        "engine=native_gguf",
+        "gate.max_ppl_increase_over_source_pct=0.01",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        env={"OPTIMIZE_CACHE": str(tmp_path / "cache")},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert abs(manifest["metrics"]["candidate"]["perplexity_increase_pct"]) < 0.01, manifest["metrics"]
+    assert manifest["engine"]["format"] == "native-gguf" and manifest["engine"]["precision"] == "gguf:Q4_1+Q8_0"
+    record = manifest["stages"]["engine"]
+    assert record["weights"] == "as in the source" and record["gguf_file"] == "tiny.Q4_1.gguf"
+    assert record["gguf_types"]["Q4_1"]["count"] == 14 and "(exact)" in record["gguf_types"]["Q4_1"]["became"]
+    assert (out / "native_gguf" / "tiny.Q4_1.gguf").read_bytes() == q4_1.read_bytes()
+    with in_process(out) as client:
+        reply = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "smollm2_int4_cpu",
+                "messages": [{"role": "user", "content": "Say something."}],
+                "max_tokens": 8,
+                "seed": 3,
+            },
+        )
+        assert reply.status_code == 200, reply.text
+        body = reply.json()
+        assert body["usage"]["completion_tokens"] > 0 and isinstance(body["choices"][0]["message"]["content"], str)
+        refused = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": "smollm2_int4_cpu",
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_object"},
+            },
+        )
+        assert refused.status_code == 400, refused.text

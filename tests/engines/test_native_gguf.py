@@ -1,0 +1,169 @@
+"""The native GGUF engine (engines/native_gguf): a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks in the
+pipeline's AVX-512 VNNI kernels, scored against the file dequantized by transformers (the pipeline's
+baseline) on files the tests write: equal within the 16-bit activations' rounding for each type and
+for a file mixing them; what it cannot carry named before anything runs; its runner generates as the
+dequantized model does, samples reproducibly, renders the model's chat template as transformers
+does, and serves through /v1/chat/completions. A CPU without AVX-512 VNNI is refused, naming what it
+lacks (checked everywhere); the kernels themselves run where the CPU has it."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engines.native_gguf import build
+
+pytestmark = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("gguf", "jinja2", "transformers")),
+    reason="needs gguf, jinja2 and transformers",
+)
+needs_kernels = pytest.mark.skipif(
+    build.unsupported_cpu() is not None or shutil.which("cc") is None and shutil.which("gcc") is None,
+    reason=f"the native kernels cannot run here: {build.unsupported_cpu() or 'no C compiler'}",
+)
+
+
+def mixed(name: str) -> str:
+    """Each matrix kind its own type: Q 4-bit with offsets, K 4-bit symmetric, down and the head 8-bit
+    (so Q, K and V are not fused, gate and up are)."""
+    for part, kind in (("attn_q", "Q4_1"), ("attn_k", "Q4_0"), ("ffn_down", "Q8_0"), ("token_embd", "Q8_0")):
+        if part in name:
+            return kind
+    return "Q4_1"
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    from tests.support.models import tiny_llama_folder
+
+    return tiny_llama_folder(tmp_path_factory.mktemp("llama"))
+
+
+def _write(folder: Path, tmp_path: Path, qtype):
+    """(the GGUF path, the file dequantized by transformers)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.support.gguf_writer import write_gguf
+
+    path = write_gguf(folder, tmp_path / "model.gguf", qtype)
+    dequantized = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="model.gguf", dtype=torch.float32)
+    return path, dequantized.eval()
+
+
+def _reference_log_likelihoods(dequantized, ids: list[int]) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        logits = dequantized(torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])].numpy()
+
+
+def _runner_folder(folder: Path, gguf: Path) -> Path:
+    """An engine folder as the engine stage writes it: the GGUF file and the tokenizer files."""
+    out = gguf.parent / "engine"
+    out.mkdir(exist_ok=True)
+    shutil.copyfile(gguf, out / gguf.name)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, out / name)
+    return out
+
+
+IDS = [int(i) for i in np.random.default_rng(0).integers(1, 500, 48)]
+
+
+@needs_kernels
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "mixed"])
+def test_carried_blocks_compute_what_the_dequantized_file_does(folder, tmp_path, qtype):
+    from engines.native_gguf.runner import NativeGGUFRunner
+
+    path, dequantized = _write(folder, tmp_path, mixed if qtype == "mixed" else qtype)
+    runner = NativeGGUFRunner(_runner_folder(folder, path), path.name)
+    ours = runner.log_likelihood(IDS)
+    reference = _reference_log_likelihoods(dequantized, IDS)
+    # 16-bit activations: within 2e-5 of each log-likelihood here; 8-bit ones (llama.cpp's) round each
+    # product about 100 times more coarsely.
+    np.testing.assert_allclose(ours, reference, atol=2e-4)
+    assert abs(np.exp(-ours.mean()) / np.exp(-reference.mean()) - 1) < 1e-5
+    # The matrices a step reads are the file's bytes (Q4_0 carried with an f16 offset: 20 bytes a block of 32).
+    blocks = {"Q4_0": 20, "Q4_1": 20, "Q8_0": 34}
+    layer_weights = 2 * (3 * 64 * 64 + 3 * 64 * 128)  # 2 layers: q, o 64x64, k, v 32x64, gate, up, down 64x128
+    if qtype != "mixed":
+        assert runner.model.weight_bytes_per_token == (layer_weights + 512 * 64) // 32 * blocks[qtype]
+
+
+@needs_kernels
+@pytest.mark.slow
+def test_the_runner_generates_renders_and_samples_as_the_model_does(folder, tmp_path):
+    import torch
+    from transformers import AutoTokenizer
+
+    from engines.generation import Constraint, Sampling, UnsupportedSampling
+    from engines.native_gguf.runner import NativeGGUFRunner
+
+    path, dequantized = _write(folder, tmp_path, "Q8_0")
+    runner = NativeGGUFRunner(_runner_folder(folder, path), path.name)
+    messages = [{"role": "user", "content": "What does the with statement do?"}]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    prompt = runner.chat_prompt(messages)
+    assert prompt == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = runner.encode(prompt)
+    assert ids == tokenizer(prompt, add_special_tokens=False).input_ids
+    # Greedy: the dequantized model's own greedy tokens (EOS is token 0, which random weights rarely pick).
+    ours = [token for token, _ in runner.generate(ids, Sampling(max_new_tokens=12))]
+    with torch.no_grad():
+        theirs = dequantized.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids) :].tolist()
+    assert ours == theirs[: len(ours)] and len(ours) > 0
+    assert runner.decode(ours) == tokenizer.decode(ours, skip_special_tokens=True)
+    # Sampling: a seed gives the same tokens twice, another seed others; the settings that cut the
+    # distribution to one token make it greedy again.
+    warm = Sampling(max_new_tokens=12, temperature=1.5, seed=7, top_p=0.95, min_p=0.01, repetition_penalty=1.2)
+    first = [t for t, _ in runner.generate(ids, warm)]
+    assert first == [t for t, _ in runner.generate(ids, warm)]
+    other = Sampling(max_new_tokens=12, temperature=1.5, seed=8, top_p=0.95, min_p=0.01, repetition_penalty=1.2)
+    assert first != [t for t, _ in runner.generate(ids, other)]
+    narrow = Sampling(max_new_tokens=12, temperature=1.0, seed=1, top_k=1)
+    assert [t for t, _ in runner.generate(ids, narrow)] == ours
+    logprobs = []
+    list(runner.generate(ids, Sampling(max_new_tokens=3, logprobs=True, top_logprobs=2), on_logprob=logprobs.append))
+    assert len(logprobs) == 3 and logprobs[0].token == ours[0] and logprobs[0].top[0][0] == ours[0]
+    with pytest.raises(UnsupportedSampling, match="constraint"):
+        list(runner.generate(ids, Sampling(max_new_tokens=2, constraint=Constraint("regex", "a+"))))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        runner.model.step(512, 0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        list(runner.generate([], Sampling(max_new_tokens=2)))
+    # Timed decoding: one stamp a token, in order.
+    stamps = runner.timed_stream(ids, 8)
+    assert len(stamps) == 8 and stamps == sorted(stamps)
+
+
+def test_what_it_cannot_carry_is_named_before_anything_is_repacked(folder, tmp_path):
+    from engines.native_gguf.model import NativeModelError, uncarried
+    from engines.openvino.genai_gguf import tensors
+    from tests.support.gguf_writer import write_gguf
+
+    path = write_gguf(folder, tmp_path / "q5.gguf", lambda name: "Q5_0" if "ffn_up" in name else "Q8_0")
+    reason = uncarried(*tensors(path))
+    assert "blk.0.ffn_up.weight (Q5_0), blk.1.ffn_up.weight (Q5_0)" in reason and "Q4_0, Q4_1, Q8_0" in reason
+    assert "not 'qwen2'" in uncarried("qwen2", tensors(path)[1])
+    if build.unsupported_cpu() is None:
+        from engines.native_gguf.model import NativeGGUF
+
+        with pytest.raises(NativeModelError, match="ffn_up"):
+            NativeGGUF(path)
+
+
+def test_a_cpu_without_avx512_vnni_is_refused_naming_what_it_lacks():
+    zen3 = frozenset({"avx2", "fma", "f16c", "sse4_2"})
+    assert build.unsupported_cpu(zen3, "x86_64") == (
+        "the native GGUF kernels need AVX-512 VNNI; this CPU lacks avx512f, avx512bw, avx512_vnni"
+    )
+    assert "aarch64" in build.unsupported_cpu(zen3, "aarch64")
+    assert build.unsupported_cpu(zen3 | {"avx512f", "avx512bw", "avx512_vnni"}, "x86_64") is None
