@@ -208,6 +208,19 @@ class NativeGGUF:
         return array.ctypes.data
 
     def _load_layer(self, tensors: dict, layer: int) -> None:
+        self._check_shapes(tensors, layer)
+        matrices = self._layer_matrices(tensors, layer)
+        self.weight_bytes_per_token += sum(data.nbytes for _, _, data in matrices)
+        n = len(matrices)
+        kinds = (ctypes.c_int * n)(*[kind for kind, _, _ in matrices])
+        rows = (ctypes.c_int * n)(*[count for _, count, _ in matrices])
+        pointers = (ctypes.c_void_p * n)(*[self._pointer(data) for _, _, data in matrices])
+        norms = [
+            self._pointer(_vector(self._tensor(tensors, f"blk.{layer}.{n}.weight"))) for n in ("attn_norm", "ffn_norm")
+        ]
+        self._lib.ng_layer(self._model, layer, *norms, kinds, rows, pointers)
+
+    def _check_shapes(self, tensors: dict, layer: int) -> None:
         h = self.hyper
         kv = h.kv_heads * h.head_dim
         shapes = {"attn_q": (h.dim, h.dim), "attn_k": (h.dim, kv), "attn_v": (h.dim, kv), "attn_output": (h.dim, h.dim),
@@ -218,25 +231,21 @@ class NativeGGUF:
                 raise NativeModelError(
                     f"blk.{layer}.{name}.weight is {list(found)}, not {list(shape)} as the header says"
                 )
+
+    @staticmethod
+    def _layer_matrices(tensors: dict, layer: int) -> list[tuple[int, int, np.ndarray]]:
+        """(kind, rows, repacked bytes) of q|k|v, out, gate|up and down, in the order ng_layer reads them.
+        Parts of one kind are one matrix (one pass over the activations); parts of two are each their own."""
         parts = {name: repacked(tensors[f"blk.{layer}.{name}.weight"]) for name in LAYER_MATRICES}
-        matrices: list[tuple[int, int, np.ndarray]] = []  # kind, rows, bytes
+        matrices = []
         for fused in (("attn_q", "attn_k", "attn_v"), ("attn_output",), ("ffn_gate", "ffn_up"), ("ffn_down",)):
             kinds = {parts[name][0] for name in fused}
-            # One matrix where the parts share a kind (one pass over the activations), else each its own.
             if len(kinds) == 1:
                 data = np.concatenate([parts[name][1] for name in fused])
                 matrices.append((kinds.pop(), data.shape[0] * GROUP, data))
             else:
                 matrices += [(parts[name][0], parts[name][1].shape[0] * GROUP, parts[name][1]) for name in fused]
-        self.weight_bytes_per_token += sum(m[2].nbytes for m in matrices)
-        n = len(matrices)
-        kinds = (ctypes.c_int * n)(*[m[0] for m in matrices])
-        rows = (ctypes.c_int * n)(*[m[1] for m in matrices])
-        data = (ctypes.c_void_p * n)(*[self._pointer(m[2]) for m in matrices])
-        norms = [
-            self._pointer(_vector(self._tensor(tensors, f"blk.{layer}.{n}.weight"))) for n in ("attn_norm", "ffn_norm")
-        ]
-        self._lib.ng_layer(self._model, layer, *norms, kinds, rows, data)
+        return matrices
 
     def _load_head(self, tensors: dict) -> None:
         embedding_kind, embedding = repacked(tensors["token_embd.weight"])

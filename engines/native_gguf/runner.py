@@ -75,10 +75,10 @@ class NativeGGUFRunner:
             raise ChatTemplateError(" ".join(str(exc).split())[:300] or type(exc).__name__) from None
 
     def _eos_ids(self) -> set[int]:
-        ids = set()
-        eos = _token_text(self.config.get("eos_token"))
-        if eos and self.tokenizer.token_to_id(eos) is not None:
-            ids.add(int(self.tokenizer.token_to_id(eos)))
+        ids: set[int] = set()
+        token = self.tokenizer.token_to_id(_token_text(self.config.get("eos_token")) or "")
+        if token is not None:
+            ids.add(int(token))
         generation = _json(self.dir / "generation_config.json").get("eos_token_id")
         ids.update(int(i) for i in (generation if isinstance(generation, list) else [generation]) if i is not None)
         return ids
@@ -178,7 +178,8 @@ def penalized(logits: np.ndarray, sampling: Sampling, seen: np.ndarray, in_promp
             scores[hit] > 0, scores[hit] / sampling.repetition_penalty, scores[hit] * sampling.repetition_penalty
         )
     if sampling.presence_penalty or sampling.frequency_penalty:
-        scores = scores - sampling.presence_penalty * (seen > 0) - sampling.frequency_penalty * seen
+        penalty = sampling.presence_penalty * (seen > 0) + sampling.frequency_penalty * seen
+        scores = (scores - penalty).astype(np.float32)
     return scores
 
 

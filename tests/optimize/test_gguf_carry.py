@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from engines.native_gguf import build as native_build
-
 from tests.support.cli import TINY_LM_RACE, one_error_line, run_optimize
 
 pytestmark = pytest.mark.skipif(
