@@ -1,8 +1,9 @@
 """Compiling the native GGUF kernels on the machine that runs them.
 
-kernels.c is built with -march=native, so the library is this CPU's: it is cached under a key of the
-source, the compiler and the CPU's flags, and a CPU without what the kernels need is refused before
-anything is compiled, naming what it lacks.
+kernels.c is built with -march=native, so the library is this CPU's (its AVX-512 VNNI path where the
+CPU has it, else its AVX2 one): it is cached under a key of the source, the compiler, the target and
+the CPU's flags, and a CPU with neither is refused before anything is compiled, naming what it lacks.
+$OPTIMIZE_NATIVE_MARCH sets another -march (x86-64-v3: the AVX2 path on any AVX2 CPU).
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from engines.cache import cache_root
 from engines.hardware import cpu_flags
 
 SOURCE = Path(__file__).with_name("kernels.c")
-# /proc/cpuinfo's names for what kernels.c uses: 512-bit integer and float vectors, VNNI's u8 x s8
-# dot products, and f16 conversions. An AVX2-only CPU (AMD Zen 3) has none of the AVX-512 ones.
-NEEDED_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "f16c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
+# /proc/cpuinfo's names for what each of kernels.c's paths uses: 512-bit integer and float vectors with
+# VNNI's u8 x s8 dot products, or 256-bit ones with FMA; f16 conversions in both.
+VNNI_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "f16c")
+AVX2_FLAGS = ("avx2", "fma", "f16c")
+FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 
 
 class NativeBuildError(RuntimeError):
@@ -34,10 +36,20 @@ def unsupported_cpu(flags: frozenset[str] | None = None, machine: str | None = N
     if machine not in ("x86_64", "AMD64"):
         return f"the native GGUF kernels are x86-64 AVX-512 code; this machine is {machine}"
     flags = cpu_flags() if flags is None else flags
-    missing = [f for f in NEEDED_FLAGS if f not in flags]
+    missing = [f for f in AVX2_FLAGS if f not in flags]
     if missing:
-        return f"the native GGUF kernels need AVX-512 VNNI; this CPU lacks {', '.join(missing)}"
+        return f"the native GGUF kernels need AVX2 with FMA and F16C; this CPU lacks {', '.join(missing)}"
     return None
+
+
+def path(flags: frozenset[str] | None = None) -> str:
+    """Which of the kernels' paths this CPU runs (where nothing else is asked for)."""
+    flags = cpu_flags() if flags is None else flags
+    return "AVX-512 VNNI" if all(f in flags for f in VNNI_FLAGS) else "AVX2"
+
+
+def march() -> str:
+    return os.environ.get("OPTIMIZE_NATIVE_MARCH") or "native"
 
 
 def compiler() -> str:
@@ -55,13 +67,14 @@ def library() -> Path:
     cc = compiler()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(repr((cc, version, FLAGS, sorted(cpu_flags()))).encode())
+    flags = [*FLAGS, f"-march={march()}"]
+    key.update(repr((cc, version, flags, sorted(cpu_flags()))).encode())
     built = cache_root() / "native-gguf" / key.hexdigest()[:16] / "libnative_gguf.so"
     if built.is_file():
         return built
     built.parent.mkdir(parents=True, exist_ok=True)
     partial = built.with_name(f"{built.name}.{os.getpid()}.partial")
-    done = subprocess.run([cc, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
+    done = subprocess.run([cc, *flags, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         said = (done.stderr.strip().splitlines() or ["no output"])[-1]

@@ -9,6 +9,10 @@
  * low byte), and each plane meets the weights in AVX-512 VNNI's u8 x s8 dot products: twice
  * llama.cpp's integer work, 256 times finer activations (f32 to within 1e-4 of a matrix product).
  *
+ * On AVX2-only CPUs (no VNNI) the same products run through vpmaddubsw / vpmaddwd, whose 16-bit
+ * pair sums would overflow 16-bit planes: activations there are 15 bits (7-bit low plane, high plane
+ * within +-127), 128 times finer than llama.cpp's still.
+ *
  * Weights are repacked 16 rows to a group so that each 32-bit lane of a dot product is one row:
  * the activations are broadcast, never shuffled, and one block's 16 scales are one vector.
  *   4-bit group-block (320 bytes): 256 bytes of nibbles (byte 64t + 4i + k holds row i's elements
@@ -24,8 +28,14 @@
 #include <stdlib.h>
 #include <string.h>
 
-#if !defined(__AVX512F__) || !defined(__AVX512BW__) || !defined(__AVX512VNNI__) || !defined(__F16C__)
-#error "the native GGUF kernels need AVX-512 (F, BW, VNNI) and F16C"
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__F16C__)
+#define VNNI 1
+enum { LOW_BITS = 8, QMAX = 32767 };           /* x = 256 high + low: 16 bits */
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define VNNI 0
+enum { LOW_BITS = 7, QMAX = 127 * 128 };       /* x = 128 high + low, |high| <= 127: 15 bits */
+#else
+#error "the native GGUF kernels need AVX-512 VNNI, or AVX2 with FMA and F16C"
 #endif
 
 enum { GROUP = 16, BYTES_4BIT = 320, BYTES_8BIT = 544, PREFETCH_BLOCKS = 32 };
@@ -61,14 +71,15 @@ static int activations_new(activations *a, int n) {
 }
 static void activations_free(activations *a) { free(a->sum); free(a->scale); free(a->high_sum); free(a->high); free(a->low); }
 
+#if VNNI
 static void quantize(activations *a, const float *x, int n) {
   const __m512i byte = _mm512_set1_epi32(255);
   for (int b = 0; b < n / 32; b++) {
     __m512 v0 = _mm512_loadu_ps(x + b * 32), v1 = _mm512_loadu_ps(x + b * 32 + 16);
     float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     a->sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-    a->scale[b] = top / 32767.f;
-    __m512 inverse = _mm512_set1_ps(top > 0 ? 32767.f / top : 0.f);
+    a->scale[b] = top / QMAX;
+    __m512 inverse = _mm512_set1_ps(top > 0 ? (float)QMAX / top : 0.f);
     __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inverse)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse));
     __m512i h0 = _mm512_srai_epi32(q0, 8), h1 = _mm512_srai_epi32(q1, 8);
     a->high_sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(h0, h1));
@@ -79,10 +90,31 @@ static void quantize(activations *a, const float *x, int n) {
   }
 }
 
+#else
+static void quantize(activations *a, const float *x, int n) {
+  for (int b = 0; b < n / 32; b++) {
+    const float *v = x + b * 32;
+    float top = 0, sum = 0;
+    for (int i = 0; i < 32; i++) { top = fmaxf(top, fabsf(v[i])); sum += v[i]; }
+    a->sum[b] = sum; a->scale[b] = top / QMAX;
+    float inverse = top > 0 ? QMAX / top : 0.f;
+    int8_t *high = (int8_t *)(a->high + b * 8); uint8_t *low = (uint8_t *)(a->low + b * 8);
+    int high_sum = 0;
+    for (int i = 0; i < 32; i++) {
+      int q = (int)lrintf(v[i] * inverse);
+      high[i] = (int8_t)(q >> LOW_BITS); low[i] = (uint8_t)(q & ((1 << LOW_BITS) - 1)); high_sum += high[i];
+    }
+    a->high_sum[b] = high_sum;
+  }
+}
+
+#endif
+
 static void prefetch(const uint8_t *p, int bytes) {
   for (int c = 0; c < bytes; c += 64) _mm_prefetch((const char *)p + c, _MM_HINT_T0);
 }
 
+#if VNNI
 /* 16 rows of a 4-bit matrix times the activations. */
 static void group_4bit(const uint8_t *p, int blocks, const activations *a, float *y) {
   __m512 acc = _mm512_setzero_ps();
@@ -130,6 +162,65 @@ static void group_8bit(const uint8_t *p, int blocks, const activations *a, float
   }
   _mm512_storeu_ps(y, acc);
 }
+
+#else
+/* AVX2: vpmaddubsw multiplies u8 by s8 into 16-bit pair sums, vpmaddwd adds pairs into 32 bits. The
+ * 64-byte chunk of 16 rows is two 32-byte halves of 8 rows each. */
+static inline __m256i pairs_to_32(__m256i sums16) { return _mm256_madd_epi16(sums16, _mm256_set1_epi16(1)); }
+
+static void group_4bit(const uint8_t *p, int blocks, const activations *a, float *y) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const __m256i nibble = _mm256_set1_epi8(15);
+  for (int b = 0; b < blocks; b++, p += BYTES_4BIT) {
+    prefetch(p + PREFETCH_BLOCKS * BYTES_4BIT, BYTES_4BIT);
+    const int32_t *high = a->high + b * 8, *low = a->low + b * 8;
+    __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, l[2] = {h[0], h[0]};
+    for (int t = 0; t < 4; t++) {
+      __m256i h0 = _mm256_set1_epi32(high[2 * t]), h1 = _mm256_set1_epi32(high[2 * t + 1]);
+      __m256i l0 = _mm256_set1_epi32(low[2 * t]), l1 = _mm256_set1_epi32(low[2 * t + 1]);
+      for (int half = 0; half < 2; half++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * half));
+        __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+        /* |pair sums| <= 2 * 15 * 127 twice: within 16 bits */
+        h[half] = _mm256_add_epi32(h[half], pairs_to_32(_mm256_add_epi16(_mm256_maddubs_epi16(lo, h0), _mm256_maddubs_epi16(hi, h1))));
+        l[half] = _mm256_add_epi32(l[half], pairs_to_32(_mm256_add_epi16(_mm256_maddubs_epi16(l0, lo), _mm256_maddubs_epi16(l1, hi))));
+      }
+    }
+    for (int half = 0; half < 2; half++) {
+      __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(h[half], LOW_BITS), l[half]);
+      __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 16 * half))), _mm256_set1_ps(a->scale[b]));
+      acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
+      acc[half] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288 + 16 * half))), _mm256_set1_ps(a->sum[b]), acc[half]);
+    }
+  }
+  _mm256_storeu_ps(y, acc[0]); _mm256_storeu_ps(y + 8, acc[1]);
+}
+
+/* The signed weights meet the signed high plane as |q| times the plane with q's sign. */
+static void group_8bit(const uint8_t *p, int blocks, const activations *a, float *y) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int b = 0; b < blocks; b++, p += BYTES_8BIT) {
+    prefetch(p + PREFETCH_BLOCKS * BYTES_8BIT, BYTES_8BIT);
+    const int32_t *high = a->high + b * 8, *low = a->low + b * 8;
+    __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, l[2] = {h[0], h[0]};
+    for (int j = 0; j < 8; j++) {
+      __m256i hj = _mm256_set1_epi32(high[j]), lj = _mm256_set1_epi32(low[j]);
+      for (int half = 0; half < 2; half++) {
+        __m256i w = _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * half));
+        h[half] = _mm256_add_epi32(h[half], pairs_to_32(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(hj, w))));
+        l[half] = _mm256_add_epi32(l[half], pairs_to_32(_mm256_maddubs_epi16(lj, w)));
+      }
+    }
+    for (int half = 0; half < 2; half++) {
+      __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(h[half], LOW_BITS), l[half]);
+      __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 512 + 16 * half))), _mm256_set1_ps(a->scale[b]));
+      acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
+    }
+  }
+  _mm256_storeu_ps(y, acc[0]); _mm256_storeu_ps(y + 8, acc[1]);
+}
+
+#endif
 
 static size_t group_bytes(const matrix *w) { return (size_t)(w->cols / 32) * (w->kind == KIND_4BIT ? BYTES_4BIT : BYTES_8BIT); }
 
@@ -181,10 +272,18 @@ static void rope(const model *m, float *v, int heads) {
 
 /* A dot product vectorized (the compiler keeps a float sum in order, so it would not). */
 static float dot(const float *a, const float *b, int n) {
-  __m512 acc = _mm512_setzero_ps();
   int i = 0;
+#if VNNI
+  __m512 acc = _mm512_setzero_ps();
   for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
   float s = _mm512_reduce_add_ps(acc);
+#else
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q)); q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  float s = _mm_cvtss_f32(q);
+#endif
   for (; i < n; i++) s += a[i] * b[i];
   return s;
 }
@@ -306,3 +405,6 @@ void ng_head(model *m, const float *out_norm, int embedding_kind, const uint8_t 
   m->embedding = (matrix){embedding_kind, m->vocab_rows, m->dim, embedding};
   m->head = (matrix){head_kind, m->vocab_rows, m->dim, head};
 }
+
+/* Which path this library was compiled to: 1 AVX-512 VNNI (16-bit activations), 0 AVX2 (15-bit). */
+int ng_vnni(void) { return VNNI; }

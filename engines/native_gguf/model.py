@@ -165,7 +165,15 @@ def _library() -> ctypes.CDLL:
     lib.ng_head.argtypes = [p, p, i, p, i, p]
     lib.ng_step.argtypes = [p, i, i, p]
     lib.ng_free.argtypes = [p]
+    lib.ng_vnni.restype = i
     return lib
+
+
+def kernel_path() -> str:
+    """What the kernels compiled here multiply with, for the manifest."""
+    if _library().ng_vnni():
+        return "AVX-512 VNNI, activations at 16 bits per block of 32 (two 8-bit planes)"
+    return "AVX2, activations at 15 bits per block of 32 (a 7-bit and an 8-bit plane)"
 
 
 class NativeGGUF:

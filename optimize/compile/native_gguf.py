@@ -1,8 +1,8 @@
 """Engine stage for causal LMs from a GGUF source: the file itself in the native GGUF kernels
 (engines/native_gguf). Its Q4_0 / Q4_1 / Q8_0 blocks are the weights, byte for byte (repacked when
-loaded, 16 rows to a group); activations meet them at 16 bits per block of 32, so the candidate
-computes what the dequantized baseline computes to within 1e-4 of each product. One sequence at a
-time, on CPUs with AVX-512 VNNI; the kernels are compiled on the machine that runs them.
+loaded, 16 rows to a group); activations meet them at 16 bits per block of 32 (15 on AVX2-only
+CPUs), so the candidate computes what the dequantized baseline computes to within 1e-4 of each
+product. One sequence at a time; the kernels are compiled on the machine that runs them.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class NativeGGUFConfig:
         engine: {method: native_gguf}
 
     The source must be a Llama GGUF file whose matrices are Q4_0, Q4_1 or Q8_0, unchanged by
-    earlier stages, on a CPU with AVX-512 VNNI and a C compiler.
+    earlier stages, on an x86-64 CPU with AVX2 (AVX-512 VNNI used where present) and a C compiler.
     """
 
     # Positions the f32 KV cache holds; 0: the model's context length, at most 4096.
@@ -85,7 +85,7 @@ def native_gguf_engine(model: Model, cfg: NativeGGUFConfig, ctx: Context) -> Mod
         "weights": "as in the source",
         "gguf_file": gguf_path.name,
         "gguf_types": type_summary(tensors, native.CARRIED),
-        "activations": "16 bits per block of 32 (two 8-bit planes into AVX-512 VNNI)",
+        "kernel_path": native.kernel_path(),
         "kv_cache_precision": "f32",
         "kernel_build": library.parent.name,  # its cache key: the source, the compiler and the CPU flags
     }

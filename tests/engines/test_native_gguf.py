@@ -1,10 +1,10 @@
 """The native GGUF engine (engines/native_gguf): a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks in the
-pipeline's AVX-512 VNNI kernels, scored against the file dequantized by transformers (the pipeline's
-baseline) on files the tests write: equal within the 16-bit activations' rounding for each type and
-for a file mixing them; what it cannot carry named before anything runs; its runner generates as the
-dequantized model does, samples reproducibly, renders the model's chat template as transformers
-does, and serves through /v1/chat/completions. A CPU without AVX-512 VNNI is refused, naming what it
-lacks (checked everywhere); the kernels themselves run where the CPU has it."""
+pipeline's own kernels, scored against the file dequantized by transformers (the pipeline's baseline)
+on files the tests write: equal within the activations' rounding for each type and for a file mixing
+them, on the AVX-512 VNNI path and on the AVX2 one (compiled for x86-64-v3, which an AVX-512 CPU runs
+too); what it cannot carry named before anything runs; its runner generates as the dequantized model
+does, samples reproducibly and renders the model's chat template as transformers does. A CPU without
+AVX2 is refused, naming what it lacks (checked everywhere); the kernels run where the CPU has it."""
 
 from __future__ import annotations
 
@@ -77,18 +77,25 @@ def _runner_folder(folder: Path, gguf: Path) -> Path:
 IDS = [int(i) for i in np.random.default_rng(0).integers(1, 500, 48)]
 
 
+PATHS = ["native", pytest.param("x86-64-v3", marks=pytest.mark.skipif(build.path() == "AVX2", reason="native is AVX2"))]
+
+
 @needs_kernels
 @pytest.mark.slow
+@pytest.mark.parametrize("march", PATHS)
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "mixed"])
-def test_carried_blocks_compute_what_the_dequantized_file_does(folder, tmp_path, qtype):
+def test_carried_blocks_compute_what_the_dequantized_file_does(folder, tmp_path, qtype, march, monkeypatch):
+    from engines.native_gguf.model import kernel_path
     from engines.native_gguf.runner import NativeGGUFRunner
 
+    monkeypatch.setenv("OPTIMIZE_NATIVE_MARCH", march)
+    assert kernel_path().startswith("AVX2" if march == "x86-64-v3" else build.path())
     path, dequantized = _write(folder, tmp_path, mixed if qtype == "mixed" else qtype)
     runner = NativeGGUFRunner(_runner_folder(folder, path), path.name)
     ours = runner.log_likelihood(IDS)
     reference = _reference_log_likelihoods(dequantized, IDS)
-    # 16-bit activations: within 2e-5 of each log-likelihood here; 8-bit ones (llama.cpp's) round each
-    # product about 100 times more coarsely.
+    # 16-bit activations (15 on AVX2): within 2e-5 of each log-likelihood here; 8-bit ones (llama.cpp's)
+    # round each product about 100 times more coarsely.
     np.testing.assert_allclose(ours, reference, atol=2e-4)
     assert abs(np.exp(-ours.mean()) / np.exp(-reference.mean()) - 1) < 1e-5
     # The matrices a step reads are the file's bytes (Q4_0 carried with an f16 offset: 20 bytes a block of 32).
@@ -160,10 +167,13 @@ def test_what_it_cannot_carry_is_named_before_anything_is_repacked(folder, tmp_p
             NativeGGUF(path)
 
 
-def test_a_cpu_without_avx512_vnni_is_refused_naming_what_it_lacks():
+def test_a_cpu_without_avx2_is_refused_naming_what_it_lacks_and_avx512_vnni_takes_the_wider_path():
     zen3 = frozenset({"avx2", "fma", "f16c", "sse4_2"})
-    assert build.unsupported_cpu(zen3, "x86_64") == (
-        "the native GGUF kernels need AVX-512 VNNI; this CPU lacks avx512f, avx512bw, avx512_vnni"
+    assert build.unsupported_cpu(zen3, "x86_64") is None and build.path(zen3) == "AVX2"
+    zen5 = zen3 | {"avx512f", "avx512bw", "avx512_vnni"}
+    assert build.unsupported_cpu(zen5, "x86_64") is None and build.path(zen5) == "AVX-512 VNNI"
+    old = frozenset({"sse4_2", "avx", "f16c"})
+    assert build.unsupported_cpu(old, "x86_64") == (
+        "the native GGUF kernels need AVX2 with FMA and F16C; this CPU lacks avx2, fma"
     )
     assert "aarch64" in build.unsupported_cpu(zen3, "aarch64")
-    assert build.unsupported_cpu(zen3 | {"avx512f", "avx512bw", "avx512_vnni"}, "x86_64") is None

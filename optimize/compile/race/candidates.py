@@ -153,8 +153,8 @@ CANDIDATES.update(
         # The layers exact (f32 activations), the 8-bit LM head (SmolLM2's tied Q8_0 embedding) carried
         # as blocks with INT8 activations for that one MatMul: a quarter of the f32 head's bytes a token.
         "ort_genai_gguf_head8": Candidate("onnxruntime_genai_gguf", {"head_accuracy_level": 4}),
-        # The file itself in the pipeline's own kernels (AVX-512 VNNI CPUs): its blocks byte for byte,
-        # activations at 16 bits, one sequence at a time.
+        # The file itself in the pipeline's own kernels (x86-64 with AVX2; AVX-512 VNNI where present): its
+        # blocks byte for byte, activations at 16 bits (15 on AVX2), one sequence at a time.
         "native_gguf": Candidate("native_gguf"),
     }
 )
@@ -166,7 +166,7 @@ CANDIDATES.update(
 # 1.18x its decode speed depending on the hour on a 2-core Zen 4, 262 MB on disk against 223. int8,
 # head8 and the exact ort_genai_gguf stay by name. The native kernels decode one sequence fastest of
 # all on SmolLM2's Q4_1 file (1.3x llama-bench tg64 on an AMX Xeon, perplexity +0.003%) and batch none:
-# what the race ships for one client where the CPU has AVX-512 VNNI (elsewhere it is not built).
+# what the race ships for one client (not built on a CPU without AVX2, which the outcome says).
 DEFAULT_GGUF = [
     "openvino_genai_gguf_kv_u8",
     "openvino_genai_gguf_dq32_kv_u8",
