@@ -52,6 +52,17 @@ def march() -> str:
     return os.environ.get("OPTIMIZE_NATIVE_MARCH") or "native"
 
 
+def unavailable() -> str | None:
+    """Why the kernels cannot be built here (the CPU, or no C compiler), or None."""
+    if reason := unsupported_cpu():
+        return reason
+    try:
+        compiler()
+    except NativeBuildError as exc:
+        return str(exc)
+    return None
+
+
 def compiler() -> str:
     found = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not found:

@@ -21,10 +21,7 @@ pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("gguf", "jinja2", "transformers")),
     reason="needs gguf, jinja2 and transformers",
 )
-needs_kernels = pytest.mark.skipif(
-    build.unsupported_cpu() is not None or shutil.which("cc") is None and shutil.which("gcc") is None,
-    reason=f"the native kernels cannot run here: {build.unsupported_cpu() or 'no C compiler'}",
-)
+needs_kernels = pytest.mark.skipif(build.unavailable() is not None, reason=f"{build.unavailable()}")
 
 
 def mixed(name: str) -> str:
@@ -160,7 +157,7 @@ def test_what_it_cannot_carry_is_named_before_anything_is_repacked(folder, tmp_p
     reason = uncarried(*tensors(path))
     assert "blk.0.ffn_up.weight (Q5_0), blk.1.ffn_up.weight (Q5_0)" in reason and "Q4_0, Q4_1, Q8_0" in reason
     assert "not 'qwen2'" in uncarried("qwen2", tensors(path)[1])
-    if build.unsupported_cpu() is None:
+    if build.unavailable() is None:
         from engines.native_gguf.model import NativeGGUF
 
         with pytest.raises(NativeModelError, match="ffn_up"):
