@@ -39,6 +39,9 @@ enum { LOW_BITS = 7, QMAX = 127 * 128 };       /* x = 128 high + low, |high| <= 
 #endif
 
 enum { GROUP = 16, BYTES_4BIT = 320, BYTES_8BIT = 544, PREFETCH_BLOCKS = 32 };
+/* Tokens one pass takes (a prompt is read in such chunks): a group's weights, read from memory for the
+ * first, are still in cache for the others. */
+enum { MAX_BATCH = 16 };
 enum { KIND_4BIT = 0, KIND_8BIT = 1 };
 
 typedef struct { int kind, rows, cols; const uint8_t *data; } matrix;
@@ -57,8 +60,9 @@ typedef struct {
   layer *layer;
   matrix embedding, head;
   const float *out_norm;
+  /* MAX_BATCH rows each (one a token), but the KV cache and the scores (one row a head) */
   float *k_cache, *v_cache, *x, *xn, *qkv, *attn, *proj, *gate_up, *hidden, *scores, *cos, *sin;
-  activations a_dim, a_ffn;
+  activations a_dim[MAX_BATCH], a_ffn[MAX_BATCH];
 } model;
 
 static void *zeroed(size_t bytes) { void *p = aligned_alloc(64, (bytes + 63) / 64 * 64); if (p) memset(p, 0, (bytes + 63) / 64 * 64); return p; }
@@ -224,15 +228,17 @@ static void group_8bit(const uint8_t *p, int blocks, const activations *a, float
 
 static size_t group_bytes(const matrix *w) { return (size_t)(w->cols / 32) * (w->kind == KIND_4BIT ? BYTES_4BIT : BYTES_8BIT); }
 
-/* y = W a, the row groups shared out among the team's threads (inside a parallel region). */
-static void matvec(const matrix *w, const activations *a, float *y) {
+/* Y = W A for n tokens' activations (row i of Y at y + i * stride), the row groups shared out among the
+ * team's threads (inside a parallel region). */
+static void matmul(const matrix *w, const activations *a, int n, float *y, int stride) {
   int blocks = w->cols / 32, groups = w->rows / GROUP;
-  size_t stride = group_bytes(w);
+  size_t bytes = group_bytes(w);
   #pragma omp for schedule(static)
-  for (int g = 0; g < groups; g++) {
-    if (w->kind == KIND_4BIT) group_4bit(w->data + g * stride, blocks, a, y + g * GROUP);
-    else group_8bit(w->data + g * stride, blocks, a, y + g * GROUP);
-  }
+  for (int g = 0; g < groups; g++)
+    for (int i = 0; i < n; i++) {
+      if (w->kind == KIND_4BIT) group_4bit(w->data + g * bytes, blocks, &a[i], y + (size_t)i * stride + g * GROUP);
+      else group_8bit(w->data + g * bytes, blocks, &a[i], y + (size_t)i * stride + g * GROUP);
+    }
 }
 
 /* One row of a repacked matrix, dequantized (the embedding lookup). */
@@ -262,11 +268,12 @@ static void rms_norm(float *out, const float *x, const float *w, int n, float ep
 }
 
 /* Llama's rotation as GGUF stores Q and K: adjacent pairs within each head. */
-static void rope(const model *m, float *v, int heads) {
+static void rope(const model *m, float *v, int heads, int token) {
+  const float *cos = m->cos + token * m->head_dim / 2, *sin = m->sin + token * m->head_dim / 2;
   for (int h = 0; h < heads; h++)
     for (int i = 0; i < m->head_dim / 2; i++) {
       float *p = v + h * m->head_dim + 2 * i, a = p[0], b = p[1];
-      p[0] = a * m->cos[i] - b * m->sin[i]; p[1] = a * m->sin[i] + b * m->cos[i];
+      p[0] = a * cos[i] - b * sin[i]; p[1] = a * sin[i] + b * cos[i];
     }
 }
 
@@ -288,9 +295,11 @@ static float dot(const float *a, const float *b, int n) {
   return s;
 }
 
-static void attention_head(const model *m, int l, int h, int pos) {
+/* One head of one token at `pos`: its query is row `token` of the QKV rows, its keys and values the
+ * cache's positions 0 .. pos. */
+static void attention_head(const model *m, int l, int h, int token, int pos) {
   int kv = m->kv_heads * m->head_dim, g = h / (m->heads / m->kv_heads), hd = m->head_dim;
-  const float *q = m->qkv + h * hd;
+  const float *q = m->qkv + (size_t)token * (m->dim + 2 * kv) + h * hd;
   float *scores = m->scores + (size_t)h * m->context, top = -INFINITY, total = 0, scale = 1.f / sqrtf((float)hd);
   const float *keys = m->k_cache + (size_t)l * m->context * kv + g * hd, *values = m->v_cache + (size_t)l * m->context * kv + g * hd;
   for (int t = 0; t <= pos; t++) {
@@ -298,7 +307,7 @@ static void attention_head(const model *m, int l, int h, int pos) {
     top = fmaxf(top, scores[t]);
   }
   for (int t = 0; t <= pos; t++) { scores[t] = expf(scores[t] - top); total += scores[t]; }
-  float *out = m->attn + h * hd;
+  float *out = m->attn + (size_t)token * m->dim + h * hd;
   for (int i = 0; i < hd; i++) out[i] = 0;
   for (int t = 0; t <= pos; t++) {
     float p = scores[t] / total;
@@ -306,62 +315,88 @@ static void attention_head(const model *m, int l, int h, int pos) {
   }
 }
 
-static void matvec_parts(const matrix *parts, int n, const activations *a, float *y) {
-  for (int i = 0; i < n; i++) { matvec(&parts[i], a, y); y += parts[i].rows; }
+static void matmul_parts(const matrix *parts, int count, const activations *a, int n, float *y, int stride) {
+  for (int i = 0; i < count; i++) { matmul(&parts[i], a, n, y, stride); y += parts[i].rows; }
 }
 
-static void layer_step(model *m, int l, int pos) {
+/* Norm and quantize each of n rows (inside a single). */
+static void normed(model *m, const float *weight, int n) {
+  for (int i = 0; i < n; i++) {
+    rms_norm(m->xn + (size_t)i * m->dim, m->x + (size_t)i * m->dim, weight, m->dim, m->eps);
+    quantize(&m->a_dim[i], m->xn + (size_t)i * m->dim, m->dim);
+  }
+}
+
+static void layer_step(model *m, int l, int n, int pos) {
   const layer *y = &m->layer[l];
-  int kv = m->kv_heads * m->head_dim;
+  int kv = m->kv_heads * m->head_dim, qkv = m->dim + 2 * kv;
   #pragma omp single
-  { rms_norm(m->xn, m->x, y->attn_norm, m->dim, m->eps); quantize(&m->a_dim, m->xn, m->dim); }
-  matvec_parts(y->qkv, y->n_qkv, &m->a_dim, m->qkv);
+  normed(m, y->attn_norm, n);
+  matmul_parts(y->qkv, y->n_qkv, m->a_dim, n, m->qkv, qkv);
   #pragma omp single
-  {
-    rope(m, m->qkv, m->heads); rope(m, m->qkv + m->dim, m->kv_heads);
-    memcpy(m->k_cache + ((size_t)l * m->context + pos) * kv, m->qkv + m->dim, kv * sizeof(float));
-    memcpy(m->v_cache + ((size_t)l * m->context + pos) * kv, m->qkv + m->dim + kv, kv * sizeof(float));
+  for (int i = 0; i < n; i++) {
+    float *row = m->qkv + (size_t)i * qkv;
+    rope(m, row, m->heads, i); rope(m, row + m->dim, m->kv_heads, i);
+    memcpy(m->k_cache + ((size_t)l * m->context + pos + i) * kv, row + m->dim, kv * sizeof(float));
+    memcpy(m->v_cache + ((size_t)l * m->context + pos + i) * kv, row + m->dim + kv, kv * sizeof(float));
   }
   #pragma omp for schedule(static)
-  for (int h = 0; h < m->heads; h++) attention_head(m, l, h, pos);
+  for (int h = 0; h < m->heads; h++)
+    for (int i = 0; i < n; i++) attention_head(m, l, h, i, pos + i);
   #pragma omp single
-  quantize(&m->a_dim, m->attn, m->dim);
-  matvec(&y->out, &m->a_dim, m->proj);
+  for (int i = 0; i < n; i++) quantize(&m->a_dim[i], m->attn + (size_t)i * m->dim, m->dim);
+  matmul(&y->out, m->a_dim, n, m->proj, m->dim);
   #pragma omp single
   {
-    for (int i = 0; i < m->dim; i++) m->x[i] += m->proj[i];
-    rms_norm(m->xn, m->x, y->ffn_norm, m->dim, m->eps); quantize(&m->a_dim, m->xn, m->dim);
+    for (size_t i = 0; i < (size_t)n * m->dim; i++) m->x[i] += m->proj[i];
+    normed(m, y->ffn_norm, n);
   }
-  matvec_parts(y->gate_up, y->n_gate_up, &m->a_dim, m->gate_up);
-  #pragma omp for simd schedule(static)
-  for (int i = 0; i < m->ffn; i++) { float g = m->gate_up[i]; m->hidden[i] = g / (1.f + expf(-g)) * m->gate_up[m->ffn + i]; }
+  matmul_parts(y->gate_up, y->n_gate_up, m->a_dim, n, m->gate_up, 2 * m->ffn);
+  #pragma omp for schedule(static)
+  for (int i = 0; i < n; i++) {
+    const float *gate = m->gate_up + (size_t)i * 2 * m->ffn, *up = gate + m->ffn;
+    float *hidden = m->hidden + (size_t)i * m->ffn;
+    #pragma omp simd
+    for (int j = 0; j < m->ffn; j++) hidden[j] = gate[j] / (1.f + expf(-gate[j])) * up[j];
+  }
   #pragma omp single
-  quantize(&m->a_ffn, m->hidden, m->ffn);
-  matvec(&y->down, &m->a_ffn, m->proj);
+  for (int i = 0; i < n; i++) quantize(&m->a_ffn[i], m->hidden + (size_t)i * m->ffn, m->ffn);
+  matmul(&y->down, m->a_ffn, n, m->proj, m->dim);
   #pragma omp single
-  for (int i = 0; i < m->dim; i++) m->x[i] += m->proj[i];
+  for (size_t i = 0; i < (size_t)n * m->dim; i++) m->x[i] += m->proj[i];
 }
 
-/* The logits (vocab_rows of them) of the token after `token` at position `pos`; the cache must hold
- * positions 0 .. pos - 1 of this sequence. */
-void ng_step(model *m, int token, int pos, float *logits) {
-  dequantized_row(&m->embedding, token, m->x);
-  for (int i = 0; i < m->head_dim / 2; i++) {
-    float theta = pos * powf(m->rope_base, -2.f * i / m->head_dim);
-    m->cos[i] = cosf(theta); m->sin[i] = sinf(theta);
+int ng_max_batch(void) { return MAX_BATCH; }
+
+/* n (1 .. MAX_BATCH) tokens at positions pos .. pos + n - 1, the cache holding positions 0 .. pos - 1
+ * of this sequence. logits: every token's (n rows of vocab_rows) where `every`, else the last one's. */
+void ng_forward(model *m, const int *tokens, int n, int pos, float *logits, int every) {
+  for (int i = 0; i < n; i++) {
+    dequantized_row(&m->embedding, tokens[i], m->x + (size_t)i * m->dim);
+    for (int j = 0; j < m->head_dim / 2; j++) {
+      float theta = (pos + i) * powf(m->rope_base, -2.f * j / m->head_dim);
+      m->cos[i * m->head_dim / 2 + j] = cosf(theta); m->sin[i * m->head_dim / 2 + j] = sinf(theta);
+    }
   }
+  int first = every ? 0 : n - 1, rows = every ? n : 1;
   #pragma omp parallel num_threads(m->threads)
   {
-    for (int l = 0; l < m->layers; l++) layer_step(m, l, pos);
+    for (int l = 0; l < m->layers; l++) layer_step(m, l, n, pos);
     #pragma omp single
-    { rms_norm(m->xn, m->x, m->out_norm, m->dim, m->eps); quantize(&m->a_dim, m->xn, m->dim); }
-    matvec(&m->head, &m->a_dim, logits);
+    for (int i = first; i < n; i++) {
+      rms_norm(m->xn + (size_t)i * m->dim, m->x + (size_t)i * m->dim, m->out_norm, m->dim, m->eps);
+      quantize(&m->a_dim[i], m->xn + (size_t)i * m->dim, m->dim);
+    }
+    matmul(&m->head, m->a_dim + first, rows, logits, m->vocab_rows);
   }
 }
+
+/* The logits (vocab_rows of them) of the token after `token` at position `pos`. */
+void ng_step(model *m, int token, int pos, float *logits) { ng_forward(m, &token, 1, pos, logits, 1); }
 
 void ng_free(model *m) {
   if (!m) return;
-  activations_free(&m->a_dim); activations_free(&m->a_ffn);
+  for (int i = 0; i < MAX_BATCH; i++) { activations_free(&m->a_dim[i]); activations_free(&m->a_ffn[i]); }
   float *buffers[] = {m->k_cache, m->v_cache, m->x, m->xn, m->qkv, m->attn, m->proj, m->gate_up, m->hidden, m->scores, m->cos, m->sin};
   for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) free(buffers[i]);
   free(m->layer); free(m);
@@ -376,11 +411,13 @@ model *ng_new(int layers, int dim, int ffn, int heads, int kv_heads, int vocab_r
   size_t kv = (size_t)kv_heads * m->head_dim, cache = (size_t)layers * context * kv * sizeof(float);
   m->layer = calloc(layers, sizeof(layer));
   m->k_cache = zeroed(cache); m->v_cache = zeroed(cache);
-  m->x = zeroed(dim * 4); m->xn = zeroed(dim * 4); m->attn = zeroed(dim * 4); m->proj = zeroed(dim * 4);
-  m->qkv = zeroed((dim + 2 * kv) * 4); m->gate_up = zeroed(2 * (size_t)ffn * 4); m->hidden = zeroed((size_t)ffn * 4);
-  m->scores = zeroed((size_t)heads * context * 4); m->cos = zeroed(m->head_dim * 2); m->sin = zeroed(m->head_dim * 2);
+  size_t rows = MAX_BATCH * sizeof(float);
+  m->x = zeroed(dim * rows); m->xn = zeroed(dim * rows); m->attn = zeroed(dim * rows); m->proj = zeroed(dim * rows);
+  m->qkv = zeroed((dim + 2 * kv) * rows); m->gate_up = zeroed(2 * (size_t)ffn * rows); m->hidden = zeroed((size_t)ffn * rows);
+  m->scores = zeroed((size_t)heads * context * 4); m->cos = zeroed(m->head_dim / 2 * rows); m->sin = zeroed(m->head_dim / 2 * rows);
   int ok = m->layer && m->k_cache && m->v_cache && m->x && m->xn && m->attn && m->proj && m->qkv && m->gate_up &&
-           m->hidden && m->scores && m->cos && m->sin && activations_new(&m->a_dim, dim) && activations_new(&m->a_ffn, ffn);
+           m->hidden && m->scores && m->cos && m->sin;
+  for (int i = 0; i < MAX_BATCH; i++) ok = ok && activations_new(&m->a_dim[i], dim) && activations_new(&m->a_ffn[i], ffn);
   if (!ok) { ng_free(m); return NULL; }
   return m;
 }

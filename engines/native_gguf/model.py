@@ -164,6 +164,8 @@ def _library() -> ctypes.CDLL:
     lib.ng_layer.argtypes = [p, i, p, p, p, p, p]
     lib.ng_head.argtypes = [p, p, i, p, i, p]
     lib.ng_step.argtypes = [p, i, i, p]
+    lib.ng_forward.argtypes = [p, p, i, i, p, i]
+    lib.ng_max_batch.restype = i
     lib.ng_free.argtypes = [p]
     lib.ng_vnni.restype = i
     return lib
@@ -204,7 +206,8 @@ class NativeGGUF:
         for layer in range(h.layers):
             self._load_layer(tensors, layer)
         self._load_head(tensors)
-        self._logits = np.zeros(rows, np.float32)
+        self.max_batch = int(self._lib.ng_max_batch())
+        self._logits = np.zeros((self.max_batch, rows), np.float32)
 
     def _tensor(self, tensors: dict, name: str):
         if name not in tensors:
@@ -266,13 +269,35 @@ class NativeGGUF:
 
     def step(self, token: int, position: int) -> np.ndarray:
         """The logits after `token` at `position` (positions 0 .. position - 1 already stepped). The
-        array is overwritten by the next step."""
-        if not 0 <= token < self.hyper.vocab:
-            raise ValueError(f"token {token} is outside the vocabulary (0..{self.hyper.vocab - 1})")
-        if not 0 <= position < self.context:
-            raise ValueError(f"position {position} is past the KV cache's {self.context}")
-        self._lib.ng_step(self._model, token, position, self._logits.ctypes.data)
-        return self._logits[: self.hyper.vocab]
+        array is overwritten by the next call."""
+        return self.forward([token], position)[-1]
+
+    def forward(self, tokens, position: int, every: bool = True) -> np.ndarray:
+        """Logits after each of `tokens` (at positions `position` ..., the cache holding the positions
+        before): [len(tokens), vocab], or the last token's alone [1, vocab] unless `every`. Read in
+        passes of max_batch tokens; the array is overwritten by the next call unless copied."""
+        tokens = np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
+        if tokens.size == 0:
+            raise ValueError("no tokens to run")
+        if tokens.min() < 0 or tokens.max() >= self.hyper.vocab:
+            bad = int(tokens[(tokens < 0) | (tokens >= self.hyper.vocab)][0])
+            raise ValueError(f"token {bad} is outside the vocabulary (0..{self.hyper.vocab - 1})")
+        if not 0 <= position or position + tokens.size > self.context:
+            raise ValueError(
+                f"positions {position}..{position + tokens.size - 1} are past the KV cache's {self.context}"
+            )
+        out = []
+        for start in range(0, tokens.size, self.max_batch):
+            chunk = tokens[start : start + self.max_batch]
+            last = start + chunk.size == tokens.size
+            keep = every or last
+            self._lib.ng_forward(
+                self._model, chunk.ctypes.data, chunk.size, position + start, self._logits.ctypes.data, int(every)
+            )
+            if keep:
+                rows = self._logits[: chunk.size if every else 1, : self.hyper.vocab]
+                out.append(rows.copy() if every and not last else rows)
+        return out[0] if len(out) == 1 else np.concatenate(out)
 
     def close(self) -> None:
         if getattr(self, "_model", None):

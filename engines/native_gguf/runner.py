@@ -1,6 +1,7 @@
 """The native GGUF engine as a Generator: a GGUF file's own blocks (engines/native_gguf/model.py),
 the model's Hugging Face tokenizer (`tokenizers`) and its chat template (jinja2, sandboxed, as
-transformers renders it). One sequence at a time; torch-free, so serve/ runs it directly.
+transformers renders it). One sequence at a time, its prompt read 16 tokens a pass; torch-free, so
+serve/ runs it directly.
 
 An artifact's engine block reads {"format": "native-gguf", "dir": SUBDIR, "gguf": FILE, "context": N};
 SUBDIR holds FILE, tokenizer.json and tokenizer_config.json (and chat_template.jinja where the model
@@ -86,15 +87,12 @@ class NativeGGUFRunner:
     # --- generation ---------------------------------------------------------------------------------
 
     def _prefill(self, prompt_ids) -> np.ndarray:
-        if not prompt_ids:
+        """The prompt read in passes of model.max_batch tokens: the last token's logits."""
+        if not len(prompt_ids):
             raise ValueError("an empty prompt")
         if len(prompt_ids) >= self.context_length:
-            raise ValueError(
-                f"a prompt of {len(prompt_ids)} tokens leaves no room in a context of {self.context_length}"
-            )
-        for position, token in enumerate(prompt_ids):
-            logits = self.model.step(int(token), position)
-        return logits
+            raise ValueError(f"a prompt of {len(prompt_ids)} tokens leaves no room in a context of {self.context_length}")
+        return self.model.forward(prompt_ids, 0, every=False)[-1]
 
     def generate(
         self,
@@ -133,11 +131,11 @@ class NativeGGUFRunner:
     # --- what the pipeline measures -----------------------------------------------------------------
 
     def logits(self, ids) -> np.ndarray:
-        """Logits at every position of one sequence: [T, vocab] (one step a token)."""
+        """Logits at every position of one sequence: [T, vocab]."""
         ids = [int(i) for i in ids]
         if len(ids) > self.context_length:
             raise ValueError(f"{len(ids)} tokens do not fit a context of {self.context_length}")
-        return np.stack([self.model.step(token, position).copy() for position, token in enumerate(ids)])
+        return np.array(self.model.forward(ids, 0, every=True))
 
     def log_likelihood(self, ids, start: int = 1) -> np.ndarray:
         return token_logprobs(self.logits(ids), ids)[start - 1 :]
