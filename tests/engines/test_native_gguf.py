@@ -139,8 +139,14 @@ def test_the_runner_generates_renders_and_samples_as_the_model_does(folder, tmp_
     assert len(logprobs) == 3 and logprobs[0].token == ours[0] and logprobs[0].top[0][0] == ours[0]
     with pytest.raises(UnsupportedSampling, match="constraint"):
         list(runner.generate(ids, Sampling(max_new_tokens=2, constraint=Constraint("regex", "a+"))))
+    # A prompt is read 16 tokens a pass: the same logits, to the bit, as one token a step (48 tokens: 3 passes).
+    stepped = np.stack([runner.model.step(token, position).copy() for position, token in enumerate(IDS)])
+    np.testing.assert_array_equal(runner.model.forward(IDS, 0), stepped)
+    np.testing.assert_array_equal(runner.model.forward(IDS, 0, every=False), stepped[-1:])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         runner.model.step(512, 0)
+    with pytest.raises(ValueError, match="past the KV cache"):
+        runner.model.forward(IDS, runner.context_length - 8)
     with pytest.raises(ValueError, match="empty prompt"):
         list(runner.generate([], Sampling(max_new_tokens=2)))
     # Timed decoding: one stamp a token, in order.
