@@ -352,13 +352,12 @@ static void layer_step(model *m, int l, int n, int pos) {
     normed(m, y->ffn_norm, n);
   }
   matmul_parts(y->gate_up, y->n_gate_up, m->a_dim, n, m->gate_up, 2 * m->ffn);
-  #pragma omp for schedule(static)
-  for (int i = 0; i < n; i++) {
-    const float *gate = m->gate_up + (size_t)i * 2 * m->ffn, *up = gate + m->ffn;
-    float *hidden = m->hidden + (size_t)i * m->ffn;
-    #pragma omp simd
-    for (int j = 0; j < m->ffn; j++) hidden[j] = gate[j] / (1.f + expf(-gate[j])) * up[j];
-  }
+  #pragma omp for simd collapse(2) schedule(static)  /* both threads share even one token's */
+  for (int i = 0; i < n; i++)
+    for (int j = 0; j < m->ffn; j++) {
+      float gate = m->gate_up[(size_t)i * 2 * m->ffn + j], up = m->gate_up[(size_t)i * 2 * m->ffn + m->ffn + j];
+      m->hidden[(size_t)i * m->ffn + j] = gate / (1.f + expf(-gate)) * up;
+    }
   #pragma omp single
   for (int i = 0; i < n; i++) quantize(&m->a_ffn[i], m->hidden + (size_t)i * m->ffn, m->ffn);
   matmul(&y->down, m->a_ffn, n, m->proj, m->dim);
