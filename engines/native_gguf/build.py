@@ -88,7 +88,8 @@ def library() -> Path:
     done = subprocess.run([cc, *flags, "-o", str(partial), str(SOURCE), "-lm"], capture_output=True, text=True)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        said = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        lines = done.stderr.strip().splitlines() or ["no output"]
+        said = next((line for line in lines if "error" in line), lines[-1])  # the compiler's error, not its notes
         raise NativeBuildError(f"compiling the native GGUF kernels with {cc} failed: {said[:200]}")
     partial.replace(built)  # whole or not at all: a cut compile leaves nothing to reuse
     return built

@@ -91,7 +91,9 @@ class NativeGGUFRunner:
         if not len(prompt_ids):
             raise ValueError("an empty prompt")
         if len(prompt_ids) >= self.context_length:
-            raise ValueError(f"a prompt of {len(prompt_ids)} tokens leaves no room in a context of {self.context_length}")
+            raise ValueError(
+                f"a prompt of {len(prompt_ids)} tokens leaves no room in a context of {self.context_length}"
+            )
         return self.model.forward(prompt_ids, 0, every=False)[-1]
 
     def generate(
