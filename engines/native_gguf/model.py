@@ -73,26 +73,48 @@ def field(reader, key: str, default=None):
     return found.contents()
 
 
+def number(reader, key: str, kind: type = int, default=None):
+    """A numeric header field, refused in one line where it is not a number."""
+    value = field(reader, key, default)
+    try:
+        return kind(value)
+    except (TypeError, ValueError, OverflowError):
+        raise NativeModelError(f"the GGUF file's {key} is {str(value)[:40]!r}, not a number") from None
+
+
 def hyperparameters(reader) -> Hyperparameters:
     """The model's shape, refused in one line where the kernels cannot run it."""
     arch = "llama"
+    heads = number(reader, f"{arch}.attention.head_count")
     h = Hyperparameters(
-        layers=int(field(reader, f"{arch}.block_count")),
-        dim=int(field(reader, f"{arch}.embedding_length")),
-        ffn=int(field(reader, f"{arch}.feed_forward_length")),
-        heads=int(field(reader, f"{arch}.attention.head_count")),
-        kv_heads=int(field(reader, f"{arch}.attention.head_count_kv", field(reader, f"{arch}.attention.head_count"))),
+        layers=number(reader, f"{arch}.block_count"),
+        dim=number(reader, f"{arch}.embedding_length"),
+        ffn=number(reader, f"{arch}.feed_forward_length"),
+        heads=heads,
+        kv_heads=number(reader, f"{arch}.attention.head_count_kv", default=heads),
         vocab=next((int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight"), 0),
-        context_length=int(field(reader, f"{arch}.context_length")),
-        rope_base=float(field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        eps=float(field(reader, f"{arch}.attention.layer_norm_rms_epsilon")),
+        context_length=number(reader, f"{arch}.context_length"),
+        rope_base=number(reader, f"{arch}.rope.freq_base", float, 10000.0),
+        eps=number(reader, f"{arch}.attention.layer_norm_rms_epsilon", float),
     )
+    if h.heads <= 0 or h.kv_heads <= 0 or h.dim <= 0 or h.dim % h.heads or h.heads % h.kv_heads or h.head_dim % 2:
+        raise NativeModelError(
+            f"the native GGUF kernels cannot run this file: {h.heads} heads and {h.kv_heads} key/value heads "
+            f"do not divide width {h.dim} into heads of an even size"
+        )
     problems = []
+    layers = {
+        int(t.name.split(".")[1])
+        for t in reader.tensors
+        if t.name.startswith("blk.") and t.name.split(".")[1].isdigit()
+    }
+    if h.layers <= 0 or layers != set(range(h.layers)):
+        problems.append(f"its header says {h.layers} layers, its tensors number {len(layers)}")
     if h.vocab == 0:
         problems.append("it has no token_embd.weight")
-    if h.heads <= 0 or h.kv_heads <= 0 or h.dim % h.heads or h.heads % h.kv_heads or h.head_dim % 2:
-        problems.append(f"{h.heads} heads and {h.kv_heads} key/value heads do not divide width {h.dim} into even heads")
-    elif int(field(reader, f"{arch}.rope.dimension_count", h.head_dim)) != h.head_dim:
+    if h.context_length <= 0:
+        problems.append(f"its context length is {h.context_length}")
+    if number(reader, f"{arch}.rope.dimension_count", default=h.head_dim) != h.head_dim:
         problems.append("its rotary embedding covers part of each head (the kernels rotate whole heads)")
     for width, name in ((h.dim, "width"), (h.ffn, "feed-forward width"), (h.kv_heads * h.head_dim, "key/value width")):
         if width <= 0 or width % 32:
@@ -122,8 +144,10 @@ def repacked(t) -> tuple[int, np.ndarray]:
         return KIND_4BIT, _groups_4bit(blocks[..., 4:], blocks[..., 0:2], blocks[..., 2:4])
     if kind == "Q4_0":  # d * (q - 8) is d * q + m with m = -8d, exact in f16 (a power of two)
         blocks = raw.reshape(raw.shape[0], -1, 18)
-        d = blocks[..., 0:2].copy().view(np.float16)
-        offset = (d.astype(np.float32) * -8).astype(np.float16).view(np.uint8)
+        d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
+        if np.abs(d).max(initial=0) * 8 > np.finfo(np.float16).max:
+            raise NativeModelError(f"{t.name} has a Q4_0 scale whose offset -8 x scale overflows f16")
+        offset = (d * -8).astype(np.float16).view(np.uint8)
         return KIND_4BIT, _groups_4bit(blocks[..., 2:], blocks[..., 0:2], offset)
     raise NativeModelError(f"{t.name} is {kind}; the native GGUF kernels carry {', '.join(CARRIED)}")
 

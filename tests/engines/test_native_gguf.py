@@ -170,6 +170,29 @@ def test_what_it_cannot_carry_is_named_before_anything_is_repacked(folder, tmp_p
             NativeGGUF(path)
 
 
+@pytest.mark.parametrize(
+    "key, value, says",
+    [
+        ("llama.block_count", 5, "its header says 5 layers, its tensors number 2"),
+        ("llama.attention.head_count", 0, "0 heads and 2 key/value heads do not divide width 64"),
+        ("llama.feed_forward_length", 100, "its feed-forward width 100 is not a whole number of 32-wide blocks"),
+        ("llama.context_length", 0, "its context length is 0"),
+    ],
+)
+def test_a_header_the_kernels_cannot_run_is_named_before_anything_is_repacked(folder, tmp_path, key, value, says):
+    """The file's own header edited in place (gguf's reader opened for writing): one line naming it."""
+    from gguf import GGUFReader
+
+    from engines.native_gguf.model import NativeGGUF, NativeModelError
+    from tests.support.gguf_writer import write_gguf
+
+    path = write_gguf(folder, tmp_path / "model.gguf", "Q8_0")
+    field = GGUFReader(str(path), "r+").fields[key]
+    field.parts[field.data[0]][0] = value
+    with pytest.raises(NativeModelError, match=says):
+        NativeGGUF(path)
+
+
 def test_a_cpu_without_avx2_is_refused_naming_what_it_lacks_and_avx512_vnni_takes_the_wider_path():
     zen3 = frozenset({"avx2", "fma", "f16c", "sse4_2"})
     assert build.unsupported_cpu(zen3, "x86_64") is None and build.path(zen3) == "AVX2"
