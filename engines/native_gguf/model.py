@@ -15,7 +15,7 @@ import numpy as np
 
 from engines.hardware import usable_cores
 from engines.native_gguf import build
-from engines.openvino.genai_gguf import CarryError, GGUFTensor, open_reader
+from engines.openvino.genai_gguf import CarryError, GGUFTensor, named, open_reader, outside
 
 ARCHITECTURES = ("llama",)
 # GGUF types of matrices carried as they are, and what each becomes (the manifest's record).
@@ -24,7 +24,6 @@ CARRIED = {
     "Q4_1": "4-bit groups of 16 rows, the file's f16 scale and offset (exact)",
     "Q8_0": "8-bit groups of 16 rows, the file's f16 scale (exact)",
 }
-VECTOR_TYPES = ("F32", "F16")
 KIND_4BIT, KIND_8BIT = 0, 1
 GROUP = 16
 DEFAULT_CONTEXT = 4096  # positions the KV cache holds unless told (f32: SmolLM2-135M, 190 MB)
@@ -39,12 +38,12 @@ def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
     """Why the file cannot be carried through, naming the tensors; None when every tensor can."""
     if architecture not in ARCHITECTURES:
         return f"the native GGUF kernels run {', '.join(ARCHITECTURES)}, not {architecture!r}"
-    bad = [t for t in items if len(t.shape) >= 2 and t.type not in CARRIED]
-    bad += [t for t in items if len(t.shape) < 2 and t.type not in VECTOR_TYPES]
-    if not bad:
-        return None
-    listed = ", ".join(f"{t.name} ({t.type})" for t in bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
-    return f"the native GGUF kernels carry {', '.join(CARRIED)} matrices, not these tensors' types: {listed}"
+    listed = named(outside(items, CARRIED))
+    return (
+        f"the native GGUF kernels carry {', '.join(CARRIED)} matrices, not these tensors' types: {listed}"
+        if listed
+        else None
+    )
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,7 @@ from pathlib import Path
 import numpy as np
 
 from engines.onnxruntime_genai.build import OFFSET_SCOPE
-from engines.openvino.genai_gguf import CarryError, GGUFTensor
+from engines.openvino.genai_gguf import CarryError, GGUFTensor, named, outside
 
 log = logging.getLogger(__name__)
 
@@ -136,12 +136,8 @@ def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
     """Why the file cannot be carried as blocks, naming the tensors; None when every layer matrix can."""
     if architecture not in ARCHITECTURES:
         return f"the GGUF carry onto MatMulNBits maps {', '.join(ARCHITECTURES)}, not {architecture!r}"
-    bad = [t for t in items if t.name.startswith("blk.") and len(t.shape) >= 2 and t.type not in CARRIED]
-    bad += [t for t in items if len(t.shape) < 2 and t.type not in VECTOR_TYPES]
-    if not bad:
-        return None
-    listed = ", ".join(f"{t.name} ({t.type})" for t in bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
-    return f"MatMulNBits has no exact form of these tensors' types: {listed}"
+    listed = named(outside(items, CARRIED, VECTOR_TYPES, lambda t: t.name.startswith("blk.")))
+    return f"MatMulNBits has no exact form of these tensors' types: {listed}" if listed else None
 
 
 def became(

@@ -91,12 +91,21 @@ def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
     """Why the file cannot be carried through, naming the tensors; None when every tensor can."""
     if architecture not in ARCHITECTURES:
         return f"OpenVINO GenAI's GGUF reader builds {', '.join(ARCHITECTURES)}, not {architecture!r}"
-    bad = [t for t in items if len(t.shape) >= 2 and t.type not in CARRIED]
-    bad += [t for t in items if len(t.shape) < 2 and t.type not in VECTOR_TYPES]
-    if not bad:
-        return None
-    listed = ", ".join(f"{t.name} ({t.type})" for t in bad[:6]) + (f" and {len(bad) - 6} more" if len(bad) > 6 else "")
-    return f"OpenVINO GenAI's GGUF reader does not read these tensors' types: {listed}"
+    listed = named(outside(items, CARRIED))
+    return f"OpenVINO GenAI's GGUF reader does not read these tensors' types: {listed}" if listed else None
+
+
+def outside(items: list[GGUFTensor], carried, vector_types=VECTOR_TYPES, matrices=lambda t: True) -> list[GGUFTensor]:
+    """The tensors an engine cannot carry: matrices (of those `matrices` picks) of a type not in `carried`,
+    vectors (norms, biases) of one not in `vector_types`."""
+    bad = [t for t in items if len(t.shape) >= 2 and matrices(t) and t.type not in carried]
+    return bad + [t for t in items if len(t.shape) < 2 and t.type not in vector_types]
+
+
+def named(bad: list[GGUFTensor]) -> str:
+    """'name (type), ...' of the first six, and how many more; '' for none."""
+    more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
+    return ", ".join(f"{t.name} ({t.type})" for t in bad[:6]) + more if bad else ""
 
 
 def type_summary(items: list[GGUFTensor], became: dict[str, str] | None = None) -> dict:
