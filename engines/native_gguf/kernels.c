@@ -119,8 +119,8 @@ static void prefetch(const uint8_t *p, int bytes) {
 }
 
 #if VNNI
-/* 16 rows of a 4-bit matrix times the activations. */
-static void group_4bit(const uint8_t *p, int blocks, const activations *a, float *y) {
+/* 16 rows of a 4-bit matrix times one token's activations (decoding). */
+static void group_4bit_one(const uint8_t *p, int blocks, const activations *a, float *y) {
   __m512 acc = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(15);
   for (int b = 0; b < blocks; b++, p += BYTES_4BIT) {
@@ -143,9 +143,9 @@ static void group_4bit(const uint8_t *p, int blocks, const activations *a, float
   _mm512_storeu_ps(y, acc);
 }
 
-/* 16 rows of an 8-bit matrix times the activations. VNNI multiplies u8 by s8: the weights meet the
- * signed high plane as q + 128 (unsigned), and 128 times the plane's sum comes off again. */
-static void group_8bit(const uint8_t *p, int blocks, const activations *a, float *y) {
+/* 16 rows of an 8-bit matrix times one token's activations. VNNI multiplies u8 by s8: the weights meet
+ * the signed high plane as q + 128 (unsigned), and 128 times the plane's sum comes off again. */
+static void group_8bit_one(const uint8_t *p, int blocks, const activations *a, float *y) {
   __m512 acc = _mm512_setzero_ps();
   const __m512i flip = _mm512_set1_epi8((char)0x80);
   for (int b = 0; b < blocks; b++, p += BYTES_8BIT) {
@@ -167,12 +167,83 @@ static void group_8bit(const uint8_t *p, int blocks, const activations *a, float
   _mm512_storeu_ps(y, acc);
 }
 
+/* 16 rows of a 4-bit matrix times n tokens' activations (a prompt; row i of the result at y + i * stride).
+ * A block's weights are unpacked once for all n; each token's arithmetic is group_4bit_one's, in the same
+ * order, so a prompt's logits are a decode's to the bit. */
+static void group_4bit_tokens(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+  __m512 acc[MAX_BATCH];
+  for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
+  const __m512i nibble = _mm512_set1_epi8(15);
+  for (int b = 0; b < blocks; b++, p += BYTES_4BIT) {
+    prefetch(p + PREFETCH_BLOCKS * BYTES_4BIT, BYTES_4BIT);
+    __m512i lo[4], hi[4];
+    for (int t = 0; t < 4; t++) {
+      __m512i v = _mm512_loadu_si512(p + 64 * t);
+      lo[t] = _mm512_and_si512(v, nibble); hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+    }
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
+    for (int i = 0; i < n; i++) {
+      const int32_t *high = a[i].high + b * 8, *low = a[i].low + b * 8;
+      __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+      for (int t = 0; t < 4; t++) {
+        h0 = _mm512_dpbusd_epi32(h0, lo[t], _mm512_set1_epi32(high[2 * t]));
+        h1 = _mm512_dpbusd_epi32(h1, hi[t], _mm512_set1_epi32(high[2 * t + 1]));
+        l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(low[2 * t]), lo[t]);
+        l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(low[2 * t + 1]), hi[t]);
+      }
+      __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a[i].scale[b])), acc[i]);
+      acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[i].sum[b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < n; i++) _mm512_storeu_ps(y + i * stride, acc[i]);
+}
+
+/* 16 rows of an 8-bit matrix times n tokens' activations, as group_8bit_one computes each. */
+static void group_8bit_tokens(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+  __m512 acc[MAX_BATCH];
+  for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
+  const __m512i flip = _mm512_set1_epi8((char)0x80);
+  for (int b = 0; b < blocks; b++, p += BYTES_8BIT) {
+    prefetch(p + PREFETCH_BLOCKS * BYTES_8BIT, BYTES_8BIT);
+    __m512i w[8], shifted[8];
+    for (int j = 0; j < 8; j++) { w[j] = _mm512_loadu_si512(p + 64 * j); shifted[j] = _mm512_xor_si512(w[j], flip); }
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 512)));
+    for (int i = 0; i < n; i++) {
+      const int32_t *high = a[i].high + b * 8, *low = a[i].low + b * 8;
+      __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+      for (int j = 0; j < 8; j += 2) {
+        h0 = _mm512_dpbusd_epi32(h0, shifted[j], _mm512_set1_epi32(high[j]));
+        h1 = _mm512_dpbusd_epi32(h1, shifted[j + 1], _mm512_set1_epi32(high[j + 1]));
+        l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(low[j]), w[j]);
+        l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(low[j + 1]), w[j + 1]);
+      }
+      __m512i high_dot = _mm512_sub_epi32(_mm512_add_epi32(h0, h1), _mm512_set1_epi32(128 * a[i].high_sum[b]));
+      __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(high_dot, 8), _mm512_add_epi32(l0, l1));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a[i].scale[b])), acc[i]);
+    }
+  }
+  for (int i = 0; i < n; i++) _mm512_storeu_ps(y + i * stride, acc[i]);
+}
+
+/* One token (decoding) takes the kernel that keeps its accumulator in a register: the loop over tokens
+ * halved decode speed where it ran for one. */
+static void group_4bit(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+  if (n == 1) group_4bit_one(p, blocks, a, y);
+  else group_4bit_tokens(p, blocks, a, n, y, stride);
+}
+static void group_8bit(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+  if (n == 1) group_8bit_one(p, blocks, a, y);
+  else group_8bit_tokens(p, blocks, a, n, y, stride);
+}
+
 #else
 /* AVX2: vpmaddubsw multiplies u8 by s8 into 16-bit pair sums, vpmaddwd adds pairs into 32 bits. The
  * 64-byte chunk of 16 rows is two 32-byte halves of 8 rows each. */
 static inline __m256i pairs_to_32(__m256i sums16) { return _mm256_madd_epi16(sums16, _mm256_set1_epi16(1)); }
 
-static void group_4bit(const uint8_t *p, int blocks, const activations *a, float *y) {
+static void group_4bit_one(const uint8_t *p, int blocks, const activations *a, float *y) {
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   const __m256i nibble = _mm256_set1_epi8(15);
   for (int b = 0; b < blocks; b++, p += BYTES_4BIT) {
@@ -201,7 +272,7 @@ static void group_4bit(const uint8_t *p, int blocks, const activations *a, float
 }
 
 /* The signed weights meet the signed high plane as |q| times the plane with q's sign. */
-static void group_8bit(const uint8_t *p, int blocks, const activations *a, float *y) {
+static void group_8bit_one(const uint8_t *p, int blocks, const activations *a, float *y) {
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int b = 0; b < blocks; b++, p += BYTES_8BIT) {
     prefetch(p + PREFETCH_BLOCKS * BYTES_8BIT, BYTES_8BIT);
@@ -224,6 +295,13 @@ static void group_8bit(const uint8_t *p, int blocks, const activations *a, float
   _mm256_storeu_ps(y, acc[0]); _mm256_storeu_ps(y + 8, acc[1]);
 }
 
+/* A prompt's tokens one after the other: the group's weights stay in cache between them. */
+static void group_4bit(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+  for (int i = 0; i < n; i++) group_4bit_one(p, blocks, &a[i], y + i * stride);
+}
+static void group_8bit(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+  for (int i = 0; i < n; i++) group_8bit_one(p, blocks, &a[i], y + i * stride);
+}
 #endif
 
 static size_t group_bytes(const matrix *w) { return (size_t)(w->cols / 32) * (w->kind == KIND_4BIT ? BYTES_4BIT : BYTES_8BIT); }
@@ -234,11 +312,10 @@ static void matmul(const matrix *w, const activations *a, int n, float *y, int s
   int blocks = w->cols / 32, groups = w->rows / GROUP;
   size_t bytes = group_bytes(w);
   #pragma omp for schedule(static)
-  for (int g = 0; g < groups; g++)
-    for (int i = 0; i < n; i++) {
-      if (w->kind == KIND_4BIT) group_4bit(w->data + g * bytes, blocks, &a[i], y + (size_t)i * stride + g * GROUP);
-      else group_8bit(w->data + g * bytes, blocks, &a[i], y + (size_t)i * stride + g * GROUP);
-    }
+  for (int g = 0; g < groups; g++) {
+    if (w->kind == KIND_4BIT) group_4bit(w->data + g * bytes, blocks, a, n, y + g * GROUP, stride);
+    else group_8bit(w->data + g * bytes, blocks, a, n, y + g * GROUP, stride);
+  }
 }
 
 /* One row of a repacked matrix, dequantized (the embedding lookup). */
@@ -368,7 +445,8 @@ static void layer_step(model *m, int l, int n, int pos) {
 int ng_max_batch(void) { return MAX_BATCH; }
 
 /* n (1 .. MAX_BATCH) tokens at positions pos .. pos + n - 1, the cache holding positions 0 .. pos - 1
- * of this sequence. logits: every token's (n rows of vocab_rows) where `every`, else the last one's. */
+ * of this sequence. logits: every token's (n rows of vocab_rows) where `every`, else the last one's;
+ * none where it is NULL. */
 void ng_forward(model *m, const int *tokens, int n, int pos, float *logits, int every) {
   for (int i = 0; i < n; i++) {
     dequantized_row(&m->embedding, tokens[i], m->x + (size_t)i * m->dim);
@@ -381,12 +459,14 @@ void ng_forward(model *m, const int *tokens, int n, int pos, float *logits, int 
   #pragma omp parallel num_threads(m->threads)
   {
     for (int l = 0; l < m->layers; l++) layer_step(m, l, n, pos);
-    #pragma omp single
-    for (int i = first; i < n; i++) {
-      rms_norm(m->xn + (size_t)i * m->dim, m->x + (size_t)i * m->dim, m->out_norm, m->dim, m->eps);
-      quantize(&m->a_dim[i], m->xn + (size_t)i * m->dim, m->dim);
+    if (logits) {  /* NULL: a prompt's pass before its last, which only fills the cache */
+      #pragma omp single
+      for (int i = first; i < n; i++) {
+        rms_norm(m->xn + (size_t)i * m->dim, m->x + (size_t)i * m->dim, m->out_norm, m->dim, m->eps);
+        quantize(&m->a_dim[i], m->xn + (size_t)i * m->dim, m->dim);
+      }
+      matmul(&m->head, m->a_dim + first, rows, logits, m->vocab_rows);
     }
-    matmul(&m->head, m->a_dim + first, rows, logits, m->vocab_rows);
   }
 }
 

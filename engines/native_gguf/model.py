@@ -314,9 +314,8 @@ class NativeGGUF:
             chunk = tokens[start : start + self.max_batch]
             last = start + chunk.size == tokens.size
             keep = every or last
-            self._lib.ng_forward(
-                self._model, chunk.ctypes.data, chunk.size, position + start, self._logits.ctypes.data, int(every)
-            )
+            logits = self._logits.ctypes.data if keep else None  # a pass whose logits nobody reads skips the head
+            self._lib.ng_forward(self._model, chunk.ctypes.data, chunk.size, position + start, logits, int(every))
             if keep:
                 rows = self._logits[: chunk.size if every else 1, : self.hyper.vocab]
                 out.append(rows.copy() if every and not last else rows)
