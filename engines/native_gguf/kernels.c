@@ -1,4 +1,5 @@
-/* The native GGUF engine's decoder: a Llama forward pass, one token a step, over a GGUF file's own
+/* The native GGUF engine's decoder: a Llama forward pass (one token a step when decoding, up to 16 a
+ * pass when reading a prompt) over a GGUF file's own
  * Q4_0 / Q4_1 / Q8_0 blocks (engines/native_gguf/model.py repacks them; the bytes a token reads are
  * the file's). Built on the machine that runs it (engines/native_gguf/build.py, -march=native).
  *
@@ -9,9 +10,9 @@
  * low byte), and each plane meets the weights in AVX-512 VNNI's u8 x s8 dot products: twice
  * llama.cpp's integer work, 256 times finer activations (f32 to within 1e-4 of a matrix product).
  *
- * On AVX2-only CPUs (no VNNI) the same products run through vpmaddubsw / vpmaddwd, whose 16-bit
- * pair sums would overflow 16-bit planes: activations there are 15 bits (7-bit low plane, high plane
- * within +-127), 128 times finer than llama.cpp's still.
+ * On AVX2-only CPUs (no VNNI) the same products run through vpmaddubsw / vpmaddwd, whose 16-bit pair
+ * sums would overflow on a low plane up to 255: activations there are 15 bits (a 7-bit low plane, the
+ * high plane within +-127), 128 times finer than llama.cpp's still.
  *
  * Weights are repacked 16 rows to a group so that each 32-bit lane of a dot product is one row:
  * the activations are broadcast, never shuffled, and one block's 16 scales are one vector.
@@ -51,7 +52,7 @@ typedef struct {
   matrix qkv[3], gate_up[2], out, down;
 } layer;
 
-/* A vector quantized per block of 32: x = scale * (256 * high + low), high int8, low uint8. */
+/* A vector quantized per block of 32: x = scale * (2^LOW_BITS * high + low), high int8, low uint8. */
 typedef struct { float *sum, *scale; int32_t *high_sum, *high, *low; } activations;
 
 typedef struct {
