@@ -1,7 +1,7 @@
 /* The native GGUF engine's decoder: a Llama forward pass (one token a step when decoding, up to 16 a
- * pass when reading a prompt) over a GGUF file's own
- * Q4_0 / Q4_1 / Q8_0 blocks (engines/native_gguf/model.py repacks them; the bytes a token reads are
- * the file's). Built on the machine that runs it (engines/native_gguf/build.py, -march=native).
+ * pass when reading a prompt) over a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks (engines/native_gguf/
+ * model.py repacks them; the bytes a token reads are the file's). Built on the machine that runs it
+ * (engines/native_gguf/build.py, -march=native).
  *
  * Why hand-written: llama.cpp's kernels read such a file at memory speed but quantize the activations
  * to 8 bits per block of 32 (+0.5% perplexity on SmolLM2's Q4_1 file), and ONNX Runtime's and
