@@ -13,44 +13,11 @@ import logging
 import signal
 import sys
 from pathlib import Path
-from typing import NoReturn
 
-from serve.config import API_KEY_ENV, LIMITS, number_problem
+from serve.arguments import OneLineParser, count, fail, number, positive, seconds, setting
+from serve.config import API_KEY_ENV
 
 MAX_THREADS = 1024  # --threads: a count no CPU here has; past it the runtimes fail inside the model load
-
-
-def one_line(message: str) -> str:
-    """A message that stays on one line whatever text from the command line it quotes: line breaks
-    and other control characters are written as escapes."""
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(message))
-
-
-class OneLineParser(argparse.ArgumentParser):
-    def error(self, message):
-        fail(message)
-
-
-def number(kind, low, inclusive: bool, high=None):
-    """An argparse type: a finite number of `kind` above `low` (or at least `low`), at most `high`."""
-
-    def parse(text):
-        try:
-            value = kind(text)
-        except (ValueError, OverflowError):  # int() refuses over 4300 digits with a ValueError too
-            raise argparse.ArgumentTypeError(f"not a number: {text[:40]!r}") from None
-        problem = number_problem(value, kind, low, inclusive, high)
-        if problem:
-            raise argparse.ArgumentTypeError(problem)
-        return value
-
-    return parse
-
-
-def setting(name: str):
-    """An argparse type for a setting a recipe may carry too: checked as the plan checks the recipe's."""
-    kind, low, inclusive, high = LIMITS[name]
-    return number(kind, low, inclusive, high)
 
 
 def api_key(text: str) -> str:
@@ -69,10 +36,6 @@ def key_problem(key: str) -> str | None:
     if key != key.strip():
         return "starts or ends with whitespace, which no client can send"
     return None
-
-
-def positive(kind):
-    return number(kind, 0, inclusive=False)
 
 
 def build_parser() -> OneLineParser:
@@ -186,6 +149,17 @@ def build_parser() -> OneLineParser:
     return p
 
 
+# The --shadow-* options: (flag, the attribute argparse gives it, its default). They default to None
+# on the command line so that one given without --shadow can be told from one left out.
+SHADOW_OPTIONS = (
+    ("--shadow-queue", "shadow_queue", 64),
+    ("--shadow-threads", "shadow_threads", 1),
+    ("--shadow-timeout-s", "shadow_timeout_s", 30.0),
+    ("--shadow-report", "shadow_report", "shadow-report"),
+)
+MAX_SHADOW_QUEUE = 1 << 16  # answered requests held for the candidate (each holds a request and its answer)
+
+
 def add_shadow_arguments(p: argparse.ArgumentParser) -> None:
     """Shadow traffic (serve/shadow.py): a candidate answers a copy of every request, off the response path."""
     p.add_argument(
@@ -196,30 +170,32 @@ def add_shadow_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--shadow-queue",
-        type=positive(int),
-        default=64,
+        type=count(MAX_SHADOW_QUEUE),
         help="requests waiting for the candidate before new ones are dropped (default 64)",
     )
     p.add_argument(
         "--shadow-threads",
-        type=positive(int),
-        default=1,
+        type=count(MAX_THREADS),
         help="ONNX Runtime threads of the candidate's process (default 1)",
     )
     p.add_argument(
         "--shadow-timeout-s",
-        type=positive(float),
-        default=30.0,
+        type=seconds(3600),
         help="longest the shadow waits on one candidate answer (default 30)",
     )
-    p.add_argument(
-        "--shadow-report", default="shadow-report", help="folder of the shadow's report (default ./shadow-report)"
-    )
+    p.add_argument("--shadow-report", help="folder of the shadow's report (default ./shadow-report)")
 
 
-def fail(message: str) -> NoReturn:
-    print(f"error: {one_line(message)}", file=sys.stderr)
-    sys.exit(2)
+def check_shadow_options(args) -> None:
+    """--shadow-* without --shadow would be ignored: refused instead. With it, the defaults are filled."""
+    given = [flag for flag, name, _ in SHADOW_OPTIONS if getattr(args, name) is not None]
+    if not args.shadow:
+        if given:
+            fail(f"{', '.join(given)} set the shadow, which runs only with --shadow CANDIDATE")
+        return
+    for _, name, default in SHADOW_OPTIONS:
+        if getattr(args, name) is None:
+            setattr(args, name, default)
 
 
 def check_key_from_env() -> None:
@@ -302,21 +278,36 @@ def check_listen_address(host: str, port: int) -> None:
 
 
 def check_candidate(args) -> dict:
-    """The shadow's candidate: a URL (verified where it is served), or an artifact folder verified as
-    the served one is, without --allow-modified. Returns its manifest ({} for a URL)."""
-    if args.shadow.startswith("https://"):
-        fail("--shadow takes an http:// URL (a candidate on the local network) or an artifact folder")
-    if args.shadow.startswith("http://"):
-        return {}
-    return check_artifact(Path(args.shadow), False, args.allow_failed_gate, args.key, args.require_signature)
+    """The shadow's candidate, checked before the model loads: a URL (http://, a valid host and port,
+    not this server itself: its copies would come back to it), or an artifact folder verified as the
+    served one is, without --allow-modified; and a report folder it can write. Returns the candidate's
+    manifest ({} for a URL)."""
+    from serve.arguments import url_problem
+    from serve.shadow_candidate import self_problem
+    from serve.shadow_report import folder_problem
+
+    problem = folder_problem(Path(args.shadow_report))
+    if problem:
+        fail(f"--shadow-report {problem}")
+    if "://" not in args.shadow:
+        return check_artifact(Path(args.shadow), False, args.allow_failed_gate, args.key, args.require_signature)
+    problem = url_problem(args.shadow, ("http",))
+    if problem:
+        fail(f"--shadow {problem} (give an http:// URL of a candidate on the local network, or an artifact folder)")
+    problem = self_problem(args.shadow, args.host, args.port)
+    if problem:
+        fail(f"--shadow {problem}")
+    return {}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_shadow_options(args)
     if args.api_key is None:
         check_key_from_env()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     check_listen_address(args.host, args.port)
+    candidate_manifest = check_candidate(args) if args.shadow else None
     root = Path(args.artifact)
     manifest = check_artifact(root, args.allow_modified, args.allow_failed_gate, args.key, args.require_signature)
 
@@ -326,10 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     config = resolve(vars(args), manifest)
     app = create_app(root, config, manifest)
     shadow = None
-    if args.shadow:
+    if candidate_manifest is not None:
         from serve.shadow_candidate import ShadowRun
 
-        shadow = ShadowRun(app, args, manifest, check_candidate(args))
+        shadow = ShadowRun(app, args, manifest, candidate_manifest)
     try:
         return run_server(app, args.host, args.port, config, args.log_level)
     finally:

@@ -21,9 +21,11 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
+from serve.__main__ import SHADOW_OPTIONS, check_artifact, check_key_from_env
 from serve.__main__ import build_parser as serve_parser
-from serve.__main__ import check_artifact, check_key_from_env, fail, number, positive
+from serve.arguments import fail, number, one_line, positive, seconds, url_problem
 
 log = logging.getLogger("serve.ray")
 APP_NAME = "serve"
@@ -88,14 +90,37 @@ def build_parser():
     )
     p.add_argument(
         "--address",
-        default=os.environ.get("RAY_ADDRESS"),
-        help="Ray cluster to join (default: RAY_ADDRESS, else a local instance)",
+        type=ray_address,
+        default=os.environ.get("RAY_ADDRESS") or None,
+        help="Ray cluster to join: auto, HOST:PORT or ray://HOST[:PORT] (default: RAY_ADDRESS, else a local instance)",
+    )
+    p.add_argument(
+        "--connect-timeout-s",
+        type=seconds(3600),
+        default=120.0,
+        help="longest to wait for Ray to start or for the cluster to answer before giving up (default 120)",
     )
     return p
 
 
+def ray_address(text: str) -> str:
+    """An argparse type: what ray.init's address takes here: auto (the cluster this node is part of),
+    local, HOST:PORT (a cluster's GCS) or ray://HOST[:PORT] (Ray Client); a host that is a valid name
+    or address and a port from 1 to 65535. RAY_ADDRESS is checked by the same rule."""
+    if text in ("auto", "local"):
+        return text
+    client = text.startswith("ray://")
+    problem = url_problem(text if client else f"ray://{text}", ("ray",))
+    if problem is None and not client and urlsplit(f"ray://{text}").port is None:
+        problem = "a cluster's address takes its port (HOST:PORT)"
+    if problem:
+        problem = problem if client else problem.replace(f"ray://{text}", text)
+        raise argparse.ArgumentTypeError(f"{problem}; give auto, HOST:PORT or ray://HOST[:PORT]")
+    return text
+
+
 def check_scaling(args) -> None:
-    if args.shadow:
+    if args.shadow or any(getattr(args, name) is not None for _, name, _ in SHADOW_OPTIONS):
         fail("--shadow is served by python -m serve (one process); shadow a Ray deployment from a gateway instead")
     low, high = args.min_replicas, args.max_replicas
     if (low is None) != (high is None):
@@ -217,12 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         from ray import serve as ray_serve
     except ImportError:
         fail("Ray Serve is not installed (pip install 'ray[serve]', the fleet extra)")
-    ray.init(
+    init = dict(
         address=args.address,
         include_dashboard=False,
         logging_level=logging.WARNING,
         runtime_env={"env_vars": ray_env} if ray_env else None,
     )
+    within_deadline(lambda: ray.init(**init), args.connect_timeout_s, f"Ray at {args.address or 'a local instance'}")
     ray_serve.start(http_options={"host": args.host, "port": args.port})
     options = deployment_options(args, config)
     app = ray_serve.deployment(**options)(deployment_class()).bind(str(root), checks, config)
@@ -237,6 +263,30 @@ def main(argv: list[str] | None = None) -> int:
     ray.shutdown()
     print("serve.ray: stopped", flush=True)
     return 0
+
+
+def within_deadline(connect, timeout_s: float, what: str) -> None:
+    """Run `connect` (ray.init) with a deadline: Ray has no timeout of its own for reaching a cluster
+    (an address no cluster answers at is retried for minutes, or forever). Past the deadline, or on
+    an error, one line and exit 2; the process exits at once, as the connecting thread cannot be
+    stopped."""
+    outcome: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            connect()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 (reported as the one line)
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name="ray-connect", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if outcome and outcome[0] is None:
+        return
+    reason = f"{type(outcome[0]).__name__}: {outcome[0]}" if outcome else f"no answer within {timeout_s:g} s"
+    print(f"error: cannot connect to {one_line(what)}: {one_line(reason)[:300]}", file=sys.stderr, flush=True)
+    os._exit(2)
 
 
 def wait_for_signal() -> None:

@@ -34,6 +34,11 @@ log = logging.getLogger("serve.shadow")
 SHADOWED = re.compile(
     r"^(/v2/models/[^/]+(/versions/[^/]+)?/infer|/v1/embeddings|/v1/completions|/v1/chat/completions|/predict)$"
 )
+# Set on every request the shadow sends. A request that carries it is answered but never shadowed
+# again: a candidate that is this server, or a server shadowing this one back, would otherwise copy
+# each copy on and on (20 requests became thousands of comparisons in seconds).
+MARK = "x-optimize-shadow"
+MARK_BYTES = MARK.encode()
 FORWARDED = (b"content-type", b"content-encoding", b"authorization", b"inference-header-content-length")
 CLASSIFIERS = ("text_classification", "token_classification")
 GENERATES = "causal_lm"
@@ -261,7 +266,7 @@ class Shadow:
 
     def shadow(self, connection: Connection, exchange: Exchange) -> None:
         started = time.perf_counter()
-        status, headers, body = connection.post(exchange.path, exchange.body, exchange.headers)
+        status, headers, body = connection.post(exchange.path, exchange.body, {**exchange.headers, MARK: "1"})
         candidate_s = time.perf_counter() - started
         if status != 200:
             raise RuntimeError(f"the candidate answered {status}")
@@ -293,7 +298,7 @@ class Shadow:
         """The text's token ids by the candidate's tokenizer (its /tokenize route): both sides'
         texts are counted by one tokenizer, off the artifact's engine thread."""
         status, _, body = connection.post(
-            "/tokenize", json.dumps({"content": text}).encode(), {"content-type": "application/json"}
+            "/tokenize", json.dumps({"content": text}).encode(), {"content-type": "application/json", MARK: "1"}
         )
         if status != 200:
             raise RuntimeError(f"the candidate's /tokenize answered {status}")
@@ -376,13 +381,16 @@ def percentiles(values: list[float]) -> dict[str, float] | None:
 
 class ShadowTap:
     """ASGI middleware: copies what passes on the inference routes and offers each answered (200)
-    request to the shadow once its response is complete. It adds no await of its own to the path."""
+    request to the shadow once its response is complete. It adds no await of its own to the path.
+    A request the shadow sent (it carries MARK) passes untouched: copies are never copied."""
 
     def __init__(self, app, shadow: Shadow):
         self.app, self.shadow = app, shadow
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or not SHADOWED.match(scope["path"]):
+            return await self.app(scope, receive, send)
+        if any(name == MARK_BYTES for name, _ in scope["headers"]):
             return await self.app(scope, receive, send)
         started = time.perf_counter()
         body: list[bytes] = []

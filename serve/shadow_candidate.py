@@ -4,6 +4,7 @@ on loopback (or reached at a URL), and the shadow attached to the app (serve/sha
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -13,6 +14,7 @@ import sys
 import threading
 import urllib.request
 from pathlib import Path
+from urllib.parse import urlsplit
 
 log = logging.getLogger("serve.shadow")
 REPORT_EVERY_S = 30
@@ -22,6 +24,52 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def self_problem(candidate_url: str, host: str, port: int) -> str | None:
+    """Why the candidate at `candidate_url` would be this server itself (listening on `host`:`port`),
+    or None. Its copies of requests would come back to it: the mark on them (serve/shadow.py) keeps
+    each from being copied again, but a server comparing itself with itself measures nothing. Names
+    are compared by the addresses they resolve to; every loopback address counts as one, and a
+    server listening on every interface (0.0.0.0, ::) is every address this machine holds."""
+    parts = urlsplit(candidate_url)
+    candidate_port = parts.port or 80
+    if port == 0 or candidate_port != port:  # port 0: the server's port is a free one, unknown yet
+        return None
+    try:
+        candidates = resolved(parts.hostname or "", candidate_port)
+    except OSError as exc:
+        return f"{candidate_url[:100]}: cannot resolve {parts.hostname!r} ({exc.strerror or exc})"
+    own = resolved(host or None, port, passive=True)
+    if any(same_listener(address, listening) for address in candidates for listening in own):
+        return f"{candidate_url[:100]} is this server itself ({host or '*'}:{port}); shadow a different server"
+    return None
+
+
+def resolved(host: str | None, port: int, passive: bool = False) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    flags = socket.AI_PASSIVE if passive else 0
+    found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=flags)
+    return {ipaddress.ip_address(address[4][0].split("%")[0]) for address in found}
+
+
+def same_listener(address, listening) -> bool:
+    """Whether a connection to `address` reaches a socket listening on `listening` (same port)."""
+    if listening.is_unspecified:
+        return address.is_unspecified or address.is_loopback or is_local(address)
+    if address.is_loopback and listening.is_loopback:
+        return True
+    return address == listening or (address.is_unspecified and (listening.is_loopback or is_local(listening)))
+
+
+def is_local(address) -> bool:
+    """Whether this machine holds `address` (it can bind a socket to it)."""
+    family = socket.AF_INET6 if address.version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((str(address), 0))
+        except OSError:
+            return False
+    return True
 
 
 def lower_priority() -> None:

@@ -49,6 +49,21 @@ def manifest_for(summary: dict, artifact: dict, candidate: dict, report: bytes) 
     )
 
 
+def folder_problem(folder: Path) -> str | None:
+    """Why the report cannot be written to `folder`, or None: checked at startup by creating the
+    folder and a probe file in it (then removed), so that a report folder it cannot write is one line
+    before serving, not a report lost at shutdown."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".probe.")
+        os.close(fd)
+        os.unlink(probe)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL byte in the path
+        reason = getattr(exc, "strerror", None) or exc
+        return f"{str(folder)[:200]}: cannot write the report there ({reason})"
+    return None
+
+
 def write_report(folder: Path, summary: dict, artifact: dict, candidate: dict) -> None:
     """Both files, each replaced whole (a reader never sees half of one)."""
     folder.mkdir(parents=True, exist_ok=True)
