@@ -30,7 +30,6 @@ How it is kept honest on a small shared machine:
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import http.client
 import json
@@ -233,23 +232,35 @@ def served_throughput(artifact: Path, body: bytes, clients: int, seconds: float,
 # --- main --------------------------------------------------------------------------------------------
 
 
+def parse_args(argv=None):
+    """The command line, every value checked before any server starts (one line, exit 2)."""
+    from serve import arguments as cli
+
+    parser = cli.OneLineParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--rounds", type=cli.count(1000), default=3)
+    parser.add_argument("--requests", type=cli.count(1_000_000), default=200, help="served requests per latency round")
+    parser.add_argument("--block", type=cli.count(100_000), default=25, help="calls per block of one variant (latency)")
+    parser.add_argument("--seconds", type=cli.seconds(3600), default=8.0, help="per throughput measurement")
+    parser.add_argument("--clients", type=cli.count(4096), default=32)
+    parser.add_argument("--text", default=TEXT, help="the text each request embeds")
+    parser.add_argument("--skip-latency", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true")
+    args = parser.parse_args(argv)
+    if not args.text.strip():
+        parser.error("--text is empty: give the text each request embeds")
+    if args.skip_latency and args.skip_throughput:
+        parser.error("--skip-latency and --skip-throughput together measure nothing")
+    return args
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--load-generator":
         port, clients, seconds, warmup_s, body = sys.argv[2:7]
         result = asyncio.run(load_generator(int(port), body.encode(), int(clients), float(seconds), float(warmup_s)))
         print(json.dumps(result))
         return
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("artifact", type=Path)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--requests", type=int, default=200, help="served requests per latency round")
-    parser.add_argument("--block", type=int, default=25, help="calls per block of one variant (latency)")
-    parser.add_argument("--seconds", type=float, default=8.0, help="per throughput measurement")
-    parser.add_argument("--clients", type=int, default=32)
-    parser.add_argument("--text", default=TEXT, help="the text each request embeds")
-    parser.add_argument("--skip-latency", action="store_true")
-    parser.add_argument("--skip-throughput", action="store_true")
-    args = parser.parse_args()
+    args = parse_args(sys.argv[1:])
     refuse_unless_embeddings(args.artifact)
     from serve.config import ServeConfig
 

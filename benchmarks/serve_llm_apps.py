@@ -20,7 +20,6 @@ seconds, what came back). Exit 0 when every check passed, 1 otherwise.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -32,6 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from optimize.evaluate.served import ServedServer
+from serve import arguments as cli
 
 ASK_PET = "Invent a pet and describe it as JSON with its name, kind and age."
 ASK_JSON = "Describe a city as a JSON object with a few fields."
@@ -341,22 +341,25 @@ def markdown(report: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifact", type=Path, help="a causal-LM artifact (its manifest names the model)")
-    p.add_argument("--url", default=None, help="a server already running on the artifact (default: start one)")
+    p.add_argument(
+        "--url",
+        type=cli.url(("http", "https"), path=True),
+        default=None,
+        help="a server already running on the artifact (default: start one)",
+    )
     p.add_argument("--model", default=None, help="the model name clients send (default: the recipe's name)")
     p.add_argument("--api-key", default="none")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--top-logprobs", type=int, default=0, help="alternatives asked in the logprobs check")
-    p.add_argument("--timeout-s", type=float, default=300)
-    p.add_argument("--checks", type=lambda text: text.split(","), default=list(CHECKS), help=f"of {','.join(CHECKS)}")
+    p.add_argument("--max-tokens", type=cli.count(1 << 17), default=128)
+    p.add_argument(
+        "--top-logprobs", type=cli.count(20, low=0), default=0, help="alternatives asked in the logprobs check"
+    )
+    p.add_argument("--timeout-s", type=cli.seconds(), default=300)
+    p.add_argument("--checks", type=cli.names(list(CHECKS)), default=list(CHECKS), help=f"of {','.join(CHECKS)}")
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
-    args = p.parse_args(argv)
-    unknown = sorted(set(args.checks) - set(CHECKS))
-    if unknown:
-        p.error(f"unknown check {unknown[0]!r} (one of {', '.join(CHECKS)})")
-    return args
+    return p.parse_args(argv)
 
 
 def main(argv=None) -> int:

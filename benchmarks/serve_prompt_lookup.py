@@ -12,7 +12,6 @@ ARTIFACT is an OpenVINO GenAI causal-LM artifact (continuous batching). Both ser
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 from benchmarks.artifact_input import artifact_manifest, artifact_tokenizer, refuse, refuse_unwritable
 from optimize.evaluate.grounded import grounded_requests
 from optimize.evaluate.served import ServedServer, drive, one_request
+from serve import arguments as cli
 
 MODES = {"plain": "--no-prompt-lookup", "prompt lookup": "--prompt-lookup"}
 SPEC_METRICS = ("serve_spec_decode_num_drafts_total", "serve_spec_decode_num_accepted_tokens_total")
@@ -109,16 +109,18 @@ def markdown(report: dict) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifact", type=Path)
-    p.add_argument("--clients", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--prompt-tokens", type=int, default=256, help="tokens of each paragraph (default 256)")
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--per-client", type=int, default=4, help="requests each client sends in turn (default 4)")
+    p.add_argument("--clients", type=cli.count(1024), nargs="+", default=[1, 16])
+    p.add_argument(
+        "--prompt-tokens", type=cli.count(1 << 17, low=8), default=256, help="tokens of each paragraph (default 256)"
+    )
+    p.add_argument("--new-tokens", type=cli.count(1 << 17), default=128)
+    p.add_argument(
+        "--per-client", type=cli.count(10_000), default=4, help="requests each client sends in turn (default 4)"
+    )
     p.add_argument("--json", type=Path, help="also write the report as JSON here")
     args = p.parse_args(argv)
-    if min(args.clients) < 1 or args.prompt_tokens < 8 or args.new_tokens < 1 or args.per_client < 1:
-        p.error("--clients, --new-tokens and --per-client must be >= 1, --prompt-tokens >= 8")
     refuse_unwritable(args.json)
     artifact_manifest(args.artifact, serves="causal_lm")
     return args
