@@ -8,7 +8,8 @@ when it was built:
 - what it was built from (`source`: the caller's content hash of the inputs);
 - an HMAC of all that with the cache key, a secret kept outside the cache (`OPTIMIZE_CACHE_KEY`, or
   a file created on first use under ~/.config/optimize/), so a record rewritten to match changed
-  files does not pass either.
+  files does not pass either. A key file that group or others can access, that another user owns or
+  that sits inside the cache is refused in one line (engines.cache.CacheKeyError, exit 2).
 Anything else is rebuilt, and `open_verified` says why. Folders are built in a staging folder unique
 to the run and renamed into place, so runs sharing one cache never see each other's half-built files.
 """
@@ -20,15 +21,18 @@ import hashlib
 import hmac
 import json
 import os
-import secrets
 import shutil
 import uuid
 from pathlib import Path
-from typing import Optional
+
+# The key's reading and the records' HMAC are the engines' too (the native kernels' compiled library is
+# sealed with them): one implementation, in engines/cache.py.
+from engines.cache import KEY_ENV, cache_key
+from engines.cache import key_path as _key_path
+from engines.cache import signature as _signature
 
 RECORD = "cache-record.json"
 SCHEME = "optimize-cache-v1"
-KEY_ENV = "OPTIMIZE_CACHE_KEY"
 MAX_RECORD_BYTES = 1 << 20
 
 
@@ -47,48 +51,6 @@ def code_fingerprint() -> str:
             digest.update(path.relative_to(root.parent).as_posix().encode() + b"\0")
             digest.update(path.read_bytes())
     return digest.hexdigest()
-
-
-def _key_path() -> Path:
-    configured = os.environ.get(KEY_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config").expanduser()
-    return base / "optimize" / "cache.key"
-
-
-def _create_whole(path: Path, text: str) -> None:
-    """Create `path` holding `text`, or raise FileExistsError: written under a private name first and
-    linked into place, so a run starting at the same moment never reads it empty or half-written."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.link(tmp, path)  # fails when it exists: the first run's key is everyone's
-    finally:
-        os.unlink(tmp)
-
-
-def cache_key() -> Optional[bytes]:
-    """The secret the records are signed with; created (mode 0600) when the default file is missing.
-    None when it cannot be read or made: nothing cached is then trusted (everything is rebuilt)."""
-    from engines.artifact import ArtifactError
-    from engines.artifact.integrity import read_key
-
-    path = _key_path()
-    if not os.path.lexists(path) and not os.environ.get(KEY_ENV):
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            _create_whole(path, secrets.token_hex(32))
-        except FileExistsError:
-            pass  # another run made it first
-        except OSError:
-            return None
-    try:
-        return read_key(path)
-    except ArtifactError:
-        return None
 
 
 def _files(folder: Path) -> dict[str, str]:
@@ -113,10 +75,6 @@ def _files(folder: Path) -> dict[str, str]:
                 raise ValueError(str(exc)) from None
             found[rel] = sha256_file(path)
     return dict(sorted(found.items()))
-
-
-def _signature(key: bytes, body: dict) -> str:
-    return hmac.new(key, json.dumps(body, sort_keys=True).encode(), hashlib.sha256).hexdigest()
 
 
 def staging(folder: Path) -> Path:

@@ -482,7 +482,25 @@ void ng_free(model *m) {
   free(m->layer); free(m);
 }
 
-/* NULL where memory runs out. The caller (model.py) has checked every shape. */
+/* The contract. Nothing below checks what it is given (the loops are the hot path): the caller,
+ * engines/native_gguf/contract.py, checks each of these in Python before any of it reaches C, item for
+ * item in the same order.
+ * 1. Counts are positive whole numbers that fit their C types: layers <= 4096; dim, ffn, heads,
+ *    kv_heads <= 2^20 (so dim + 2 kv and 2 ffn stay ints); vocab_rows <= 2^24 (the vocabulary padded
+ *    to 16); context <= 2^20 (positions are ints, the cache's size a size_t); 1 <= threads <= 1024.
+ *    ng_forward's n is 1 .. MAX_BATCH, pos >= 0 and pos + n <= context; tokens are 0 .. vocab - 1.
+ * 2. Shapes: heads divides dim, head_dim = dim / heads is even, kv_heads divides heads; dim, ffn and
+ *    kv_heads * head_dim are multiples of 32 (whole activation blocks; rows whole 16-row groups).
+ * 3. rope_base and eps are finite and > 0 as floats (0, NaN or Inf makes every logit NaN).
+ * 4. Tensors: each layer's q [dim rows], k and v [kv_heads * head_dim rows], out [dim rows], gate and up
+ *    [ffn rows] of dim columns, down [dim rows] of ffn columns; embedding and head [vocab_rows rows] of
+ *    dim columns; attn_norm, ffn_norm and out_norm `dim` finite floats each. Matrices are Q4_0, Q4_1 or
+ *    Q8_0 repacked as the header describes (KIND_4BIT / KIND_8BIT, group-blocks of 320 / 544 bytes,
+ *    rows / 16 groups of cols / 32 blocks), and live until ng_free.
+ * 5. The file's tensor data lay inside the file, aligned to its general.alignment, none overlapping.
+ * 6. Block scales (and Q4_1's offsets, Q4_0's -8 x scale) are finite f16 numbers.
+ * 7. The KV cache (2 x layers x context x kv_heads x head_dim floats) fits the machine's memory.
+ * NULL where memory runs out. */
 model *ng_new(int layers, int dim, int ffn, int heads, int kv_heads, int vocab_rows, int context, float rope_base, float eps, int threads) {
   model *m = calloc(1, sizeof(model));
   if (!m) return NULL;

@@ -2,20 +2,27 @@
 group (kernels.c gives the layout; the bytes per weight stay the file's), and one decoding step.
 
 What it carries as it is: a Llama whose matrices are Q4_0, Q4_1 or Q8_0 (mixed freely) and whose
-norms are F32 or F16. Anything else is named before a byte is repacked (`uncarried`, `hyperparameters`).
+norms are F32 or F16. Anything else is named before a byte is repacked (`uncarried`, and contract.py:
+every value kernels.c reads, checked before any of it reaches C).
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from engines.hardware import usable_cores
-from engines.native_gguf import build
-from engines.openvino.genai_gguf import CarryError, GGUFTensor, named, open_reader, outside
+from engines.native_gguf import build, contract
+from engines.native_gguf.contract import (  # noqa: F401 (the module's interface: the pipeline reads them here)
+    LAYER_MATRICES,
+    Hyperparameters,
+    NativeModelError,
+    field,
+    hyperparameters,
+)
+from engines.openvino.genai_gguf import GGUFTensor, named, open_reader, outside
 
 ARCHITECTURES = ("llama",)
 # GGUF types of matrices carried as they are, and what each becomes (the manifest's record).
@@ -26,12 +33,6 @@ CARRIED = {
 }
 KIND_4BIT, KIND_8BIT = 0, 1
 GROUP = 16
-DEFAULT_CONTEXT = 4096  # positions the KV cache holds unless told (f32: SmolLM2-135M, 190 MB)
-LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-
-
-class NativeModelError(CarryError):
-    """The file cannot run in the native kernels as it is (one line naming the tensor or field)."""
 
 
 def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
@@ -46,92 +47,14 @@ def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
     )
 
 
-@dataclass(frozen=True)
-class Hyperparameters:
-    layers: int
-    dim: int
-    ffn: int
-    heads: int
-    kv_heads: int
-    vocab: int
-    context_length: int  # the model's own
-    rope_base: float
-    eps: float
-
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.heads
-
-
-def field(reader, key: str, default=None):
-    found = reader.fields.get(key)
-    if found is None:
-        if default is None:
-            raise NativeModelError(f"the GGUF file has no {key}")
-        return default
-    return found.contents()
-
-
-def number(reader, key: str, kind: type = int, default=None):
-    """A numeric header field, refused in one line where it is not a number."""
-    value = field(reader, key, default)
-    try:
-        return kind(value)
-    except (TypeError, ValueError, OverflowError):
-        raise NativeModelError(f"the GGUF file's {key} is {str(value)[:40]!r}, not a number") from None
-
-
-def hyperparameters(reader) -> Hyperparameters:
-    """The model's shape, refused in one line where the kernels cannot run it."""
-    arch = "llama"
-    heads = number(reader, f"{arch}.attention.head_count")
-    h = Hyperparameters(
-        layers=number(reader, f"{arch}.block_count"),
-        dim=number(reader, f"{arch}.embedding_length"),
-        ffn=number(reader, f"{arch}.feed_forward_length"),
-        heads=heads,
-        kv_heads=number(reader, f"{arch}.attention.head_count_kv", default=heads),
-        vocab=next((int(t.shape[1]) for t in reader.tensors if t.name == "token_embd.weight"), 0),
-        context_length=number(reader, f"{arch}.context_length"),
-        rope_base=number(reader, f"{arch}.rope.freq_base", float, 10000.0),
-        eps=number(reader, f"{arch}.attention.layer_norm_rms_epsilon", float),
-    )
-    if h.heads <= 0 or h.kv_heads <= 0 or h.dim <= 0 or h.dim % h.heads or h.heads % h.kv_heads or h.head_dim % 2:
-        raise NativeModelError(
-            f"the native GGUF kernels cannot run this file: {h.heads} heads and {h.kv_heads} key/value heads "
-            f"do not divide width {h.dim} into heads of an even size"
-        )
-    problems = []
-    layers = {
-        int(t.name.split(".")[1])
-        for t in reader.tensors
-        if t.name.startswith("blk.") and t.name.split(".")[1].isdigit()
-    }
-    if h.layers <= 0 or layers != set(range(h.layers)):
-        problems.append(f"its header says {h.layers} layers, its tensors number {len(layers)}")
-    if h.vocab == 0:
-        problems.append("it has no token_embd.weight")
-    if h.context_length <= 0:
-        problems.append(f"its context length is {h.context_length}")
-    if number(reader, f"{arch}.rope.dimension_count", default=h.head_dim) != h.head_dim:
-        problems.append("its rotary embedding covers part of each head (the kernels rotate whole heads)")
-    for width, name in ((h.dim, "width"), (h.ffn, "feed-forward width"), (h.kv_heads * h.head_dim, "key/value width")):
-        if width <= 0 or width % 32:
-            problems.append(f"its {name} {width} is not a whole number of 32-wide blocks")
-    if str(field(reader, f"{arch}.rope.scaling.type", "none")) not in ("none", ""):
-        problems.append("it scales its rotary embedding (rope.scaling), which the kernels do not")
-    if any(t.name == "rope_freqs.weight" or t.name.endswith(".bias") for t in reader.tensors):
-        problems.append("it has rotary frequency factors or biases, which the kernels do not apply")
-    if problems:
-        raise NativeModelError("the native GGUF kernels cannot run this file: " + "; ".join(problems))
-    return h
-
-
 def repacked(t) -> tuple[int, np.ndarray]:
     """(kind, bytes) of a Q4_0 / Q4_1 / Q8_0 tensor in kernels.c's 16-row groups, its rows padded with
     zeros to a multiple of 16 (only a vocabulary can need it: every layer width is checked to be one)."""
     kind = t.tensor_type.name
+    if kind not in CARRIED:
+        raise NativeModelError(f"{t.name} is {kind}; the native GGUF kernels carry {', '.join(CARRIED)}")
     raw = np.asarray(t.data, dtype=np.uint8)
+    contract.check_scales(t.name, kind, raw)
     rows = raw.shape[0]
     padded = -rows % GROUP
     if padded:
@@ -175,12 +98,15 @@ def _groups_8bit(blocks: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([values, scales], axis=-1))
 
 
-def _vector(t) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(t.data).astype(np.float32).reshape(-1))
+def _vector(t, h: Hyperparameters) -> np.ndarray:
+    values = np.asarray(t.data).astype(np.float32).reshape(-1)
+    return np.ascontiguousarray(contract.check_norm(t.name, values, h))
 
 
 def _library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build.library()))
+    """The kernels, loaded only once their sealed build record verifies (build.load); the argument
+    types are kernels.c's (every count an int: contract.py bounds each to fit)."""
+    lib = build.load()
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.ng_new.restype = p
     lib.ng_new.argtypes = [i, i, i, i, i, i, i, f, f, i]
@@ -213,13 +139,14 @@ class NativeGGUF:
         )
         if reason:
             raise NativeModelError(reason)
-        self.hyper = h = hyperparameters(reader)
-        self.context = min(context or DEFAULT_CONTEXT, h.context_length)
-        self.threads = threads or usable_cores()
+        self.hyper = h = contract.checked(reader)  # everything kernels.c reads, but the scales (repacking's)
+        self.context = contract.context_positions(context, h)
+        self.threads = contract.thread_count(threads or usable_cores())
+        contract.check_memory(h, self.context)
         self._keep: list[np.ndarray] = []  # the arrays the C side points into
         self.weight_bytes_per_token = 0  # every matrix a step reads (the embedding gives one row)
         self._lib = _library()
-        rows = h.vocab + (-h.vocab % GROUP)
+        rows = h.vocab_rows
         handle = self._lib.ng_new(
             h.layers, h.dim, h.ffn, h.heads, h.kv_heads, rows, self.context, h.rope_base, h.eps, self.threads
         )
@@ -232,39 +159,19 @@ class NativeGGUF:
         self.max_batch = int(self._lib.ng_max_batch())
         self._logits = np.zeros((self.max_batch, rows), np.float32)
 
-    def _tensor(self, tensors: dict, name: str):
-        if name not in tensors:
-            raise NativeModelError(f"the GGUF file has no {name}")
-        return tensors[name]
-
     def _pointer(self, array: np.ndarray) -> int:
         self._keep.append(array)
         return array.ctypes.data
 
     def _load_layer(self, tensors: dict, layer: int) -> None:
-        self._check_shapes(tensors, layer)
         matrices = self._layer_matrices(tensors, layer)
         self.weight_bytes_per_token += sum(data.nbytes for _, _, data in matrices)
         n = len(matrices)
         kinds = (ctypes.c_int * n)(*[kind for kind, _, _ in matrices])
         rows = (ctypes.c_int * n)(*[count for _, count, _ in matrices])
         pointers = (ctypes.c_void_p * n)(*[self._pointer(data) for _, _, data in matrices])
-        norms = [
-            self._pointer(_vector(self._tensor(tensors, f"blk.{layer}.{n}.weight"))) for n in ("attn_norm", "ffn_norm")
-        ]
+        norms = [self._pointer(_vector(tensors[f"blk.{layer}.{n}.weight"], self.hyper)) for n in contract.LAYER_NORMS]
         self._lib.ng_layer(self._model, layer, *norms, kinds, rows, pointers)
-
-    def _check_shapes(self, tensors: dict, layer: int) -> None:
-        h = self.hyper
-        kv = h.kv_heads * h.head_dim
-        shapes = {"attn_q": (h.dim, h.dim), "attn_k": (h.dim, kv), "attn_v": (h.dim, kv), "attn_output": (h.dim, h.dim),
-                  "ffn_gate": (h.dim, h.ffn), "ffn_up": (h.dim, h.ffn), "ffn_down": (h.ffn, h.dim)}  # fmt: skip
-        for name, shape in shapes.items():  # (row length, rows), as GGUF lists them
-            found = tuple(int(n) for n in self._tensor(tensors, f"blk.{layer}.{name}.weight").shape)
-            if found != shape:
-                raise NativeModelError(
-                    f"blk.{layer}.{name}.weight is {list(found)}, not {list(shape)} as the header says"
-                )
 
     @staticmethod
     def _layer_matrices(tensors: dict, layer: int) -> list[tuple[int, int, np.ndarray]]:
@@ -286,7 +193,7 @@ class NativeGGUF:
         head_kind, head = (
             (embedding_kind, embedding) if "output.weight" not in tensors else repacked(tensors["output.weight"])
         )
-        norm = self._pointer(_vector(self._tensor(tensors, "output_norm.weight")))
+        norm = self._pointer(_vector(tensors["output_norm.weight"], self.hyper))
         self.weight_bytes_per_token += head.nbytes
         self._lib.ng_head(self._model, norm, embedding_kind, self._pointer(embedding), head_kind, self._pointer(head))
 

@@ -242,9 +242,11 @@ def _chat_template(folder: Path, config: dict):
 
 def load_native_gguf_runner(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> NativeGGUFRunner:
     """Runner from an engine block. `spinning` is libgomp's own policy here: its threads spin a while
-    between steps, then sleep."""
+    between steps, then sleep. The block's `context` goes to the model as it is: a value that is not a
+    whole number of positions within bounds is refused there in one line (contract.context_positions)."""
+    context = engine.get("context")
     return NativeGGUFRunner(
-        Path(root) / engine.get("dir", "."), engine["gguf"], int(engine.get("context") or 0), threads
+        Path(root) / engine.get("dir", "."), engine["gguf"], 0 if context is None else context, threads
     )
 
 

@@ -22,7 +22,6 @@ METHOD = "native_gguf"
 ENGINE_DIR = "native_gguf"
 # What the runner reads beside the GGUF file (the tokenizer and its chat template), where the source has it.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
-MAX_CONTEXT = 1 << 20
 
 
 @dataclass
@@ -40,7 +39,9 @@ class NativeGGUFConfig:
     context: int = 0
 
     def validate(self):
-        if not 0 <= self.context <= MAX_CONTEXT:
+        from engines.native_gguf.contract import MAX_CONTEXT  # one bound: the kernels' own
+
+        if isinstance(self.context, bool) or not isinstance(self.context, int) or not 0 <= self.context <= MAX_CONTEXT:
             raise RecipeError(f"engine.params.context={self.context} (0: the model's, or 1..{MAX_CONTEXT} positions)")
 
 
@@ -55,17 +56,22 @@ class NativeGGUFConfig:
 )
 def native_gguf_engine(model: Model, cfg: NativeGGUFConfig, ctx: Context) -> Model:
     """The GGUF source's own blocks in the native kernels, the file copied into the artifact."""
-    from engines.native_gguf import build
+    from engines.native_gguf import build, contract
     from engines.native_gguf import model as native
-    from engines.openvino.genai_gguf import type_summary
+    from engines.openvino.genai_gguf import CarryError, type_summary
     from optimize.models import hf_folder
 
     gguf_path = source_gguf(model, ctx, METHOD)
     architecture, tensors = carried_tensors(gguf_path, ctx, METHOD, native.uncarried)
     try:
-        native.hyperparameters(native.open_reader(gguf_path))
+        # Everything the kernels read (contract.py), the block scales too: a file they cannot run is this
+        # stage's one-line error (exit 2), not a failure when the candidate is first evaluated.
+        reader = native.open_reader(gguf_path)
+        hyper = contract.checked(reader)
+        contract.check_memory(hyper, contract.context_positions(cfg.context, hyper))
+        contract.check_all_scales(reader)
         library = build.library()  # compiled here, so a CPU or compiler that cannot is this stage's error
-    except (native.NativeModelError, build.NativeBuildError) as exc:
+    except (CarryError, build.NativeBuildError) as exc:
         raise RecipeError(f"engine.method={METHOD}: {exc}") from None
     out = ctx.scratch / "native_gguf_engine"
     shutil.rmtree(out, ignore_errors=True)
