@@ -143,3 +143,137 @@ def test_containers_run_this_server_as_it_is(folder):
         drain_s = (args.timeout_s or ServeConfig().timeout_s) + 5  # uvicorn's graceful timeout (serve.__main__)
         assert pod["terminationGracePeriodSeconds"] > PRE_STOP_S + drain_s
         assert container["resources"]["requests"] and container["resources"]["limits"]
+
+
+# --- Pod Security "restricted", and what the pods run -------------------------------------------
+
+IMAGE_USER = 10001  # serve/Dockerfile.cpu's USER
+
+
+def kserve_pod(runtime: dict, service: dict) -> dict:
+    """The pod KServe builds from the two: the predictor's pod-level fields, the runtime's containers
+    (the predictor's model block merged into kserve-container, as KServe merges it) and both volume lists."""
+    predictor = service["spec"]["predictor"]
+    model = {k: v for k, v in (predictor.get("model") or {}).items() if k in ("securityContext", "env", "volumeMounts")}
+    pod_containers = [{**c, **model} if c["name"] == "kserve-container" else c for c in runtime["spec"]["containers"]]
+    volumes = [*(runtime["spec"].get("volumes") or []), *(predictor.get("volumes") or [])]
+    return {**predictor, "containers": pod_containers, "volumes": volumes}
+
+
+def pod_specs(folder: str) -> list[dict]:
+    """Every pod spec the rendering of `folder` makes."""
+    docs = by_kind(render(DEPLOY / folder))
+    if "ServingRuntime" in docs:
+        return [kserve_pod(docs["ServingRuntime"], docs["InferenceService"])]
+    return [doc["spec"]["template"]["spec"] for doc in docs.values() if "template" in doc.get("spec", {})]
+
+
+@pytest.mark.parametrize("folder", ["kserve/base", "kserve/canary", "kubernetes"])
+def test_every_pod_meets_pod_security_restricted(folder):
+    from tests.support.pod_security import hardening_violations, restricted_violations
+
+    pods = pod_specs(folder)
+    assert pods
+    for pod in pods:
+        assert restricted_violations(pod) == []
+        assert hardening_violations(pod, IMAGE_USER) == []
+
+
+def test_the_pod_security_check_sees_every_rule_it_claims():
+    """A pod breaking each rule is refused for each, by name; the compliant rendering with one setting
+    undone is refused for that setting."""
+    from tests.support.pod_security import hardening_violations, restricted_violations
+
+    hostile = {
+        "hostNetwork": True,
+        "hostPID": True,
+        "securityContext": {"runAsUser": 0, "sysctls": [{"name": "kernel.msgmax", "value": "1"}]},
+        "volumes": [{"name": "root", "hostPath": {"path": "/"}}, {"name": "scratch", "emptyDir": {}}],
+        "initContainers": [{"name": "init", "image": "x:1", "securityContext": {"privileged": True}}],
+        "containers": [
+            {
+                "name": "app",
+                "image": "x:1",
+                "ports": [{"containerPort": 80, "hostPort": 80}],
+                "securityContext": {
+                    "runAsNonRoot": False,
+                    "allowPrivilegeEscalation": True,
+                    "capabilities": {"add": ["SYS_ADMIN"]},
+                    "seccompProfile": {"type": "Unconfined"},
+                    "procMount": "Unmasked",
+                },
+            }
+        ],
+    }
+    said = "\n".join(restricted_violations(hostile))
+    for rule in (
+        "hostNetwork",
+        "hostPID",
+        "hostPath",
+        "kernel.msgmax",
+        "runAsUser is 0",
+        "initContainers[0](init) is privileged",
+        "hostPort 80",
+        "containers[0](app).securityContext.allowPrivilegeEscalation",
+        "containers[0](app): runAsNonRoot",
+        "initContainers[0](init): runAsNonRoot",
+        "seccompProfile.type is 'Unconfined'",
+        "initContainers[0](init): seccompProfile.type is None",
+        "capabilities.drop does not hold ALL",
+        "SYS_ADMIN",
+        "procMount",
+    ):
+        assert rule in said, f"{rule!r} not reported in:\n{said}"
+    assert "scratch" not in said  # an emptyDir is allowed
+    hardened = "\n".join(hardening_violations(hostile, IMAGE_USER))
+    for rule in ("automountServiceAccountToken", "readOnlyRootFilesystem", "runAsUser is not", "TMPDIR is not set"):
+        assert rule in hardened, f"{rule!r} not reported in:\n{hardened}"
+
+
+UNDONE = [
+    ("drop", lambda pod, c: c["securityContext"]["capabilities"].update(drop=[]), "capabilities.drop"),
+    (
+        "seccomp",
+        lambda pod, c: (pod["securityContext"].pop("seccompProfile"), c["securityContext"].pop("seccompProfile")),
+        "seccompProfile",
+    ),
+    ("escalation", lambda pod, c: c["securityContext"].pop("allowPrivilegeEscalation"), "allowPrivilegeEscalation"),
+    ("root", lambda pod, c: c["securityContext"].update(runAsUser=0), "runAsUser is 0"),
+    ("token", lambda pod, c: pod.pop("automountServiceAccountToken"), "automountServiceAccountToken"),
+    ("rootfs", lambda pod, c: c["securityContext"].update(readOnlyRootFilesystem=False), "readOnlyRootFilesystem"),
+    (
+        "tmp",
+        lambda pod, c: c.update(volumeMounts=[m for m in c["volumeMounts"] if m["mountPath"] != "/tmp"]),
+        "TMPDIR=/tmp",
+    ),
+]
+
+
+@pytest.mark.parametrize("folder", ["kserve/base", "kubernetes"])
+@pytest.mark.parametrize("name, undo, says", UNDONE, ids=[u[0] for u in UNDONE])
+def test_a_rendered_pod_with_one_setting_undone_is_refused_for_it(folder, name, undo, says):
+    from tests.support.pod_security import hardening_violations, restricted_violations
+
+    pod = pod_specs(folder)[0]
+    undo(pod, pod["containers"][0])
+    said = "\n".join(restricted_violations(pod) + hardening_violations(pod, IMAGE_USER))
+    assert says in said, said
+
+
+@pytest.mark.parametrize("folder", ["kserve/base", "kserve/canary", "kubernetes"])
+def test_images_are_pinned_by_version_and_pulled_once(folder):
+    """Every container's image names a version (the project's, as serve/Dockerfile.cpu is tagged) or a
+    digest, never :latest or no tag; a node pulls it once (IfNotPresent), not on every start."""
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    from tests.support.pod_security import containers as pod_containers
+
+    for pod in pod_specs(folder):
+        for where, container in pod_containers(pod):
+            image = container["image"]
+            if "@sha256:" not in image:
+                name, _, tag = image.rpartition(":")
+                assert name and "/" not in tag and tag != "latest", f"{where}: {image} names no version"
+                assert tag == version, f"{where}: {image} is not the project's version {version}"
+            assert container.get("imagePullPolicy") == "IfNotPresent", f"{where}: {container.get('imagePullPolicy')}"
