@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from benchmarks.artifact_input import artifact_manifest, refuse, refuse_unwritable
+from serve.arguments import OneLineParser
 
 SLOT_CONTEXT = 1024  # tokens of context per llama-server slot: a 64-token prompt and 64 new tokens fit
 
@@ -365,7 +366,7 @@ def measure(args: argparse.Namespace, binary: Path, gguf: Path) -> tuple[dict, s
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[1].strip())
+    p = OneLineParser(description=__doc__.split("\n\n")[1].strip())
     p.add_argument("target", type=Path, help="an artifact folder (its recipe's GGUF) or a .gguf file")
     p.add_argument("--llama-bench", default=None, help="the llama-bench binary (else $PEERS_LLAMA_BENCH or PATH)")
     p.add_argument("--threads", type=int, default=2)

@@ -35,6 +35,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.artifact_input import artifact_manifest, refuse, refuse_unwritable
+from serve.arguments import OneLineParser
 
 SCORER_SOURCE = Path(__file__).with_name("llamacpp_score.c")
 
@@ -191,7 +192,7 @@ def summary(result: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifact", type=Path)
     p.add_argument("--llama-cpp", help="llama.cpp's source tree with a build (else $PEERS_LLAMA_CPP or llama-server's)")
     p.add_argument("--gguf", type=Path, help="the GGUF file to score (default: the recipe's)")

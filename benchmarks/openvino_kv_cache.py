@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.artifact_input import artifact_manifest, refuse, refuse_unwritable
+from serve import arguments as cli
 
 GIB = 2**30
 
@@ -83,13 +84,25 @@ def markdown(rows: list[dict], sequence_tokens: int, machine: str) -> str:
     return "\n".join(lines)
 
 
+def kv_precision(text: str) -> str:
+    """An argparse type: KIND or KIND:GROUP, KIND one the engine takes, GROUP a whole number from 1."""
+    from engines.openvino.genai_runner import KV_CACHE_PRECISIONS
+
+    kind, colon, group = text.partition(":")
+    if kind not in KV_CACHE_PRECISIONS:
+        raise argparse.ArgumentTypeError(f"{text[:40]!r}: the kind is one of {', '.join(KV_CACHE_PRECISIONS)}")
+    if colon:
+        cli.count(4096)(group)
+    return text
+
+
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = cli.OneLineParser(description=__doc__.split("\n\n")[0])
     p.add_argument("artifact", type=Path)
-    p.add_argument("--precisions", nargs="+", default=["f32", "u8", "u4", "u4:32"])
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--window", type=int, default=512)
-    p.add_argument("--sequence-tokens", type=int, default=1024)
+    p.add_argument("--precisions", type=kv_precision, nargs="+", default=["f32", "u8", "u4", "u4:32"])
+    p.add_argument("--tokens", type=cli.count(1 << 20, low=2), default=2048)
+    p.add_argument("--window", type=cli.count(1 << 17, low=2), default=512)
+    p.add_argument("--sequence-tokens", type=cli.count(1 << 20), default=1024)
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     refuse_unwritable(args.json)

@@ -14,7 +14,6 @@ after warm-up, at batch 1 and 32 (padded to the batch's longest text, at most 12
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
@@ -92,16 +91,18 @@ def cpu_description() -> dict:
     }
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("fused_onnx", type=Path)
-    p.add_argument("unfused_onnx", type=Path)
+def main(argv=None) -> None:
+    from serve import arguments as cli
+
+    p = cli.OneLineParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("fused_onnx", type=cli.existing_file)
+    p.add_argument("unfused_onnx", type=cli.existing_file)
     p.add_argument("--work", type=Path, default=Path("/tmp/ov-minilm-bench"))
-    p.add_argument("--eval-texts", type=int, default=64)
-    p.add_argument("--budget-s", type=float, default=6.0)
-    p.add_argument("--threads", type=int, default=0, help="per runner; 0: all cores")
+    p.add_argument("--eval-texts", type=cli.count(100_000), default=64)
+    p.add_argument("--budget-s", type=cli.seconds(3600), default=6.0)
+    p.add_argument("--threads", type=cli.count(1024, low=0), default=0, help="per runner; 0: all cores")
     p.add_argument("--out", type=Path, help="also write the report here (NNCF's progress bars share stdout)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     from benchmarks.artifact_input import refuse_unwritable
 
     refuse_unwritable(args.out)

@@ -21,7 +21,6 @@ kernels take the time.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import json
 import os
@@ -168,14 +167,16 @@ def per_op_ms(events: list[dict]) -> dict[str, float]:
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--artifact", type=Path, required=True, help="artifact of recipe=minilm_int8_cpu")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--texts", type=int, default=64)
-    parser.add_argument("--batch-sizes", default="1,32")
-    parser.add_argument("--profile-batch", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--retries", type=int, default=2)
+    from serve import arguments as cli
+
+    parser = cli.OneLineParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", type=cli.existing_dir, required=True, help="artifact of recipe=minilm_int8_cpu")
+    parser.add_argument("--model", type=cli.existing_dir, default=None)
+    parser.add_argument("--texts", type=cli.count(100_000), default=64)
+    parser.add_argument("--batch-sizes", type=cli.joined(cli.number_list(int, 1, 4096)), default="1,32")
+    parser.add_argument("--profile-batch", type=cli.count(4096), default=32)
+    parser.add_argument("--repeats", type=cli.count(100_000), default=30)
+    parser.add_argument("--retries", type=cli.count(100, low=0), default=2)
     parser.add_argument("--json", type=Path)
     parser.add_argument(
         "--optimum-python",

@@ -28,7 +28,6 @@ The Optimum side venv (about 1 GB; torch pinned to the CPU build):
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -370,15 +369,14 @@ def ratios(entries: list[Entry], batch_sizes: list[str], min_cosine: float = MIN
     return result
 
 
-def workload_weights(artifact: Path, batch_sizes: list[str], given: str | None) -> dict[str, float]:
+def workload_weights(artifact: Path, batch_sizes: list[str], given: dict[str, float] | None) -> dict[str, float]:
     """The weights of the weighted cost: --weights "1:0.7,32:0.3", else the artifact's own workload
     (its recipe's `workload.batches`, as its race weighed them), else equal; kept to the batch sizes
     timed here and summing to 1."""
     from engines.artifact import read_manifest
 
     if given:
-        pairs = (item.split(":") for item in given.split(","))
-        weights = {b.strip(): float(w) for b, w in pairs}
+        weights = dict(given)  # checked by the command line (serve.arguments.weights)
     else:
         recorded = ((read_manifest(artifact).get("metrics") or {}).get("workload") or {}).get("batches") or {}
         weights = {str(b): float(w) for b, w in recorded.items()}
@@ -447,19 +445,30 @@ def markdown(
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--artifact", type=Path, required=True, help="sentence-embedding artifact directory")
-    parser.add_argument("--model", default=None, help="Hugging Face folder of the original model")
-    parser.add_argument("--texts", type=int, default=64, help="evaluation paragraphs (cpython_docs)")
-    parser.add_argument("--calibration", type=int, default=100, help="calibration paragraphs for NNCF")
-    parser.add_argument("--batch-sizes", default="1,32")
+    from serve import arguments as cli
+
+    parser = cli.OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--weights", default=None, help="weighted cost's mix, \"1:0.7,32:0.3\" (default: the artifact's workload)"
+        "--artifact", type=cli.existing_dir, required=True, help="sentence-embedding artifact directory"
     )
-    parser.add_argument("--threads", type=int, default=0, help="0: each runtime's default")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--retries", type=int, default=2, help="re-runs of a batch size timed on a busy machine")
+    parser.add_argument(
+        "--model", type=cli.existing_dir, default=None, help="Hugging Face folder of the original model"
+    )
+    parser.add_argument("--texts", type=cli.count(100_000), default=64, help="evaluation paragraphs (cpython_docs)")
+    parser.add_argument("--calibration", type=cli.count(100_000), default=100, help="calibration paragraphs for NNCF")
+    parser.add_argument("--batch-sizes", type=cli.joined(cli.number_list(int, 1, 4096)), default="1,32")
+    parser.add_argument(
+        "--weights",
+        type=cli.weights,
+        default=None,
+        help="weighted cost's mix, \"1:0.7,32:0.3\" (default: the artifact's workload)",
+    )
+    parser.add_argument("--threads", type=cli.count(1024, low=0), default=0, help="0: each runtime's default")
+    parser.add_argument("--warmup", type=cli.count(1000, low=0), default=3)
+    parser.add_argument("--repeats", type=cli.count(100_000), default=30)
+    parser.add_argument(
+        "--retries", type=cli.count(100, low=0), default=2, help="re-runs of a batch size timed on a busy machine"
+    )
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--markdown", nargs="?", const="-", help="also write the table to this file")
     parser.add_argument(

@@ -38,7 +38,6 @@ disk, the CPU, the share of the CPUs other processes used while timing, package 
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hashlib
 import json
@@ -498,23 +497,29 @@ def markdown(entries: list[Entry], table: dict, timing: dict, env: dict, notes: 
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--artifact", type=Path, required=True, help="causal-LM artifact directory")
-    parser.add_argument("--model", type=Path, default=None, help="Hugging Face folder of the FP32 model")
+    from serve import arguments as cli
+
+    parser = cli.OneLineParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--artifact", type=cli.existing_dir, required=True, help="causal-LM artifact directory")
+    parser.add_argument("--model", type=cli.existing_dir, default=None, help="Hugging Face folder of the FP32 model")
     parser.add_argument("--work", type=Path, default=None, help="keep (and reuse) the built peers here")
     parser.add_argument(
         "--llamacpp-python",
         default=os.environ.get("PEERS_LLAMACPP_PYTHON", ""),
         help="python of a venv with llama-cpp-python (else $PEERS_LLAMACPP_PYTHON; none: llama.cpp is skipped)",
     )
-    parser.add_argument("--texts", type=int, default=64, help="evaluation paragraphs (the pipeline's count)")
-    parser.add_argument("--perplexity-tokens", type=int, default=2048)
-    parser.add_argument("--window", type=int, default=512)
-    parser.add_argument("--prompt-tokens", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=0, help="0: each runtime's default (llama.cpp: all cores)")
+    parser.add_argument(
+        "--texts", type=cli.count(100_000), default=64, help="evaluation paragraphs (the pipeline's count)"
+    )
+    parser.add_argument("--perplexity-tokens", type=cli.count(1 << 20, low=2), default=2048)
+    parser.add_argument("--window", type=cli.count(1 << 17, low=2), default=512)
+    parser.add_argument("--prompt-tokens", type=cli.count(1 << 17), default=64)
+    parser.add_argument("--new-tokens", type=cli.count(1 << 17), default=64)
+    parser.add_argument("--warmup", type=cli.count(1000, low=0), default=1)
+    parser.add_argument("--runs", type=cli.count(10_000), default=5)
+    parser.add_argument(
+        "--threads", type=cli.count(1024, low=0), default=0, help="0: each runtime's default (llama.cpp: all cores)"
+    )
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--markdown", nargs="?", const="-", help="also write the table to this file")
     args = parser.parse_args(argv)

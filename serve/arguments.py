@@ -103,6 +103,28 @@ def number_list(kind, low, high, inclusive: bool = True, most: int = 64) -> Call
     return parse
 
 
+def joined(parse: Callable[[str], list]) -> Callable[[str], str]:
+    """An argparse type: a list `parse` checks, given back as the comma-separated text (for code
+    that reads the flag's text itself)."""
+    return lambda text: ",".join(map(str, parse(text)))
+
+
+def weights(text: str) -> dict[str, float]:
+    """An argparse type: a mix of batch sizes, "1:0.7,32:0.3" (each size a whole number from 1, each
+    weight a finite number above 0)."""
+    size, weight = count(1 << 20), positive(float)
+    mix = {}
+    for item in text.split(","):
+        b, colon, w = item.partition(":")
+        if not colon:
+            raise argparse.ArgumentTypeError(f"item {item[:40]!r}: give SIZE:WEIGHT, as in 1:0.7,32:0.3")
+        try:
+            mix[str(size(b.strip()))] = weight(w.strip())
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"item {item[:40]!r}: {exc}") from None
+    return mix
+
+
 def names(known: Sequence[str], empty: bool = False) -> Callable[[str], list[str]]:
     """An argparse type: comma-separated names, each one of `known` (`empty`: '' means none)."""
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from serve.arguments import weights as weights_flag
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -70,7 +72,7 @@ def test_the_weighted_cost_follows_the_workload_and_can_pick_another_best_peer(t
     write_manifest(root, {"engine": {}, "metrics": {"workload": {"batches": {"1": 0.7, "32": 0.3, "8": 1.0}}}})
     weights = peers.workload_weights(root, ["1", "32"], None)  # batch 8 is not timed here: left out
     assert weights == pytest.approx({"1": 0.7, "32": 0.3})
-    assert peers.workload_weights(root, ["1", "32"], "1:1,32:3") == pytest.approx({"1": 0.25, "32": 0.75})
+    assert peers.workload_weights(root, ["1", "32"], weights_flag("1:1,32:3")) == pytest.approx({"1": 0.25, "32": 0.75})
 
 
 def test_no_eligible_peer_gives_no_ratio():
