@@ -109,7 +109,7 @@ def ray_address(text: str) -> str:
     or address and a port from 1 to 65535. RAY_ADDRESS is checked by the same rule."""
     if text in ("auto", "local"):
         return text
-    client = text.startswith("ray://")
+    client = "://" in text  # any other scheme is refused by url_problem
     problem = url_problem(text if client else f"ray://{text}", ("ray",))
     if problem is None and not client and urlsplit(f"ray://{text}").port is None:
         problem = "a cluster's address takes its port (HOST:PORT)"

@@ -174,3 +174,51 @@ def test_ingress_and_throughput_switches_are_ray_serves_own(monkeypatch):
     quiet = build_parser().parse_args(["x", "--log-level", "warning"])
     assert deployment_options(quiet, ServeConfig())["logging_config"] == {"enable_access_log": False}
     assert deployment_options(default, ServeConfig())["logging_config"] == {"enable_access_log": True}
+
+
+@pytest.mark.parametrize(
+    ("address", "fragment"),
+    [
+        ("ray://256.1.1.1:99999", "Port out of range"),
+        ("ray://256.1.1.1:10001", "'256.1.1.1' is not a valid IPv4 address"),
+        ("ray://[::1", "Invalid IPv6 URL"),
+        ("10.0.0.1", "a cluster's address takes its port (HOST:PORT)"),
+        ("bad..host:6379", "'bad..host' is not a host name or an IP address"),
+        ("10.0.0.1:0", "the port must be from 1 to 65535"),
+        ("http://10.0.0.1:6379", "the URL must start with ray://"),
+    ],
+)
+def test_a_ray_address_that_cannot_be_a_cluster_is_one_line(address, fragment, capsys):
+    from serve.ray import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["/no/matter", "--address", address])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: argument --address: ") and err.count("\n") == 1 and fragment in err, err
+
+
+def test_good_ray_addresses_and_the_connect_timeout_parse():
+    from serve.ray import build_parser
+
+    for address in ("auto", "local", "ray://10.0.0.1", "ray://head.example:10001", "10.0.0.1:6379", "[::1]:6379"):
+        assert build_parser().parse_args(["a", "--address", address]).address == address
+    assert build_parser().parse_args(["a"]).connect_timeout_s == 120.0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["a", "--connect-timeout-s", "inf"])
+
+
+def test_shadow_options_are_refused_on_ray_too(capsys):
+    from serve.ray import build_parser, check_scaling
+
+    with pytest.raises(SystemExit):
+        check_scaling(build_parser().parse_args(["a", "--shadow-queue", "4"]))
+    assert "--shadow is served by python -m serve" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_cluster_that_never_answers_is_one_line_within_the_connect_timeout(encoder_artifact):
+    started = time.monotonic()
+    proc = refused(str(encoder_artifact), "--address", "192.0.2.1:6379", "--connect-timeout-s", "5")
+    one_error_line(proc, "cannot connect to Ray at 192.0.2.1:6379", log_lines=True)
+    assert time.monotonic() - started < 90
