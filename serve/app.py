@@ -98,7 +98,9 @@ def start_serving(state: ServeState, model) -> None:
     if generates and model.batch_engine is not None:
         from serve.llm_batching import ContinuousBatchingService
 
-        state.generator = ContinuousBatchingService(model, cfg.max_queue, state.metrics, state.manifest)
+        state.generator = ContinuousBatchingService(
+            model, cfg.max_queue, state.metrics, state.manifest, on_broken=state.engine_broken
+        )
         engine = state.generator.engine
         state.metrics.set_cache_info(engine.block_tokens, engine.num_blocks)  # what a gateway's picker reads
     elif generates:

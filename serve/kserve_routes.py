@@ -60,11 +60,16 @@ def model_of(request: Request):
 
 
 async def live(request: Request) -> Response:
-    return Response(status_code=200)
+    return health(state_of(request).health_problem(readiness=False))
 
 
 async def ready(request: Request) -> Response:
-    return Response(status_code=200 if state_of(request).ready else 503)
+    return health(state_of(request).health_problem(readiness=True))
+
+
+def health(problem: str | None) -> Response:
+    """200 with no body, or 503 saying why ({"error": ...}, as every /v2 error)."""
+    return Response(status_code=200) if problem is None else JSONResponse({"error": problem}, status_code=503)
 
 
 async def model_ready(request: Request) -> Response:
@@ -250,7 +255,7 @@ def kserve_paths(state) -> dict:
     config = {"description": "Triton model configuration", **json_body({"type": "object"})}
     paths = {
         "/v2": get("server metadata", [], {"description": "server metadata", **json_body(ref("ServerMetadata"))}),
-        "/v2/health/live": health("the process is up"),
+        "/v2/health/live": health("the process is up (503 once its engine failed and could not be restarted)"),
         "/v2/health/ready": health("the model is loaded (503 until then)"),
     }
     for prefix, params in (("/v2/models/{name}", name), ("/v2/models/{name}/versions/{version}", versioned)):

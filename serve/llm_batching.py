@@ -21,6 +21,18 @@ static batches). This module only decides what enters the engine and carries tok
   keeps computing its row until the batch ends; the request is gone from the server's counts at once).
 - After every step each running request's new tokens are decoded and posted to its own asyncio queue,
   the same events the one-at-a-time service posts.
+- A failed engine step fails no more than it must. The engines fail a step on what a request's
+  constraint makes them compile or force (serve/structured.py bounds what is known to), and neither
+  steps again after that (OpenVINO GenAI's pipeline fails every later step; ONNX Runtime GenAI's
+  Engine says it is "no longer healthy"). So the engine is rebuilt in the process (a new pipeline or
+  Engine on the model already loaded: seconds, no reload of the weights, and the server stays up), the
+  request that caused the failure gets a 400 (one the engine reported as failed, else those whose
+  constraint had not yet produced a token), and every other running request is handed to the new
+  engine where it stopped (its prompt and the tokens it has, for the tokens it has left); one whose
+  constraint is already part-way gets a 500. An engine that cannot be rebuilt, or fails
+  MAX_FAILED_STEPS steps in a row, is broken: every request is failed with a 503, the server is
+  marked not ready with the reason (/v2/health/ready and /live answer 503) and `on_broken` asks the
+  process to exit non-zero, so its orchestrator replaces it.
 - Capacity is counted in the engine's own blocks (KVCapacity): how many sequences of the recipe's
   declared request shape fit the cache at once, printed at startup and exported in /metrics. With
   prompt lookup, each decode step's accepted tokens are counted there too.
@@ -35,9 +47,9 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Callable, cast
 
-from serve.errors import busy, unavailable
+from serve.errors import HTTPError, bad_request, busy, unavailable
 from serve.llm_service import Generation, observe_end, observe_token
 from serve.logprobs import token_entry
 
@@ -48,6 +60,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("serve")
 # The sequence length capacity is reported for when the recipe declared no request shape.
 DEFAULT_SEQUENCE_TOKENS = 1024
+# Failed steps in a row (none succeeding between) after which the engine is given up: a failure a
+# rebuilt engine meets again is not one request's.
+MAX_FAILED_STEPS = 3
 
 
 def declared_sequence_tokens(manifest: dict | None) -> int:
@@ -93,6 +108,28 @@ class KVCapacity:
 def kv_capacity(engine: BatchEngine, sequence_tokens: int) -> KVCapacity:
     sequences = engine.num_blocks // max(1, engine.blocks_for(sequence_tokens))
     return KVCapacity(engine.num_blocks, engine.block_tokens, int(engine.kv_cache_bytes), sequence_tokens, sequences)
+
+
+def one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text[:300] or type(exc).__name__
+
+
+def suspected(sequence: Sequence) -> bool:
+    """Whether a request is what made the engine's step fail: one the engine reported as failed, or
+    one whose constraint has not produced a token yet (the engines compile it when it first samples)."""
+    if getattr(sequence.handle, "error", None):
+        return True
+    return sequence.sampling.constraint is not None and not sequence.ids
+
+
+def request_failure(sequence: Sequence, exc: Exception) -> HTTPError:
+    """What a request the engine failed is answered: a 400 where its constraint is what the engine
+    could not apply, else a 500 for it alone."""
+    reason = one_line(exc)
+    if sequence.sampling.constraint is not None:
+        return bad_request(f"the engine could not apply this request's constraint: {reason}")
+    return HTTPError(500, f"the engine failed this request: {reason}", "server_error")
 
 
 @dataclass
@@ -142,7 +179,14 @@ class PrefixCacheCounter:
 class ContinuousBatchingService:
     """The GenerationService interface (submit, stop) over an engine that batches continuously."""
 
-    def __init__(self, model: GenerativeModel, max_queue: int, metrics=None, manifest: dict | None = None):
+    def __init__(
+        self,
+        model: GenerativeModel,
+        max_queue: int,
+        metrics=None,
+        manifest: dict | None = None,
+        on_broken: Callable[[str], None] = lambda reason: None,
+    ):
         assert model.batch_engine is not None
         self.model = model
         self.engine: BatchEngine = model.batch_engine
@@ -156,6 +200,9 @@ class ContinuousBatchingService:
         self.wakeup = threading.Condition()
         self.closing = False
         self.cancelled = False  # a sequence was cancelled since the last step
+        self.failed_steps = 0  # engine steps failed since the last that succeeded
+        self.broken: str | None = None  # why the engine was given up (see the module doc)
+        self.on_broken = on_broken
         # The row's word that this engine batches statically is what makes it a StaticBatchEngine.
         self.static: StaticBatchEngine | None = (
             cast("StaticBatchEngine", self.engine) if model.batching == "static" else None
@@ -186,6 +233,8 @@ class ContinuousBatchingService:
     # --- on the event loop -------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], sampling: Sampling) -> Generation:
+        if self.broken:
+            raise unavailable(f"the engine failed and could not be restarted: {self.broken}", retry_after_s=60)
         if self.closing:
             raise unavailable("the model is not accepting requests")
         loop = asyncio.get_running_loop()
@@ -238,9 +287,9 @@ class ContinuousBatchingService:
                 if self.engine.has_work() or self.cancelled:
                     self.cancelled = False
                     self.engine.step()
-            except Exception as exc:  # the engine failed: every running request gets the error
-                log.error("generation step failed", exc_info=exc)
-                self.fail_running(exc)
+                    self.failed_steps = 0
+            except Exception as exc:  # the engine failed: rebuilt, or given up (see the module doc)
+                self.step_failed(exc)
                 continue
             self.deliver()
             self.observe()
@@ -335,8 +384,8 @@ class ContinuousBatchingService:
         for request_id, sequence in list(self.running.items()):
             try:
                 new, done = self.engine.read(sequence.handle)
-            except Exception as exc:
-                sequence.push("error", exc)
+            except Exception as exc:  # the engine failed this request alone
+                sequence.push("error", request_failure(sequence, exc))
                 self.finish(request_id, None)
                 continue
             if self.proposed_per_step:
@@ -383,11 +432,68 @@ class ContinuousBatchingService:
         if reason is not None:
             sequence.push("end", reason)
 
-    def fail_running(self, exc: Exception) -> None:
+    def step_failed(self, exc: Exception) -> None:
+        """The engine's step raised: the suspects get their 400, the rest go on in a rebuilt engine;
+        an engine that cannot be rebuilt, or keeps failing, is given up."""
+        reason = one_line(exc)
+        log.error("serve: the engine failed a step (%s); rebuilding it", reason, exc_info=exc)
+        self.failed_steps += 1
+        rebuild = getattr(self.engine, "rebuild", None)
+        if rebuild is None or self.failed_steps > MAX_FAILED_STEPS:
+            return self.give_up(reason if rebuild else f"{reason} (this engine cannot be rebuilt)")
+        survivors = []
         for request_id, sequence in list(self.running.items()):
-            sequence.handle.cancel()
-            sequence.push("error", exc)
+            if suspected(sequence):
+                sequence.push("error", request_failure(sequence, exc))
+                self.finish(request_id, None)
+            elif sequence.sampling.constraint is not None and sequence.ids:  # its grammar state is lost
+                sequence.push("error", HTTPError(500, f"the engine failed a step: {reason}", "server_error"))
+                self.finish(request_id, None)
+            else:
+                survivors.append(self.running.pop(request_id))
+        try:
+            rebuild()
+        except Exception as rebuild_exc:
+            self.running.update((next(self.ids), s) for s in survivors)
+            return self.give_up(f"{reason}; rebuilding it failed: {one_line(rebuild_exc)}")
+        for sequence in survivors:
+            self.resume(sequence)
+
+    def resume(self, sequence: Sequence) -> None:
+        """Hand a running request to the rebuilt engine: its prompt and the tokens it has, for the
+        tokens it has left (its reserved blocks cover the same total)."""
+        from dataclasses import replace
+
+        done = list(sequence.ids or [])
+        left = sequence.sampling.max_new_tokens - len(done)
+        request_id = next(self.ids)
+        try:
+            sequence.handle = self.engine.add(
+                request_id, sequence.prompt_ids + done, replace(sequence.sampling, max_new_tokens=max(1, left))
+            )
+        except Exception as exc:
+            sequence.push("error", request_failure(sequence, exc))
+            return self.release(sequence, None)
+        self.running[request_id] = sequence
+
+    def give_up(self, reason: str) -> None:
+        """The engine is broken: every request fails with a 503, nothing more is taken, and on_broken
+        (the server: not ready, exit non-zero) is told why."""
+        log.error("serve: the engine is broken and the server stops taking requests: %s", reason)
+        self.broken = reason
+        error = unavailable(f"the engine failed and could not be restarted: {reason}", retry_after_s=60)
+        with self.wakeup:
+            self.closing = True
+            pending = [*self.waiting, *self.starting]
+            self.waiting.clear()
+            self.starting = []
+        for sequence in pending:
+            sequence.push("error", error)
+            self.release(sequence, None)
+        for request_id, sequence in list(self.running.items()):
+            sequence.push("error", error)
             self.finish(request_id, None)
+        self.on_broken(reason)
 
     def observe(self) -> None:
         if not self.metrics:

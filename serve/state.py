@@ -54,6 +54,8 @@ class ServeState:
         self.batcher: Any = None  # encoders: serve.batching.Batcher
         self.generator: Any = None  # causal LMs: serve.llm_service or serve.llm_batching
         self.load_error: str | None = None
+        # Why the engine was given up after failing (serve/llm_batching.py): not ready, not live.
+        self.broken: str | None = None
         self.on_fatal: Callable[[str], None] = lambda message: None
         self.draining = False
         # Requests by how they ended: answered (whatever the status), disconnected (the client left
@@ -69,11 +71,30 @@ class ServeState:
 
     @property
     def ready(self) -> bool:
-        return self.model is not None and not self.draining
+        return self.model is not None and not self.draining and not self.broken
+
+    def engine_broken(self, reason: str) -> None:
+        """The engine failed and could not be restarted: health answers 503 naming why, and the
+        process is asked to exit non-zero (on_fatal) so that its orchestrator replaces it."""
+        self.broken = reason
+        self.metrics.ready.set(0)
+        self.on_fatal(f"the engine is broken: {reason}")
+
+    def health_problem(self, readiness: bool) -> str | None:
+        """Why /v2/health/ready (readiness) or /live answers 503; None: 200."""
+        if self.broken:
+            return f"the engine failed and could not be restarted: {self.broken}"
+        if not readiness or self.ready:
+            return None
+        if self.load_error:
+            return f"the model failed to load: {self.load_error}"
+        return "the server is draining" if self.draining else "the model is loading"
 
     def require_ready(self) -> None:
         if self.load_error:
             raise unavailable(f"the model failed to load: {self.load_error}", retry_after_s=60)
+        if self.broken:
+            raise unavailable(f"the engine failed and could not be restarted: {self.broken}", retry_after_s=60)
         if self.model is None:
             raise unavailable("the model is loading")
         # Draining is not refused here: a request uvicorn still accepts is served to the end.

@@ -188,6 +188,7 @@ class GenAIBatchEngine(GenAIRunner):
         token_flag, finished_flag, failed_flag = (
             int(f.value) for f in (self.flags.TOKEN, self.flags.TURN_FINISHED, self.flags.FAILED)
         )
+        failed = ""
         for event in self.engine.run(self.events):
             handle = self.handles.get(id(event.request))
             if handle is None:
@@ -196,12 +197,25 @@ class GenAIBatchEngine(GenAIRunner):
             if flags & token_flag and int(event.token) not in self.eos_token_ids:
                 handle.tokens.append(int(event.token))
             if flags & failed_flag:
-                handle.error = f"onnxruntime-genai failed the request: {event.error_code.name}"
+                handle.error = failed = f"onnxruntime-genai failed the request: {event.error_code.name}"
             if flags & (finished_flag | failed_flag) and not handle.finished:
                 handle.finished = True
                 self.in_flight -= 1
                 if handle.cancelled:  # nobody reads it any more
                     self.close(handle)
+        if failed:
+            # A failed request leaves the Engine "no longer healthy": every later call fails (measured).
+            # The caller rebuilds it; the failed handle (its `error` set) is the one to blame.
+            raise RuntimeError(f"{failed}; the Engine is no longer healthy")
+
+    def rebuild(self) -> None:
+        """A fresh Engine (made at its next use) after a failed run, its requests gone: an Engine whose
+        run failed says it is "no longer healthy" and fails every later run; a new Engine on the same
+        Model generates as the first did (measured)."""
+        self._engine = None
+        self.handles = {}
+        self.in_flight = 0
+        self.batch = []
 
     def step_alone(self, handle: GenAIRequestHandle) -> None:
         assert handle.alone is not None

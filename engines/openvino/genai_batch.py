@@ -138,7 +138,8 @@ class OVGenAIBatchEngine(OVGenAIText):
         scheduler.max_num_batched_tokens = settings.max_batched_tokens
         scheduler.enable_prefix_caching = settings.prefix_caching
         scheduler.dynamic_split_fuse = True  # prompts prefilled in chunks beside the running decodes
-        self.pipe = ov_genai.ContinuousBatchingPipeline(str(self.dir), scheduler, "CPU", properties)
+        self.pipe_args = (str(self.dir), scheduler, "CPU", properties)
+        self.pipe = ov_genai.ContinuousBatchingPipeline(*self.pipe_args)
         self.tokenizer = self.pipe.get_tokenizer()
         self.eos_token_ids = self._eos_ids(config)
         self.streams: HFStreams | None = None  # decode() is the engine's own while it is checked
@@ -199,6 +200,14 @@ class OVGenAIBatchEngine(OVGenAIText):
 
     def step(self) -> None:
         self.pipe.step()
+
+    def rebuild(self) -> None:
+        """A fresh pipeline after a failed step (its requests are gone): the pipeline whose step()
+        raised never steps again (measured: every later step fails "get_num_scheduled_tokens() == 0",
+        its requests cancelled or not). The old one is released first: its KV cache is freed."""
+        self.pipe = None
+        self.pipe = self.ov_genai.ContinuousBatchingPipeline(*self.pipe_args)
+        self.tokenizer = self.pipe.get_tokenizer()
 
     def has_work(self) -> bool:
         return bool(self.pipe.has_non_finished_requests())
