@@ -207,3 +207,61 @@ def _nonzero(d16: np.ndarray) -> np.ndarray:
     token's embedding row): its sub-block scales then come out 0 rather than 0/0."""
     d = d16.astype(np.float32)
     return np.where(d > 0, d, 1.0)
+
+
+def rewrite_gguf(src: Path, out: Path, fields: dict | None = None, tensors: dict | None = None) -> Path:
+    """`src` written again to `out` (laid out afresh by the `gguf` package) with some of it replaced:
+    `fields` {key: value, (value, GGUFValueType), or None to drop it}; `tensors` {name: array (its
+    dtype's type: F32 or F16), (raw bytes, GGMLQuantizationType), or None to drop it; a name `src` lacks is added}. What a hostile
+    or broken file holds, with everything else as the original has it."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(src))
+    fields, tensors = fields or {}, tensors or {}
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(out), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in fields:
+            continue
+        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    for key, value in fields.items():
+        if value is None:
+            continue
+        value, kind = value if isinstance(value, tuple) else (value, gguf.GGUFValueType.get_type(value))
+        writer.add_key_value(key, value, kind)
+    stored = {t.name: (np.asarray(t.data), t.tensor_type) for t in reader.tensors}
+    for name in [*stored, *(n for n in tensors if n not in stored)]:  # a name not in `src` is added
+        replaced = tensors.get(name, stored.get(name))
+        if replaced is None:
+            continue
+        data, kind = replaced if isinstance(replaced, tuple) else (replaced, None)
+        if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            kind = None  # the array's own dtype says it
+        writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def edit_tensor_info(path: Path, name: str, offset: int | None = None, dims: list[int] | None = None) -> None:
+    """Edit a tensor's entry in the file's header in place: its data offset (relative to the data
+    section, as stored) or its dimensions (row length first, the same count of them)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path), "r+")
+    info = next(t for t in reader.tensors if t.name == name).field
+    if offset is not None:
+        info.parts[-1][0] = offset  # [name length, name, dim count, dims, type, offset]
+    if dims is not None:
+        info.parts[3][:] = dims
+
+
+def tensor_offsets(path: Path) -> dict[str, int]:
+    """{name: data offset relative to the data section} as the file stores them."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return {t.name: int(t.field.parts[-1][0]) for t in reader.tensors}
