@@ -58,6 +58,98 @@ def test_hostile_schemas_are_refused_before_an_engine(schema, words):
     assert words in refused(response_format=schema_format(schema)).message
 
 
+def doubling_refs(levels: int) -> dict:
+    defs: dict = {"L0": {"type": "string"}}
+    for i in range(1, levels + 1):
+        twice = {"$ref": f"#/$defs/L{i - 1}"}
+        defs[f"L{i}"] = {"type": "object", "properties": {"a": twice, "b": twice}}
+    return {"$defs": defs, "$ref": f"#/$defs/L{levels}"}
+
+
+@pytest.mark.parametrize(
+    "schema, words",
+    [
+        ({"type": "array", "items": {"type": "string"}, "minItems": 1_000_000_000}, "'minItems' is 1000000000"),
+        ({"type": "array", "maxItems": 1025}, "at most 1024"),
+        ({"type": "array", "minItems": -1}, "non-negative integer"),
+        ({"type": "array", "minItems": 3, "maxItems": 2}, "nothing fits"),
+        ({"type": "array", "minContains": 2000}, "'minContains'"),
+        ({"type": "string", "maxLength": 2**63}, "'maxLength' is 9223372036854775808"),
+        ({"type": "string", "minLength": 20_000}, "at most 16384"),
+        ({"type": "string", "minLength": True}, "non-negative integer"),
+        ({"type": "object", "minProperties": 5000}, "'minProperties'"),
+        ({"type": "object", "maxProperties": 5000}, "'maxProperties'"),
+        ({"type": "integer", "minimum": -1e40, "maximum": 1e40}, "at most 1e+15"),
+        ({"type": "number", "maximum": float("inf")}, "finite"),
+        ({"type": "number", "minimum": "0"}, "finite number"),
+        ({"type": "number", "exclusiveMinimum": True}, "finite number"),
+        ({"type": "number", "minimum": 5, "maximum": 1}, "no number fits"),
+        ({"type": "number", "exclusiveMinimum": 1, "maximum": 1}, "no number fits"),
+        ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "no number fits"),
+        ({"type": "integer", "minimum": 0.5, "maximum": 0.7}, "whole number"),
+        ({"type": "number", "multipleOf": 0}, "'multipleOf'"),
+        ({"type": "number", "multipleOf": 1e-300}, "'multipleOf'"),
+        ({"enum": list(range(1001))}, "'enum' has 1001 values"),
+        ({"enum": []}, "non-empty list"),
+        ({"enum": ["a\x00b"]}, "U+0000"),
+        ({"const": "\U0001f642"}, "Basic Multilingual Plane"),
+        ({"const": {"nested": ["\ud800"]}}, "surrogate"),
+        ({"description": "\udfff"}, "surrogate"),
+        ({"type": "object", "properties": {"\U0001f642": {}}, "required": ["\U0001f642"]}, "property name"),
+        ({"type": "object", "properties": {"a\nb": {}}}, "U+000A"),
+        ({"type": "string", "pattern": "a{1000000}"}, "repeats 1000000 times"),
+        ({"type": "string", "pattern": "(?:(?:a{1000}){1000}){1000}"}, "expands to over"),
+        (doubling_refs(22), "expands to over 4096 nodes"),
+        ({"type": "array", "items": {"type": "string", "maxLength": 16}, "minItems": 1024}, "expands to over"),
+        ({"type": "object", "properties": {"deep": {"type": "array", "maxItems": -2}}}, "at /properties/deep"),
+    ],
+)
+def test_every_bound_is_a_400_before_an_engine(schema, words):
+    error = refused(response_format=schema_format(schema))
+    assert error.param == "response_format" and words in error.message, error.message
+
+
+def test_a_forced_tool_calls_schema_is_bounded_as_well():
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "array", "minItems": 10**9}}}
+    assert "minItems" in refused(tools=[tool], tool_choice="required").message
+
+
+@pytest.mark.parametrize(
+    "extension, words",
+    [
+        ({"choice": ["\u0000"]}, "U+0000"),
+        ({"choice": ["ok", "\U0001f642"]}, "Basic Multilingual Plane"),
+        ({"choice": ["\ud800"]}, "surrogate"),
+        ({"regex": "a{1000000}"}, "repeats 1000000 times"),
+        ({"regex": "(a{1000}){1000}"}, "expands to over 16384"),
+        ({"regex": "a\x00"}, "U+0000"),
+        ({"regex": "("}, "not a regular expression"),
+        ({"grammar": 'start: "a"{5000}'}, "repeats 5000 times"),
+        ({"grammar": "start: /[a-z]{1,99999}/"}, "repeats 99999 times"),
+    ],
+)
+def test_regex_choice_and_grammar_bounds(extension, words):
+    error = refused(structured_outputs=extension)
+    assert error.param == "structured_outputs" and words in error.message, error.message
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        doubling_refs(8),  # 2**8 leaves: far below the cap
+        {"type": "array", "items": {"type": "string"}, "minItems": 1024, "maxItems": 1024},
+        {"type": "integer", "minimum": -(10**15), "maximum": 10**15},
+        {"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 3},
+        {"type": "number", "minimum": 0.5, "maximum": 0.5, "multipleOf": 0.25},
+        {"type": "string", "minLength": 1, "maxLength": 16384, "pattern": "[a-z]{1,1024}"},
+        {"enum": ["caf\u00e9", "\u4e2d", 3, None], "description": "emoji only here: \U0001f642"},
+        {"type": "object", "properties": {"minItems": {"type": "string"}}, "required": ["minItems"]},
+    ],
+)
+def test_what_real_applications_ask_is_taken(schema):
+    assert chat(response_format=schema_format(schema)).constraint.kind == "json_schema"
+
+
 def test_tool_limits():
     now = {"type": "function", "function": {"name": "now"}}
     assert refused(tools=[now] * 129).param == "tools"
