@@ -31,6 +31,30 @@ UINT64_SEEDS = (0, 2**64 - 1)
 
 
 @dataclass(frozen=True)
+class Package:
+    """A Python package a format's engine imports when it serves: the module, and the PyPI
+    distributions that install it (the first is the CPU build serve/Dockerfile.cpu installs; a CUDA
+    build of the same module may follow)."""
+
+    module: str
+    dists: tuple[str, ...]
+
+
+ORT_GENAI = Package("onnxruntime_genai", ("onnxruntime-genai", "onnxruntime-genai-cuda"))
+OPENVINO_RUNTIME = Package("openvino", ("openvino",))
+OPENVINO_GENAI_PACKAGES = (
+    OPENVINO_RUNTIME,
+    Package("openvino_genai", ("openvino-genai",)),
+    Package("openvino_tokenizers", ("openvino-tokenizers",)),  # the tokenizer IR's operations
+)
+# The native engine reads the file with `gguf` and renders the model's chat template with jinja2 itself.
+NATIVE_GGUF_PACKAGES = (Package("gguf", ("gguf",)), Package("jinja2", ("jinja2",)))
+# It compiles kernels.c on its first load (-fopenmp, against the C library's headers) and runs it with
+# libgomp: what a Debian image installs for that.
+NATIVE_GGUF_DEBIAN = ("gcc", "libc6-dev", "libgomp1")
+
+
+@dataclass(frozen=True)
 class EngineFormat:
     name: str
     loader: str  # "module:function" taking (root, engine block, threads=, spinning=) and returning a Runner
@@ -51,6 +75,35 @@ class EngineFormat:
     # The platform name KServe v2 / Triton clients read in the model's metadata and configuration
     # (Triton's own names where it has one); None: the format's name.
     kserve_platform: str | None = None
+    # What serving it needs beyond the base install and the serve extra (pyproject.toml): the Python
+    # packages its engine imports, the Debian packages an image installs for it, a check of this
+    # machine ("module:function" returning why it cannot run here, or None), and whether it runs
+    # only on an NVIDIA GPU (the CPU image does not carry it). The serving images install these
+    # (tests/serve/test_serving_image.py derives their package lists from here), and `python -m serve`
+    # refuses an artifact whose format lacks them before it loads anything (serving_unavailable).
+    serve_packages: tuple[Package, ...] = ()
+    serve_debian: tuple[str, ...] = ()
+    serve_check: str | None = None
+    gpu_only: bool = False
+
+    def serving_unavailable(self) -> str | None:
+        """Why this machine cannot serve the format, in one line naming the format and what is missing,
+        or None. Each package is imported (not only looked up): one that is installed but cannot load
+        its native library is missing too."""
+        for package in self.serve_packages:
+            try:
+                importlib.import_module(package.module)
+            except (ImportError, OSError) as exc:
+                said = " ".join(str(exc).split())[:200]
+                return (
+                    f"engine format {self.name!r} needs the Python package {' or '.join(package.dists)}, "
+                    f"which this environment cannot import ({said}); install it, or serve this artifact "
+                    f"from an image built with it (docs/deploy.md)"
+                )
+        reason = _function(self.serve_check)() if self.serve_check else None
+        if reason:
+            return f"engine format {self.name!r} cannot run on this machine: {reason}"
+        return None
 
     @property
     def platform(self) -> str:
@@ -114,10 +167,17 @@ FORMATS: dict[str, EngineFormat] = {
             batch_loader="engines.onnxruntime_genai.batch:load_genai_batch_engine",
             seed_range=INT31_SEEDS,
             kserve_platform="onnxruntime_genai",
+            serve_packages=(ORT_GENAI,),
         ),
         EngineFormat(PYTORCH, "engines.pytorch.runner:load_pytorch_runner", ("torch",), None),
         EngineFormat(MODELOPT_TORCH, "engines.pytorch.modelopt_runner:load_modelopt_runner", ("torch",), None),
-        EngineFormat(OPENVINO, "engines.openvino.runner:load_openvino_runner", ("openvino",), "encoder"),
+        EngineFormat(
+            OPENVINO,
+            "engines.openvino.runner:load_openvino_runner",
+            ("openvino",),
+            "encoder",
+            serve_packages=(OPENVINO_RUNTIME,),
+        ),
         EngineFormat(
             OPENVINO_GENAI,
             "engines.openvino.genai_runner:load_ov_genai_runner",
@@ -126,12 +186,28 @@ FORMATS: dict[str, EngineFormat] = {
             batching="continuous",
             batch_loader="engines.openvino.genai_batch:load_ov_genai_batch_engine",
             seed_range=UINT64_SEEDS,
+            serve_packages=OPENVINO_GENAI_PACKAGES,
         ),
         # A GGUF file's own blocks in the pipeline's AVX-512 VNNI kernels (engines/native_gguf); one
-        # sequence at a time.
-        EngineFormat(NATIVE_GGUF, "engines.native_gguf.runner:load_native_gguf_runner", (), "causal_lm"),
+        # sequence at a time. Its check: an x86-64 CPU with AVX2, and a C compiler.
+        EngineFormat(
+            NATIVE_GGUF,
+            "engines.native_gguf.runner:load_native_gguf_runner",
+            (),
+            "causal_lm",
+            serve_packages=NATIVE_GGUF_PACKAGES,
+            serve_debian=NATIVE_GGUF_DEBIAN,
+            serve_check="engines.native_gguf.build:unavailable",
+        ),
         # A plan built ahead of time for RTX-class GPUs; loading it refuses elsewhere, naming what is missing.
-        EngineFormat(TENSORRT_RTX, "engines.tensorrt_rtx.runner:load_rtx_runner", ("tensorrt_rtx",), "encoder"),
+        EngineFormat(
+            TENSORRT_RTX,
+            "engines.tensorrt_rtx.runner:load_rtx_runner",
+            ("tensorrt_rtx",),
+            "encoder",
+            serve_packages=(Package("tensorrt_rtx", ("tensorrt-rtx",)), Package("cuda", ("cuda-python",))),
+            gpu_only=True,
+        ),
         # The pipeline's PyTorch model on one NVIDIA GPU (bf16, FP8 or INT4 Linears); measured, not served.
         EngineFormat(TORCH_CUDA, "engines.pytorch.cuda_runner:load_torch_cuda_runner", ("torch",), None),
         # A compressed-tensors checkpoint measured in PyTorch (simulated integer numerics); vLLM serves it

@@ -256,6 +256,19 @@ def check_artifact(
     return manifest
 
 
+def check_engine_installed(manifest: dict) -> None:
+    """An artifact whose engine this environment cannot run (a package its format needs is not
+    installed, no C compiler for the native kernels) is one line naming the format and what is
+    missing, exit 2, before the port opens: the load would find it only later, in a worker thread."""
+    from engines import formats
+
+    engine = manifest.get("engine")
+    engine_format = formats.FORMATS.get(str(engine.get("format"))) if isinstance(engine, dict) else None
+    reason = engine_format.serving_unavailable() if engine_format else None
+    if reason:
+        fail(reason)
+
+
 def check_listen_address(host: str, port: int) -> None:
     """A host this machine cannot listen on, or a port another process holds, is one line and exit 2
     before the model loads: uvicorn finds either only after the load, and says it in its own log lines.
@@ -310,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     candidate_manifest = check_candidate(args) if args.shadow else None
     root = Path(args.artifact)
     manifest = check_artifact(root, args.allow_modified, args.allow_failed_gate, args.key, args.require_signature)
+    check_engine_installed(manifest)
 
     from serve.app import create_app
     from serve.config import resolve
