@@ -24,8 +24,9 @@ static batches). This module only decides what enters the engine and carries tok
 - A failed engine step fails no more than it must. The engines fail a step on what a request's
   constraint makes them compile or force (serve/structured.py bounds what is known to), and neither
   steps again after that (OpenVINO GenAI's pipeline fails every later step; ONNX Runtime GenAI's
-  Engine says it is "no longer healthy"). So the engine is rebuilt in the process (a new pipeline or
-  Engine on the model already loaded: seconds, no reload of the weights, and the server stays up), the
+  Engine says it is "no longer healthy"). So the engine is rebuilt in the process (a new pipeline
+  from the artifact's files, or a new Engine on the model already loaded: seconds, and the server
+  stays up), the
   request that caused the failure gets a 400 (one the engine reported as failed, else those whose
   constraint had not yet produced a token), and every other running request is handed to the new
   engine where it stopped (its prompt and the tokens it has, for the tokens it has left); one whose
