@@ -49,7 +49,7 @@ def self_problem(candidate_url: str, host: str, port: int) -> str | None:
 def resolved(host: str | None, port: int, passive: bool = False) -> set[ipaddress.IPv4Address | ipaddress.IPv6Address]:
     flags = socket.AI_PASSIVE if passive else 0
     found = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=flags)
-    return {ipaddress.ip_address(address[4][0].split("%")[0]) for address in found}
+    return {ipaddress.ip_address(str(address[4][0]).split("%")[0]) for address in found}
 
 
 def same_listener(address, listening) -> bool:
