@@ -272,7 +272,7 @@ def image_server(command: list[str], cwd: Path, env: dict[str, str], timeout: fl
     port: list[int] = []
 
     def drain() -> None:
-        for line in proc.stdout:
+        for line in proc.stdout or ():
             lines.append(line)
             if not port and (match := PORT_LINE.search(line)):
                 port.append(int(match.group(1)))
@@ -322,8 +322,9 @@ def test_the_image_s_install_steps_serve_a_native_gguf_artifact_with_only_emptyd
     from tests.serve.test_deploy_manifests import pod_specs
     from tests.support.native_gguf_artifact import native_gguf_artifact
 
-    if build.unavailable():
-        pytest.skip(build.unavailable())
+    reason = build.unavailable()
+    if reason:
+        pytest.skip(reason)
     key = os.urandom(32).hex().encode()
     (tmp_path / "serve-key").write_bytes(key)
     artifact = native_gguf_artifact(tmp_path / "artifact", key)

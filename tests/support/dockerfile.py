@@ -78,7 +78,8 @@ def _commands(run: str) -> list[list[str]]:
     """The simple commands of a RUN line, split at the shell's separators."""
     lexer = shlex.shlex(run, posix=True, punctuation_chars=";&|")
     lexer.whitespace_split = True
-    commands, current = [], []
+    commands: list[list[str]] = []
+    current: list[str] = []
     for token in lexer:
         if token in SHELL_BREAKS:
             commands.append(current)
@@ -115,7 +116,7 @@ def pins(path: Path, by_default_only: bool = True) -> dict[str, str]:
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
 
-    out = {}
+    out: dict[str, str] = {}
     for install in pip_installs(path):
         if by_default_only and not install.runs_by_default:
             continue
