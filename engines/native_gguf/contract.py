@@ -11,8 +11,8 @@ path). So everything it will read is checked here, once, at load time, and the c
    `thread_count`;
 2. the shape arithmetic: heads divide the width into even heads, key/value heads divide heads,
    widths are whole 32-wide blocks, the rotary embedding covers whole heads: `hyperparameters`;
-3. floats (rope.freq_base, the RMS epsilon) are finite and positive as the f32 the C side receives:
-   `positive_float`;
+3. floats (rope.freq_base, the RMS epsilon) are finite and positive as the f32 the C side receives,
+   the rotary base at least 1 (its frequencies then at most 1): `positive_float`;
 4. every tensor it reads is there with the shape and type the header implies: the seven matrices of
    each layer, token_embd and output as [width, vocabulary], the three norms as [width] in F32 or F16
    (finite values): `check_tensors`, `check_norm`;
@@ -99,9 +99,10 @@ def count(reader, key: str, default=None, upper: int = INT_MAX) -> int:
     return int(value)
 
 
-def positive_float(reader, key: str, default=None) -> float:
-    """A header float as the f32 the C side receives: finite and above 0 (0, a negative, NaN or Inf,
-    or one that rounds to 0 or overflows in f32, makes every logit NaN)."""
+def positive_float(reader, key: str, default=None, least: float = 0.0) -> float:
+    """A header float as the f32 the C side receives: finite and above 0, or at least `least` where it
+    is given (0, a negative, NaN or Inf, or one that rounds to 0 or overflows in f32, makes every
+    logit NaN)."""
     value = field(reader, key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise NativeModelError(f"the GGUF file's {key} is {str(value)[:40]!r}, not a number")
@@ -109,6 +110,10 @@ def positive_float(reader, key: str, default=None) -> float:
         as_f32 = float(np.float32(value))
     if not (math.isfinite(as_f32) and as_f32 > 0):
         raise NativeModelError(f"the GGUF file's {key} is {value!r}; the kernels need a finite number above 0")
+    if as_f32 < least:
+        raise NativeModelError(
+            f"the GGUF file's {key} is {value!r}; the kernels need a finite number of at least {least:g}"
+        )
     return as_f32
 
 
@@ -123,7 +128,8 @@ def hyperparameters(reader) -> Hyperparameters:
         kv_heads=count(reader, f"{ARCH}.attention.head_count_kv", default=heads, upper=MAX_WIDTH),
         vocab=vocabulary(reader),
         context_length=count(reader, f"{ARCH}.context_length", upper=2**63),
-        rope_base=positive_float(reader, f"{ARCH}.rope.freq_base", 10000.0),
+        # At least 1: each frequency base^(-2i/d) is then at most 1, so position x frequency stays finite.
+        rope_base=positive_float(reader, f"{ARCH}.rope.freq_base", 10000.0, least=1.0),
         eps=positive_float(reader, f"{ARCH}.attention.layer_norm_rms_epsilon"),
     )
     if h.heads <= 0 or h.kv_heads <= 0 or h.dim <= 0 or h.dim % h.heads or h.heads % h.kv_heads or h.head_dim % 2:

@@ -22,6 +22,7 @@
  *   8-bit group-block (544 bytes): 512 bytes (byte 64j + 4i + k is row i's element 4j + k) and 16 f16
  *     scales; the value is d * q.
  */
+#include <float.h>
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
@@ -76,6 +77,11 @@ static int activations_new(activations *a, int n) {
 }
 static void activations_free(activations *a) { free(a->sum); free(a->scale); free(a->high_sum); free(a->high); free(a->low); }
 
+/* A block whose largest value is below this quantizes to zeros: QMAX / top would overflow to Inf (a
+ * block of subnormal activations, e.g. a near-zero norm weight), and Inf x 0 is NaN, which converts to
+ * INT_MIN and overflows the plane sums. One compare a block; every block of normal numbers is unchanged. */
+#define TINY ((float)QMAX / FLT_MAX)
+
 #if VNNI
 static void quantize(activations *a, const float *x, int n) {
   const __m512i byte = _mm512_set1_epi32(255);
@@ -84,7 +90,7 @@ static void quantize(activations *a, const float *x, int n) {
     float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
     a->sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
     a->scale[b] = top / QMAX;
-    __m512 inverse = _mm512_set1_ps(top > 0 ? (float)QMAX / top : 0.f);
+    __m512 inverse = _mm512_set1_ps(top > TINY ? (float)QMAX / top : 0.f);
     __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inverse)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse));
     __m512i h0 = _mm512_srai_epi32(q0, 8), h1 = _mm512_srai_epi32(q1, 8);
     a->high_sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(h0, h1));
@@ -102,7 +108,7 @@ static void quantize(activations *a, const float *x, int n) {
     float top = 0, sum = 0;
     for (int i = 0; i < 32; i++) { top = fmaxf(top, fabsf(v[i])); sum += v[i]; }
     a->sum[b] = sum; a->scale[b] = top / QMAX;
-    float inverse = top > 0 ? QMAX / top : 0.f;
+    float inverse = top > TINY ? QMAX / top : 0.f;
     int8_t *high = (int8_t *)(a->high + b * 8); uint8_t *low = (uint8_t *)(a->low + b * 8);
     int high_sum = 0;
     for (int i = 0; i < 32; i++) {
@@ -491,7 +497,8 @@ void ng_free(model *m) {
  *    ng_forward's n is 1 .. MAX_BATCH, pos >= 0 and pos + n <= context; tokens are 0 .. vocab - 1.
  * 2. Shapes: heads divides dim, head_dim = dim / heads is even, kv_heads divides heads; dim, ffn and
  *    kv_heads * head_dim are multiples of 32 (whole activation blocks; rows whole 16-row groups).
- * 3. rope_base and eps are finite and > 0 as floats (0, NaN or Inf makes every logit NaN).
+ * 3. rope_base and eps are finite and > 0 as floats, rope_base >= 1 (0, NaN or Inf makes every logit
+ *    NaN; a base below 1 makes frequencies above 1 and Inf angles).
  * 4. Tensors: each layer's q [dim rows], k and v [kv_heads * head_dim rows], out [dim rows], gate and up
  *    [ffn rows] of dim columns, down [dim rows] of ffn columns; embedding and head [vocab_rows rows] of
  *    dim columns; attn_norm, ffn_norm and out_norm `dim` finite floats each. Matrices are Q4_0, Q4_1 or

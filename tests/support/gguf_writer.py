@@ -212,8 +212,8 @@ def _nonzero(d16: np.ndarray) -> np.ndarray:
 def rewrite_gguf(src: Path, out: Path, fields: dict | None = None, tensors: dict | None = None) -> Path:
     """`src` written again to `out` (laid out afresh by the `gguf` package) with some of it replaced:
     `fields` {key: value, (value, GGUFValueType), or None to drop it}; `tensors` {name: array (its
-    dtype's type: F32 or F16), (raw bytes, GGMLQuantizationType), or None to drop it; a name `src` lacks is added}. What a hostile
-    or broken file holds, with everything else as the original has it."""
+    dtype's type: F32 or F16), (raw bytes, GGMLQuantizationType), or None to drop it; a name `src`
+    lacks is added}. What a hostile or broken file holds, the rest as the original has it."""
     import gguf
 
     reader = gguf.GGUFReader(str(src))
