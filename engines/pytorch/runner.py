@@ -146,7 +146,11 @@ def load_hf_model(
 
     transformers.utils.logging.disable_progress_bar()  # keep stderr for messages a user must read
     auto = getattr(transformers, HF_TASKS[task].auto_class)
-    kwargs = dict(dtype=torch.float32, trust_remote_code=trust_remote_code, revision=revision)
+    # Mismatched shapes are listed in the loading info (check_loaded refuses them, naming the weights)
+    # rather than raised by transformers as a RuntimeError pointing at a logged table.
+    kwargs = dict(
+        dtype=torch.float32, trust_remote_code=trust_remote_code, revision=revision, ignore_mismatched_sizes=True
+    )
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
     else:
