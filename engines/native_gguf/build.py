@@ -45,6 +45,8 @@ VNNI_FLAGS = ("avx512f", "avx512bw", "avx512_vnni", "f16c")
 AVX2_FLAGS = ("avx2", "fma", "f16c")
 FLAGS = ["-O3", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC"]
 SANITIZE_ENV = "OPTIMIZE_NATIVE_SANITIZE"
+_LOADED: dict[str, ctypes.CDLL] = {}  # sha256 -> the library loaded in this process
+_NAMES_USED: set[str] = set()  # the /proc/self/fd names the loader has seen
 
 
 class NativeBuildError(RuntimeError):
@@ -282,15 +284,28 @@ def _load_verified(folder: Path, build: dict, key: bytes) -> ctypes.CDLL | None:
     fd, _ = _open_library(folder / LIBRARY)
     if fd is None:
         return None
+    extra: list[int] = []
     try:
-        if _sha256_fd(fd) != record["library_sha256"]:
+        digest = _sha256_fd(fd)
+        if digest != record["library_sha256"]:
             return None
+        if digest in _LOADED:  # the very same code, loaded already
+            return _LOADED[digest]
+        # The loader knows a library by its path name: "/proc/self/fd/N" once loaded stands for that
+        # library for good, so another library is loaded through a descriptor number not used before.
+        while f"/proc/self/fd/{(extra or [fd])[-1]}" in _NAMES_USED:
+            extra.append(os.dup(fd))
+        name = f"/proc/self/fd/{(extra or [fd])[-1]}"
         try:
-            return ctypes.CDLL(f"/proc/self/fd/{fd}")
+            loaded = ctypes.CDLL(name)
         except OSError as exc:
             raise NativeBuildError(f"the compiled kernels cannot be loaded: {str(exc).splitlines()[0][:200]}") from None
+        _NAMES_USED.add(name)
+        _LOADED[digest] = loaded
+        return loaded
     finally:
-        os.close(fd)
+        for descriptor in (fd, *extra):
+            os.close(descriptor)
 
 
 def _compile_sealed(cc: list[str], flags: list[str], build: dict, key: bytes, folder: Path) -> None:
