@@ -8,7 +8,7 @@ import time
 
 from optimize.compile.race import budget as budgets
 from optimize.compile.race import cache, lm, report, scoring
-from optimize.compile.race.build import build, export_once, progress
+from optimize.compile.race.build import build_all, export_once
 from optimize.compile.race.candidates import EngineRaceConfig, default_candidates
 from optimize.compile.race.choice import choose, untimed_thresholds
 from optimize.compile.race.entry import Entry
@@ -53,18 +53,7 @@ def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
         budgets.refuse_unconstrained(entries, ctx.plan.task)
     key_base = cache.identity(model, ctx)
     budget = budgets.Budget(cfg, entries, model)  # its clock starts here, at the first build
-    with progress(len(entries)) as bar:
-        for entry in entries:
-            bar.set_description(f"race: building {entry.name}")
-            if entry.refused:
-                pass
-            elif budget.spent():
-                entry.outcome = f"not built: {budget.describe()} was spent before it started"
-                entry.budget_cut = True
-            else:
-                build(entry, exported, ctx, key_base if cfg.cache else None)
-                budget.note(entry)
-            bar.update(1)
+    build_all(entries, exported, ctx, key_base if cfg.cache else None, budget)
     built = [e for e in entries if e.model is not None]
     budgets.say_if_fewer(entries, built)
     if not built:

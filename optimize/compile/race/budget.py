@@ -50,8 +50,9 @@ def refuse_unconstrained(entries: list[Entry], task) -> None:
 class Budget:
     """The race's build budget: the recipe's time_budget_s, or the sum of the candidates' own budgets
     (candidate_budget_s, else scaled by the model's size). Counted from the first build; a candidate
-    starts only while some is left (a build in progress is not stopped: the runtimes build in this
-    process), and one that took longer than its own budget is said in its record."""
+    starts only while some is left, and builds (in a process of its own, race/build.py) for its own
+    budget or what is left of the race's, whichever is less: when that runs out its build is ended
+    and the candidate is cut, said in its outcome; the race goes on with the others."""
 
     def __init__(self, cfg: EngineRaceConfig, entries: list[Entry], model):
         for entry in entries:
@@ -62,7 +63,19 @@ class Budget:
         self.started = time.monotonic()
 
     def spent(self) -> bool:
-        return time.monotonic() - self.started > self.total_s
+        return self.left_s() <= 0
+
+    def left_s(self) -> float:
+        return self.total_s - (time.monotonic() - self.started)
+
+    def limit_for(self, entry: Entry) -> tuple[float, str]:
+        """(seconds `entry` may build for, the budget that sets them as its outcome names it): its own
+        budget, or what is left of the race's when that is less."""
+        own = f"its {entry.budget_s:.0f} s build budget"
+        left = self.left_s()
+        if left < entry.budget_s:
+            return left, f"{self.describe()}, {max(left, 0):.0f} s of it left when it started"
+        return entry.budget_s, own
 
     def describe(self) -> str:
         kind = "the sum of the candidates' budgets" if self.per_candidate else "engine.params.time_budget_s"

@@ -32,7 +32,7 @@ class Entry:
     cost: Optional[float] = None  # the weighted cost over the workload's points (several points only)
     budget_s: float = 0.0  # the seconds its build may take (EngineRaceConfig.budget_of)
     refused: bool = False  # its engine cannot take the model (refused at plan time)
-    budget_cut: bool = False  # not built: the race's build budget was spent before it started
+    budget_cut: bool = False  # not built: a build budget ran out before it started or while it built
     over_budget: bool = False  # built, but took longer than budget_s
     served_cut: Optional[str] = None  # causal LMs: why successive halving cut it after the first served round
 
