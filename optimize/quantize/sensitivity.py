@@ -1,5 +1,10 @@
 """Sensitivity fallback: which quantized nodes to keep in FP32, ranked by the error quantizing each
-adds to its own output, until the real quantized model reaches a calibration fidelity target."""
+adds to its own output, until the real quantized model reaches a calibration fidelity target.
+
+Each step quantizes the whole model again and scores it, so on a deep model the nodes go back in
+groups (NODES_PER_STEP_FROM: one node a step up to that many quantizable nodes, MiniLM's 36 among
+them), and in a race the search stops at its time box (optimize/deadline.py) with the best it has
+found, leaving the rest of the build's budget to quantize and write it."""
 
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ import numpy as np
 from optimize.quantize.common import Fidelity
 
 log = logging.getLogger(__name__)
+NODES_PER_STEP_FROM = 48  # quantizable nodes per node kept FP32 at each step (at least one a step)
+TIME_BOX_SHARE = 0.7  # of the build's budget; the rest quantizes the chosen nodes once more and writes it
 
 
 def _weighted_matmuls(graph, op_types: list[str], excluded: list[str]) -> list[tuple[str, str, str, bool]]:
@@ -101,12 +108,15 @@ def _rank_by_simulated_error(onnx_path: Path, inputs: dict, cfg, reduce_range: b
 
 
 def sensitivity_fallback(model, cfg, ctx, quantize, reduce_range: bool, fidelity: Fidelity) -> tuple[list[str], float]:
-    """Keep the nodes with the largest simulated quantization error in FP32, one by one, until the
-    real quantized model reaches the calibration fidelity target (or max_fp32_nodes is reached).
+    """Keep the nodes with the largest simulated quantization error in FP32, a step at a time (one
+    node, or a group on a deep model: step_size), until the real quantized model reaches the
+    calibration fidelity target, max_fp32_nodes is reached, or the build's time box runs out (then
+    the best set scored so far, said in the log).
 
     fidelity(reference outputs, quantized outputs) -> the score the target is compared with: the
     caller's (common.task_fidelity), so the search knows no task."""
     from engines.onnxruntime.runner import OrtRunner
+    from optimize import deadline
 
     inputs = ctx.calibration_inputs(cfg.sensitivity_samples)
     reference = OrtRunner(model.onnx_path, threads=ctx.threads)(inputs)
@@ -118,11 +128,29 @@ def sensitivity_fallback(model, cfg, ctx, quantize, reduce_range: bool, fidelity
     if best >= cfg.fallback_min_cosine or cfg.max_fp32_nodes == 0:
         return [], best
     ranked = _rank_by_simulated_error(model.onnx_path, inputs, cfg, reduce_range)
-    fp32 = []
-    for node in ranked[: cfg.max_fp32_nodes]:
-        fp32.append(node)
+    step = step_size(len(ranked))
+    fp32: list[str] = []
+    scored = [(best, fp32)]
+    for end in range(step, min(cfg.max_fp32_nodes, len(ranked)) + step, step):
+        if deadline.past(TIME_BOX_SHARE):
+            best, fp32 = max(scored, key=lambda pair: pair[0])
+            log.warning(
+                "sensitivity fallback stopped at its time box (%.0f%% of the build budget): the best found "
+                "so far ships, %d FP32 nodes, calibration min cosine %.5f",
+                100 * TIME_BOX_SHARE,
+                len(fp32),
+                best,
+            )
+            return fp32, best
+        fp32 = ranked[: min(end, cfg.max_fp32_nodes)]
         best = score(quantize(fp32))
+        scored.append((best, fp32))
         log.debug("fallback: %d FP32 nodes, calibration min cosine %.5f", len(fp32), best)
         if best >= cfg.fallback_min_cosine:
             break
     return fp32, best
+
+
+def step_size(quantizable: int) -> int:
+    """Nodes kept FP32 per step of the search: one, or a group on a deep model."""
+    return max(1, -(-quantizable // NODES_PER_STEP_FROM))

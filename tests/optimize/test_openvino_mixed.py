@@ -151,3 +151,38 @@ def test_the_race_builds_scores_and_reports_it_on_minilm(tmp_path):
     # the race table the run prints: the candidate's row says how many layers NNCF reverted
     row = next(line for line in proc.stdout.splitlines() if line.startswith("openvino_mixed "))
     assert f"({mixed['kernels']['reverted']} reverted)" in row
+
+
+def test_past_its_time_box_the_search_stops_with_what_it_has_and_says_so(embedder, tmp_path):
+    """The bar that reverts layers above, with the build's time already spent: NNCF stops at its first
+    check, the INT8 IR ships with nothing reverted, and the record says the time box stopped it."""
+    from optimize import deadline
+
+    deadline.set_window(0.0)
+    try:
+        built = _build(embedder, _ctx(tmp_path), min_cosine=0.9995, ranking_subset_size=8)
+    finally:
+        deadline.clear()
+    control = built.record["accuracy_control"]
+    assert control["reverted"] == 0 and built.precision == "int8"
+    assert control["stopped"].startswith("stopped at its time box (55% of its build budget)")
+    assert not control["reached"]  # the score is measured, not the one the time box answered NNCF
+
+
+def test_the_time_box_answers_nncf_s_check_and_stops_its_ranking():
+    from optimize import deadline
+    from optimize.compile import openvino_mixed
+
+    calls = []
+    stopped: dict = {}
+    validate = openvino_mixed._time_boxed(lambda compiled, items: calls.append(items) or (0.5, [0.5]), 4, stopped)
+    assert validate(None, iter(range(4))) == (0.5, [0.5]) and stopped == {}  # no deadline: NNCF's own score
+    deadline.set_window(0.0)
+    try:
+        assert validate(None, iter(range(4))) == (1.0, [1.0] * 4) and stopped["where"] == "after a revert"
+        with pytest.raises(openvino_mixed._TimeBoxed):
+            validate(None, iter(range(2)))  # ranking on a subset: nothing to keep, the search ends
+    finally:
+        deadline.clear()
+    assert len(calls) == 1 and stopped["where"] == "while ranking layers"
+    assert "none reverted" in openvino_mixed._stopped_words(stopped)
