@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import shutil
 from dataclasses import dataclass
+from pathlib import Path
 
 from engines import formats
 from optimize.compile.openvino_genai_gguf import carried_tensors, precision_of, source_gguf
@@ -56,44 +57,52 @@ class NativeGGUFConfig:
 )
 def native_gguf_engine(model: Model, cfg: NativeGGUFConfig, ctx: Context) -> Model:
     """The GGUF source's own blocks in the native kernels, the file copied into the artifact."""
-    from engines.native_gguf import build, contract
     from engines.native_gguf import model as native
-    from engines.openvino.genai_gguf import CarryError, type_summary
     from optimize.models import hf_folder
 
     gguf_path = source_gguf(model, ctx, METHOD)
     architecture, tensors = carried_tensors(gguf_path, ctx, METHOD, native.uncarried)
-    try:
-        # Everything the kernels read (contract.py), the block scales too: a file they cannot run is this
-        # stage's one-line error (exit 2), not a failure when the candidate is first evaluated.
-        reader = native.open_reader(gguf_path)
-        hyper = contract.checked(reader)
-        contract.check_memory(hyper, contract.context_positions(cfg.context, hyper))
-        contract.check_all_scales(reader)
-        library = build.library()  # compiled here, so a CPU or compiler that cannot is this stage's error
-    except (CarryError, build.NativeBuildError) as exc:
-        raise RecipeError(f"engine.method={METHOD}: {exc}") from None
     out = ctx.scratch / "native_gguf_engine"
     shutil.rmtree(out, ignore_errors=True)
-    engine_dir = out / ENGINE_DIR
-    engine_dir.mkdir(parents=True)
     log.info("native GGUF kernels on %s as it is", gguf_path.name)
-    shutil.copyfile(gguf_path, engine_dir / gguf_path.name)
     assert ctx.source is not None  # source_gguf checked it
-    folder = hf_folder(ctx.source)
+    engine, record = package(gguf_path, tensors, hf_folder(ctx.source), out / ENGINE_DIR, cfg.context, METHOD)
+    record = {"method": METHOD, "weights": "as in the source", **record}
+    return model.with_engine(out, engine, precision=precision_of(tensors)).recorded(record)
+
+
+def package(gguf_path: Path, tensors, folder: Path, engine_dir: Path, context: int, method: str) -> tuple[dict, dict]:
+    """A GGUF file (the source's, or one the pipeline wrote) into `engine_dir` for the native kernels,
+    with the tokenizer files of `folder`: (engine block, record). Everything the kernels read is
+    checked first (contract.py), the block scales too, and the kernels compiled here: a file they cannot
+    run, or a CPU or compiler that cannot, is this stage's one-line error (exit 2), not a failure when
+    the candidate is first evaluated."""
+    from engines.native_gguf import build, contract
+    from engines.native_gguf import model as native
+    from engines.openvino.genai_gguf import CarryError, type_summary
+
+    try:
+        reader = native.open_reader(gguf_path)
+        hyper = contract.checked(reader)
+        contract.check_memory(hyper, contract.context_positions(context, hyper))
+        contract.check_all_scales(reader)
+        library = build.library()
+    except (CarryError, build.NativeBuildError) as exc:
+        raise RecipeError(f"engine.method={method}: {exc}") from None
+    engine_dir.mkdir(parents=True, exist_ok=True)
+    if gguf_path.parent.resolve() != engine_dir.resolve():
+        shutil.copyfile(gguf_path, engine_dir / gguf_path.name)
     for name in TOKENIZER_FILES:
         if (folder / name).is_file():
             shutil.copyfile(folder / name, engine_dir / name)
     if not (engine_dir / "tokenizer.json").is_file():
-        raise RecipeError(f"engine.method={METHOD}: the source has no tokenizer.json for the runner to read")
+        raise RecipeError(f"engine.method={method}: the source has no tokenizer.json for the runner to read")
     record = {
-        "method": METHOD,
-        "weights": "as in the source",
         "gguf_file": gguf_path.name,
         "gguf_types": type_summary(tensors, native.CARRIED),
         "kernel_path": native.kernel_path(),
         "kv_cache_precision": "f32",
         "kernel_build": library.parent.name,  # its cache key: the source, the compiler and the CPU flags
     }
-    engine = {"format": formats.NATIVE_GGUF, "dir": ENGINE_DIR, "gguf": gguf_path.name, "context": cfg.context}
-    return model.with_engine(out, engine, precision=precision_of(tensors)).recorded(record)
+    engine = {"format": formats.NATIVE_GGUF, "dir": engine_dir.name, "gguf": gguf_path.name, "context": context}
+    return engine, record
