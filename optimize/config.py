@@ -158,6 +158,14 @@ class GateConfig:
     # check max_served_invalid_structured (null: 0 whenever the share is above 0) counts those that fail.
     served_structured_share: float = 0.0
     max_served_invalid_structured: Optional[int] = None
+    # Causal LMs, token-level fidelity to the baseline on held-out prose and code (docs/gate.md):
+    max_mean_kld: Optional[float] = None  # mean KL(baseline || candidate) per token, nats
+    max_p99_kld: Optional[float] = None  # its 99th percentile over the tokens
+    min_top1_agreement: Optional[float] = None  # share of tokens whose argmax is the baseline's (0..1)
+    max_rms_delta_p_pct: Optional[float] = None  # RMS change of the correct token's probability, points
+    # Causal LMs, standard tasks (evaluate.task_params.standard_tasks): the paired accuracy drop pooled
+    # over the tasks' items, in points; fails when its 95% interval is wider than the threshold.
+    max_task_drop_pts: Optional[float] = None
     min_distill_recovery: Optional[float] = None  # prune+distill: share of the pruning perplexity loss won back (0..1)
 
 

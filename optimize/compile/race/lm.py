@@ -54,11 +54,17 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: st
     base: dict[str, Any] = {
         "perplexity": reused["perplexity"] if reused else perplexity(baseline, ids, cfg.perplexity_window)
     }
+    fidelity = _fidelity_reference(ctx, cfg, tokens, baseline, key)
     for entry in entries:
+        entry.metrics = {}
+        if fidelity is not None:
+            entry.metrics["fidelity"] = _screen(fidelity, runners[entry.name], cfg)
         ppl = perplexity(runners[entry.name], ids, cfg.perplexity_window)
-        entry.metrics = {"perplexity": ppl, "perplexity_increase_pct": (ppl / base["perplexity"] - 1) * 100}
+        entry.metrics.update(perplexity=ppl, perplexity_increase_pct=(ppl / base["perplexity"] - 1) * 100)
     if lm_eval:
-        _lm_eval(entries, runners, baseline, base, tokens, data.items, cfg, ctx, reused)
+        # Only those the screen passed: lm-eval is the race's costliest scoring.
+        screened = [e for e in entries if not _screened_out(e, thresholds)]
+        _lm_eval(screened, runners, baseline, base, tokens, data.items, cfg, ctx, reused)
     runners.clear()
     if reused:
         log.info("race: the baseline's perplexity and timings are reused from an earlier race on this machine")
@@ -85,7 +91,93 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: st
         "runs": runs,
         "by": "an earlier race on this machine (the race cache)" if reused else "the engine race, earlier in this run",
     }
+    if fidelity is not None:
+        ctx.baseline.measured["fidelity_reference"] = {
+            "identity": fidelity["identity"],
+            "reference": fidelity["reference"],
+        }
     return base
+
+
+# ---------------------------------------------------------------- the fidelity screen
+
+
+def _fidelity_reference(ctx, cfg, tokens, baseline, key: str | None) -> dict | None:
+    """The baseline's log-probs over all the fidelity tokens (the final evaluation reads them from
+    ctx.baseline.measured), from the race cache when an earlier race on this model and machine kept
+    them, else computed now and kept; None when fidelity is not measured."""
+    if not cfg.fidelity_tokens:
+        return None
+    from optimize.tasks.lm_fidelity import baseline_reference, fidelity_texts
+
+    texts = fidelity_texts(tokens, cfg)
+    cached = _load_reference(key, texts, cfg) if key else None
+    if cached is not None:
+        reference, identity = cached
+    else:
+        reference, identity = baseline_reference(baseline, texts, cfg, {})
+        if key:
+            _save_reference(key, identity, reference)
+    return {"texts": texts, "reference": reference, "identity": identity}
+
+
+def _reference_folder(key: str, identity: str):
+    from optimize.models import cache_root
+
+    return cache_root() / "race" / f"fidelity-{key}-{identity[:16]}"
+
+
+def _load_reference(key: str, texts: dict, cfg):
+    from optimize import cache_store
+    from optimize.evaluate.token_fidelity import Reference, texts_sha256
+
+    identity = texts_sha256(texts, cfg.fidelity_window) + f"-k{cfg.fidelity_top_k}"
+    where = _reference_folder(key, identity)
+    good, why = cache_store.open_verified(where, identity)
+    if good:
+        try:
+            return Reference.load(where / "reference.npz"), identity
+        except (OSError, ValueError, KeyError) as exc:
+            why = f"its reference.npz is unreadable ({type(exc).__name__})"
+    if why != "not cached":
+        log.warning("race: cached baseline log-probs %s not used, computed again: %s", where.name, why)
+        cache_store.discard(where)
+    return None
+
+
+def _save_reference(key: str, identity: str, reference) -> None:
+    from optimize import cache_store
+
+    where = _reference_folder(key, identity)
+    tmp = cache_store.staging(where)
+    reference.save(tmp / "reference.npz")
+    cache_store.seal(tmp, where, identity)
+
+
+def _screen(fidelity: dict, runner, cfg) -> dict:
+    """The candidate's fidelity on the first fidelity_screen_tokens of the texts (all of them with 0):
+    what the race judges the gate's fidelity checks on before perplexity, lm-eval and serving."""
+    from optimize.evaluate import token_fidelity as tf
+    from optimize.tasks.lm_fidelity import screen_texts
+
+    texts, reference = fidelity["texts"], fidelity["reference"]
+    if cfg.fidelity_screen_tokens:
+        texts = screen_texts(texts, cfg.fidelity_screen_tokens)
+        reference = reference.prefix_of(fidelity["texts"], texts, cfg.fidelity_window)
+    figures = tf.compare(reference, runner, texts, cfg.fidelity_window)
+    figures["screen"] = True
+    return figures
+
+
+def _screened_out(entry, thresholds: dict) -> bool:
+    """The screen's fidelity fails a gate check: lm-eval and serving would be spent on a loser."""
+    fidelity = entry.metrics.get("fidelity") or {}
+    keys = {"max_mean_kld": "mean_kld", "max_p99_kld": "p99_kld", "max_rms_delta_p_pct": "rms_delta_p_pct"}
+    for key, figure in keys.items():
+        if thresholds.get(key) is not None and figure in fidelity and fidelity[figure] > thresholds[key]:
+            return True
+    floor = thresholds.get("min_top1_agreement")
+    return floor is not None and "top1_agreement" in fidelity and fidelity["top1_agreement"] < floor
 
 
 def as_served(entries: list, workload, baseline: dict) -> None:

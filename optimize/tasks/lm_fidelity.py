@@ -1,0 +1,89 @@
+"""Token-level fidelity and standard tasks for a causal-LM candidate against its baseline: the texts
+scored, the baseline's part computed once per run (or read from the race's cache), and the figures the
+gate reads (optimize/evaluate/token_fidelity.py has the arithmetic, calibration/fidelity_texts.py the
+texts, calibration/standard_tasks.py the tasks' data)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from optimize.errors import RecipeError
+
+log = logging.getLogger(__name__)
+
+
+def fidelity_texts(tokens, cfg) -> dict[str, list[int]]:
+    """{kind: token ids}: an equal share of evaluate.task_params.fidelity_tokens from each kind of text."""
+    from calibration.fidelity_texts import text_of
+
+    share = cfg.fidelity_tokens // len(cfg.fidelity_kinds)
+    texts = {}
+    for kind in cfg.fidelity_kinds:
+        ids = tokens(text_of(kind))[:share]
+        if len(ids) < share:
+            raise RecipeError(
+                f"the held-out {kind} text has {len(ids)} tokens, evaluate.task_params.fidelity_tokens asks "
+                f"{share} of each kind: lower it"
+            )
+        texts[kind] = ids
+    return texts
+
+
+def screen_texts(texts: dict[str, list[int]], screen_tokens: int) -> dict[str, list[int]]:
+    """The race's screen: the first `screen_tokens` of the texts, an equal share from each kind."""
+    share = max(2, screen_tokens // len(texts))
+    return {kind: ids[:share] for kind, ids in texts.items()}
+
+
+def baseline_reference(runner, texts: dict[str, list[int]], cfg, measured: dict):
+    """(the baseline's Reference, its identity): read from `measured` (the race computed or cached it
+    on the same texts earlier in this run) where it is there, else computed now."""
+    from optimize.evaluate import token_fidelity as tf
+
+    identity = tf.texts_sha256(texts, cfg.fidelity_window) + f"-k{cfg.fidelity_top_k}"
+    earlier = measured.get("fidelity_reference") or {}
+    if earlier.get("identity") == identity:
+        return earlier["reference"], identity
+    log.info("fidelity: the baseline's log-probs over %d held-out tokens", sum(map(len, texts.values())))
+    return tf.reference(runner, texts, cfg.fidelity_window, cfg.fidelity_top_k), identity
+
+
+def candidate_fidelity(reference, runner, texts: dict[str, list[int]], cfg, identity: str) -> dict:
+    from optimize.evaluate import token_fidelity as tf
+
+    figures = tf.compare(reference, runner, texts, cfg.fidelity_window)
+    figures.update(window=cfg.fidelity_window, top_k=cfg.fidelity_top_k, texts=identity)
+    return figures
+
+
+def task_scores(runner, tokens, cfg, folder: Path, label: str, measured: Optional[dict] = None, written=None):
+    """Per-item scores on the standard tasks: `measured`'s where its items are these (the race scored
+    the baseline on them earlier), else scored now."""
+    from optimize.tasks.lm_harness import standard_task_items
+
+    earlier = (measured or {}).get("standard_tasks") or {}
+    if written is not None and earlier.get("written") == _identity(written):
+        return earlier["scores"]
+    return standard_task_items(runner, tokens, list(cfg.standard_tasks), folder, label)
+
+
+def _identity(written: dict) -> dict:
+    return {name: entry["sha256"] for name, entry in written.items()}
+
+
+def standard_tasks(metrics: dict, base, cand, tokens, cfg, scratch: Path, measured: dict) -> dict:
+    """Both sides' scores on every standard task, the paired drops with their intervals and flips
+    (metrics[candidate][standard_tasks]); returns what was evaluated, for the manifest."""
+    from optimize.tasks.lm_harness import paired_tasks, standard_task_data
+
+    folder = scratch / "standard_tasks"
+    written = standard_task_data(cfg.standard_tasks, cfg.standard_limit, folder)
+    base_scores = task_scores(base, tokens, cfg, folder, "baseline", measured, written)
+    cand_scores = task_scores(cand, tokens, cfg, folder, "candidate")
+    paired = paired_tasks(base_scores, cand_scores, cfg.bootstrap_resamples)
+    paired["limit_setting"] = "evaluate.task_params.standard_limit"
+    metrics["candidate"]["standard_tasks"] = paired
+    metrics["baseline"]["standard_tasks"] = {name: p["baseline"] for name, p in paired["tasks"].items()}
+    return {"tasks": written, "identity": _identity(written)}
