@@ -109,7 +109,7 @@ def race_rows(race: dict) -> list[list[str]]:
                 nodes,
                 *(cells.get(k, "-") for k in columns),
                 _fmt(c.get("size_mb"), 1),
-                c["outcome"],
+                c["outcome"] + (f" (its search {c['search_stopped']})" if c.get("search_stopped") else ""),
             ]
         )
     return rows

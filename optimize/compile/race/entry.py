@@ -65,8 +65,13 @@ class Entry:
             "slower_than_baseline_at": self.slower_than_baseline_at,
             "cost": self.cost,
             "served_cut": self.served_cut,
+            "search_stopped": self.search_stopped(),
             "outcome": self.outcome,
         }
+
+    def search_stopped(self) -> Optional[str]:
+        """How a time box stopped the build's accuracy search (openvino_mixed), None when it did not."""
+        return ((self.records.get("engine") or {}).get("accuracy_control") or {}).get("stopped")
 
     def columns(self) -> dict:
         """What the report shows of this candidate (cells.columns)."""
