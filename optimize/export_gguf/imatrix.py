@@ -60,3 +60,23 @@ def collect(module, sequences: Iterable[list[int]]) -> dict:
     if not tokens:
         raise ExportError("the importance matrix needs calibration text: the calibration set gave no tokens")
     return {name: (sums[name] / counts[name]).cpu().numpy().astype(np.float32) for name in sums}
+
+
+def save_gguf(path, means: dict, dataset: str, chunks: int, chunk_size: int) -> None:
+    """The importance matrix in llama.cpp's imatrix GGUF layout (`NAME.in_sum2` and `NAME.counts`, the
+    means stored with a count of 1), which llama-quantize --imatrix reads: the same rounding input for
+    a comparison with llama.cpp, or for a user re-quantizing the model there."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), arch="imatrix")
+    writer.add_type("imatrix")
+    writer.add_array("imatrix.datasets", [dataset])
+    writer.add_uint32("imatrix.chunk_count", int(chunks))
+    writer.add_uint32("imatrix.chunk_size", int(chunk_size))
+    for name, values in sorted(means.items()):
+        writer.add_tensor(f"{name}.in_sum2", np.ascontiguousarray(values, dtype=np.float32))
+        writer.add_tensor(f"{name}.counts", np.ones(1, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
