@@ -1,5 +1,6 @@
-"""The causal-LM task's rows of the end-of-run table: perplexity, lm-eval accuracy, generation speed
-per request shape, the roofline, and the layers kept at higher precision."""
+"""The causal-LM task's rows of the end-of-run table: perplexity, token-level fidelity (KLD, top-1
+agreement, RMS Δp), standard tasks with their paired intervals and flips, lm-eval accuracy, generation
+speed per request shape, the roofline, and the layers kept at higher precision."""
 
 from __future__ import annotations
 
@@ -126,6 +127,46 @@ def _shape_rows(base: dict, cand: dict, shapes: list[str]) -> list[list[str]]:
     return rows
 
 
+def _fidelity_rows(c: dict) -> list[list[str]]:
+    """Token-level fidelity to the baseline, as llama.cpp's --kl-divergence reports it (the baseline
+    column is the reference itself: KLD 0, agreement 100%)."""
+    f = c.get("fidelity")
+    if not f:
+        return []
+    kinds = ", ".join(f"{k} {v['mean_kld']:.4f}" for k, v in (f.get("by_kind") or {}).items())
+    tokens = f"{f['tokens']:,} tokens" + (f"; by kind {kinds}" if kinds else "")
+    return [
+        ["mean KLD vs baseline (nats)", "0", f"{f['mean_kld']:.4f}", tokens],
+        ["99th-percentile KLD (nats)", "0", f"{f['p99_kld']:.3f}", ""],
+        ["top-1 agreement with baseline", "100%", f"{100 * f['top1_agreement']:.1f}%", ""],
+        [
+            "RMS change of p(correct token)",
+            "0",
+            f"{f['rms_delta_p_pct']:.2f} pts",
+            f"mean {f['mean_delta_p_pct']:+.2f} pts",
+        ],
+    ]
+
+
+def _task_rows(c: dict) -> list[list[str]]:
+    """Each standard task's two scores, the drop with its paired 95% interval and the flips each way."""
+    tasks = c.get("standard_tasks")
+    if not tasks:
+        return []
+    rows = []
+    for name, t in [*tasks["tasks"].items(), ("pooled", tasks["pooled"])]:
+        low, high = t["interval"]["low"], t["interval"]["high"]
+        rows.append(
+            [
+                f"{name} ({t['items']} items)",
+                fmt(t["baseline"], 4),
+                fmt(t["candidate"], 4),
+                f"drop {t['drop_pts']:+.1f} pts [{low:+.1f}, {high:+.1f}], flips -{t['lost']}/+{t['gained']}",
+            ]
+        )
+    return rows
+
+
 def table_rows(metrics: dict) -> list[list[str]]:
     """Rows for the end-of-run table: [metric, baseline, candidate, ratio]."""
     b, c = metrics["baseline"], metrics["candidate"]
@@ -146,6 +187,8 @@ def table_rows(metrics: dict) -> list[list[str]]:
                 f"{(acc - b['lm_eval'][task]) * 100:+.1f} pts",
             ]
         )
+    rows += _fidelity_rows(c)
+    rows += _task_rows(c)
     if "generation" in c:
         bg, cg = b["generation"], c["generation"]
         shapes = list(c.get("requests") or {})

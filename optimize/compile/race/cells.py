@@ -66,6 +66,7 @@ def lm_cells(entry) -> dict:
     return {
         "perplexity (+%)": f"{m['perplexity']:.3f} ({m['perplexity_increase_pct']:+.1f}%)",
         "lm-eval drop pts": f"{m['lm_eval_drop_pts']:.1f}" if "lm_eval_drop_pts" in m else "-",
+        **_fidelity_cell(m.get("fidelity")),
         "TTFT p50 ms": f"{generation['ttft_ms']['p50']:.1f}" if generation else "-",
         "decode tok/s p50 (x base)": (
             f"{generation['decode_tok_s']['p50']:.1f} ({m['decode_speedup']:.2f}x)" if generation else "-"
@@ -76,6 +77,14 @@ def lm_cells(entry) -> dict:
         **_served_cells(m.get("served") or {}),
         **_cost_cell(entry),
     }
+
+
+def _fidelity_cell(fidelity: dict | None) -> dict:
+    """The race's KLD screen: mean KL divergence and top-1 agreement on the screen's tokens."""
+    if not fidelity:
+        return {}
+    figures = f"{fidelity['mean_kld']:.4f} / {100 * fidelity['top1_agreement']:.1f}%"
+    return {f"KLD / top-1 ({fidelity['tokens']} tok)": figures}
 
 
 def _cost_cell(entry) -> dict:
