@@ -36,3 +36,15 @@ def past(share: float) -> bool:
     """True once `share` of the window has gone by (never without a deadline)."""
     end = soft_end(share)
     return end is not None and time.monotonic() >= end
+
+
+def seconds_left() -> Optional[float]:
+    """Seconds until the window ends (negative past it); None without a deadline."""
+    if _window is None:
+        return None
+    return _window[1] - time.monotonic()
+
+
+def window_s() -> Optional[float]:
+    """The window's length; None without a deadline."""
+    return None if _window is None else _window[1] - _window[0]

@@ -10,12 +10,13 @@ The bar is the gate's own (min_cosine, or min_mean_cosine for the mean) plus a m
 scores in f32 on other texts than the gate's. The reverted layers then compute in bf16 where the CPU
 has native bf16 (as openvino_bf16 does), f32 otherwise; the INT8 layers are INT8 either way.
 
-In the race the search is time-boxed (optimize/deadline.py): past TIME_BOX_SHARE of the candidate's
-build budget NNCF stops at its next check with the layers reverted so far (a revert it is scoring is
-taken as the last), or, while it is still ranking layers, the plain INT8 IR ships with none reverted;
-the record says which (accuracy_control.stopped), and the rest of the budget writes the IR. Without
-it, a 110M-parameter encoder's search on 2 cores re-ranked every layer after each revert that made
-things worse, and ran for more than 37 minutes.
+In the race the search is time-boxed (optimize/deadline.py): once what is left of the candidate's
+build budget is only what writing the result takes (the rebuild repeats NNCF's first quantization, so
+1.5 times that, plus 5 s, and at least RESERVE_SHARE of the budget), NNCF stops at its next check
+with the layers reverted so far (a revert it is scoring is taken as the last), or, while it is still
+ranking layers, the plain INT8 IR ships with none reverted; the record says which
+(accuracy_control.stopped). Without it, a 110M-parameter encoder's search on 2 cores re-ranked every
+layer after each revert that made things worse, and ran for more than 37 minutes.
 """
 
 from __future__ import annotations
@@ -39,10 +40,10 @@ ENGINE_DIR = "openvino"
 METRICS = ("min", "mean")
 INFERENCE_PRECISIONS = ("auto", "bf16", "f32")
 GATE_BAR = {"min": "min_cosine", "mean": "min_mean_cosine"}
-# The share of the build's budget the accuracy search may use; the rest quantizes the chosen IR
-# afresh (NNCF's statistics a second time), scores and writes it: on 2 cores about as long as the first
-# quantization, so a little under half.
-TIME_BOX_SHARE = 0.55
+# What the search leaves of the build's budget to quantize the chosen IR afresh (NNCF's statistics a
+# second time), score and write it: 1.5 times NNCF's first quantization and 5 s, at least this share.
+# MiniLM's whole build took 90 s of its 150 s on a busy 2-core machine, its first quantization ~15 s.
+RESERVE_SHARE = 0.15
 
 
 class _TimeBoxed(Exception):
@@ -215,16 +216,27 @@ def _quantize(
 
 
 def _time_boxed(validate, full_count: int, stopped: dict):
-    """NNCF's validation function, within the build's time box: past it, a full validation (NNCF's
-    check after a revert) answers a perfect score so NNCF returns the model it has, and any other
-    (ranking layers on a subset) stops the search; `stopped` says when and where."""
+    """NNCF's validation function, within the build's time box: once only the reserve is left, a full
+    validation (NNCF's check after a revert) answers a perfect score so NNCF returns the model it has,
+    and any other (ranking layers on a subset) stops the search; `stopped` says where. NNCF validates
+    the FP32 model, quantizes, then validates the quantized one: the time to that second full call
+    measures the quantization the rebuild repeats."""
+    import time
+
     from optimize import deadline
+
+    started, reserve = time.monotonic(), {"s": 0.0}
 
     def validate_within(compiled, items):
         items = list(items)
-        if not deadline.past(TIME_BOX_SHARE):
+        full = len(items) == full_count
+        if full and "quantized" not in reserve and "fp32" in reserve:
+            reserve["quantized"] = 1.5 * (time.monotonic() - started) + 5.0
+        reserve.setdefault("fp32", 0.0)
+        left, window = deadline.seconds_left(), deadline.window_s()
+        if left is None or window is None or left > max(reserve.get("quantized", 0.0), RESERVE_SHARE * window):
             return validate(compiled, items)
-        if len(items) == full_count:
+        if full:
             stopped.setdefault("where", "after a revert")
             return 1.0, [1.0] * len(items)
         stopped["where"] = "while ranking layers"
@@ -234,10 +246,9 @@ def _time_boxed(validate, full_count: int, stopped: dict):
 
 
 def _stopped_words(stopped: dict) -> str:
-    share = f"{TIME_BOX_SHARE:.0%} of its build budget"
     if stopped["where"] == "while ranking layers" and not stopped.get("reverted"):
-        return f"stopped at its time box ({share}) while ranking layers: the INT8 IR ships with none reverted"
-    return f"stopped at its time box ({share}): the best found so far ships, {stopped.get('reverted', 0)} reverted"
+        return "stopped at its time box while ranking layers: the INT8 IR ships with none reverted"
+    return f"stopped at its time box: the best found so far ships, {stopped.get('reverted', 0)} reverted"
 
 
 def _deciding_output(task_name: str) -> str:

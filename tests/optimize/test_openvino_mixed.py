@@ -165,7 +165,7 @@ def test_past_its_time_box_the_search_stops_with_what_it_has_and_says_so(embedde
         deadline.clear()
     control = built.record["accuracy_control"]
     assert control["reverted"] == 0 and built.precision == "int8"
-    assert control["stopped"].startswith("stopped at its time box (55% of its build budget)")
+    assert control["stopped"].startswith("stopped at its time box")
     assert not control["reached"]  # the score is measured, not the one the time box answered NNCF
 
 
