@@ -80,6 +80,7 @@ def package(gguf_path: Path, tensors, folder: Path, engine_dir: Path, context: i
     from engines.native_gguf import build, contract
     from engines.native_gguf import model as native
     from engines.openvino.genai_gguf import CarryError, type_summary
+    from optimize.export_gguf import modelfile
 
     try:
         reader = native.open_reader(gguf_path)
@@ -97,12 +98,15 @@ def package(gguf_path: Path, tensors, folder: Path, engine_dir: Path, context: i
             shutil.copyfile(folder / name, engine_dir / name)
     if not (engine_dir / "tokenizer.json").is_file():
         raise RecipeError(f"engine.method={method}: the source has no tokenizer.json for the runner to read")
+    # What Ollama needs beside the file (llama.cpp and LM Studio read the file alone).
+    (engine_dir / "Modelfile").write_text(modelfile.for_gguf(engine_dir / gguf_path.name), encoding="utf-8")
     record = {
         "gguf_file": gguf_path.name,
         "gguf_types": type_summary(tensors, native.CARRIED),
         "kernel_path": native.kernel_path(),
         "kv_cache_precision": "f32",
         "kernel_build": library.parent.name,  # its cache key: the source, the compiler and the CPU flags
+        "modelfile": f"{engine_dir.name}/Modelfile",
     }
     engine = {"format": formats.NATIVE_GGUF, "dir": engine_dir.name, "gguf": gguf_path.name, "context": context}
     return engine, record

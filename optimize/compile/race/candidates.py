@@ -158,6 +158,21 @@ CANDIDATES.update(
         "native_gguf": Candidate("native_gguf"),
     }
 )
+# The model written as a GGUF file of a type laptop users choose (llama.cpp's file types and per-tensor
+# mixes, optimize/export_gguf), gated and served on that exact file: the native kernels where they
+# carry every type in it, else OpenVINO GenAI's GGUF reader. The K-quant mixes and Q4_0 are rounded with
+# an importance matrix from the calibration text; Q4_K_M without one is there to measure what it buys.
+# By name (recipes/recipe/smollm2_laptop.yaml): from a 4-bit source they quantize a quantized model again.
+CANDIDATES.update(
+    {
+        "gguf_q8_0": Candidate("gguf", {"type": "Q8_0"}),
+        "gguf_q6_k": Candidate("gguf", {"type": "Q6_K"}),
+        "gguf_q5_k_m": Candidate("gguf", {"type": "Q5_K_M"}),
+        "gguf_q4_k_m": Candidate("gguf", {"type": "Q4_K_M"}),
+        "gguf_q4_k_m_no_imatrix": Candidate("gguf", {"type": "Q4_K_M", "imatrix": False}),
+        "gguf_q4_0": Candidate("gguf", {"type": "Q4_0", "imatrix": False}),
+    }
+)
 # What the race adds to the default set when the source is a GGUF file: the OpenVINO GenAI rows with
 # the u8 KV cache, as the re-quantized defaults (the f32-cache rows, exact to the dequantized file, by
 # name), and ONNX Runtime GenAI on the file's blocks with INT8 activations in every layer, the offset
