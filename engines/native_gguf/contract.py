@@ -14,13 +14,15 @@ path). So everything it will read is checked here, once, at load time, and the c
 3. floats (rope.freq_base, the RMS epsilon) are finite and positive as the f32 the C side receives,
    the rotary base at least 1 (its frequencies then at most 1): `positive_float`;
 4. every tensor it reads is there with the shape and type the header implies: the seven matrices of
-   each layer, token_embd and output as [width, vocabulary], the three norms as [width] in F32 or F16
-   (finite values): `check_tensors`, `check_norm`;
+   each layer (K-quants' rows whole super-blocks), token_embd and output as [width, vocabulary], the
+   three norms as [width] and Qwen2's q, k and v biases as long as their rows, in F32 or F16 (finite
+   values): `check_tensors`, `check_norm`, `check_bias`;
 5. the file's layout: each tensor's data lies inside the file at an offset aligned to the file's
    general.alignment, no two overlapping (llama.cpp refuses both): `check_layout`;
-6. block scales (and Q4_1's offsets) are finite f16 numbers: `check_scales`, one vectorized test a
+6. block scales (and Q4_1's offsets, the K-quants' super-block scales and mins) are finite f16
+   numbers: `check_scales`, one vectorized test a
    tensor while it is repacked (a NaN or Inf scale turns every logit NaN);
-7. the KV cache fits this machine's memory: `check_memory`.
+7. the KV cache (f16 unless f32 is asked for: `kv_bytes`) fits this machine's memory: `check_memory`.
 Each refusal is a NativeModelError: one line naming the field or the tensor.
 """
 
@@ -34,7 +36,12 @@ import numpy as np
 
 from engines.openvino.genai_gguf import CarryError
 
-ARCH = "llama"
+# Architectures the kernels run: Llama (rotation of adjacent pairs, as GGUF stores its Q and K rows) and
+# Qwen2 (biases on q, k and v; rotation of each head's halves, NEOX style). Each's keys are under its name.
+ARCHITECTURES = ("llama", "qwen2")
+NEOX = ("qwen2",)
+BIASED = ("attn_q", "attn_k", "attn_v")  # Qwen2's biased matrices, in the order kernels.c adds them
+KV_BYTES = {"f16": 2, "f32": 4}  # the KV cache's element: f16 halves what a token reads at long context
 INT_MAX = 2**31 - 1
 MAX_LAYERS = 1 << 12
 MAX_WIDTH = 1 << 20  # width and feed-forward width: 3 x width (q|k|v rows) and 2 x ffn stay far inside int
@@ -42,13 +49,15 @@ MAX_VOCAB = 1 << 24
 MAX_CONTEXT = 1 << 20  # positions of the KV cache (the C side's int positions, its size_t cache)
 DEFAULT_CONTEXT = 4096  # positions the KV cache holds unless told (f32: SmolLM2-135M, 190 MB)
 MAX_THREADS = 1024
-MATRIX_TYPES = ("Q4_0", "Q4_1", "Q8_0")
+MATRIX_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 NORM_TYPES = ("F32", "F16")
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 LAYER_NORMS = ("attn_norm", "ffn_norm")
 # Bytes a block of 32 takes, and where its f16 numbers sit in it (scale, then Q4_1's offset).
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
-BLOCK_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,)}
+# K-quants: a super-block of 256 values, its f16 scale d (and Q4_K / Q5_K's dmin).
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+SUPER_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
 
 class NativeModelError(CarryError):
@@ -66,6 +75,11 @@ class Hyperparameters:
     context_length: int  # the model's own
     rope_base: float
     eps: float
+    arch: str = "llama"
+
+    @property
+    def neox(self) -> bool:
+        return self.arch in NEOX
 
     @property
     def head_dim(self) -> int:
@@ -119,18 +133,22 @@ def positive_float(reader, key: str, default=None, least: float = 0.0) -> float:
 
 def hyperparameters(reader) -> Hyperparameters:
     """The model's shape, refused in one line where the kernels cannot run it (items 1 to 3)."""
-    heads = count(reader, f"{ARCH}.attention.head_count", upper=MAX_WIDTH)
+    arch = str(field(reader, "general.architecture", ""))  # every key is under its name
+    if arch not in ARCHITECTURES:
+        raise NativeModelError(f"the native GGUF kernels run {', '.join(ARCHITECTURES)}, not {arch!r}")
+    heads = count(reader, f"{arch}.attention.head_count", upper=MAX_WIDTH)
     h = Hyperparameters(
-        layers=count(reader, f"{ARCH}.block_count", upper=MAX_LAYERS),
-        dim=count(reader, f"{ARCH}.embedding_length", upper=MAX_WIDTH),
-        ffn=count(reader, f"{ARCH}.feed_forward_length", upper=MAX_WIDTH),
+        layers=count(reader, f"{arch}.block_count", upper=MAX_LAYERS),
+        dim=count(reader, f"{arch}.embedding_length", upper=MAX_WIDTH),
+        ffn=count(reader, f"{arch}.feed_forward_length", upper=MAX_WIDTH),
         heads=heads,
-        kv_heads=count(reader, f"{ARCH}.attention.head_count_kv", default=heads, upper=MAX_WIDTH),
+        kv_heads=count(reader, f"{arch}.attention.head_count_kv", default=heads, upper=MAX_WIDTH),
         vocab=vocabulary(reader),
-        context_length=count(reader, f"{ARCH}.context_length", upper=2**63),
+        context_length=count(reader, f"{arch}.context_length", upper=2**63),
         # At least 1: each frequency base^(-2i/d) is then at most 1, so position x frequency stays finite.
-        rope_base=positive_float(reader, f"{ARCH}.rope.freq_base", 10000.0, least=1.0),
-        eps=positive_float(reader, f"{ARCH}.attention.layer_norm_rms_epsilon"),
+        rope_base=positive_float(reader, f"{arch}.rope.freq_base", 10000.0, least=1.0),
+        eps=positive_float(reader, f"{arch}.attention.layer_norm_rms_epsilon"),
+        arch=arch,
     )
     if h.heads <= 0 or h.kv_heads <= 0 or h.dim <= 0 or h.dim % h.heads or h.heads % h.kv_heads or h.head_dim % 2:
         raise NativeModelError(
@@ -147,14 +165,19 @@ def hyperparameters(reader) -> Hyperparameters:
         problems.append(f"its header says {h.layers} layers, its tensors number {len(layers)}")
     if h.context_length <= 0:
         problems.append(f"its context length is {h.context_length}")
-    if count(reader, f"{ARCH}.rope.dimension_count", default=h.head_dim) != h.head_dim:
+    if count(reader, f"{arch}.rope.dimension_count", default=h.head_dim) != h.head_dim:
         problems.append("its rotary embedding covers part of each head (the kernels rotate whole heads)")
     for width, name in ((h.dim, "width"), (h.ffn, "feed-forward width"), (h.kv_heads * h.head_dim, "key/value width")):
         if width <= 0 or width % 32:
             problems.append(f"its {name} {width} is not a whole number of 32-wide blocks")
-    if str(field(reader, f"{ARCH}.rope.scaling.type", "none")) not in ("none", ""):
+    if str(field(reader, f"{arch}.rope.scaling.type", "none")) not in ("none", ""):
         problems.append("it scales its rotary embedding (rope.scaling), which the kernels do not")
-    if any(t.name == "rope_freqs.weight" or t.name.endswith(".bias") for t in reader.tensors):
+    allowed = (
+        {f"blk.{i}.{name}.bias" for i in range(max(h.layers, 0)) for name in BIASED} if h.arch == "qwen2" else set()
+    )
+    if any(
+        t.name == "rope_freqs.weight" or (t.name.endswith(".bias") and t.name not in allowed) for t in reader.tensors
+    ):
         problems.append("it has rotary frequency factors or biases, which the kernels do not apply")
     if problems:
         raise NativeModelError("the native GGUF kernels cannot run this file: " + "; ".join(problems))
@@ -188,6 +211,8 @@ def expected_tensors(h: Hyperparameters) -> dict[str, tuple[tuple[int, ...], tup
     for layer in range(h.layers):
         out.update({f"blk.{layer}.{name}.weight": (shape, MATRIX_TYPES) for name, shape in matrices.items()})
         out.update({f"blk.{layer}.{name}.weight": ((h.dim,), NORM_TYPES) for name in LAYER_NORMS})
+        if h.arch == "qwen2":  # q, k and v's biases, each as long as its matrix's rows
+            out.update({f"blk.{layer}.{name}.bias": ((matrices[name][1],), NORM_TYPES) for name in BIASED})
     return out
 
 
@@ -207,6 +232,8 @@ def check_tensors(reader, h: Hyperparameters) -> None:
             raise NativeModelError(
                 f"{name} is {t.tensor_type.name}; the native GGUF kernels read it as {' or '.join(types)}"
             )
+        if found[0] % SUPER_BLOCK.get(t.tensor_type.name, 32):
+            raise NativeModelError(f"{name}'s rows of {found[0]} are not whole {t.tensor_type.name} super-blocks")
 
 
 def check_layout(reader) -> None:
@@ -234,13 +261,28 @@ def check_norm(name: str, values: np.ndarray, h: Hyperparameters) -> np.ndarray:
     return values
 
 
+def check_bias(name: str, values: np.ndarray) -> np.ndarray:
+    """A bias as the f32 vector the kernels add (its length checked with the tensors): finite values."""
+    values = values.astype(np.float32).reshape(-1)
+    if not np.isfinite(values).all():
+        raise NativeModelError(f"{name} holds a value that is not finite (NaN or Inf)")
+    return values
+
+
+def kv_bytes(kind: str) -> int:
+    """Bytes of a KV cache element: "f16" (the default) or "f32"."""
+    if kind not in KV_BYTES:
+        raise NativeModelError(f"a KV cache of {str(kind)[:20]!r}: the native GGUF kernels keep f16 or f32")
+    return KV_BYTES[kind]
+
+
 def check_scales(name: str, kind: str, raw: np.ndarray) -> None:
     """Item 6: every f16 scale (and Q4_1 offset) of a tensor's blocks finite. `raw`: [rows, row bytes]."""
     blocks = raw.reshape(raw.shape[0], -1, BLOCK_BYTES[kind])
     for at in BLOCK_HALVES[kind]:
         halves = blocks[..., at : at + 2].copy().view(np.uint16)
         if ((halves & 0x7C00) == 0x7C00).any():  # f16 exponent all ones: Inf or NaN
-            what = "scale" if at == 0 else "offset"
+            what = "offset" if at == 2 else "scale"
             raise NativeModelError(f"{name} has a {kind} block whose f16 {what} is NaN or Inf")
 
 
@@ -268,10 +310,11 @@ def thread_count(requested: int) -> int:
     return int(requested)
 
 
-def check_memory(h: Hyperparameters, context: int) -> None:
-    """Item 7: the f32 KV cache (keys and values, every layer) within this machine's memory; the C side
-    zeroes all of it, so an allocation that only overcommit lets through would be killed, not refused."""
-    cache = 2 * 4 * h.layers * context * h.kv_heads * h.head_dim
+def check_memory(h: Hyperparameters, context: int, element: int = 2) -> None:
+    """Item 7: the KV cache (keys and values, every layer, `element` bytes each) within this machine's
+    memory; the C side zeroes all of it, so an allocation that only overcommit lets through would be
+    killed, not refused."""
+    cache = 2 * element * h.layers * (context + 7) // 8 * 8 * h.kv_heads * h.head_dim
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

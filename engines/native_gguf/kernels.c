@@ -1,5 +1,5 @@
-/* The native GGUF engine's decoder: a Llama forward pass (one token a step when decoding, up to 16 a
- * pass when reading a prompt) over a GGUF file's own Q4_0 / Q4_1 / Q8_0 blocks (engines/native_gguf/
+/* The native GGUF engine's decoder: a Llama or Qwen2 forward pass (one token a step when decoding, up to
+ * 16 a pass when reading a prompt) over a GGUF file's own Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (engines/native_gguf/
  * model.py repacks them; the bytes a token reads are the file's). Built on the machine that runs it
  * (engines/native_gguf/build.py, -march=native).
  *
@@ -21,6 +21,12 @@
  *     the value is d * q + m (Q4_0 carried as m = -8d).
  *   8-bit group-block (544 bytes): 512 bytes (byte 64j + 4i + k is row i's element 4j + k) and 16 f16
  *     scales; the value is d * q.
+ * K-quants (Q4_K, Q5_K, Q6_K) carry a sub-block's scale as a 6- or 8-bit integer times an f16 super-block
+ * scale: exact as an f32 number (at most 19 significant bits), never as an f16 one. So:
+ *   4-bit K group-block (384 bytes, Q4_K): the 4-bit layout with 16 f32 scales d and 16 f32 offsets m.
+ *   8-bit K group-block (768 bytes, Q5_K's 5-bit and Q6_K's 6-bit values, unsigned): 512 bytes as the
+ *     8-bit layout, then f32 scales d and offsets m for each half of the block (Q6_K's sub-blocks are 16
+ *     values): 16 d of elements 0-15, 16 of 16-31, then the m likewise; the value is d * q + m.
  */
 #include <float.h>
 #include <immintrin.h>
@@ -40,30 +46,35 @@ enum { LOW_BITS = 7, QMAX = 127 * 128 };       /* x = 128 high + low, |high| <= 
 #error "the native GGUF kernels need AVX-512 VNNI, or AVX2 with FMA and F16C"
 #endif
 
-enum { GROUP = 16, BYTES_4BIT = 320, BYTES_8BIT = 544, PREFETCH_BLOCKS = 32 };
+enum { GROUP = 16, BYTES_4BIT = 320, BYTES_8BIT = 544, BYTES_4BIT_K = 384, BYTES_8BIT_K = 768, PREFETCH_BLOCKS = 32 };
 /* Tokens one pass takes (a prompt is read in such chunks): a group's weights, read from memory for the
  * first, are still in cache for the others. */
 enum { MAX_BATCH = 16 };
-enum { KIND_4BIT = 0, KIND_8BIT = 1 };
+enum { KIND_4BIT = 0, KIND_8BIT = 1, KIND_4BIT_K = 2, KIND_8BIT_K = 3 };
 
 typedef struct { int kind, rows, cols; const uint8_t *data; } matrix;
 typedef struct {
-  const float *attn_norm, *ffn_norm;
+  const float *attn_norm, *ffn_norm, *qkv_bias;  /* qkv_bias: NULL, or q|k|v's biases (Qwen2) */
   int n_qkv, n_gate_up;  /* 1 where the parts are fused (one kind), else 3 and 2 */
   matrix qkv[3], gate_up[2], out, down;
 } layer;
 
-/* A vector quantized per block of 32: x = scale * (2^LOW_BITS * high + low), high int8, low uint8. */
-typedef struct { float *sum, *scale; int32_t *high_sum, *high, *low; } activations;
+/* A vector quantized per block of 32: x = scale * (2^LOW_BITS * high + low), high int8, low uint8; the
+ * sums of each block and of each half (half_sum, the 8-bit K offsets' terms) of x as quantized. */
+typedef struct { float *sum, *half_sum, *scale; int32_t *high_sum, *high, *low; } activations;
 
 typedef struct {
   int layers, dim, ffn, heads, kv_heads, head_dim, vocab_rows, context, threads;
+  int kv_half;  /* the KV cache in f16 (1) or f32 (0) */
+  int neox;     /* rotation of each head's halves (Qwen2, 1) or of adjacent pairs (Llama as GGUF stores it, 0) */
+  int positions;  /* the cache's positions: context rounded up to whole tiles of TILE */
   float rope_base, eps;
   layer *layer;
   matrix embedding, head;
   const float *out_norm;
-  /* MAX_BATCH rows each (one a token), but the KV cache and the scores (one row a head) */
-  float *k_cache, *v_cache, *x, *xn, *qkv, *attn, *proj, *gate_up, *hidden, *scores, *cos, *sin;
+  void *k_cache, *v_cache;  /* f16 or f32 (kv_half), laid out as `attend` reads them */
+  /* MAX_BATCH rows each (one a token), but the scores (one row of `positions` a thread) */
+  float *x, *xn, *qkv, *attn, *proj, *gate_up, *hidden, *scores, *cos, *sin;
   activations a_dim[MAX_BATCH], a_ffn[MAX_BATCH];
 } model;
 
@@ -71,11 +82,11 @@ static void *zeroed(size_t bytes) { void *p = aligned_alloc(64, (bytes + 63) / 6
 
 static int activations_new(activations *a, int n) {
   int blocks = n / 32;
-  a->sum = zeroed(blocks * 4); a->scale = zeroed(blocks * 4); a->high_sum = zeroed(blocks * 4);
+  a->sum = zeroed(blocks * 4); a->half_sum = zeroed(blocks * 8); a->scale = zeroed(blocks * 4); a->high_sum = zeroed(blocks * 4);
   a->high = zeroed(blocks * 32); a->low = zeroed(blocks * 32);
-  return a->sum && a->scale && a->high_sum && a->high && a->low;
+  return a->sum && a->half_sum && a->scale && a->high_sum && a->high && a->low;
 }
-static void activations_free(activations *a) { free(a->sum); free(a->scale); free(a->high_sum); free(a->high); free(a->low); }
+static void activations_free(activations *a) { free(a->sum); free(a->half_sum); free(a->scale); free(a->high_sum); free(a->high); free(a->low); }
 
 /* A block whose largest value is below this quantizes to zeros: QMAX / top would overflow to Inf (a
  * block of subnormal activations, e.g. a near-zero norm weight), and Inf x 0 is NaN, which converts to
@@ -88,6 +99,7 @@ static void quantize(activations *a, const float *x, int n) {
   for (int b = 0; b < n / 32; b++) {
     __m512 v0 = _mm512_loadu_ps(x + b * 32), v1 = _mm512_loadu_ps(x + b * 32 + 16);
     float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    a->half_sum[2 * b] = _mm512_reduce_add_ps(v0); a->half_sum[2 * b + 1] = _mm512_reduce_add_ps(v1);
     a->sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
     a->scale[b] = top / QMAX;
     __m512 inverse = _mm512_set1_ps(top > TINY ? (float)QMAX / top : 0.f);
@@ -106,8 +118,9 @@ static void quantize(activations *a, const float *x, int n) {
   for (int b = 0; b < n / 32; b++) {
     const float *v = x + b * 32;
     float top = 0, sum = 0;
-    for (int i = 0; i < 32; i++) { top = fmaxf(top, fabsf(v[i])); sum += v[i]; }
-    a->sum[b] = sum; a->scale[b] = top / QMAX;
+    float halves[2] = {0, 0};
+    for (int i = 0; i < 32; i++) { top = fmaxf(top, fabsf(v[i])); sum += v[i]; halves[i / 16] += v[i]; }
+    a->sum[b] = sum; a->half_sum[2 * b] = halves[0]; a->half_sum[2 * b + 1] = halves[1]; a->scale[b] = top / QMAX;
     float inverse = top > TINY ? QMAX / top : 0.f;
     int8_t *high = (int8_t *)(a->high + b * 8); uint8_t *low = (uint8_t *)(a->low + b * 8);
     int high_sum = 0;
@@ -126,12 +139,18 @@ static void prefetch(const uint8_t *p, int bytes) {
 }
 
 #if VNNI
-/* 16 rows of a 4-bit matrix times one token's activations (decoding). */
-static void group_4bit_one(const uint8_t *p, int blocks, const activations *a, float *y) {
+/* A group-block's 16 scales (or offsets) at p: f16, or f32 (K-quants). */
+static inline __m512 lanes16(const uint8_t *p, const int f32) {
+  return f32 ? _mm512_loadu_ps(p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* 16 rows of a 4-bit matrix times one token's activations (decoding); f32: the K group-block. */
+static inline __attribute__((always_inline)) void group_4bit_one_(const uint8_t *p, int blocks, const activations *a, float *y, const int f32) {
   __m512 acc = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(15);
-  for (int b = 0; b < blocks; b++, p += BYTES_4BIT) {
-    prefetch(p + PREFETCH_BLOCKS * BYTES_4BIT, BYTES_4BIT);
+  const int bytes = f32 ? BYTES_4BIT_K : BYTES_4BIT, offsets = f32 ? 320 : 288;
+  for (int b = 0; b < blocks; b++, p += bytes) {
+    prefetch(p + PREFETCH_BLOCKS * bytes, bytes);
     const int32_t *high = a->high + b * 8, *low = a->low + b * 8;
     __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
     for (int t = 0; t < 4; t++) {
@@ -143,9 +162,34 @@ static void group_4bit_one(const uint8_t *p, int blocks, const activations *a, f
       l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(low[2 * t + 1]), hi);
     }
     __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
-    __m512 scale = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256))), _mm512_set1_ps(a->scale[b]));
+    __m512 scale = _mm512_mul_ps(lanes16(p + 256, f32), _mm512_set1_ps(a->scale[b]));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
-    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288))), _mm512_set1_ps(a->sum[b]), acc);
+    acc = _mm512_fmadd_ps(lanes16(p + offsets, f32), _mm512_set1_ps(a->sum[b]), acc);
+  }
+  _mm512_storeu_ps(y, acc);
+}
+
+/* 16 rows of an 8-bit K matrix (unsigned values up to 63) times one token's activations: each half of a
+ * block its own integer dot product, scale and offset. */
+static void group_8bit_k_one(const uint8_t *p, int blocks, const activations *a, float *y) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int b = 0; b < blocks; b++, p += BYTES_8BIT_K) {
+    prefetch(p + PREFETCH_BLOCKS * BYTES_8BIT_K, BYTES_8BIT_K);
+    const int32_t *high = a->high + b * 8, *low = a->low + b * 8;
+    for (int half = 0; half < 2; half++) {
+      __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+      for (int j = 4 * half; j < 4 * half + 4; j += 2) {
+        __m512i w0 = _mm512_loadu_si512(p + 64 * j), w1 = _mm512_loadu_si512(p + 64 * (j + 1));
+        h0 = _mm512_dpbusd_epi32(h0, w0, _mm512_set1_epi32(high[j]));
+        h1 = _mm512_dpbusd_epi32(h1, w1, _mm512_set1_epi32(high[j + 1]));
+        l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(low[j]), w0);
+        l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(low[j + 1]), w1);
+      }
+      __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), LOW_BITS), _mm512_add_epi32(l0, l1));
+      __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(p + 512 + 64 * half), _mm512_set1_ps(a->scale[b]));
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+      acc = _mm512_fmadd_ps(_mm512_loadu_ps(p + 640 + 64 * half), _mm512_set1_ps(a->half_sum[2 * b + half]), acc);
+    }
   }
   _mm512_storeu_ps(y, acc);
 }
@@ -177,19 +221,19 @@ static void group_8bit_one(const uint8_t *p, int blocks, const activations *a, f
 /* 16 rows of a 4-bit matrix times n tokens' activations (a prompt; row i of the result at y + i * stride).
  * A block's weights are unpacked once for all n; each token's arithmetic is group_4bit_one's, in the same
  * order, so a prompt's logits are a decode's to the bit. */
-static void group_4bit_tokens(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+static inline __attribute__((always_inline)) void group_4bit_tokens_(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride, const int f32) {
   __m512 acc[MAX_BATCH];
   for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(15);
-  for (int b = 0; b < blocks; b++, p += BYTES_4BIT) {
-    prefetch(p + PREFETCH_BLOCKS * BYTES_4BIT, BYTES_4BIT);
+  const int bytes = f32 ? BYTES_4BIT_K : BYTES_4BIT;
+  for (int b = 0; b < blocks; b++, p += bytes) {
+    prefetch(p + PREFETCH_BLOCKS * bytes, bytes);
     __m512i lo[4], hi[4];
     for (int t = 0; t < 4; t++) {
       __m512i v = _mm512_loadu_si512(p + 64 * t);
       lo[t] = _mm512_and_si512(v, nibble); hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
     }
-    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 256)));
-    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 288)));
+    __m512 d = lanes16(p + 256, f32), m = lanes16(p + (f32 ? 320 : 288), f32);
     for (int i = 0; i < n; i++) {
       const int32_t *high = a[i].high + b * 8, *low = a[i].low + b * 8;
       __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
@@ -202,6 +246,34 @@ static void group_4bit_tokens(const uint8_t *p, int blocks, const activations *a
       __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a[i].scale[b])), acc[i]);
       acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(a[i].sum[b]), acc[i]);
+    }
+  }
+  for (int i = 0; i < n; i++) _mm512_storeu_ps(y + i * stride, acc[i]);
+}
+
+/* 16 rows of an 8-bit K matrix times n tokens' activations, as group_8bit_k_one computes each. */
+static void group_8bit_k_tokens(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+  __m512 acc[MAX_BATCH];
+  for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
+  for (int b = 0; b < blocks; b++, p += BYTES_8BIT_K) {
+    prefetch(p + PREFETCH_BLOCKS * BYTES_8BIT_K, BYTES_8BIT_K);
+    __m512i w[8];
+    for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(p + 64 * j);
+    __m512 d[2] = {_mm512_loadu_ps(p + 512), _mm512_loadu_ps(p + 576)}, m[2] = {_mm512_loadu_ps(p + 640), _mm512_loadu_ps(p + 704)};
+    for (int i = 0; i < n; i++) {
+      const int32_t *high = a[i].high + b * 8, *low = a[i].low + b * 8;
+      for (int half = 0; half < 2; half++) {
+        __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
+        for (int j = 4 * half; j < 4 * half + 4; j += 2) {
+          h0 = _mm512_dpbusd_epi32(h0, w[j], _mm512_set1_epi32(high[j]));
+          h1 = _mm512_dpbusd_epi32(h1, w[j + 1], _mm512_set1_epi32(high[j + 1]));
+          l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(low[j]), w[j]);
+          l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(low[j + 1]), w[j + 1]);
+        }
+        __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), LOW_BITS), _mm512_add_epi32(l0, l1));
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d[half], _mm512_set1_ps(a[i].scale[b])), acc[i]);
+        acc[i] = _mm512_fmadd_ps(m[half], _mm512_set1_ps(a[i].half_sum[2 * b + half]), acc[i]);
+      }
     }
   }
   for (int i = 0; i < n; i++) _mm512_storeu_ps(y + i * stride, acc[i]);
@@ -237,8 +309,16 @@ static void group_8bit_tokens(const uint8_t *p, int blocks, const activations *a
 /* One token (decoding) takes the kernel that keeps its accumulator in a register: the loop over tokens
  * halved decode speed where it ran for one. */
 static void group_4bit(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
-  if (n == 1) group_4bit_one(p, blocks, a, y);
-  else group_4bit_tokens(p, blocks, a, n, y, stride);
+  if (n == 1) group_4bit_one_(p, blocks, a, y, 0);
+  else group_4bit_tokens_(p, blocks, a, n, y, stride, 0);
+}
+static void group_4bit_k(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+  if (n == 1) group_4bit_one_(p, blocks, a, y, 1);
+  else group_4bit_tokens_(p, blocks, a, n, y, stride, 1);
+}
+static void group_8bit_k(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+  if (n == 1) group_8bit_k_one(p, blocks, a, y);
+  else group_8bit_k_tokens(p, blocks, a, n, y, stride);
 }
 static void group_8bit(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
   if (n == 1) group_8bit_one(p, blocks, a, y);
@@ -250,11 +330,17 @@ static void group_8bit(const uint8_t *p, int blocks, const activations *a, int n
  * 64-byte chunk of 16 rows is two 32-byte halves of 8 rows each. */
 static inline __m256i pairs_to_32(__m256i sums16) { return _mm256_madd_epi16(sums16, _mm256_set1_epi16(1)); }
 
-static void group_4bit_one(const uint8_t *p, int blocks, const activations *a, float *y) {
+/* 8 of a group-block's scales (or offsets) at p: f16, or f32 (K-quants). */
+static inline __m256 lanes8(const uint8_t *p, const int f32) {
+  return f32 ? _mm256_loadu_ps((const float *)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+static inline __attribute__((always_inline)) void group_4bit_one_(const uint8_t *p, int blocks, const activations *a, float *y, const int f32) {
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   const __m256i nibble = _mm256_set1_epi8(15);
-  for (int b = 0; b < blocks; b++, p += BYTES_4BIT) {
-    prefetch(p + PREFETCH_BLOCKS * BYTES_4BIT, BYTES_4BIT);
+  const int bytes = f32 ? BYTES_4BIT_K : BYTES_4BIT, width = f32 ? 4 : 2, offsets = f32 ? 320 : 288;
+  for (int b = 0; b < blocks; b++, p += bytes) {
+    prefetch(p + PREFETCH_BLOCKS * bytes, bytes);
     const int32_t *high = a->high + b * 8, *low = a->low + b * 8;
     __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, l[2] = {h[0], h[0]};
     for (int t = 0; t < 4; t++) {
@@ -270,9 +356,9 @@ static void group_4bit_one(const uint8_t *p, int blocks, const activations *a, f
     }
     for (int half = 0; half < 2; half++) {
       __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(h[half], LOW_BITS), l[half]);
-      __m256 scale = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 256 + 16 * half))), _mm256_set1_ps(a->scale[b]));
+      __m256 scale = _mm256_mul_ps(lanes8(p + 256 + 8 * width * half, f32), _mm256_set1_ps(a->scale[b]));
       acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
-      acc[half] = _mm256_fmadd_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 288 + 16 * half))), _mm256_set1_ps(a->sum[b]), acc[half]);
+      acc[half] = _mm256_fmadd_ps(lanes8(p + offsets + 8 * width * half, f32), _mm256_set1_ps(a->sum[b]), acc[half]);
     }
   }
   _mm256_storeu_ps(y, acc[0]); _mm256_storeu_ps(y + 8, acc[1]);
@@ -302,16 +388,51 @@ static void group_8bit_one(const uint8_t *p, int blocks, const activations *a, f
   _mm256_storeu_ps(y, acc[0]); _mm256_storeu_ps(y + 8, acc[1]);
 }
 
+/* 16 rows of an 8-bit K matrix (unsigned values up to 63: |pair sums| <= 2 * 63 * 127) times one token's
+ * activations, each half of a block with its own scale and offset. */
+static void group_8bit_k_one(const uint8_t *p, int blocks, const activations *a, float *y) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int b = 0; b < blocks; b++, p += BYTES_8BIT_K) {
+    prefetch(p + PREFETCH_BLOCKS * BYTES_8BIT_K, BYTES_8BIT_K);
+    const int32_t *high = a->high + b * 8, *low = a->low + b * 8;
+    for (int part = 0; part < 2; part++) {  /* elements 0-15, then 16-31 */
+      __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, l[2] = {h[0], h[0]};
+      for (int j = 4 * part; j < 4 * part + 4; j++) {
+        __m256i hj = _mm256_set1_epi32(high[j]), lj = _mm256_set1_epi32(low[j]);
+        for (int half = 0; half < 2; half++) {
+          __m256i w = _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * half));
+          h[half] = _mm256_add_epi32(h[half], pairs_to_32(_mm256_maddubs_epi16(w, hj)));
+          l[half] = _mm256_add_epi32(l[half], pairs_to_32(_mm256_maddubs_epi16(lj, w)));
+        }
+      }
+      for (int half = 0; half < 2; half++) {
+        __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(h[half], LOW_BITS), l[half]);
+        __m256 scale = _mm256_mul_ps(_mm256_loadu_ps((const float *)(p + 512 + 64 * part + 32 * half)), _mm256_set1_ps(a->scale[b]));
+        acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
+        acc[half] = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(p + 640 + 64 * part + 32 * half)), _mm256_set1_ps(a->half_sum[2 * b + part]), acc[half]);
+      }
+    }
+  }
+  _mm256_storeu_ps(y, acc[0]); _mm256_storeu_ps(y + 8, acc[1]);
+}
+
 /* A prompt's tokens one after the other: the group's weights stay in cache between them. */
 static void group_4bit(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
-  for (int i = 0; i < n; i++) group_4bit_one(p, blocks, &a[i], y + i * stride);
+  for (int i = 0; i < n; i++) group_4bit_one_(p, blocks, &a[i], y + i * stride, 0);
+}
+static void group_4bit_k(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+  for (int i = 0; i < n; i++) group_4bit_one_(p, blocks, &a[i], y + i * stride, 1);
+}
+static void group_8bit_k(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+  for (int i = 0; i < n; i++) group_8bit_k_one(p, blocks, &a[i], y + i * stride);
 }
 static void group_8bit(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
   for (int i = 0; i < n; i++) group_8bit_one(p, blocks, &a[i], y + i * stride);
 }
 #endif
 
-static size_t group_bytes(const matrix *w) { return (size_t)(w->cols / 32) * (w->kind == KIND_4BIT ? BYTES_4BIT : BYTES_8BIT); }
+static const int BLOCK_BYTES[] = {BYTES_4BIT, BYTES_8BIT, BYTES_4BIT_K, BYTES_8BIT_K};  /* by kind */
+static size_t group_bytes(const matrix *w) { return (size_t)(w->cols / 32) * BLOCK_BYTES[w->kind]; }
 
 /* Y = W A for n tokens' activations (row i of Y at y + i * stride), the row groups shared out among the
  * team's threads (inside a parallel region). */
@@ -320,8 +441,13 @@ static void matmul(const matrix *w, const activations *a, int n, float *y, int s
   size_t bytes = group_bytes(w);
   #pragma omp for schedule(static)
   for (int g = 0; g < groups; g++) {
-    if (w->kind == KIND_4BIT) group_4bit(w->data + g * bytes, blocks, a, n, y + g * GROUP, stride);
-    else group_8bit(w->data + g * bytes, blocks, a, n, y + g * GROUP, stride);
+    const uint8_t *p = w->data + g * bytes;
+    switch (w->kind) {
+      case KIND_4BIT: group_4bit(p, blocks, a, n, y + g * GROUP, stride); break;
+      case KIND_8BIT: group_8bit(p, blocks, a, n, y + g * GROUP, stride); break;
+      case KIND_4BIT_K: group_4bit_k(p, blocks, a, n, y + g * GROUP, stride); break;
+      default: group_8bit_k(p, blocks, a, n, y + g * GROUP, stride);
+    }
   }
 }
 
@@ -330,15 +456,19 @@ static void dequantized_row(const matrix *w, int r, float *out) {
   int blocks = w->cols / 32, lane = r % GROUP;
   const uint8_t *group = w->data + (size_t)(r / GROUP) * group_bytes(w);
   for (int b = 0; b < blocks; b++) {
-    if (w->kind == KIND_4BIT) {
-      const uint8_t *p = group + (size_t)b * BYTES_4BIT;
-      float d = _cvtsh_ss(*(const uint16_t *)(p + 256 + 2 * lane)), m = _cvtsh_ss(*(const uint16_t *)(p + 288 + 2 * lane));
+    const uint8_t *p = group + (size_t)b * BLOCK_BYTES[w->kind];
+    if (w->kind == KIND_8BIT_K) {
+      const float *d = (const float *)(p + 512), *m = (const float *)(p + 640);
+      for (int e = 0; e < 32; e++) out[b * 32 + e] = d[16 * (e / 16) + lane] * p[64 * (e / 4) + 4 * lane + e % 4] + m[16 * (e / 16) + lane];
+    } else if (w->kind == KIND_4BIT || w->kind == KIND_4BIT_K) {
+      int k = w->kind == KIND_4BIT_K;
+      float d = k ? ((const float *)(p + 256))[lane] : _cvtsh_ss(*(const uint16_t *)(p + 256 + 2 * lane));
+      float m = k ? ((const float *)(p + 320))[lane] : _cvtsh_ss(*(const uint16_t *)(p + 288 + 2 * lane));
       for (int e = 0; e < 32; e++) {
         uint8_t byte = p[64 * (e / 8) + 4 * lane + e % 4];
         out[b * 32 + e] = d * ((e % 8) < 4 ? byte & 15 : byte >> 4) + m;
       }
     } else {
-      const uint8_t *p = group + (size_t)b * BYTES_8BIT;
       float d = _cvtsh_ss(*(const uint16_t *)(p + 512 + 2 * lane));
       for (int e = 0; e < 32; e++) out[b * 32 + e] = d * (int8_t)p[64 * (e / 4) + 4 * lane + e % 4];
     }
@@ -351,13 +481,15 @@ static void rms_norm(float *out, const float *x, const float *w, int n, float ep
   for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-/* Llama's rotation as GGUF stores Q and K: adjacent pairs within each head. */
+/* Llama's rotation as GGUF stores Q and K: adjacent pairs within each head; Qwen2's (NEOX): element i
+with element i + head_dim / 2. */
 static void rope(const model *m, float *v, int heads, int token) {
-  const float *cos = m->cos + token * m->head_dim / 2, *sin = m->sin + token * m->head_dim / 2;
+  int half = m->head_dim / 2;
+  const float *cos = m->cos + token * half, *sin = m->sin + token * half;
   for (int h = 0; h < heads; h++)
-    for (int i = 0; i < m->head_dim / 2; i++) {
-      float *p = v + h * m->head_dim + 2 * i, a = p[0], b = p[1];
-      p[0] = a * cos[i] - b * sin[i]; p[1] = a * sin[i] + b * cos[i];
+    for (int i = 0; i < half; i++) {
+      float *p = v + h * m->head_dim + (m->neox ? i : 2 * i), *q = m->neox ? p + half : p + 1, a = *p, b = *q;
+      *p = a * cos[i] - b * sin[i]; *q = a * sin[i] + b * cos[i];
     }
 }
 
@@ -379,23 +511,108 @@ static float dot(const float *a, const float *b, int n) {
   return s;
 }
 
-/* One head of one token at `pos`: its query is row `token` of the QKV rows, its keys and values the
- * cache's positions 0 .. pos. */
-static void attention_head(const model *m, int l, int h, int token, int pos) {
-  int kv = m->kv_heads * m->head_dim, g = h / (m->heads / m->kv_heads), hd = m->head_dim;
-  const float *q = m->qkv + (size_t)token * (m->dim + 2 * kv) + h * hd;
-  float *scores = m->scores + (size_t)h * m->context, top = -INFINITY, total = 0, scale = 1.f / sqrtf((float)hd);
-  const float *keys = m->k_cache + (size_t)l * m->context * kv + g * hd, *values = m->v_cache + (size_t)l * m->context * kv + g * hd;
-  for (int t = 0; t <= pos; t++) {
-    scores[t] = dot(q, keys + (size_t)t * kv, hd) * scale;
-    top = fmaxf(top, scores[t]);
+/* The KV cache, per layer and key/value head: keys in tiles of TILE positions, dimension-major within
+ * a tile (a tile's TILE scores are the lanes of one vector: no horizontal sums), values position-major;
+ * f16 (half the bytes a token reads at long context) or f32. 256-bit vectors on both paths (Zen 4 and
+ * Intel's cores split 512-bit ones into two, so the lanes are as fast; F16C converts). */
+enum { TILE = 8 };
+
+static inline size_t cache_base(const model *m, int l, int g) { return ((size_t)l * m->kv_heads + g) * m->positions * m->head_dim; }
+static inline size_t key_at(const model *m, int t, int d) { return (size_t)(t / TILE) * m->head_dim * TILE + (size_t)d * TILE + t % TILE; }
+
+static inline __m256 load8(const void *p, size_t i, const int half) {
+  return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))) : _mm256_loadu_ps((const float *)p + i);
+}
+static inline float load1(const void *p, size_t i, const int half) { return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i]; }
+static inline void store1(void *p, size_t i, float v, const int half) {
+  if (half) ((uint16_t *)p)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); else ((float *)p)[i] = v;
+}
+
+/* e^x for x <= 0 (softmax's), 0 below -87: a degree-6 polynomial on [-ln2/2, ln2/2] times 2^n, within
+ * 2e-7 relative (libm's expf one value at a time was a tenth of a long prompt's time). */
+static inline __m256 exp8(__m256 x) {
+  __m256 gone = _mm256_cmp_ps(x, _mm256_set1_ps(-87.f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+  __m256 p = _mm256_set1_ps(1.f / 720);
+  const float c[] = {1.f / 120, 1.f / 24, 1.f / 6, 0.5f, 1.f, 1.f};
+  for (int k = 0; k < 6; k++) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c[k]));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(gone, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* Query `q`'s scores against a tile of keys (TILE lanes). */
+static inline __m256 tile_scores(const float *q, const void *tile, int hd, const int half) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int d = 0;
+  for (; d + 4 <= hd; d += 4) {
+    a0 = _mm256_fmadd_ps(_mm256_set1_ps(q[d]), load8(tile, (size_t)d * TILE, half), a0);
+    a1 = _mm256_fmadd_ps(_mm256_set1_ps(q[d + 1]), load8(tile, (size_t)(d + 1) * TILE, half), a1);
+    a2 = _mm256_fmadd_ps(_mm256_set1_ps(q[d + 2]), load8(tile, (size_t)(d + 2) * TILE, half), a2);
+    a3 = _mm256_fmadd_ps(_mm256_set1_ps(q[d + 3]), load8(tile, (size_t)(d + 3) * TILE, half), a3);
   }
-  for (int t = 0; t <= pos; t++) { scores[t] = expf(scores[t] - top); total += scores[t]; }
-  float *out = m->attn + (size_t)token * m->dim + h * hd;
-  for (int i = 0; i < hd; i++) out[i] = 0;
-  for (int t = 0; t <= pos; t++) {
-    float p = scores[t] / total;
-    for (int i = 0; i < hd; i++) out[i] += p * values[(size_t)t * kv + i];
+  for (; d < hd; d++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(q[d]), load8(tile, (size_t)d * TILE, half), a0);
+  return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
+}
+
+static inline float sum8(__m256 v) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q)); q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+
+/* Head h of token `token` (at position pos + token): its query is row `token` of the QKV rows, its keys
+ * and values the cache's positions 0 .. pos + token; `scores` one row of `positions` floats. */
+static inline __attribute__((always_inline)) void attend(const model *m, int l, int h, int token, int pos, float *scores, const int half) {
+  int hd = m->head_dim, g = h / (m->heads / m->kv_heads), count = pos + token + 1, tiles = (count + TILE - 1) / TILE;
+  const float *q = m->qkv + (size_t)token * (m->dim + 2 * m->kv_heads * hd) + h * hd;
+  size_t base = cache_base(m, l, g);
+  const char *keys = (const char *)m->k_cache + base * (half ? 2 : 4), *values = (const char *)m->v_cache + base * (half ? 2 : 4);
+  __m256 scale = _mm256_set1_ps(1.f / sqrtf((float)hd)), top = _mm256_set1_ps(-INFINITY), total = _mm256_setzero_ps();
+  for (int t = 0; t < tiles; t++)
+    _mm256_storeu_ps(scores + t * TILE, _mm256_mul_ps(tile_scores(q, keys + (size_t)t * hd * TILE * (half ? 2 : 4), hd, half), scale));
+  for (int t = count; t < tiles * TILE; t++) scores[t] = -INFINITY;  /* the last tile's positions past this token's */
+  for (int t = 0; t < tiles; t++) top = _mm256_max_ps(top, _mm256_loadu_ps(scores + t * TILE));
+  float highest = top[0];
+  for (int k = 1; k < TILE; k++) highest = fmaxf(highest, top[k]);
+  for (int t = 0; t < tiles; t++) {
+    __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(scores + t * TILE), _mm256_set1_ps(highest)));
+    _mm256_storeu_ps(scores + t * TILE, e); total = _mm256_add_ps(total, e);
+  }
+  float inverse = 1.f / sum8(total), *out = m->attn + (size_t)token * m->dim + h * hd;
+  int d = 0;
+  for (; d + 8 <= hd; d += 8) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    int t = 0;
+    for (; t + 4 <= count; t += 4) {
+      a0 = _mm256_fmadd_ps(_mm256_set1_ps(scores[t]), load8(values, (size_t)t * hd + d, half), a0);
+      a1 = _mm256_fmadd_ps(_mm256_set1_ps(scores[t + 1]), load8(values, (size_t)(t + 1) * hd + d, half), a1);
+      a2 = _mm256_fmadd_ps(_mm256_set1_ps(scores[t + 2]), load8(values, (size_t)(t + 2) * hd + d, half), a2);
+      a3 = _mm256_fmadd_ps(_mm256_set1_ps(scores[t + 3]), load8(values, (size_t)(t + 3) * hd + d, half), a3);
+    }
+    for (; t < count; t++) a0 = _mm256_fmadd_ps(_mm256_set1_ps(scores[t]), load8(values, (size_t)t * hd + d, half), a0);
+    _mm256_storeu_ps(out + d, _mm256_mul_ps(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)), _mm256_set1_ps(inverse)));
+  }
+  for (; d < hd; d++) {
+    float sum = 0;
+    for (int t = 0; t < count; t++) sum += scores[t] * load1(values, (size_t)t * hd + d, half);
+    out[d] = sum * inverse;
+  }
+}
+static void attend_f16(const model *m, int l, int h, int token, int pos, float *scores) { attend(m, l, h, token, pos, scores, 1); }
+static void attend_f32(const model *m, int l, int h, int token, int pos, float *scores) { attend(m, l, h, token, pos, scores, 0); }
+
+/* Row `token`'s keys and values (rotated) into the cache at position `at`. */
+static void cache_store(model *m, int l, const float *row, int at) {
+  int hd = m->head_dim, kv = m->kv_heads * hd;
+  for (int g = 0; g < m->kv_heads; g++) {
+    size_t base = cache_base(m, l, g);
+    for (int d = 0; d < hd; d++) {
+      store1(m->k_cache, base + key_at(m, at, d), row[m->dim + g * hd + d], m->kv_half);
+      store1(m->v_cache, base + (size_t)at * hd + d, row[m->dim + kv + g * hd + d], m->kv_half);
+    }
   }
 }
 
@@ -413,20 +630,24 @@ static void normed(model *m, const float *weight, int n) {
 
 static void layer_step(model *m, int l, int n, int pos) {
   const layer *y = &m->layer[l];
-  int kv = m->kv_heads * m->head_dim, qkv = m->dim + 2 * kv;
+  int qkv = m->dim + 2 * m->kv_heads * m->head_dim;
   #pragma omp single
   normed(m, y->attn_norm, n);
   matmul_parts(y->qkv, y->n_qkv, m->a_dim, n, m->qkv, qkv);
   #pragma omp single
   for (int i = 0; i < n; i++) {
     float *row = m->qkv + (size_t)i * qkv;
+    if (y->qkv_bias) for (int j = 0; j < qkv; j++) row[j] += y->qkv_bias[j];
     rope(m, row, m->heads, i); rope(m, row + m->dim, m->kv_heads, i);
-    memcpy(m->k_cache + ((size_t)l * m->context + pos + i) * kv, row + m->dim, kv * sizeof(float));
-    memcpy(m->v_cache + ((size_t)l * m->context + pos + i) * kv, row + m->dim + kv, kv * sizeof(float));
+    cache_store(m, l, row, pos + i);
   }
+  /* every (head, token) pair its own item: 9 heads shared by 2 threads leave neither idle */
+  float *scores = m->scores + (size_t)omp_get_thread_num() * m->positions;
   #pragma omp for schedule(static)
-  for (int h = 0; h < m->heads; h++)
-    for (int i = 0; i < n; i++) attention_head(m, l, h, i, pos + i);
+  for (int p = 0; p < m->heads * n; p++) {
+    if (m->kv_half) attend_f16(m, l, p / n, p % n, pos, scores);
+    else attend_f32(m, l, p / n, p % n, pos, scores);
+  }
   #pragma omp single
   for (int i = 0; i < n; i++) quantize(&m->a_dim[i], m->attn + (size_t)i * m->dim, m->dim);
   matmul(&y->out, m->a_dim, n, m->proj, m->dim);
@@ -483,7 +704,8 @@ void ng_step(model *m, int token, int pos, float *logits) { ng_forward(m, &token
 void ng_free(model *m) {
   if (!m) return;
   for (int i = 0; i < MAX_BATCH; i++) { activations_free(&m->a_dim[i]); activations_free(&m->a_ffn[i]); }
-  float *buffers[] = {m->k_cache, m->v_cache, m->x, m->xn, m->qkv, m->attn, m->proj, m->gate_up, m->hidden, m->scores, m->cos, m->sin};
+  free(m->k_cache); free(m->v_cache);
+  float *buffers[] = {m->x, m->xn, m->qkv, m->attn, m->proj, m->gate_up, m->hidden, m->scores, m->cos, m->sin};
   for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) free(buffers[i]);
   free(m->layer); free(m);
 }
@@ -501,25 +723,31 @@ void ng_free(model *m) {
  *    NaN; a base below 1 makes frequencies above 1 and Inf angles).
  * 4. Tensors: each layer's q [dim rows], k and v [kv_heads * head_dim rows], out [dim rows], gate and up
  *    [ffn rows] of dim columns, down [dim rows] of ffn columns; embedding and head [vocab_rows rows] of
- *    dim columns; attn_norm, ffn_norm and out_norm `dim` finite floats each. Matrices are Q4_0, Q4_1 or
- *    Q8_0 repacked as the header describes (KIND_4BIT / KIND_8BIT, group-blocks of 320 / 544 bytes,
- *    rows / 16 groups of cols / 32 blocks), and live until ng_free.
+ *    dim columns; attn_norm, ffn_norm and out_norm `dim` finite floats each; a Qwen2 layer's q|k|v bias
+ *    (ng_layer_bias) dim + 2 x kv_heads x head_dim finite floats, none elsewhere. Matrices are Q4_0,
+ *    Q4_1, Q8_0, Q4_K, Q5_K or Q6_K (K-quants' rows whole 256-value super-blocks) repacked as the header
+ *    describes (KIND_4BIT / KIND_8BIT / KIND_4BIT_K / KIND_8BIT_K, group-blocks of 320 / 544 / 384 / 768
+ *    bytes, rows / 16 groups of cols / 32 blocks; 8-bit K values at most 63), and live until ng_free.
  * 5. The file's tensor data lay inside the file, aligned to its general.alignment, none overlapping.
- * 6. Block scales (and Q4_1's offsets, Q4_0's -8 x scale) are finite f16 numbers.
- * 7. The KV cache (2 x layers x context x kv_heads x head_dim floats) fits the machine's memory.
+ * 6. Block scales (and Q4_1's offsets, Q4_0's -8 x scale, the K-quants' super-block scales and mins) are
+ *    finite f16 numbers.
+ * 7. The KV cache (2 x layers x positions x kv_heads x head_dim values of 2 bytes, kv_half, or 4) fits
+ *    the machine's memory.
  * NULL where memory runs out. */
-model *ng_new(int layers, int dim, int ffn, int heads, int kv_heads, int vocab_rows, int context, float rope_base, float eps, int threads) {
+model *ng_new(int layers, int dim, int ffn, int heads, int kv_heads, int vocab_rows, int context, float rope_base, float eps,
+              int threads, int kv_half, int neox) {
   model *m = calloc(1, sizeof(model));
   if (!m) return NULL;
   *m = (model){.layers = layers, .dim = dim, .ffn = ffn, .heads = heads, .kv_heads = kv_heads, .head_dim = dim / heads,
-               .vocab_rows = vocab_rows, .context = context, .threads = threads, .rope_base = rope_base, .eps = eps};
-  size_t kv = (size_t)kv_heads * m->head_dim, cache = (size_t)layers * context * kv * sizeof(float);
+               .vocab_rows = vocab_rows, .context = context, .threads = threads, .rope_base = rope_base, .eps = eps,
+               .kv_half = kv_half != 0, .neox = neox != 0, .positions = (context + TILE - 1) / TILE * TILE};
+  size_t kv = (size_t)kv_heads * m->head_dim, cache = (size_t)layers * m->positions * kv * (m->kv_half ? 2 : 4);
   m->layer = calloc(layers, sizeof(layer));
   m->k_cache = zeroed(cache); m->v_cache = zeroed(cache);
   size_t rows = MAX_BATCH * sizeof(float);
   m->x = zeroed(dim * rows); m->xn = zeroed(dim * rows); m->attn = zeroed(dim * rows); m->proj = zeroed(dim * rows);
   m->qkv = zeroed((dim + 2 * kv) * rows); m->gate_up = zeroed(2 * (size_t)ffn * rows); m->hidden = zeroed((size_t)ffn * rows);
-  m->scores = zeroed((size_t)heads * context * 4); m->cos = zeroed(m->head_dim / 2 * rows); m->sin = zeroed(m->head_dim / 2 * rows);
+  m->scores = zeroed((size_t)threads * m->positions * 4); m->cos = zeroed(m->head_dim / 2 * rows); m->sin = zeroed(m->head_dim / 2 * rows);
   int ok = m->layer && m->k_cache && m->v_cache && m->x && m->xn && m->attn && m->proj && m->qkv && m->gate_up &&
            m->hidden && m->scores && m->cos && m->sin;
   for (int i = 0; i < MAX_BATCH; i++) ok = ok && activations_new(&m->a_dim[i], dim) && activations_new(&m->a_ffn[i], ffn);
@@ -541,6 +769,9 @@ void ng_layer(model *m, int l, const float *attn_norm, const float *ffn_norm, co
   for (int p = 0; p < y->n_gate_up; p++, i++) y->gate_up[p] = (matrix){kinds[i], rows[i], m->dim, data[i]};
   y->down = (matrix){kinds[i], rows[i], m->ffn, data[i]};
 }
+
+/* Layer l's q|k|v biases (dim + 2 x kv_heads x head_dim floats, live until ng_free), added before the rotation. */
+void ng_layer_bias(model *m, int l, const float *qkv_bias) { m->layer[l].qkv_bias = qkv_bias; }
 
 void ng_head(model *m, const float *out_norm, int embedding_kind, const uint8_t *embedding, int head_kind, const uint8_t *head) {
   m->out_norm = out_norm;

@@ -1,9 +1,10 @@
 """A GGUF file in the native kernels: its hyperparameters checked, its blocks repacked 16 rows to a
 group (kernels.c gives the layout; the bytes per weight stay the file's), and one decoding step.
 
-What it carries as it is: a Llama whose matrices are Q4_0, Q4_1 or Q8_0 (mixed freely) and whose
-norms are F32 or F16. Anything else is named before a byte is repacked (`uncarried`, and contract.py:
-every value kernels.c reads, checked before any of it reaches C).
+What it carries as it is: a Llama or a Qwen2 whose matrices are Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K
+(mixed freely) and whose norms (and Qwen2's biases) are F32 or F16. Anything else is named before a
+byte is repacked (`uncarried`, and contract.py: every value kernels.c reads, checked before any of it
+reaches C).
 """
 
 from __future__ import annotations
@@ -24,15 +25,19 @@ from engines.native_gguf.contract import (  # noqa: F401 (the module's interface
 )
 from engines.openvino.genai_gguf import GGUFTensor, named, open_reader, outside
 
-ARCHITECTURES = ("llama",)
+ARCHITECTURES = contract.ARCHITECTURES
 # GGUF types of matrices carried as they are, and what each becomes (the manifest's record).
 CARRIED = {
     "Q4_0": "4-bit groups of 16 rows, the file's f16 scale, offset -8 x scale (exact)",
     "Q4_1": "4-bit groups of 16 rows, the file's f16 scale and offset (exact)",
     "Q8_0": "8-bit groups of 16 rows, the file's f16 scale (exact)",
+    "Q4_K": "4-bit groups of 16 rows, each sub-block's scale and min as f32 (exact)",
+    "Q5_K": "5-bit values in 8-bit groups of 16 rows, each sub-block's scale and min as f32 (exact)",
+    "Q6_K": "6-bit values in 8-bit groups of 16 rows, each 16-value sub-block's scale as f32 (exact)",
 }
-KIND_4BIT, KIND_8BIT = 0, 1
+KIND_4BIT, KIND_8BIT, KIND_4BIT_K, KIND_8BIT_K = 0, 1, 2, 3
 GROUP = 16
+QK_K = 256
 
 
 def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
@@ -64,6 +69,12 @@ def repacked(t) -> tuple[int, np.ndarray]:
     if kind == "Q4_1":
         blocks = raw.reshape(raw.shape[0], -1, 20)
         return KIND_4BIT, _groups_4bit(blocks[..., 4:], blocks[..., 0:2], blocks[..., 2:4])
+    if kind in K_QUANTS:
+        values, scale, offset = K_QUANTS[kind](raw.reshape(raw.shape[0], -1, contract.BLOCK_BYTES[kind]))
+        if kind == "Q4_K":
+            as_bytes = [np.ascontiguousarray(a, np.float32)[..., None].view(np.uint8) for a in (scale, offset)]
+            return KIND_4BIT_K, _groups_4bit(_nibbles(values), *as_bytes)
+        return KIND_8BIT_K, _groups_8bit_k(values, scale, offset)
     if kind == "Q4_0":  # d * (q - 8) is d * q + m with m = -8d, exact in f16 (a power of two)
         blocks = raw.reshape(raw.shape[0], -1, 18)
         d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
@@ -74,17 +85,101 @@ def repacked(t) -> tuple[int, np.ndarray]:
     raise NativeModelError(f"{t.name} is {kind}; the native GGUF kernels carry {', '.join(CARRIED)}")
 
 
+def _nibbles(values: np.ndarray) -> np.ndarray:
+    """[rows, blocks, 32] values 0..15 -> [rows, blocks, 16] bytes as Q4_0 / Q4_1 hold them."""
+    return (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8)
+
+
+def _q4_k(blocks: np.ndarray):
+    """Q4_K super-blocks [rows, n, 144] (f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 bytes of
+    nibbles: chunk j's 32 bytes hold sub-block 2j in their low nibbles, 2j + 1 in their high ones) ->
+    (values [rows, 8n, 32] 0..15, scales and offsets [rows, 8n] f32, exact: d x sc - dmin x m per value)."""
+    d, dmin = (blocks[..., at : at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
+    sc, mn = _scales_and_mins(blocks[..., 4:16])
+    qs = blocks[..., 16:144].reshape(*blocks.shape[:2], 4, 32)
+    values = np.stack([qs & 15, qs >> 4], axis=-2).reshape(*blocks.shape[:2], 8, 32)
+    return _per_block(values), _per_block(d * sc), _per_block(-(dmin * mn))
+
+
+def _q5_k(blocks: np.ndarray):
+    """Q5_K super-blocks [rows, n, 176]: Q4_K's header, 32 bytes of fifth bits (bit 2j of byte l is
+    sub-block 2j's value l's, bit 2j + 1 sub-block 2j + 1's), then Q4_K's nibbles."""
+    d, dmin = (blocks[..., at : at + 2].copy().view(np.float16).astype(np.float32) for at in (0, 2))
+    sc, mn = _scales_and_mins(blocks[..., 4:16])
+    qh = blocks[..., 16:48]
+    qs = blocks[..., 48:176].reshape(*blocks.shape[:2], 4, 32)
+    low = np.stack([qs & 15, qs >> 4], axis=-2).reshape(*blocks.shape[:2], 8, 32)
+    fifth = np.stack([(qh >> bit) & 1 for bit in range(8)], axis=-2)  # [rows, n, 8 sub-blocks, 32]
+    return _per_block(low | (fifth << 4)), _per_block(d * sc), _per_block(-(dmin * mn))
+
+
+def _q6_k(blocks: np.ndarray):
+    """Q6_K super-blocks [rows, n, 210] (128 bytes of low nibbles, 64 of high bit pairs, 16 int8 scales of
+    16-value sub-blocks, f16 d), as unsigned 0..63 values with scale d x sc and offset -32 d x sc (exact)."""
+    rows, n = blocks.shape[:2]
+    ql = blocks[..., :128].reshape(rows, n, 2, 2, 32)  # half, first / second 32 bytes, l
+    qh = blocks[..., 128:192].reshape(rows, n, 2, 32)
+    parts = [
+        (ql[..., 0, :] & 15) | (((qh >> 0) & 3) << 4),
+        (ql[..., 1, :] & 15) | (((qh >> 2) & 3) << 4),
+        (ql[..., 0, :] >> 4) | (((qh >> 4) & 3) << 4),
+        (ql[..., 1, :] >> 4) | (((qh >> 6) & 3) << 4),
+    ]
+    values = np.stack(parts, axis=-2).reshape(rows, n * 8, 32)  # element 128 half + 32 part + l
+    sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float32)  # [rows, n, 16]
+    d = blocks[..., 208:210].copy().view(np.float16).astype(np.float32)
+    scale = (d * sc).reshape(rows, n * 8, 2)
+    return values.astype(np.uint8), scale, -32 * scale
+
+
+def _scales_and_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins (sub-blocks 0-3 in the low 6 bits of
+    bytes 0-3 and 4-7; 4-7 in the nibbles of bytes 8-11, their top 2 bits in the top of bytes 0-7)."""
+    q = packed.astype(np.uint8)
+    sc = np.concatenate([q[..., 0:4] & 63, (q[..., 8:12] & 15) | ((q[..., 0:4] >> 6) << 4)], axis=-1)
+    mn = np.concatenate([q[..., 4:8] & 63, (q[..., 8:12] >> 4) | ((q[..., 4:8] >> 6) << 4)], axis=-1)
+    return sc.astype(np.float32), mn.astype(np.float32)
+
+
+def _per_block(a: np.ndarray) -> np.ndarray:
+    """[rows, n super-blocks, 8, ...] -> [rows, 8n, ...]."""
+    return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
+
+
+K_QUANTS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+
+
+def _groups_8bit_k(values: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """[rows, blocks, 32] unsigned values and f32 scales and offsets per block [rows, blocks] or per half
+    [rows, blocks, 2] -> [groups, blocks, 768] bytes (kernels.c's 8-bit K group-block)."""
+    rows, count = values.shape[:2]
+    groups = rows // GROUP
+    packed = (
+        values.astype(np.uint8).reshape(groups, GROUP, count, 8, 4).transpose(0, 2, 3, 1, 4).reshape(groups, count, 512)
+    )
+    lanes = []
+    for a in (scale, offset):
+        halves = np.broadcast_to(a.reshape(rows, count, -1), (rows, count, 2)).astype(np.float32)
+        lanes.append(
+            halves.reshape(groups, GROUP, count, 2).transpose(0, 2, 3, 1).reshape(groups, count, 32).view(np.uint8)
+        )
+    return np.ascontiguousarray(np.concatenate([packed, *lanes], axis=-1))
+
+
 def _groups_4bit(qs: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
     """[rows, blocks, 16] nibbles (ggml: element e < 16 in byte e's low nibble, e >= 16 in byte e-16's
-    high one) and [rows, blocks, 2] f16 scales and offsets -> [groups, blocks, 320] bytes."""
+    high one) and [rows, blocks, w] scales and offsets (w = 2: f16, 4: f32 as bytes) -> [groups, blocks,
+    256 + 32w] bytes."""
     rows, blocks = qs.shape[:2]
     groups = rows // GROUP
     values = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [rows, blocks, 32], element order
     values = values.reshape(groups, GROUP, blocks, 4, 2, 4)  # group, lane, block, t, low/high, k
     packed = (values[..., 0, :] | (values[..., 1, :] << 4)).astype(np.uint8)
     packed = packed.transpose(0, 2, 3, 1, 4).reshape(groups, blocks, 256)
+    width = scale.shape[-1]
     lanes = [
-        a.reshape(groups, GROUP, blocks, 2).transpose(0, 2, 1, 3).reshape(groups, blocks, 32) for a in (scale, offset)
+        a.reshape(groups, GROUP, blocks, width).transpose(0, 2, 1, 3).reshape(groups, blocks, 16 * width)
+        for a in (scale, offset)
     ]
     return np.ascontiguousarray(np.concatenate([packed, *lanes], axis=-1))
 
@@ -109,8 +204,9 @@ def _library() -> ctypes.CDLL:
     lib = build.load()
     p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     lib.ng_new.restype = p
-    lib.ng_new.argtypes = [i, i, i, i, i, i, i, f, f, i]
+    lib.ng_new.argtypes = [i, i, i, i, i, i, i, f, f, i, i, i]
     lib.ng_layer.argtypes = [p, i, p, p, p, p, p]
+    lib.ng_layer_bias.argtypes = [p, i, p]
     lib.ng_head.argtypes = [p, p, i, p, i, p]
     lib.ng_step.argtypes = [p, i, i, p]
     lib.ng_forward.argtypes = [p, p, i, i, p, i]
@@ -130,7 +226,7 @@ def kernel_path() -> str:
 class NativeGGUF:
     """One sequence's decoder over `path`'s blocks: step(token, position) -> the next token's logits."""
 
-    def __init__(self, path: str | Path, context: int = 0, threads: int = 0):
+    def __init__(self, path: str | Path, context: int = 0, threads: int = 0, kv_cache: str = "f16"):
         reader = open_reader(Path(path))
         arch = field(reader, "general.architecture", "")
         tensors = {t.name: t for t in reader.tensors}
@@ -142,14 +238,16 @@ class NativeGGUF:
         self.hyper = h = contract.checked(reader)  # everything kernels.c reads, but the scales (repacking's)
         self.context = contract.context_positions(context, h)
         self.threads = contract.thread_count(threads or usable_cores())
-        contract.check_memory(h, self.context)
+        self.kv_bytes = contract.kv_bytes(kv_cache)
+        contract.check_memory(h, self.context, self.kv_bytes)
         self._keep: list[np.ndarray] = []  # the arrays the C side points into
         self.weight_bytes_per_token = 0  # every matrix a step reads (the embedding gives one row)
         self._lib = _library()
         rows = h.vocab_rows
         handle = self._lib.ng_new(
-            h.layers, h.dim, h.ffn, h.heads, h.kv_heads, rows, self.context, h.rope_base, h.eps, self.threads
-        )
+            h.layers, h.dim, h.ffn, h.heads, h.kv_heads, rows, self.context, h.rope_base, h.eps, self.threads,
+            int(self.kv_bytes == 2), int(h.neox),
+        )  # fmt: skip
         if not handle:
             raise NativeModelError(f"out of memory for a KV cache of {self.context} positions")
         self._model = handle
@@ -172,6 +270,10 @@ class NativeGGUF:
         pointers = (ctypes.c_void_p * n)(*[self._pointer(data) for _, _, data in matrices])
         norms = [self._pointer(_vector(tensors[f"blk.{layer}.{n}.weight"], self.hyper)) for n in contract.LAYER_NORMS]
         self._lib.ng_layer(self._model, layer, *norms, kinds, rows, pointers)
+        biases = [tensors.get(f"blk.{layer}.{name}.bias") for name in contract.BIASED]
+        if any(b is not None for b in biases):  # Qwen2: q, k and v each have one (contract.check_tensors)
+            fused = np.concatenate([contract.check_bias(b.name, np.asarray(b.data)) for b in biases])
+            self._lib.ng_layer_bias(self._model, layer, self._pointer(np.ascontiguousarray(fused, np.float32)))
 
     @staticmethod
     def _layer_matrices(tensors: dict, layer: int) -> list[tuple[int, int, np.ndarray]]:

@@ -164,7 +164,7 @@ class NativeGGUFRunner:
 
     def kv_shape(self) -> KVShape:
         h = self.model.hyper
-        return KVShape(h.layers, h.kv_heads, h.head_dim, 4)
+        return KVShape(h.layers, h.kv_heads, h.head_dim, self.model.kv_bytes)
 
 
 def penalized(logits: np.ndarray, sampling: Sampling, seen: np.ndarray, in_prompt: np.ndarray) -> np.ndarray:

@@ -4,10 +4,10 @@ metadata keys, Llama's Q/K rows permuted for its rotary layout, Gemma's norm wei
 1 + w, the BPE vocabulary, merges and chat template in the tokenizer keys.
 
 Quantization: the `gguf` package quantizes Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 itself but only
-dequantizes K-quants, so Q4_K and Q6_K are written here (q4_k_blocks, q6_k_blocks: llama.cpp's block layout, a plain
-min/max fit per 32-value sub-block rather than its search). As llama.cpp does, a tensor whose rows
-do not fill whole K-quant super-blocks (256 values) falls back (Q4_K to Q5_0, Q6_K to Q8_0), and
-norms and biases stay F32.
+dequantizes K-quants, so Q4_K, Q5_K and Q6_K are written here (q4_k_blocks, q5_k_blocks, q6_k_blocks:
+llama.cpp's block layout, a plain min/max fit per 32-value sub-block rather than its search). As
+llama.cpp does, a tensor whose rows do not fill whole K-quant super-blocks (256 values) falls back
+(Q4_K to Q5_0, Q5_K to Q5_1, Q6_K to Q8_0), and norms and biases stay F32.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _file_type(qtype) -> int:
     says the file is quantized): the type's MOSTLY_ value, Q4_K_M for K-quants and mixed files."""
     import gguf
 
-    name = "Q4_K_M" if callable(qtype) or qtype == "Q4_K" else qtype
+    name = "Q4_K_M" if callable(qtype) or qtype == "Q4_K" else {"Q5_K": "Q5_K_M"}.get(qtype, qtype)
     return int(gguf.LlamaFileType[f"MOSTLY_{name}"]) if name not in ("F32",) else int(gguf.LlamaFileType.ALL_F32)
 
 
@@ -143,7 +143,7 @@ def _add_tensor(writer, name: str, data: np.ndarray, qtype: str) -> None:
     if data.shape[-1] % block:  # llama.cpp's fallback for rows a K-quant super-block does not fit
         qtype = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}.get(qtype, "Q8_0")
         kind = getattr(gguf.GGMLQuantizationType, qtype)
-    own = {"Q4_K": q4_k_blocks, "Q6_K": q6_k_blocks}
+    own = {"Q4_K": q4_k_blocks, "Q5_K": q5_k_blocks, "Q6_K": q6_k_blocks}
     packed = own[qtype](data) if qtype in own else gguf.quants.quantize(data, kind)
     writer.add_tensor(name, packed, raw_dtype=kind)
 
@@ -151,10 +151,21 @@ def _add_tensor(writer, name: str, data: np.ndarray, qtype: str) -> None:
 def q4_k_blocks(data: np.ndarray) -> np.ndarray:
     """Q4_K, llama.cpp's block_q4_K: per 256 values an f16 scale d and min dmin, 8 sub-blocks of 32
     with 6-bit scale and min (packed in 12 bytes), 4-bit values; x = d * sc * q - dmin * m."""
+    return _k_blocks(data, 15)
+
+
+def q5_k_blocks(data: np.ndarray) -> np.ndarray:
+    """Q5_K, llama.cpp's block_q5_K: Q4_K's header, then 32 bytes of fifth bits (bit s of byte l is
+    sub-block s's value l's) and Q4_K's nibbles; x = d * sc * q - dmin * m with q 0..31."""
+    return _k_blocks(data, 31)
+
+
+def _k_blocks(data: np.ndarray, top: int) -> np.ndarray:
+    """Q4_K (top 15) or Q5_K (top 31) super-blocks of `data`'s rows."""
     rows = data.reshape(-1, QK_K).astype(np.float32)
     sub = rows.reshape(len(rows), 8, 32)
     low = np.minimum(sub.min(axis=-1), 0.0)  # the offset is a min <= 0, as llama.cpp's
-    scale = (sub.max(axis=-1) - low) / 15.0
+    scale = (sub.max(axis=-1) - low) / top
     d = np.maximum(scale.max(axis=-1), 1e-12) / 63.0
     dmin = np.maximum((-low).max(axis=-1), 1e-12) / 63.0
     d16, dmin16 = d.astype(np.float16), dmin.astype(np.float16)
@@ -162,7 +173,7 @@ def q4_k_blocks(data: np.ndarray) -> np.ndarray:
     mn = np.clip(np.rint(-low / _nonzero(dmin16)[:, None]), 0, 63).astype(np.uint8)
     step = (d16.astype(np.float32)[:, None] * sc)[..., None]
     offset = (dmin16.astype(np.float32)[:, None] * mn)[..., None]
-    q = np.clip(np.rint((sub + offset) / np.where(step > 0, step, 1.0)), 0, 15).astype(np.uint8)
+    q = np.clip(np.rint((sub + offset) / np.where(step > 0, step, 1.0)), 0, top).astype(np.uint8)
     packed_scales = np.concatenate(
         [
             sc[:, :4] | ((sc[:, 4:] >> 4) << 6),
@@ -171,11 +182,13 @@ def q4_k_blocks(data: np.ndarray) -> np.ndarray:
         ],
         axis=-1,
     ).astype(np.uint8)
-    qs = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(len(rows), 128)  # sub-block 2j low nibbles, 2j+1 high
-    blocks = np.concatenate(
-        [d16[:, None].view(np.uint8), dmin16[:, None].view(np.uint8), packed_scales, qs], axis=-1
-    ).astype(np.uint8)
-    return blocks.reshape(*data.shape[:-1], data.shape[-1] // QK_K * 144)
+    low = q & 15
+    qs = (low[:, 0::2] | (low[:, 1::2] << 4)).reshape(len(rows), 128)  # sub-block 2j low nibbles, 2j+1 high
+    head = [d16[:, None].view(np.uint8), dmin16[:, None].view(np.uint8), packed_scales]
+    if top > 15:  # Q5_K: each value's fifth bit, sub-block s in bit s
+        head.append(sum((q[:, s] >> 4).astype(np.uint8) << s for s in range(8)).astype(np.uint8))
+    blocks = np.concatenate([*head, qs], axis=-1).astype(np.uint8)
+    return blocks.reshape(*data.shape[:-1], data.shape[-1] // QK_K * blocks.shape[-1])
 
 
 def q6_k_blocks(data: np.ndarray) -> np.ndarray:
