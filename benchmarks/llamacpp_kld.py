@@ -60,7 +60,7 @@ def smollm2_gguf() -> Path:
     return found
 
 
-def write_models(work: Path) -> dict[str, Path]:
+def write_models(work: Path, also: tuple[str, ...] = ()) -> dict[str, Path]:
     """The dequantized baseline as a Hugging Face folder and an F32 GGUF, and the Q8_0 and Q4_0 GGUFs."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -70,11 +70,13 @@ def write_models(work: Path) -> dict[str, Path]:
     source = smollm2_gguf()
     hf = work / "hf"
     if not (hf / "config.json").is_file():
+        from optimize.models import dequantized_copy
+
         model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-        model.save_pretrained(hf, safe_serialization=True)
+        dequantized_copy(model).save_pretrained(hf, safe_serialization=True)  # a GGUF-loaded one refuses
         AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(hf)
     files = {"hf": hf}
-    for qtype in ("F32", *QUANTS):
+    for qtype in ("F32", *QUANTS, *also):
         out = work / f"smollm2-{qtype.lower()}.gguf"
         if not out.is_file():
             write_gguf(hf, out, qtype)
@@ -145,13 +147,13 @@ class Torch:
             return self.model(input_ids=torch.tensor([list(ids)]), use_cache=False).logits[0].numpy()
 
 
-def project_kld(files: dict, ids: list[int], ctx: int) -> dict:
+def project_kld(files: dict, ids: list[int], ctx: int, also: tuple[str, ...] = ()) -> dict:
     from optimize.evaluate import token_fidelity as tf
 
     texts = {"text": ids}
     reference = tf.reference(Torch(files["hf"]), texts, ctx, score_from=ctx // 2)
     out = {}
-    for qtype in QUANTS:
+    for qtype in (*QUANTS, *also):
         candidate = Torch(files[qtype].parent, files[qtype].name)
         out[qtype] = tf.compare(reference, candidate, texts, ctx, score_from=ctx // 2)
     return out
@@ -164,6 +166,7 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--also", default="", help="more GGUF types scored by this project only, e.g. Q5_0,Q4_1")
     p.add_argument("--json")
     args = p.parse_args(argv)
     tool = perplexity_tool(args.llama_perplexity)
@@ -174,7 +177,11 @@ def main(argv=None) -> dict:
     import torch
 
     torch.set_num_threads(args.threads)
-    files = write_models(work)
+    also = tuple(t.strip().upper() for t in args.also.split(",") if t.strip())
+    unknown = [t for t in also if t not in ("Q8_0", "Q5_0", "Q5_1", "Q4_0", "Q4_1", "Q6_K", "Q4_K", "F16")]
+    if unknown:
+        refuse(f"--also {unknown}: choose among Q8_0, Q6_K, Q5_1, Q5_0, Q4_K, Q4_1, Q4_0, F16")
+    files = write_models(work, also)
     ids = text_ids(files["hf"], args.tokens)
     chunks = len(ids) // args.ctx
     ids = ids[: chunks * args.ctx]
@@ -188,7 +195,7 @@ def main(argv=None) -> dict:
         "ctx": args.ctx,
         "chunks": chunks,
         "llama_cpp": llama_kld(tool, files, text, args.ctx, chunks, args.threads, work),
-        "project": project_kld(files, ids, args.ctx),
+        "project": project_kld(files, ids, args.ctx, also),
     }
     for qtype in QUANTS:
         ours, theirs = result["project"][qtype]["mean_kld"], result["llama_cpp"][qtype]["mean_kld"]
@@ -201,6 +208,9 @@ def main(argv=None) -> dict:
             f"{qtype}: project mean KLD {ours['mean_kld']:.5f} (top-1 {100 * ours['top1_agreement']:.1f}%), "
             f"llama.cpp {theirs['mean_kld']:.5f} (same top {theirs.get('top1_agreement_pct', float('nan')):.1f}%)"
         )
+    for qtype in also:
+        ours = result["project"][qtype]
+        print(f"{qtype}: project mean KLD {ours['mean_kld']:.5f} (top-1 {100 * ours['top1_agreement']:.1f}%)")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     return result

@@ -127,7 +127,7 @@ def position_divergences(ref_top_ids, ref_top_logp, ref_rest, cand_logp: np.ndar
 def compare(ref: Reference, runner, texts: dict[str, list[int]], window: int, score_from: int = 0) -> dict:
     """The candidate's fidelity to `ref` on the same token streams: per position KL, top-1 agreement
     and Δp, summarized (`summary`) over all positions and per kind of text."""
-    kl, agree, dp = [], [], []
+    kl, agree, dp, nll = [], [], [], []
     at = 0
     for _kind, segment in _segments(texts, window):
         logp, targets = _scored(runner.logits(segment), segment, score_from)
@@ -136,11 +136,17 @@ def compare(ref: Reference, runner, texts: dict[str, list[int]], window: int, sc
             raise ValueError("the candidate was scored on other tokens than the reference")
         kl.append(position_divergences(ref.top_ids[rows], ref.top_logp[rows], ref.rest[rows], logp))
         agree.append(logp.argmax(axis=-1) == ref.top_ids[rows, 0])
-        dp.append(np.exp(logp[np.arange(len(targets)), targets]) - np.exp(ref.target_logp[rows].astype(np.float64)))
+        correct = logp[np.arange(len(targets)), targets]
+        dp.append(np.exp(correct) - np.exp(ref.target_logp[rows].astype(np.float64)))
+        nll.append(-correct)
         at += len(targets)
     if at != len(ref):
         raise ValueError(f"the reference holds {len(ref)} positions, the texts give {at}")
-    return summary(np.concatenate(kl), np.concatenate(agree), np.concatenate(dp), ref.kinds)
+    figures = summary(np.concatenate(kl), np.concatenate(agree), np.concatenate(dp), ref.kinds)
+    # Both sides' perplexity on the same positions (the baseline's from its kept log-probs).
+    figures["baseline_perplexity"] = float(np.exp(-ref.target_logp.astype(np.float64).mean()))
+    figures["candidate_perplexity"] = float(np.exp(np.concatenate(nll).mean()))
+    return figures
 
 
 def summary(kl: np.ndarray, agree: np.ndarray, dp: np.ndarray, kinds: Optional[np.ndarray] = None) -> dict:

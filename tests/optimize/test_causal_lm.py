@@ -57,7 +57,18 @@ TINY_OVERRIDES = [
     "evaluate.task_params.perplexity_window=128",
     "evaluate.task_params.prompt_tokens=16",
     "evaluate.task_params.new_tokens=8",
+    "evaluate.task_params.lm_eval_tasks=[cpython_next_sentence]",
     "evaluate.task_params.lm_eval_limit=4",
+    # Fidelity and a standard task at a size a tiny model scores in seconds; the recipe's thresholds on
+    # them are for SmolLM2 (a random model's KLD to its INT4 copy is not), so they are not checked.
+    "evaluate.task_params.fidelity_tokens=512",
+    "evaluate.task_params.fidelity_window=128",
+    "evaluate.task_params.fidelity_screen_tokens=128",
+    "evaluate.task_params.standard_tasks=[arc_easy]",
+    "evaluate.task_params.standard_limit=4",
+    "gate.max_mean_kld=null",
+    "gate.min_top1_agreement=null",
+    "gate.max_task_drop_pts=null",
     "workload.requests=null",  # one request of prompt_tokens and new_tokens, as before workloads
 ]
 
@@ -75,6 +86,11 @@ def test_genai_int4_recipe_on_tiny_model(tiny_llm, tmp_path):
     assert base["perplexity"] > 1 and cand["perplexity"] > 1
     assert cand["decode_speedup"] > 0 and cand["generation"]["runs"] == 3
     assert "cpython_next_sentence" in cand["lm_eval"]
+    assert cand["fidelity"]["tokens"] == 2 * (256 - 2) and 0 <= cand["fidelity"]["top1_agreement"] <= 1
+    assert cand["fidelity"]["mean_kld"] > 0  # INT4 weights change the distributions
+    arc = cand["standard_tasks"]["tasks"]["arc_easy"]
+    assert arc["items"] == 4 and arc["lost"] + arc["gained"] <= 4
+    assert "mean KLD vs baseline (nats)" in proc.stdout and "arc_easy (4 items)" in proc.stdout
     layers = manifest["stages"]["engine"]["layer_precision"]
     # k_quant_mixed: every projection (fused qkv, o, gate, up, down) of both layers and the LM head is
     # quantized, the sensitive ones at 8 bits

@@ -51,6 +51,10 @@ def test_kld_agreement_and_delta_p_match_a_hand_computation():
     assert figures["rms_delta_p_pct"] == pytest.approx(100 * math.sqrt(sum(d * d for d in dps) / 3), rel=1e-6)
     assert figures["mean_delta_p_pct"] == pytest.approx(100 * sum(dps) / 3, rel=1e-6)
     assert figures["p99_kld"] <= max(kls) + 1e-12
+    nll = [-math.log(_softmax(CAND[prev])[nxt]) for prev, nxt in zip(ids, ids[1:])]
+    assert figures["candidate_perplexity"] == pytest.approx(math.exp(sum(nll) / 3), rel=1e-6)
+    base_nll = [-math.log(_softmax(BASE[prev])[nxt]) for prev, nxt in zip(ids, ids[1:])]
+    assert figures["baseline_perplexity"] == pytest.approx(math.exp(sum(base_nll) / 3), rel=1e-6)
 
 
 def test_the_top1_reference_is_the_kl_over_the_top_token_and_the_rest_by_hand():
