@@ -146,3 +146,47 @@ def test_a_reference_round_trips_through_its_file(tmp_path):
     ref.save(tmp_path / "reference.npz")
     back = tf.Reference.load(tmp_path / "reference.npz")
     assert np.array_equal(back.top_ids, ref.top_ids) and list(back.kinds) == ["prose"] * 3
+
+
+@pytest.fixture
+def isolated_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPTIMIZE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+def test_the_race_keeps_the_baseline_reference_sealed_and_refuses_an_edited_one(isolated_cache):
+    from optimize.compile.race import lm
+    from optimize.tasks.causal_lm import LLMEvalConfig
+
+    cfg = LLMEvalConfig(fidelity_window=8, fidelity_top_k=2)
+    texts = {"prose": [0, 1, 2, 0, 1]}
+    ref = tf.reference(Bigram(BASE), texts, 8, k=2)
+    identity = tf.texts_sha256(texts, 8) + "-k2"
+    lm._save_reference("key", identity, ref)
+    loaded, got = lm._load_reference("key", texts, cfg)
+    assert got == identity and np.array_equal(loaded.top_logp, ref.top_logp)
+    # An edited reference would move every candidate's KLD: it is computed again, not used.
+    folder = lm._reference_folder("key", identity)
+    edited = tf.Reference(**{k: getattr(ref, k) for k in tf.FIELDS})
+    edited.top_logp = edited.top_logp * 0
+    edited.save(folder / "reference.npz")
+    assert lm._load_reference("key", texts, cfg) is None
+    assert lm._load_reference("key", {"prose": [0, 1, 2]}, cfg) is None  # other tokens: not this entry
+
+
+def test_the_screen_takes_an_equal_share_of_each_kind_and_stops_a_clear_loser():
+    from types import SimpleNamespace
+
+    from optimize.compile.race.lm import _screened_out
+    from optimize.tasks.lm_fidelity import screen_texts
+
+    assert screen_texts({"prose": list(range(100)), "code": list(range(50))}, 40) == {
+        "prose": list(range(20)),
+        "code": list(range(20)),
+    }
+    worse = SimpleNamespace(metrics={"fidelity": {"mean_kld": 0.4, "top1_agreement": 0.7}})
+    close = SimpleNamespace(metrics={"fidelity": {"mean_kld": 0.01, "top1_agreement": 0.95}})
+    thresholds = {"max_mean_kld": 0.1, "min_top1_agreement": 0.8}
+    assert _screened_out(worse, thresholds) and not _screened_out(close, thresholds)
+    assert _screened_out(SimpleNamespace(metrics={"fidelity": {"mean_kld": 0.01, "top1_agreement": 0.7}}), thresholds)
+    assert not _screened_out(worse, {})  # nothing to screen on
