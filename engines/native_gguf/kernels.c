@@ -92,6 +92,8 @@ static void activations_free(activations *a) { free(a->sum); free(a->half_sum); 
  * block of subnormal activations, e.g. a near-zero norm weight), and Inf x 0 is NaN, which converts to
  * INT_MIN and overflows the plane sums. One compare a block; every block of normal numbers is unchanged. */
 #define TINY ((float)QMAX / FLT_MAX)
+/* A block holding Inf or NaN (a file whose numbers overflow f32 on the way) has integer planes of zeros
+ * and its scale and sum not finite: the logits come out NaN, never an integer overflow's undefined sums. */
 
 #if VNNI
 static void quantize(activations *a, const float *x, int n) {
@@ -102,7 +104,8 @@ static void quantize(activations *a, const float *x, int n) {
     a->half_sum[2 * b] = _mm512_reduce_add_ps(v0); a->half_sum[2 * b + 1] = _mm512_reduce_add_ps(v1);
     a->sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
     a->scale[b] = top / QMAX;
-    __m512 inverse = _mm512_set1_ps(top > TINY ? (float)QMAX / top : 0.f);
+    if (!(top <= FLT_MAX)) v0 = v1 = _mm512_setzero_ps();
+    __m512 inverse = _mm512_set1_ps(top > TINY && top <= FLT_MAX ? (float)QMAX / top : 0.f);
     __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inverse)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse));
     __m512i h0 = _mm512_srai_epi32(q0, 8), h1 = _mm512_srai_epi32(q1, 8);
     a->high_sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(h0, h1));
@@ -121,11 +124,11 @@ static void quantize(activations *a, const float *x, int n) {
     float halves[2] = {0, 0};
     for (int i = 0; i < 32; i++) { top = fmaxf(top, fabsf(v[i])); sum += v[i]; halves[i / 16] += v[i]; }
     a->sum[b] = sum; a->half_sum[2 * b] = halves[0]; a->half_sum[2 * b + 1] = halves[1]; a->scale[b] = top / QMAX;
-    float inverse = top > TINY ? QMAX / top : 0.f;
+    float inverse = top > TINY && top <= FLT_MAX ? QMAX / top : 0.f;
     int8_t *high = (int8_t *)(a->high + b * 8); uint8_t *low = (uint8_t *)(a->low + b * 8);
     int high_sum = 0;
     for (int i = 0; i < 32; i++) {
-      int q = (int)lrintf(v[i] * inverse);
+      int q = inverse > 0 ? (int)lrintf(v[i] * inverse) : 0;
       high[i] = (int8_t)(q >> LOW_BITS); low[i] = (uint8_t)(q & ((1 << LOW_BITS) - 1)); high_sum += high[i];
     }
     a->high_sum[b] = high_sum;
@@ -524,8 +527,11 @@ static inline __m256 load8(const void *p, size_t i, const int half) {
   return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)p + i))) : _mm256_loadu_ps((const float *)p + i);
 }
 static inline float load1(const void *p, size_t i, const int half) { return half ? _cvtsh_ss(((const uint16_t *)p)[i]) : ((const float *)p)[i]; }
+/* f16 saturates at +-65504 (a key or value beyond it, which only a file of extreme scales makes, would
+ * be Inf in the cache and NaN in every score). */
 static inline void store1(void *p, size_t i, float v, const int half) {
-  if (half) ((uint16_t *)p)[i] = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); else ((float *)p)[i] = v;
+  if (half) ((uint16_t *)p)[i] = _cvtss_sh(fminf(fmaxf(v, -65504.f), 65504.f), _MM_FROUND_TO_NEAREST_INT);
+  else ((float *)p)[i] = v;
 }
 
 /* e^x for x <= 0 (softmax's), 0 below -87: a degree-6 polynomial on [-ln2/2, ln2/2] times 2^n, within

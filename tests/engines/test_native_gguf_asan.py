@@ -5,7 +5,9 @@ and run in a child Python with the ASan runtime preloaded (Python itself is not 
 LD_PRELOAD is how the runtime comes first). Every mutation of what the kernels read — header counts
 and floats, tensor shapes and types, block scales, data offsets, norms — must either be refused in
 Python in one line (contract.py) or run clean: any sanitizer report, crash or other exception fails.
-The mutations are an explicit list (each defect the contract closes) plus a seeded random set.
+The mutations are an explicit list (each defect the contract closes) plus a seeded random set, of a
+Llama mixing Q4_0 / Q4_1 / Q8_0, of one mixing the K-quants (Q4_K, Q5_K, Q6_K: width 256, whole
+super-blocks) and of a Qwen2 (q/k/v biases, a Q5_K down projection).
 """
 
 from __future__ import annotations
@@ -85,11 +87,11 @@ from engines.native_gguf import build
 lib = build.load()
 p, i, f = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 lib.ng_new.restype = p
-lib.ng_new.argtypes = [i, i, i, i, i, i, i, f, f, i]
+lib.ng_new.argtypes = [i, i, i, i, i, i, i, f, f, i, i, i]
 lib.ng_head.argtypes = [p, p, i, p, i, p]
 lib.ng_forward.argtypes = [p, p, i, i, p, i]
 lib.ng_layer.argtypes = [p, i, p, p, p, p, p]
-m = lib.ng_new(1, 64, 64, 2, 2, 16, 8, 10000.0, 1e-5, 1)
+m = lib.ng_new(1, 64, 64, 2, 2, 16, 8, 10000.0, 1e-5, 1, 1, 0)
 norm = np.ones(64, np.float32); short = np.ones(32, np.float32)
 q = np.zeros(16 // 16 * 2 * 544 * 12, np.uint8)  # zero weights, 8-bit, enough for every matrix
 kinds = (ctypes.c_int * 4)(1, 1, 1, 1); rows = (ctypes.c_int * 4)(192, 64, 128, 64)
@@ -136,6 +138,25 @@ def work(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="module")
+def other_bases(work) -> list[Path]:
+    """Folders beside `work`'s, each with its own base.gguf: the K-quants' Llama and the Qwen2."""
+    from tests.engines.test_native_gguf import k_mixed
+    from tests.support.gguf_writer import write_gguf
+    from tests.support.models import tiny_llama_folder
+    from tests.support.tiny_archs import tiny_folder
+
+    k_quants, qwen2 = work / "k_quants", work / "qwen2"
+    write_gguf(tiny_llama_folder(k_quants / "hf", hidden=256, ffn=512), k_quants / "base.gguf", k_mixed)
+    write_gguf(tiny_folder("qwen2", qwen2 / "hf"), qwen2 / "base.gguf", qwen2_mixed)
+    return [k_quants, qwen2]
+
+
+def qwen2_mixed(name: str) -> str:
+    """The down projection (rows of 256) Q5_K, the embedding Q4_1, the rest Q8_0."""
+    return "Q5_K" if "ffn_down" in name else "Q4_1" if "token_embd" in name else "Q8_0"
+
+
 def test_the_sanitizer_lane_catches_a_read_past_a_buffer(work):
     """The preloaded runtime works here: a call that skips the contract is reported and aborts."""
     proc = _run_child(CANARY, [], work)
@@ -156,6 +177,25 @@ def test_every_mutated_file_is_refused_in_one_line_or_runs_clean(work):
     assert outcomes[str(work / "base.gguf")]["outcome"] == "ran"
     assert all("\n" not in e["message"] for e in outcomes.values() if e["outcome"] == "refused")
     # Each defect the contract closes is refused, not run.
+    for f in files:
+        if f.name.startswith("defect-"):
+            assert outcomes[str(f)]["outcome"] == "refused", (f.name, outcomes[str(f)])
+
+
+def test_k_quant_and_qwen2_files_mutated_are_refused_in_one_line_or_run_clean(work, other_bases):
+    files = []
+    for index, base in enumerate(other_bases):
+        files += [base / "base.gguf", *k_and_bias_mutations(base), *random_mutations(base, 60, seed=20251206 + index)]
+    proc = _run_child(CHILD, [str(f) for f in files], work)
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    last = next((e["file"] for e in reversed(events) if e["outcome"] == "start"), None)
+    reports = [w for w in SANITIZER_WORDS if w in proc.stderr]
+    assert proc.returncode == 0 and not reports, f"while running {last}:\n{proc.stderr[-4000:]}"
+    outcomes = {e["file"]: e for e in events if e["outcome"] != "start"}
+    assert len(outcomes) == len(files)
+    assert not [e for e in outcomes.values() if e["outcome"] == "error"]
+    assert all(outcomes[str(base / "base.gguf")]["outcome"] == "ran" for base in other_bases)
+    assert all("\n" not in e["message"] for e in outcomes.values() if e["outcome"] == "refused")
     for f in files:
         if f.name.startswith("defect-"):
             assert outcomes[str(f)]["outcome"] == "refused", (f.name, outcomes[str(f)])
@@ -235,6 +275,10 @@ def explicit_mutations(work: Path) -> list[Path]:
     # epsilon of 3.4e38) quantize to zeros rather than to NaN.
     files.append(_rewritten(work, "tiny-norm.gguf", tensors={"blk.0.ffn_norm.weight": np.full(64, 1e-30, np.float32)}))
     files.append(_rewritten(work, "huge-eps.gguf", fields={"llama.attention.layer_norm_rms_epsilon": (3.4e38, f32)}))
+    # The largest f16 scale on V's rows: values beyond f16's range saturate in the f16 KV cache (an Inf
+    # there was NaN activations and an integer overflow in the next layer's sums).
+    files.append(_with_half(work, "huge-v-scale.gguf", "blk.0.attn_v.weight", 3, 0, 0x7BFF))
+    files.append(_with_half(work, "huge-down-scale.gguf", "blk.0.ffn_down.weight", 0, 0, 0x7BFF))
     files.append(_rewritten(work, "defect-rope-below-1.gguf", fields={"llama.rope.freq_base": (1e-30, f32)}))
     offsets = tensor_offsets(work / "base.gguf")
     misaligned = _copy(work, "defect-misaligned.gguf")
@@ -242,6 +286,25 @@ def explicit_mutations(work: Path) -> list[Path]:
     overlapping = _copy(work, "defect-overlapping.gguf")
     edit_tensor_info(overlapping, "blk.1.ffn_norm.weight", offset=offsets["blk.1.attn_norm.weight"])
     return [*files, misaligned, overlapping]
+
+
+def k_and_bias_mutations(work: Path) -> list[Path]:
+    """The K-quants' super-block scales and mins not finite; Qwen2's biases NaN, short or missing (each
+    refused), or F16 (legal: runs)."""
+    if "k_quants" in work.name:
+        return [
+            _with_half(work, "defect-nan-q6_k-d.gguf", "blk.0.ffn_down.weight", 3, 208, 0x7E00),
+            _with_half(work, "defect-inf-q4_k-dmin.gguf", "blk.1.ffn_up.weight", 0, 2, 0x7C00),
+            _with_half(work, "defect-inf-q5_k-d.gguf", "blk.0.attn_q.weight", 7, 0, 0xFC00),
+            _with_half(work, "subnormal-q4_k-d.gguf", "blk.0.attn_k.weight", 1, 0, 0x0001),
+        ]
+    nan = np.full(64, np.nan, np.float32)
+    return [
+        _rewritten(work, "defect-nan-bias.gguf", tensors={"blk.0.attn_q.bias": nan}),
+        _rewritten(work, "defect-short-bias.gguf", tensors={"blk.1.attn_v.bias": np.ones(16, np.float32)}),
+        _rewritten(work, "defect-no-bias.gguf", tensors={"blk.0.attn_k.bias": None}),
+        _rewritten(work, "f16-bias.gguf", tensors={"blk.1.attn_k.bias": np.ones(32, np.float16)}),
+    ]
 
 
 COUNT_FIELDS = (
@@ -263,10 +326,15 @@ def random_mutations(work: Path, count: int, seed: int) -> list[Path]:
     """`count` files, each one random change of what the kernels read (seeded: the same files every run)."""
     from gguf import GGUFReader, GGUFValueType
 
+    from engines.native_gguf.contract import BLOCK_BYTES, BLOCK_HALVES
     from tests.support.gguf_writer import edit_tensor_info, tensor_offsets
 
     rng = random.Random(seed)
-    tensors = {t.name: t for t in GGUFReader(str(work / "base.gguf")).tensors}
+    reader = GGUFReader(str(work / "base.gguf"))
+    arch = reader.fields["general.architecture"].contents()
+    count_fields = [f.replace("llama.", f"{arch}.") for f in COUNT_FIELDS]
+    float_fields = [f.replace("llama.", f"{arch}.") for f in FLOAT_FIELDS]
+    tensors = {t.name: t for t in reader.tensors}
     names = sorted(tensors)
     offsets = tensor_offsets(work / "base.gguf")
     kinds = (GGUFValueType.UINT32, GGUFValueType.INT32, GGUFValueType.UINT64, GGUFValueType.FLOAT32)
@@ -282,10 +350,10 @@ def random_mutations(work: Path, count: int, seed: int) -> list[Path]:
             elif kind == GGUFValueType.INT32:
                 value = min(value, 2**31 - 1)
             value = float(value) if kind == GGUFValueType.FLOAT32 else value
-            files.append(_rewritten(work, name, fields={rng.choice(COUNT_FIELDS): (value, kind)}))
+            files.append(_rewritten(work, name, fields={rng.choice(count_fields): (value, kind)}))
         elif what == "float":
             kind = rng.choice((GGUFValueType.FLOAT32, GGUFValueType.FLOAT64))
-            files.append(_rewritten(work, name, fields={rng.choice(FLOAT_FIELDS): (rng.choice(FLOATS), kind)}))
+            files.append(_rewritten(work, name, fields={rng.choice(float_fields): (rng.choice(FLOATS), kind)}))
         elif what == "dims":
             target = rng.choice(names)
             dims = [int(d) for d in tensors[target].shape]
@@ -306,10 +374,11 @@ def random_mutations(work: Path, count: int, seed: int) -> list[Path]:
             edit_tensor_info(path, target, offset=max(0, offset))
             files.append(path)
         elif what == "half":
-            target = rng.choice([n for n in names if tensors[n].tensor_type.name in ("Q4_0", "Q4_1", "Q8_0")])
+            target = rng.choice([n for n in names if tensors[n].tensor_type.name in BLOCK_BYTES])
             raw, _ = _raw(work, target)
-            block = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[tensors[target].tensor_type.name]
-            at = rng.randrange(raw.shape[1] // block) * block + rng.choice((0, 2 if block == 20 else 0))
+            kind = tensors[target].tensor_type.name
+            block = BLOCK_BYTES[kind]
+            at = rng.randrange(raw.shape[1] // block) * block + rng.choice(BLOCK_HALVES[kind])
             files.append(_with_half(work, name, target, rng.randrange(raw.shape[0]), at, rng.choice(HALVES)))
         elif what == "norm":
             target = rng.choice([n for n in names if "norm" in n])
@@ -323,6 +392,6 @@ def random_mutations(work: Path, count: int, seed: int) -> list[Path]:
             target = rng.choice(names)
             path = _copy(work, name)
             info = next(t for t in Editable(str(path), "r+").tensors if t.name == target).field
-            info.parts[4][0] = rng.choice((0, 1, 2, 3, 6, 8))  # F32, F16, Q4_0, Q4_1, Q5_0, Q8_0
+            info.parts[4][0] = rng.choice((0, 1, 2, 3, 6, 8, 12, 13, 14))  # F32 .. Q8_0, Q4_K, Q5_K, Q6_K
             files.append(path)
     return files
