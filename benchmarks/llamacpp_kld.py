@@ -147,13 +147,13 @@ class Torch:
             return self.model(input_ids=torch.tensor([list(ids)]), use_cache=False).logits[0].numpy()
 
 
-def project_kld(files: dict, ids: list[int], ctx: int, also: tuple[str, ...] = ()) -> dict:
+def project_kld(files: dict, ids: list[int], ctx: int, types: tuple[str, ...]) -> dict:
     from optimize.evaluate import token_fidelity as tf
 
     texts = {"text": ids}
     reference = tf.reference(Torch(files["hf"]), texts, ctx, score_from=ctx // 2)
     out = {}
-    for qtype in (*QUANTS, *also):
+    for qtype in types:
         candidate = Torch(files[qtype].parent, files[qtype].name)
         out[qtype] = tf.compare(reference, candidate, texts, ctx, score_from=ctx // 2)
     return out
@@ -167,9 +167,12 @@ def main(argv=None) -> dict:
     p.add_argument("--ctx", type=int, default=512)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--also", default="", help="more GGUF types scored by this project only, e.g. Q5_0,Q4_1")
+    p.add_argument("--project-only", action="store_true", help="only the --also types, without llama.cpp")
     p.add_argument("--json")
     args = p.parse_args(argv)
-    tool = perplexity_tool(args.llama_perplexity)
+    tool = None if args.project_only else perplexity_tool(args.llama_perplexity)
+    if args.project_only and not args.also:
+        refuse("--project-only scores only the --also types: name some")
     if args.tokens < args.ctx or args.ctx < 4:
         refuse("--tokens must hold at least one --ctx chunk, and --ctx at least 4 tokens")
     work = Path(args.work)
@@ -190,19 +193,17 @@ def main(argv=None) -> dict:
     text = work / "text.txt"
     text.write_text(Tokenizer.from_file(str(files["hf"] / "tokenizer.json")).decode(ids))
     started = time.time()
-    result = {
-        "tokens": len(ids),
-        "ctx": args.ctx,
-        "chunks": chunks,
-        "llama_cpp": llama_kld(tool, files, text, args.ctx, chunks, args.threads, work),
-        "project": project_kld(files, ids, args.ctx, also),
-    }
-    for qtype in QUANTS:
+    quants = () if tool is None else QUANTS
+    result: dict = {"tokens": len(ids), "ctx": args.ctx, "chunks": chunks, "ratio": {}}
+    if tool is not None:
+        result["llama_cpp"] = llama_kld(tool, files, text, args.ctx, chunks, args.threads, work)
+    result["project"] = project_kld(files, ids, args.ctx, (*quants, *also))
+    for qtype in quants:
         ours, theirs = result["project"][qtype]["mean_kld"], result["llama_cpp"][qtype]["mean_kld"]
-        result.setdefault("ratio", {})[qtype] = ours / theirs if theirs else None
+        result["ratio"][qtype] = ours / theirs if theirs else None
     result["seconds"] = round(time.time() - started, 1)
     print(json.dumps({k: result[k] for k in ("tokens", "chunks", "ratio")}, indent=1))
-    for qtype in QUANTS:
+    for qtype in quants:
         ours, theirs = result["project"][qtype], result["llama_cpp"][qtype]
         print(
             f"{qtype}: project mean KLD {ours['mean_kld']:.5f} (top-1 {100 * ours['top1_agreement']:.1f}%), "
@@ -210,7 +211,10 @@ def main(argv=None) -> dict:
         )
     for qtype in also:
         ours = result["project"][qtype]
-        print(f"{qtype}: project mean KLD {ours['mean_kld']:.5f} (top-1 {100 * ours['top1_agreement']:.1f}%)")
+        print(
+            f"{qtype}: project mean KLD {ours['mean_kld']:.5f} (top-1 {100 * ours['top1_agreement']:.1f}%), "
+            f"perplexity {ours['candidate_perplexity']:.3f} against {ours['baseline_perplexity']:.3f}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     return result
