@@ -1,6 +1,6 @@
 /* The native GGUF engine's decoder: a Llama or Qwen2 forward pass (one token a step when decoding, up to
- * 16 a pass when reading a prompt) over a GGUF file's own Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks (engines/native_gguf/
- * model.py repacks them; the bytes a token reads are the file's). Built on the machine that runs it
+ * 64 a pass when reading a prompt) over a GGUF file's own Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks
+ * (engines/native_gguf/model.py repacks them; the bytes a token reads are the file's). Built on the machine that runs it
  * (engines/native_gguf/build.py, -march=native).
  *
  * Why hand-written: llama.cpp's kernels read such a file at memory speed but quantize the activations
@@ -48,8 +48,10 @@ enum { LOW_BITS = 7, QMAX = 127 * 128 };       /* x = 128 high + low, |high| <= 
 
 enum { GROUP = 16, BYTES_4BIT = 320, BYTES_8BIT = 544, BYTES_4BIT_K = 384, BYTES_8BIT_K = 768, PREFETCH_BLOCKS = 32 };
 /* Tokens one pass takes (a prompt is read in such chunks): a group's weights, read from memory for the
- * first, are still in cache for the others. */
-enum { MAX_BATCH = 16 };
+ * first, are still in cache for the others (64: a 1,024-token prompt streams the weights from memory 16
+ * times, not 64, and meets a quarter of the barriers); the kernels take them TOKEN_TILE at a time (one
+ * accumulator register each). */
+enum { MAX_BATCH = 64, TOKEN_TILE = 16 };
 enum { KIND_4BIT = 0, KIND_8BIT = 1, KIND_4BIT_K = 2, KIND_8BIT_K = 3 };
 
 typedef struct { int kind, rows, cols; const uint8_t *data; } matrix;
@@ -225,7 +227,7 @@ static void group_8bit_one(const uint8_t *p, int blocks, const activations *a, f
  * A block's weights are unpacked once for all n; each token's arithmetic is group_4bit_one's, in the same
  * order, so a prompt's logits are a decode's to the bit. */
 static inline __attribute__((always_inline)) void group_4bit_tokens_(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride, const int f32) {
-  __m512 acc[MAX_BATCH];
+  __m512 acc[TOKEN_TILE];
   for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
   const __m512i nibble = _mm512_set1_epi8(15);
   const int bytes = f32 ? BYTES_4BIT_K : BYTES_4BIT;
@@ -256,7 +258,7 @@ static inline __attribute__((always_inline)) void group_4bit_tokens_(const uint8
 
 /* 16 rows of an 8-bit K matrix times n tokens' activations, as group_8bit_k_one computes each. */
 static void group_8bit_k_tokens(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
-  __m512 acc[MAX_BATCH];
+  __m512 acc[TOKEN_TILE];
   for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
   for (int b = 0; b < blocks; b++, p += BYTES_8BIT_K) {
     prefetch(p + PREFETCH_BLOCKS * BYTES_8BIT_K, BYTES_8BIT_K);
@@ -284,7 +286,7 @@ static void group_8bit_k_tokens(const uint8_t *p, int blocks, const activations 
 
 /* 16 rows of an 8-bit matrix times n tokens' activations, as group_8bit_one computes each. */
 static void group_8bit_tokens(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
-  __m512 acc[MAX_BATCH];
+  __m512 acc[TOKEN_TILE];
   for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
   const __m512i flip = _mm512_set1_epi8((char)0x80);
   for (int b = 0; b < blocks; b++, p += BYTES_8BIT) {
@@ -445,11 +447,15 @@ static void matmul(const matrix *w, const activations *a, int n, float *y, int s
   #pragma omp for schedule(static)
   for (int g = 0; g < groups; g++) {
     const uint8_t *p = w->data + g * bytes;
-    switch (w->kind) {
-      case KIND_4BIT: group_4bit(p, blocks, a, n, y + g * GROUP, stride); break;
-      case KIND_8BIT: group_8bit(p, blocks, a, n, y + g * GROUP, stride); break;
-      case KIND_4BIT_K: group_4bit_k(p, blocks, a, n, y + g * GROUP, stride); break;
-      default: group_8bit_k(p, blocks, a, n, y + g * GROUP, stride);
+    for (int i = 0; i < n; i += TOKEN_TILE) {
+      int tile = n - i < TOKEN_TILE ? n - i : TOKEN_TILE;
+      float *out = y + g * GROUP + (size_t)i * stride;
+      switch (w->kind) {
+        case KIND_4BIT: group_4bit(p, blocks, a + i, tile, out, stride); break;
+        case KIND_8BIT: group_8bit(p, blocks, a + i, tile, out, stride); break;
+        case KIND_4BIT_K: group_4bit_k(p, blocks, a + i, tile, out, stride); break;
+        default: group_8bit_k(p, blocks, a + i, tile, out, stride);
+      }
     }
   }
 }
@@ -563,6 +569,20 @@ static inline __m256 tile_scores(const float *q, const void *tile, int hd, const
   return _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3));
 }
 
+/* Dimensions d0 .. d0 + 63 of the scores-weighted sum of `count` value rows: each row read once, its 64
+ * dimensions 8 accumulators (a row at a time keeps the index arithmetic to one pointer step). */
+static inline __attribute__((always_inline)) void weighted_64(const float *scores, const void *values, int count, int hd, int d0,
+                                                              float inverse, float *out, const int half) {
+  __m256 acc[8];
+  for (int c = 0; c < 8; c++) acc[c] = _mm256_setzero_ps();
+  size_t at = d0;
+  for (int t = 0; t < count; t++, at += hd) {
+    __m256 p = _mm256_set1_ps(scores[t]);
+    for (int c = 0; c < 8; c++) acc[c] = _mm256_fmadd_ps(p, load8(values, at + 8 * c, half), acc[c]);
+  }
+  for (int c = 0; c < 8; c++) _mm256_storeu_ps(out + d0 + 8 * c, _mm256_mul_ps(acc[c], _mm256_set1_ps(inverse)));
+}
+
 static inline float sum8(__m256 v) {
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q)); q = _mm_add_ss(q, _mm_movehdup_ps(q));
@@ -589,6 +609,7 @@ static inline __attribute__((always_inline)) void attend(const model *m, int l, 
   }
   float inverse = 1.f / sum8(total), *out = m->attn + (size_t)token * m->dim + h * hd;
   int d = 0;
+  for (; d + 64 <= hd; d += 64) weighted_64(scores, values, count, hd, d, inverse, out, half);
   for (; d + 8 <= hd; d += 8) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     int t = 0;

@@ -1,6 +1,6 @@
 """The native GGUF engine as a Generator: a GGUF file's own blocks (engines/native_gguf/model.py),
 the model's Hugging Face tokenizer (`tokenizers`) and its chat template (jinja2, sandboxed, as
-transformers renders it). One sequence at a time, its prompt read 16 tokens a pass; torch-free, so
+transformers renders it). One sequence at a time, its prompt read 64 tokens a pass; torch-free, so
 serve/ runs it directly.
 
 An artifact's engine block reads {"format": "native-gguf", "dir": SUBDIR, "gguf": FILE, "context": N};

@@ -245,10 +245,12 @@ def test_the_runner_generates_renders_and_samples_as_the_model_does(folder, tmp_
     assert len(logprobs) == 3 and logprobs[0].token == ours[0] and logprobs[0].top[0][0] == ours[0]
     with pytest.raises(UnsupportedSampling, match="constraint"):
         list(runner.generate(ids, Sampling(max_new_tokens=2, constraint=Constraint("regex", "a+"))))
-    # A prompt is read 16 tokens a pass: the same logits, to the bit, as one token a step (48 tokens: 3 passes).
-    stepped = np.stack([runner.model.step(token, position).copy() for position, token in enumerate(IDS)])
-    np.testing.assert_array_equal(runner.model.forward(IDS, 0), stepped)
-    np.testing.assert_array_equal(runner.model.forward(IDS, 0, every=False), stepped[-1:])
+    # A prompt is read 64 tokens a pass (16 a kernel's tile): the same logits, to the bit, as one token a
+    # step (150 tokens: 3 passes, the last of 22).
+    long = IDS * 3 + IDS[:6]
+    stepped = np.stack([runner.model.step(token, position).copy() for position, token in enumerate(long)])
+    np.testing.assert_array_equal(runner.model.forward(long, 0), stepped)
+    np.testing.assert_array_equal(runner.model.forward(long, 0, every=False), stepped[-1:])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         runner.model.step(512, 0)
     with pytest.raises(ValueError, match="past the KV cache"):
