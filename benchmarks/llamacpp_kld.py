@@ -147,14 +147,45 @@ class Torch:
             return self.model(input_ids=torch.tensor([list(ids)]), use_cache=False).logits[0].numpy()
 
 
-def project_kld(files: dict, ids: list[int], ctx: int, types: tuple[str, ...]) -> dict:
+class TorchQ8Activations(Torch):
+    """The quantized file's weights dequantized in PyTorch, with each matrix product's input rounded as
+    llama.cpp's CPU kernels round it for Q8_0 and Q4_0 weights (their vec_dot type, Q8_0): blocks of 32
+    values, scale absmax/127 stored in f16, values rounded to integers. The F32 baseline's products
+    take f32 activations in llama.cpp too, so this is the difference llama.cpp's figure carries."""
+
+    def __init__(self, path: Path, gguf_file: str):
+        import torch
+
+        super().__init__(path, gguf_file)
+        for module in self.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _m, args: (q8_0_round(args[0]),))
+
+
+def q8_0_round(x):
+    import torch
+
+    blocks = x.reshape(-1, 32)
+    scale = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    scaled = blocks / safe
+    rounded = torch.sign(scaled) * torch.floor(scaled.abs() + 0.5)  # roundf: halves away from zero
+    return (rounded * scale).reshape(x.shape)
+
+
+def project_kld(
+    files: dict, ids: list[int], ctx: int, types: tuple[str, ...], runner: str = "torch", threads: int = 2
+) -> dict:
     from optimize.evaluate import token_fidelity as tf
 
     texts = {"text": ids}
     reference = tf.reference(Torch(files["hf"]), texts, ctx, score_from=ctx // 2)
     out = {}
     for qtype in types:
-        candidate = Torch(files[qtype].parent, files[qtype].name)
+        if runner == "q8-activations":
+            candidate = TorchQ8Activations(files[qtype].parent, files[qtype].name)
+        else:
+            candidate = Torch(files[qtype].parent, files[qtype].name)
         out[qtype] = tf.compare(reference, candidate, texts, ctx, score_from=ctx // 2)
     return out
 
@@ -168,6 +199,13 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--also", default="", help="more GGUF types scored by this project only, e.g. Q5_0,Q4_1")
     p.add_argument("--project-only", action="store_true", help="only the --also types, without llama.cpp")
+    p.add_argument(
+        "--runner",
+        choices=["torch", "q8-activations"],
+        default="torch",
+        help="how the quantized files run: PyTorch on their weights dequantized (weights only), or with "
+        "each product's input rounded to Q8_0 blocks as llama.cpp's CPU kernels round it",
+    )
     p.add_argument("--json")
     args = p.parse_args(argv)
     tool = None if args.project_only else perplexity_tool(args.llama_perplexity)
@@ -197,7 +235,8 @@ def main(argv=None) -> dict:
     result: dict = {"tokens": len(ids), "ctx": args.ctx, "chunks": chunks, "ratio": {}}
     if tool is not None:
         result["llama_cpp"] = llama_kld(tool, files, text, args.ctx, chunks, args.threads, work)
-    result["project"] = project_kld(files, ids, args.ctx, (*quants, *also))
+    result["runner"] = args.runner
+    result["project"] = project_kld(files, ids, args.ctx, (*quants, *also), args.runner)
     for qtype in quants:
         ours, theirs = result["project"][qtype]["mean_kld"], result["llama_cpp"][qtype]["mean_kld"]
         result["ratio"][qtype] = ours / theirs if theirs else None

@@ -60,3 +60,14 @@ def test_output_without_a_kld_is_refused(capsys):
     with pytest.raises(SystemExit):
         llamacpp_kld._parse("perplexity: 12.3\n")
     assert "no Mean KLD" in capsys.readouterr().err
+
+
+def test_activations_round_to_q8_0_blocks_as_llama_cpp_rounds_them():
+    import torch
+
+    block = torch.tensor([127.0, 63.4, -0.6, 2.5] + [0.0] * 28)  # absmax 127: the scale is 1
+    assert llamacpp_kld.q8_0_round(block).tolist()[:4] == [127.0, 63.0, -1.0, 3.0]
+    x = torch.randn(4, 64)
+    scale = x.reshape(-1, 32).abs().amax(-1, keepdim=True) / 127
+    error = (llamacpp_kld.q8_0_round(x) - x).reshape(-1, 32).abs()
+    assert bool((error <= scale * 0.5 * 1.01).all())  # half a step of each block's own scale
