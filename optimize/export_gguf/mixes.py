@@ -1,5 +1,6 @@
 """Which type each tensor of a GGUF file gets, by llama.cpp's rules for the file types written
-(llama.cpp src/llama-quant.cpp, for dense models that are not Falcon):
+(llama.cpp's src/llama-quant.cpp, for dense models other than Falcon).
+
 
 - 1-D tensors, norms and biases stay F32;
 - the output matrix, and the token embedding where it is also the output (tied), get Q6_K unless the
