@@ -258,9 +258,10 @@ def _time_boxed(validate, full_count: int, stopped: dict):
 
 
 def _stopped_words(stopped: dict) -> str:
-    if stopped["where"] == "while ranking layers" and not stopped.get("reverted"):
-        return "stopped at its time box while ranking layers: the INT8 IR ships with none reverted"
-    return f"stopped at its time box: the best found so far ships, {stopped.get('reverted', 0)} reverted"
+    if not stopped.get("reverted"):
+        when = "while ranking layers" if stopped["where"] == "while ranking layers" else "before any revert"
+        return f"stopped at its time box {when}: the INT8 IR ships with none reverted"
+    return f"stopped at its time box: the best found so far ships, {stopped['reverted']} reverted"
 
 
 def _deciding_output(task_name: str) -> str:
