@@ -49,6 +49,10 @@ def build_all(
     """Build every candidate not refused, each within its budget and what is left of the race's, with
     one progress line on the console saying which is building and for how long against its budget."""
     ctx.calibration()  # read here, not first in a build's process, so the run knows it was read
+    if any(e.spec.quantize for e in entries if not e.refused):
+        from optimize.evaluate.kernels import int8_gemm_speedup
+
+        int8_gemm_speedup(ctx.threads)  # measured once here (cached) for every quantize record, not per build
     line = line or ProgressLine()
     for number, entry in enumerate(entries, 1):
         if entry.refused:
