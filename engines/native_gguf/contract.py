@@ -49,14 +49,15 @@ MAX_VOCAB = 1 << 24
 MAX_CONTEXT = 1 << 20  # positions of the KV cache (the C side's int positions, its size_t cache)
 DEFAULT_CONTEXT = 4096  # positions the KV cache holds unless told (f32: SmolLM2-135M, 190 MB)
 MAX_THREADS = 1024
-MATRIX_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+MATRIX_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 NORM_TYPES = ("F32", "F16")
 LAYER_MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 LAYER_NORMS = ("attn_norm", "ffn_norm")
 # Bytes a block of 32 takes, and where its f16 numbers sit in it (scale, then Q4_1's offset).
 # K-quants: a super-block of 256 values, its f16 scale d (and Q4_K / Q5_K's dmin).
-BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-BLOCK_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+BLOCK_HALVES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,),
+                "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # fmt: skip
 SUPER_BLOCK = {"Q4_K": 256, "Q5_K": 256, "Q6_K": 256}
 
 

@@ -1,5 +1,5 @@
 /* The native GGUF engine's decoder: a Llama or Qwen2 forward pass (one token a step when decoding, up to
- * 64 a pass when reading a prompt) over a GGUF file's own Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K blocks
+ * 64 a pass when reading a prompt) over a GGUF file's own Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / K-quant blocks
  * (engines/native_gguf/model.py repacks them; the bytes a token reads are the file's). Built on the machine that runs it
  * (engines/native_gguf/build.py, -march=native).
  *
@@ -24,7 +24,7 @@
  * K-quants (Q4_K, Q5_K, Q6_K) carry a sub-block's scale as a 6- or 8-bit integer times an f16 super-block
  * scale: exact as an f32 number (at most 19 significant bits), never as an f16 one. So:
  *   4-bit K group-block (384 bytes, Q4_K): the 4-bit layout with 16 f32 scales d and 16 f32 offsets m.
- *   8-bit K group-block (768 bytes, Q5_K's 5-bit and Q6_K's 6-bit values, unsigned): 512 bytes as the
+ *   8-bit K group-block (768 bytes, Q5_0's, Q5_1's and Q5_K's 5-bit and Q6_K's 6-bit values, unsigned): 512 bytes as the
  *     8-bit layout, then f32 scales d and offsets m for each half of the block (Q6_K's sub-blocks are 16
  *     values): 16 d of elements 0-15, 16 of 16-31, then the m likewise; the value is d * q + m.
  */
@@ -752,7 +752,7 @@ void ng_free(model *m) {
  *    [ffn rows] of dim columns, down [dim rows] of ffn columns; embedding and head [vocab_rows rows] of
  *    dim columns; attn_norm, ffn_norm and out_norm `dim` finite floats each; a Qwen2 layer's q|k|v bias
  *    (ng_layer_bias) dim + 2 x kv_heads x head_dim finite floats, none elsewhere. Matrices are Q4_0,
- *    Q4_1, Q8_0, Q4_K, Q5_K or Q6_K (K-quants' rows whole 256-value super-blocks) repacked as the header
+ *    Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (K-quants' rows whole 256-value super-blocks) repacked as the header
  *    describes (KIND_4BIT / KIND_8BIT / KIND_4BIT_K / KIND_8BIT_K, group-blocks of 320 / 544 / 384 / 768
  *    bytes, rows / 16 groups of cols / 32 blocks; 8-bit K values at most 63), and live until ng_free.
  * 5. The file's tensor data lay inside the file, aligned to its general.alignment, none overlapping.

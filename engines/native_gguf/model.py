@@ -31,6 +31,8 @@ CARRIED = {
     "Q4_0": "4-bit groups of 16 rows, the file's f16 scale, offset -8 x scale (exact)",
     "Q4_1": "4-bit groups of 16 rows, the file's f16 scale and offset (exact)",
     "Q8_0": "8-bit groups of 16 rows, the file's f16 scale (exact)",
+    "Q5_0": "5-bit values in 8-bit groups of 16 rows, the file's scale and offset -16 x scale as f32 (exact)",
+    "Q5_1": "5-bit values in 8-bit groups of 16 rows, the file's scale and offset as f32 (exact)",
     "Q4_K": "4-bit groups of 16 rows, each sub-block's scale and min as f32 (exact)",
     "Q5_K": "5-bit values in 8-bit groups of 16 rows, each sub-block's scale and min as f32 (exact)",
     "Q6_K": "6-bit values in 8-bit groups of 16 rows, each 16-value sub-block's scale as f32 (exact)",
@@ -69,8 +71,8 @@ def repacked(t) -> tuple[int, np.ndarray]:
     if kind == "Q4_1":
         blocks = raw.reshape(raw.shape[0], -1, 20)
         return KIND_4BIT, _groups_4bit(blocks[..., 4:], blocks[..., 0:2], blocks[..., 2:4])
-    if kind in K_QUANTS:
-        values, scale, offset = K_QUANTS[kind](raw.reshape(raw.shape[0], -1, contract.BLOCK_BYTES[kind]))
+    if kind in F32_SCALED:
+        values, scale, offset = F32_SCALED[kind](raw.reshape(raw.shape[0], -1, contract.BLOCK_BYTES[kind]))
         if kind == "Q4_K":
             as_bytes = [np.ascontiguousarray(a, np.float32)[..., None].view(np.uint8) for a in (scale, offset)]
             return KIND_4BIT_K, _groups_4bit(_nibbles(values), *as_bytes)
@@ -146,7 +148,28 @@ def _per_block(a: np.ndarray) -> np.ndarray:
     return a.reshape(a.shape[0], a.shape[1] * a.shape[2], *a.shape[3:])
 
 
-K_QUANTS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+def _q5(blocks: np.ndarray, offsets: bool):
+    """Q5_0 [rows, n, 22] (f16 d, 32 fifth bits, 16 bytes of nibbles; x = d (q - 16)) or Q5_1 [rows, n, 24]
+    (f16 d and m first; x = d q + m): values 0..31 (element e < 16 in byte e's low nibble, e >= 16 in
+    byte e - 16's high one, its fifth bit bit e of the little-endian word), f32 scales and offsets."""
+    start = 4 if offsets else 2
+    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)[..., 0]
+    m = blocks[..., 2:4].copy().view(np.float16).astype(np.float32)[..., 0] if offsets else -16 * d
+    bits = blocks[..., start : start + 4].copy().view("<u4")  # [rows, n, 1]
+    qs = blocks[..., start + 4 : start + 20]
+    fifth = ((bits >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return np.concatenate([qs & 15, qs >> 4], axis=-1) | (fifth << 4), d, m
+
+
+# Types whose scales are exact in f32 only (K-quants: an f16 times a 6- or 8-bit integer), or whose 5-bit
+# values fill the 8-bit layout: values, f32 scales and offsets a block of 32 (or a half of one).
+F32_SCALED = {
+    "Q4_K": _q4_k,
+    "Q5_K": _q5_k,
+    "Q6_K": _q6_k,
+    "Q5_0": lambda blocks: _q5(blocks, offsets=False),
+    "Q5_1": lambda blocks: _q5(blocks, offsets=True),
+}
 
 
 def _groups_8bit_k(values: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:

@@ -80,7 +80,7 @@ PATHS = ["native", pytest.param("x86-64-v3", marks=pytest.mark.skipif(build.path
 @needs_kernels
 @pytest.mark.slow
 @pytest.mark.parametrize("march", PATHS)
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0", "mixed"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "mixed"])
 def test_carried_blocks_compute_what_the_dequantized_file_does(folder, tmp_path, qtype, march, monkeypatch):
     from engines.native_gguf.model import kernel_path
     from engines.native_gguf.runner import NativeGGUFRunner
@@ -96,7 +96,8 @@ def test_carried_blocks_compute_what_the_dequantized_file_does(folder, tmp_path,
     np.testing.assert_allclose(ours, reference, atol=2e-4)
     assert abs(np.exp(-ours.mean()) / np.exp(-reference.mean()) - 1) < 1e-5
     # The matrices a step reads are the file's bytes (Q4_0 carried with an f16 offset: 20 bytes a block of 32).
-    blocks = {"Q4_0": 20, "Q4_1": 20, "Q8_0": 34}
+    # Q5_0 and Q5_1: 8-bit values with an f32 scale and offset a row and 16 values (48 bytes a block of 32).
+    blocks = {"Q4_0": 20, "Q4_1": 20, "Q5_0": 48, "Q5_1": 48, "Q8_0": 34}
     layer_weights = 2 * (3 * 64 * 64 + 3 * 64 * 128)  # 2 layers: q, o 64x64, k, v 32x64, gate, up, down 64x128
     if qtype != "mixed":
         assert runner.model.weight_bytes_per_token == (layer_weights + 512 * 64) // 32 * blocks[qtype]
@@ -267,9 +268,9 @@ def test_what_it_cannot_carry_is_named_before_anything_is_repacked(folder, tmp_p
     from engines.openvino.genai_gguf import tensors
     from tests.support.gguf_writer import write_gguf
 
-    path = write_gguf(folder, tmp_path / "q5.gguf", lambda name: "Q5_0" if "ffn_up" in name else "Q8_0")
+    path = write_gguf(folder, tmp_path / "f16.gguf", lambda name: "F16" if "ffn_up" in name else "Q8_0")
     reason = uncarried(*tensors(path))
-    assert "blk.0.ffn_up.weight (Q5_0), blk.1.ffn_up.weight (Q5_0)" in reason and "Q4_0, Q4_1, Q8_0" in reason
+    assert "blk.0.ffn_up.weight (F16), blk.1.ffn_up.weight (F16)" in reason and "Q4_0, Q4_1, Q8_0, Q5_0" in reason
     assert "not 'gemma2'" in uncarried("gemma2", tensors(path)[1])
     if build.unavailable() is None:
         from engines.native_gguf.model import NativeGGUF

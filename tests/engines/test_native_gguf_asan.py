@@ -7,7 +7,7 @@ and floats, tensor shapes and types, block scales, data offsets, norms — must 
 Python in one line (contract.py) or run clean: any sanitizer report, crash or other exception fails.
 The mutations are an explicit list (each defect the contract closes) plus a seeded random set, of a
 Llama mixing Q4_0 / Q4_1 / Q8_0, of one mixing the K-quants (Q4_K, Q5_K, Q6_K: width 256, whole
-super-blocks) and of a Qwen2 (q/k/v biases, a Q5_K down projection).
+super-blocks) and of a Qwen2 (q/k/v biases, Q5_0, Q5_1 and Q5_K matrices).
 """
 
 from __future__ import annotations
@@ -153,8 +153,12 @@ def other_bases(work) -> list[Path]:
 
 
 def qwen2_mixed(name: str) -> str:
-    """The down projection (rows of 256) Q5_K, the embedding Q4_1, the rest Q8_0."""
-    return "Q5_K" if "ffn_down" in name else "Q4_1" if "token_embd" in name else "Q8_0"
+    """The down projection (rows of 256) Q5_K, the output projection Q5_0, gate and up Q5_1, the
+    embedding Q4_1, the rest Q8_0."""
+    for part, kind in (("ffn_down", "Q5_K"), ("attn_output", "Q5_0"), ("ffn_", "Q5_1"), ("token_embd", "Q4_1")):
+        if part in name:
+            return kind
+    return "Q8_0"
 
 
 def test_the_sanitizer_lane_catches_a_read_past_a_buffer(work):
@@ -300,6 +304,8 @@ def k_and_bias_mutations(work: Path) -> list[Path]:
         ]
     nan = np.full(64, np.nan, np.float32)
     return [
+        _with_half(work, "defect-nan-q5_0-d.gguf", "blk.0.attn_output.weight", 2, 22, 0x7E00),
+        _with_half(work, "defect-inf-q5_1-m.gguf", "blk.1.ffn_gate.weight", 5, 2, 0x7C00),
         _rewritten(work, "defect-nan-bias.gguf", tensors={"blk.0.attn_q.bias": nan}),
         _rewritten(work, "defect-short-bias.gguf", tensors={"blk.1.attn_v.bias": np.ones(16, np.float32)}),
         _rewritten(work, "defect-no-bias.gguf", tensors={"blk.0.attn_k.bias": None}),
@@ -392,6 +398,6 @@ def random_mutations(work: Path, count: int, seed: int) -> list[Path]:
             target = rng.choice(names)
             path = _copy(work, name)
             info = next(t for t in Editable(str(path), "r+").tensors if t.name == target).field
-            info.parts[4][0] = rng.choice((0, 1, 2, 3, 6, 8, 12, 13, 14))  # F32 .. Q8_0, Q4_K, Q5_K, Q6_K
+            info.parts[4][0] = rng.choice((0, 1, 2, 3, 6, 7, 8, 12, 13, 14))  # F32 .. Q8_0, Q4_K, Q5_K, Q6_K
             files.append(path)
     return files
