@@ -13,7 +13,10 @@ the minute, so neither always runs on the other's warm or cold caches):
     many tokens greedily: its time to the first token and its decode tokens/s after it;
   - llama-bench's tg`--tokens` (no prompt, one repetition a round): llama.cpp's own decode reference.
 It prints each round and the medians with the ratios (time to first token: the engine's over
-llama-server's, lower is better; decode: the engine's over llama-bench's). Programs are found as
+llama-server's, lower is better; decode: the engine's over llama-bench's). Beside the wall-clock
+figures it records the CPU seconds each side spent to its first token and on its decode (the
+server's from /proc, the engine's from this process): on a machine other work keeps busy, the wall
+clock measures the scheduler as much as the engines, the CPU seconds much less so. Programs are found as
 benchmarks/llamacpp.py finds them (flag, $PEERS_LLAMA_SERVER / $PEERS_LLAMA_BENCH, PATH); bad counts
 and files are refused in one line (exit 2).
 """
@@ -51,6 +54,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc/PID/stat, clock ticks)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 class LlamaServer:
     """llama-server on `gguf` with one slot, started and waited for (its /health), stopped on exit."""
 
@@ -85,12 +96,13 @@ class LlamaServer:
             self.process.kill()
 
     def completion(self, ids: list[int], tokens: int) -> dict:
-        """A streamed greedy completion: {"ttft_s", "decode_tok_s", "tokens"}."""
+        """A streamed greedy completion: {"ttft_s", "decode_tok_s", "tokens", "ttft_cpu_s", "decode_cpu_s"}."""
         import http.client
 
         body = json.dumps({"prompt": ids, "n_predict": tokens, "stream": True, "cache_prompt": False,
                            "temperature": 0.0, "ignore_eos": True})  # fmt: skip
         connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        cpu_start = cpu_seconds(self.process.pid)
         start = time.perf_counter()
         connection.request("POST", "/completion", body, {"Content-Type": "application/json"})
         response = connection.getresponse()
@@ -102,12 +114,15 @@ class LlamaServer:
             event = json.loads(line[5:])
             if first is None and event.get("content") is not None:
                 first = time.perf_counter() - start
+                cpu_first = cpu_seconds(self.process.pid)
             timings = event.get("timings") or timings
         connection.close()
+        cpu_end = cpu_seconds(self.process.pid)
         if first is None or not timings:
             raise RuntimeError("llama-server's stream held no token or no timings")
         return {"ttft_s": first, "decode_tok_s": float(timings["predicted_per_second"]),
-                "tokens": int(timings["predicted_n"])}  # fmt: skip
+                "tokens": int(timings["predicted_n"]), "ttft_cpu_s": cpu_first - cpu_start,
+                "decode_cpu_s": cpu_end - cpu_first}  # fmt: skip
 
 
 def native_completion(model, ids: list[int], tokens: int) -> dict:
@@ -115,15 +130,16 @@ def native_completion(model, ids: list[int], tokens: int) -> dict:
     prompt's passes and its logits' argmax) and decode tokens/s after it."""
     import numpy as np
 
-    start = time.perf_counter()
+    cpu_start, start = time.process_time(), time.perf_counter()
     token = int(np.argmax(model.forward(ids, 0, every=False)[-1]))
-    first = time.perf_counter() - start
+    first, cpu_first = time.perf_counter() - start, time.process_time()
     position = len(ids)
     for _ in range(tokens - 1):
         token = int(np.argmax(model.step(token, position)))
         position += 1
     decode = (tokens - 1) / max(time.perf_counter() - start - first, 1e-9)
-    return {"ttft_s": first, "decode_tok_s": decode, "tokens": tokens}
+    return {"ttft_s": first, "decode_tok_s": decode, "tokens": tokens, "ttft_cpu_s": cpu_first - cpu_start,
+            "decode_cpu_s": time.process_time() - cpu_first}  # fmt: skip
 
 
 def measure(args: argparse.Namespace, server_binary: Path, bench_binary: Path) -> dict:
@@ -151,7 +167,11 @@ def measure(args: argparse.Namespace, server_binary: Path, bench_binary: Path) -
                 "native_decode_tok_s": round(seen["native"]["decode_tok_s"], 1),
                 "bench_tg_tok_s": round(seen["llama_bench"]["median_tokens_per_s"], 1),
             }
+            for side, name in (("server", "llama_server"), ("native", "native")):
+                row[f"{side}_ttft_cpu_s"] = round(seen[name]["ttft_cpu_s"], 2)
+                row[f"{side}_decode_cpu_s"] = round(seen[name]["decode_cpu_s"], 2)
             row["ttft_ratio"] = round(row["native_ttft_s"] / row["server_ttft_s"], 3)
+            row["ttft_cpu_ratio"] = round(row["native_ttft_cpu_s"] / max(row["server_ttft_cpu_s"], 0.01), 3)
             row["decode_ratio"] = round(row["native_decode_tok_s"] / row["bench_tg_tok_s"], 3)
             rows.append(row)
             print(f"round {number + 1}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
