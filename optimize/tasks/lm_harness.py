@@ -1,6 +1,8 @@
-"""lm-eval on any causal-LM runner: a local multiple-choice task made from held-out prose (runs
-offline), standard task names where the dataset hub is reachable, scored through the runner's
-log_likelihood, the same scoring perplexity uses."""
+"""lm-eval on any causal-LM runner, scored through the runner's log_likelihood (the same scoring
+perplexity uses): a local multiple-choice task made from held-out prose, and the standard tasks
+(HellaSwag, ARC, PIQA, WinoGrande, BoolQ, MMLU, GSM8K) over the installed, sha256-checked data
+(calibration/standard_tasks.py), offline, with each item's score kept so baseline and candidate are
+compared item by item: the paired drop, its bootstrap interval and the flips each way."""
 
 from __future__ import annotations
 
