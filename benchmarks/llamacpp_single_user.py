@@ -106,7 +106,8 @@ class LlamaServer:
         start = time.perf_counter()
         connection.request("POST", "/completion", body, {"Content-Type": "application/json"})
         response = connection.getresponse()
-        first, timings = None, {}
+        first, cpu_first = None, 0.0
+        timings: dict = {}
         for raw in response:
             line = raw.decode().strip()
             if not line.startswith("data:"):

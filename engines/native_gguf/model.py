@@ -293,8 +293,8 @@ class NativeGGUF:
         pointers = (ctypes.c_void_p * n)(*[self._pointer(data) for _, _, data in matrices])
         norms = [self._pointer(_vector(tensors[f"blk.{layer}.{n}.weight"], self.hyper)) for n in contract.LAYER_NORMS]
         self._lib.ng_layer(self._model, layer, *norms, kinds, rows, pointers)
-        biases = [tensors.get(f"blk.{layer}.{name}.bias") for name in contract.BIASED]
-        if any(b is not None for b in biases):  # Qwen2: q, k and v each have one (contract.check_tensors)
+        if self.hyper.arch == "qwen2":  # q, k and v each have a bias (contract.check_tensors)
+            biases = [tensors[f"blk.{layer}.{name}.bias"] for name in contract.BIASED]
             fused = np.concatenate([contract.check_bias(b.name, np.asarray(b.data)) for b in biases])
             self._lib.ng_layer_bias(self._model, layer, self._pointer(np.ascontiguousarray(fused, np.float32)))
 
