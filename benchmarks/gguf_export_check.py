@@ -92,7 +92,7 @@ def compare_with_llama_cpp(args, model, files: dict) -> dict:
     if not args.llama_quantize or not Path(args.llama_quantize).is_file():
         return {"skipped": "no llama-quantize (--llama-quantize or $PEERS_LLAMA_QUANTIZE)"}
     source = f32_file(model, args.out / "f32.gguf", args.model)
-    report = {}
+    report: dict[str, dict] = {}
     for name, ours in files.items():
         kind, _, with_imatrix = name.partition("-")
         theirs = args.out / f"llama-{name}.gguf"
@@ -107,7 +107,7 @@ def compare_with_llama_cpp(args, model, files: dict) -> dict:
         a, b = gguf.GGUFReader(str(ours)), gguf.GGUFReader(str(theirs))
         mine = {t.name: t for t in a.tensors}
         same_type = same_bytes = 0
-        differ = []
+        differ: list[str] = []
         for t in b.tensors:
             m = mine.get(t.name)
             if m is None:

@@ -5,6 +5,8 @@ searches included)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from optimize.export_gguf import ExportError
@@ -12,7 +14,7 @@ from optimize.export_gguf import ExportError
 NUMPY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 
 
-def encode(data: np.ndarray, kind: str, imatrix: np.ndarray | None = None) -> tuple[np.ndarray, object]:
+def encode(data: np.ndarray, kind: str, imatrix: np.ndarray | None = None) -> tuple[np.ndarray, Any]:
     """(stored array, raw GGML type or None) for GGUFWriter.add_tensor."""
     import gguf
 

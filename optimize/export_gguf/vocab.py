@@ -92,8 +92,9 @@ def pre_name(pre: dict | None, folder: Path) -> str:
     if _matches(steps, [DIGITS, BYTE_LEVEL]):
         return "smollm"
     if len(steps) == 2 and _matches(steps[1:], [{"type": "ByteLevel", "use_regex": False}]):
-        pattern = (steps[0] or {}).get("pattern") or {}
-        if steps[0].get("type") == "Split" and pattern.get("Regex") == QWEN2_SPLIT:
+        first = steps[0] if isinstance(steps[0], dict) else {}
+        pattern = first.get("pattern") or {}
+        if first.get("type") == "Split" and pattern.get("Regex") == QWEN2_SPLIT:
             return "qwen2"
     kinds = [s.get("type") if isinstance(s, dict) else s for s in steps]
     raise ExportError(

@@ -52,7 +52,7 @@ def written(tiny, tmp_path_factory):
     return {t: writer.write(module, out / f"{t}.gguf", t, tokenizer_dir=folder) for t in FILE_TYPES}
 
 
-def fields(path: Path) -> dict:
+def fields(path: Path) -> tuple[dict, dict]:
     import gguf
 
     reader = gguf.GGUFReader(str(path))
@@ -110,7 +110,7 @@ def test_the_mixes_follow_llama_cpp(tiny, written):
 def test_rows_a_k_quant_block_does_not_divide_fall_back_as_llama_cpp_does():
     from optimize.export_gguf import mixes
 
-    shapes = {
+    shapes: dict[str, tuple] = {
         "token_embd.weight": (49152, 576),
         "blk.0.attn_q.weight": (576, 576),
         "blk.0.ffn_down.weight": (576, 1536),
