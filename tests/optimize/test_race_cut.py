@@ -140,8 +140,9 @@ def test_the_race_table_says_which_build_was_cut_and_which_search_a_time_box_sto
     cut = Entry("ort_int8_dynamic", candidates.CANDIDATES["ort_int8_dynamic"], budget_cut=True, budget_s=150)
     cut.outcome = "cut: over its 150 s build budget at 150 s"
     boxed = Entry("openvino_mixed", candidates.CANDIDATES["openvino_mixed"], model=SimpleNamespace(precision="int8"))
-    boxed.records = {"engine": {"accuracy_control": {"stopped": "stopped at its time box (the rest of its budget writes the IR)"}}}
+    stopped = "stopped at its time box before any revert"
+    boxed.records = {"engine": {"accuracy_control": {"stopped": stopped}}}
     boxed.outcome = "won: fastest"
     rows = race_rows({"candidates": [cut.report(), boxed.report()]})
     assert rows[1][0] == "ort_int8_dynamic" and rows[1][-1] == "cut: over its 150 s build budget at 150 s"
-    assert rows[2][-1] == "won: fastest (its search stopped at its time box (the rest of its budget writes the IR))"
+    assert rows[2][-1] == "won: fastest (its search stopped at its time box before any revert)"
