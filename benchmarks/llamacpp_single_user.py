@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import socket
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -195,6 +197,8 @@ def main(argv=None) -> dict:
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     refuse_unwritable(args.json)
+    # SIGTERM unwinds like Ctrl-C: llama-server and llama-bench are stopped, not left running
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for flag, value, high in (("--rounds", args.rounds, MAX_ROUNDS), ("--prompt", args.prompt, MAX_PROMPT),
                               ("--tokens", args.tokens, MAX_TOKENS), ("--threads", args.threads, 1024)):  # fmt: skip
         if not 1 <= value <= high:
