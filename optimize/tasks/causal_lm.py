@@ -54,7 +54,7 @@ class LLMEvalConfig:
     fidelity_tokens: int = 16384
     fidelity_window: Optional[int] = None  # null: perplexity_window (it fits the model's context)
     fidelity_kinds: List[str] = field(default_factory=lambda: ["prose", "code"])
-    fidelity_top_k: int = 32  # the baseline's log-probs kept per position (the rest as one outcome)
+    fidelity_top_k: int = 128  # the baseline's log-probs kept per position (the rest as one outcome)
     # The race's accuracy screen: mean KL divergence on this many of the fidelity tokens, before the
     # perplexity, the tasks and the served timing; 0: no screen.
     fidelity_screen_tokens: int = 2048
