@@ -179,7 +179,7 @@ def measure(args: argparse.Namespace, server_binary: Path, bench_binary: Path) -
             rows.append(row)
             print(f"round {number + 1}: " + ", ".join(f"{k} {v}" for k, v in row.items()), flush=True)
     model.close()
-    medians = {f"median_{k}": statistics.median(r[k] for r in rows) for k in rows[0]}
+    medians = {f"median_{k}": round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
     return {"gguf": str(args.gguf), "threads": args.threads, "prompt_tokens": args.prompt,
             "new_tokens": args.tokens, "kv_cache": args.kv_cache, "rounds": rows, **medians}  # fmt: skip
 
