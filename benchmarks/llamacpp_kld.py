@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from serve.arguments import OneLineParser
 
@@ -35,7 +36,7 @@ ENV = "PEERS_LLAMA_PERPLEXITY"
 QUANTS = ("Q8_0", "Q4_0")
 
 
-def refuse(message: str) -> None:
+def refuse(message: str) -> NoReturn:
     print(f"llamacpp_kld: {message}", file=sys.stderr)
     raise SystemExit(2)
 
@@ -116,7 +117,7 @@ def _run(command: list[str]) -> str:
 
 
 def _parse(log: str) -> dict:
-    figures = {}
+    figures: dict[str, float | int | None] = {}
     for key, label in (
         ("mean_kld", "Mean    KLD"),
         ("top1_agreement_pct", "Same top p"),
@@ -182,10 +183,8 @@ def project_kld(
     reference = tf.reference(Torch(files["hf"]), texts, ctx, score_from=ctx // 2)
     out = {}
     for qtype in types:
-        if runner == "q8-activations":
-            candidate = TorchQ8Activations(files[qtype].parent, files[qtype].name)
-        else:
-            candidate = Torch(files[qtype].parent, files[qtype].name)
+        kind = TorchQ8Activations if runner == "q8-activations" else Torch
+        candidate = kind(files[qtype].parent, files[qtype].name)
         out[qtype] = tf.compare(reference, candidate, texts, ctx, score_from=ctx // 2)
     return out
 
