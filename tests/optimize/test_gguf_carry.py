@@ -87,19 +87,20 @@ def test_the_race_carries_a_q4_1_gguf_through_at_the_source_perplexity(q4_1, tmp
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "method, says",
+    "method, uncarried, says",
     [
-        ("openvino_genai_gguf", "does not read these tensors' types"),
-        ("native_gguf", "matrices, not these tensors' types"),
+        ("openvino_genai_gguf", "Q5_0", "does not read these tensors' types"),
+        ("native_gguf", "F16", "matrices, not these tensors' types"),  # it carries Q5_0 and the K-quants
     ],
 )
-def test_a_gguf_the_reader_cannot_carry_is_one_line_exit_2(tmp_path, method, says):
-    """engine.method=openvino_genai_gguf (or native_gguf) alone on a file with Q5_0 matrices: exit 2 naming them."""
+def test_a_gguf_the_reader_cannot_carry_is_one_line_exit_2(tmp_path, method, uncarried, says):
+    """engine.method=openvino_genai_gguf (or native_gguf) alone on a file with matrices of a type it does not
+    read: exit 2 naming them."""
     from tests.support.gguf_writer import write_gguf
     from tests.support.models import tiny_llama_folder
 
     folder = tiny_llama_folder(tmp_path / "hf")
-    path = write_gguf(folder, tmp_path / "tiny.Q5_0.gguf", lambda name: "Q5_0" if "ffn_up" in name else "Q8_0")
+    path = write_gguf(folder, tmp_path / "tiny.gguf", lambda name: uncarried if "ffn_up" in name else "Q8_0")
     proc = run_optimize(
         f"model.source={path}",
         *TINY_LM_RACE,
@@ -109,8 +110,8 @@ def test_a_gguf_the_reader_cannot_carry_is_one_line_exit_2(tmp_path, method, say
         env={"OPTIMIZE_CACHE": str(tmp_path / "cache")},
     )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
-    line = one_error_line(proc, says, "blk.0.ffn_up.weight (Q5_0)", log_lines=True)
-    assert "blk.1.ffn_up.weight (Q5_0)" in line
+    line = one_error_line(proc, says, f"blk.0.ffn_up.weight ({uncarried})", log_lines=True)
+    assert f"blk.1.ffn_up.weight ({uncarried})" in line
     assert not (tmp_path / "artifact").exists()
 
 
