@@ -248,7 +248,10 @@ def main(argv: list[str] | None = None) -> int:
         logging_level=logging.WARNING,
         runtime_env={"env_vars": ray_env} if ray_env else None,
     )
-    within_deadline(lambda: ray.init(**init), args.connect_timeout_s, f"Ray at {args.address or 'a local instance'}")
+    if args.address in (None, "local"):  # a local instance starts in this (main) thread: Ray needs it there
+        ray.init(**init)
+    else:
+        within_deadline(lambda: ray.init(**init), args.connect_timeout_s, f"Ray at {args.address}")
     ray_serve.start(http_options={"host": args.host, "port": args.port})
     options = deployment_options(args, config)
     app = ray_serve.deployment(**options)(deployment_class()).bind(str(root), checks, config)
