@@ -63,7 +63,7 @@ def resolve(cfg) -> tuple[str, Path | None]:
 
 
 # Models the project trains itself into the cache (none installs offline), and the command that does.
-TRAINED_IN_CACHE = {"classifiers/minilm_docstrings": "python -m optimize.train_classifier"}
+TRAINED_IN_CACHE = {"classifiers/minilm_docstrings": "python -m optimize.train.classifier"}
 
 
 def _how_to_train(path: Path) -> str:

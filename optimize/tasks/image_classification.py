@@ -72,7 +72,7 @@ def load_source(cfg, path: Path | None):
     if path is None or not path.is_dir():
         raise RecipeError(
             f"model.source={cfg.source}: image_classification needs a local folder "
-            "(config.json + model.safetensors); train one with python -m optimize.train_digits DIR"
+            "(config.json + model.safetensors); train one with python -m optimize.train.digits DIR"
         )
     module, config = load_cnn(path)
     # kind "torch": a PyTorch module without a tokenizer (the pipeline exports it like any module).

@@ -21,7 +21,7 @@ FAST = [
 
 def test_training_script_writes_a_loadable_safetensors_checkpoint(tmp_path):
     from optimize.tasks.image_classification import encode_images, load_cnn
-    from optimize.train_digits import train
+    from optimize.train.digits import train
 
     trained = train(tmp_path / "cnn", epochs=1, seed=1)
     assert (tmp_path / "cnn" / "model.safetensors").is_file() and trained["items"] > 1000

@@ -1,4 +1,4 @@
-"""`python -m optimize.train_classifier`: bad arguments are one line, exit 2, before any training or
+"""`python -m optimize.train.classifier`: bad arguments are one line, exit 2, before any training or
 writing (training itself is exercised by the recipe it feeds, on an idle machine it takes minutes)."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from optimize import train_classifier
+from optimize.train import classifier as train_classifier
 from tests.support.cli import ROOT, one_error_line
 
 
 def run_tool(*args, cwd=ROOT, timeout=120):
     return subprocess.run(
-        [sys.executable, "-m", "optimize.train_classifier", *args], cwd=cwd, capture_output=True, text=True,
+        [sys.executable, "-m", "optimize.train.classifier", *args], cwd=cwd, capture_output=True, text=True,
         timeout=timeout,
     )  # fmt: skip
 
@@ -36,7 +36,7 @@ def run_tool(*args, cwd=ROOT, timeout=120):
 def test_bad_arguments_are_one_line(args, fragment, tmp_path):
     out = tmp_path / "model"
     proc = subprocess.run(
-        [sys.executable, "-m", "optimize.train_classifier", str(out), *args],
+        [sys.executable, "-m", "optimize.train.classifier", str(out), *args],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     one_error_line(proc, fragment)
@@ -47,7 +47,7 @@ def test_a_file_where_the_folder_goes_is_refused(tmp_path):
     target = tmp_path / "file"
     target.write_text("keep me")
     proc = subprocess.run(
-        [sys.executable, "-m", "optimize.train_classifier", str(target)],
+        [sys.executable, "-m", "optimize.train.classifier", str(target)],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     one_error_line(proc, "exists and is not a folder")

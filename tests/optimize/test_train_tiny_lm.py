@@ -1,4 +1,4 @@
-"""`python -m optimize.train_tiny_lm`: a full-precision Llama trained offline on the calibration split
+"""`python -m optimize.train.tiny_lm`: a full-precision Llama trained offline on the calibration split
 of CPython's prose learns (held-out perplexity far below a random model's), loads as a model source,
 and bad arguments are one line, exit 2, nothing written."""
 
@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from optimize import train_tiny_lm
+from optimize.train import tiny_lm as train_tiny_lm
 
 
 def _held_out_perplexity(folder, tokens: int = 1024) -> float:
@@ -65,7 +65,7 @@ def test_the_trained_model_learns_the_prose_and_never_sees_the_evaluation_text(t
 def test_bad_arguments_are_one_line_and_nothing_is_written(tmp_path, args, message):
     out = tmp_path / "lm"
     proc = subprocess.run(
-        [sys.executable, "-m", "optimize.train_tiny_lm", str(out), *args], capture_output=True, text=True
+        [sys.executable, "-m", "optimize.train.tiny_lm", str(out), *args], capture_output=True, text=True
     )
     assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []  # no model, and no partial folder beside it
@@ -74,7 +74,7 @@ def test_bad_arguments_are_one_line_and_nothing_is_written(tmp_path, args, messa
 def test_a_folder_that_holds_files_is_refused(tmp_path):
     (tmp_path / "keep.txt").write_text("mine")
     proc = subprocess.run(
-        [sys.executable, "-m", "optimize.train_tiny_lm", str(tmp_path)], capture_output=True, text=True
+        [sys.executable, "-m", "optimize.train.tiny_lm", str(tmp_path)], capture_output=True, text=True
     )
     assert proc.returncode == 2 and "not empty" in proc.stderr
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
@@ -85,7 +85,7 @@ def test_a_file_or_an_unwritable_place_for_the_model_is_refused(tmp_path):
     target.write_bytes(b"\xff\xfe not a folder")
     for out, message in ((target, "is a file"), (tmp_path / "missing" / "lm", "is not a folder")):
         proc = subprocess.run(
-            [sys.executable, "-m", "optimize.train_tiny_lm", str(out)], capture_output=True, text=True
+            [sys.executable, "-m", "optimize.train.tiny_lm", str(out)], capture_output=True, text=True
         )
         assert proc.returncode == 2 and message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     assert target.read_bytes() == b"\xff\xfe not a folder" and not (tmp_path / "missing").exists()
@@ -95,7 +95,7 @@ def test_the_command_line_trains_into_the_folder_and_leaves_nothing_beside_it(tm
     out = tmp_path / "lm"
     out.mkdir()  # an empty folder is taken
     proc = subprocess.run(
-        [sys.executable, "-m", "optimize.train_tiny_lm", str(out), "--hidden", "64", "--layers", "1", "--steps", "2"],
+        [sys.executable, "-m", "optimize.train.tiny_lm", str(out), "--hidden", "64", "--layers", "1", "--steps", "2"],
         capture_output=True,
         text=True,
     )
@@ -133,7 +133,7 @@ def test_a_rotated_copy_is_the_same_function_with_no_weight_where_it_was(tmp_pat
 
     source, out = tiny_folder("llama", tmp_path / "src"), tmp_path / "rotated"
     proc = subprocess.run(
-        [sys.executable, "-m", "optimize.train_tiny_lm", str(out), "--from", str(source), "--rotate", "--steps", "0"],
+        [sys.executable, "-m", "optimize.train.tiny_lm", str(out), "--from", str(source), "--rotate", "--steps", "0"],
         capture_output=True,
         text=True,
     )
@@ -155,7 +155,7 @@ def test_a_rotated_copy_is_the_same_function_with_no_weight_where_it_was(tmp_pat
         [
             sys.executable,
             "-m",
-            "optimize.train_tiny_lm",
+            "optimize.train.tiny_lm",
             str(refused),
             "--from",
             str(gemma),

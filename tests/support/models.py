@@ -74,7 +74,7 @@ def train_tokenizer(out: Path) -> int:
     """Byte-level BPE (512 tokens) trained on CPython's docs, saved to `out`; returns the vocabulary size."""
     from pydoc_data.topics import topics
 
-    from optimize.train_tiny_lm import train_bpe
+    from optimize.train.tiny_lm import train_bpe
 
     return train_bpe(list(topics.values())[:20], 512, out)
 

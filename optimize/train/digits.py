@@ -1,6 +1,6 @@
 """Train the digits CNN on the calibration (training) split of scikit-learn's digits.
 
-    python -m optimize.train_digits optimize/assets/digits_cnn [--epochs 30] [--seed 0]
+    python -m optimize.train.digits optimize/assets/digits_cnn [--epochs 30] [--seed 0]
 
 Writes config.json and model.safetensors (no pickle). Seconds on one CPU core. The held-out
 (evaluation) split is never trained on: it is what the quantized model's accuracy is gated on.

@@ -1,9 +1,9 @@
 """Train a small full-precision Llama on the calibration split of the Python prose that ships with
 CPython (pydoc topics and standard-library docstrings), with its own byte-level BPE tokenizer.
 
-    python -m optimize.train_tiny_lm OUT [--hidden 256] [--layers 4] [--steps 600] [--seed 0]
-    python -m optimize.train_tiny_lm OUT --from SOURCE [--steps 300] [--lr 1e-4]
-    python -m optimize.train_tiny_lm OUT --from SOURCE --rotate [--steps 0] [--seed 0]
+    python -m optimize.train.tiny_lm OUT [--hidden 256] [--layers 4] [--steps 600] [--seed 0]
+    python -m optimize.train.tiny_lm OUT --from SOURCE [--steps 300] [--lr 1e-4]
+    python -m optimize.train.tiny_lm OUT --from SOURCE --rotate [--steps 0] [--seed 0]
 
 Writes a Hugging Face folder (config, model.safetensors, tokenizer, train.json) that
 `model.source=OUT` loads. The held-out (evaluation) split is never trained on: it is what perplexity

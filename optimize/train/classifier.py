@@ -2,7 +2,7 @@
 to tell which installed package a docstring paragraph comes from (calibration.labeled's
 package_docstrings: matplotlib, networkx, pandas, scikit-learn, sympy, torch).
 
-    python -m optimize.train_classifier [OUT_DIR] [--steps 400] [--seed 0] [--budget-s S] [--trained-layers N]
+    python -m optimize.train.classifier [OUT_DIR] [--steps 400] [--seed 0] [--budget-s S] [--trained-layers N]
 
 No fine-tuned classifier installs offline, so the project makes one from text that ships: real
 paragraphs, real labels, trained on the calibration split and held out by module file (the
@@ -173,7 +173,7 @@ def save(model, tokenizer, stage: Path, out_dir: Path, trained: dict) -> None:
     model.save_pretrained(str(stage))
     tokenizer.save_pretrained(str(stage))
     (stage / "training.json").write_text(json.dumps(trained, indent=2, allow_nan=False) + "\n")
-    (stage / MARKER).write_text("written by python -m optimize.train_classifier; it replaces this folder\n")
+    (stage / MARKER).write_text("written by python -m optimize.train.classifier; it replaces this folder\n")
     old = None
     if out_dir.exists():
         check_replaceable(out_dir)  # again: the folder may have changed during training
