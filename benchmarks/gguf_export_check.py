@@ -1,4 +1,4 @@
-"""The GGUF writer (optimize/export_gguf) against llama.cpp on one model, and the importance matrix's
+"""The GGUF writer (optimize/export/gguf) against llama.cpp on one model, and the importance matrix's
 worth:
 
     .venv/bin/python -m benchmarks.gguf_export_check MODEL_DIR OUT_DIR [--llama-quantize PATH] [--json OUT]
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from optimize.export_gguf import imatrix, writer
+    from optimize.export.gguf import imatrix, writer
 
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -75,7 +75,7 @@ def texts(split: str, count: int, tokenizer, tokens: int) -> list[list[int]]:
 
 def f32_file(model, path: Path, tokenizer_dir: Path) -> Path:
     """The model with every tensor F32, the input llama-quantize takes."""
-    from optimize.export_gguf import mixes, writer
+    from optimize.export.gguf import mixes, writer
 
     original = mixes.tensor_types
     mixes.tensor_types = lambda file_type, shapes, *a, **k: {n: "F32" for n in shapes}

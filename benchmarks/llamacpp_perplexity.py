@@ -151,7 +151,7 @@ def recorded(manifest: dict, side: str) -> float | None:
 def report(artifact: Path, args: argparse.Namespace) -> dict:
     from benchmarks import llamacpp
     from optimize.errors import RecipeError
-    from optimize.export_vllm import perplexity_ids
+    from optimize.export.vllm import perplexity_ids
     from optimize.gguf_header import read_header
 
     manifest = artifact_manifest(artifact)

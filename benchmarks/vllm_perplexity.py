@@ -83,7 +83,7 @@ def export(artifact: Path, dest: Path, allow_failed_gate: bool) -> Path | None:
 
 def measure(args, manifest: dict, folder: Path, scratch: Path) -> dict:
     from engines.hardware import cpu_flags
-    from optimize.export_vllm import perplexity_ids, serve_command, served_perplexity, serving_dtype
+    from optimize.export.vllm import perplexity_ids, serve_command, served_perplexity, serving_dtype
 
     ids, window = perplexity_ids(args.artifact, manifest)
     provenance = json.loads((folder / "optimize_export.json").read_text())

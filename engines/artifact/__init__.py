@@ -3,7 +3,7 @@
 An artifact is a directory with `manifest.json`. This package only reads (and seals a manifest the
 pipeline is about to write, see optimize/artifact.py): serve/ must not import torch or the
 pipeline, so it depends on the standard library alone. Its modules import each other relatively
-only, so a bundle's run.py can load a copy of it by its path (optimize/export.py).
+only, so a bundle's run.py can load a copy of it by its path (optimize/export/bundle.py).
 
 What is checked, before anything opens a file the manifest names:
 - the manifest is a JSON object of the expected shape (a malformed one is an ArtifactError, never

@@ -1,4 +1,4 @@
-"""Engine stage for causal LMs: the model written as one GGUF file (optimize/export_gguf), the file
+"""Engine stage for causal LMs: the model written as one GGUF file (optimize/export/gguf), the file
 llama.cpp, Ollama and LM Studio run as it is, with an Ollama Modelfile beside it, and gated on that
 exact file: the native GGUF kernels run it where they carry every type in it, else OpenVINO GenAI's
 GGUF reader (its rounded scales made exact from the file), so the race scores and serves the
@@ -48,7 +48,7 @@ class GGUFExportConfig:
     context: int = 0  # the native kernels' KV positions (0: the model's, at most their bound)
 
     def validate(self):
-        from optimize.export_gguf import FILE_TYPES
+        from optimize.export.gguf import FILE_TYPES
 
         if self.type not in FILE_TYPES:
             raise RecipeError(f"engine.params.type={self.type!r} cannot be written (written: {', '.join(FILE_TYPES)})")
@@ -78,7 +78,7 @@ def gguf_engine(model: Model, cfg: GGUFExportConfig, ctx: Context) -> Model:
     """The model as a GGUF of cfg.type plus its Modelfile, served by a runtime that reads the file."""
     from engines.openvino import genai_gguf
     from optimize.compile.openvino_genai_gguf import precision_of
-    from optimize.export_gguf import ExportError, modelfile
+    from optimize.export.gguf import ExportError, modelfile
 
     if model.kind != "torch" or model.module is None:
         raise RecipeError(f"engine.method={METHOD} needs a Hugging Face causal LM")
@@ -100,7 +100,7 @@ def gguf_engine(model: Model, cfg: GGUFExportConfig, ctx: Context) -> Model:
 
 def write_or_carry(model: Model, cfg: GGUFExportConfig, ctx: Context, path: Path) -> dict:
     """Write the GGUF at `path` (or copy the source's, where it already is the chosen mix): the record."""
-    from optimize.export_gguf import imatrix, writer
+    from optimize.export.gguf import imatrix, writer
 
     source = ctx.loaded_source()
     source_file = Path(source.location) / source.gguf_file if source.gguf_file else None
@@ -141,7 +141,7 @@ def write_or_carry(model: Model, cfg: GGUFExportConfig, ctx: Context, path: Path
 def already_of_type(source_file: Path, file_type: str, config) -> bool:
     """Whether every tensor of the GGUF source has the type the mix would give it."""
     from engines.openvino import genai_gguf
-    from optimize.export_gguf import mixes
+    from optimize.export.gguf import mixes
 
     _, tensors = genai_gguf.tensors(source_file)
     shapes = {t.name: tuple(reversed(t.shape)) for t in tensors}

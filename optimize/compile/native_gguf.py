@@ -80,7 +80,7 @@ def package(gguf_path: Path, tensors, folder: Path, engine_dir: Path, context: i
     from engines.native_gguf import build, contract
     from engines.native_gguf import model as native
     from engines.openvino.genai_gguf import CarryError, type_summary
-    from optimize.export_gguf import modelfile
+    from optimize.export.gguf import modelfile
 
     try:
         reader = native.open_reader(gguf_path)

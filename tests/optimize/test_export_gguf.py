@@ -1,4 +1,4 @@
-"""The GGUF writer (optimize/export_gguf): files of every type written from a tiny Llama and read
+"""The GGUF writer (optimize/export/gguf): files of every type written from a tiny Llama and read
 back (tokenizer, chat template, each tensor's type by llama.cpp's rules, each type's weights within its
 rounding, the logits transformers computes from the file), the importance matrix's effect, the
 Modelfile, and one-line refusals of a type or model the writer cannot write."""
@@ -45,7 +45,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def written(tiny, tmp_path_factory):
-    from optimize.export_gguf import FILE_TYPES, writer
+    from optimize.export.gguf import FILE_TYPES, writer
 
     folder, module = tiny
     out = tmp_path_factory.mktemp("gguf")
@@ -81,7 +81,7 @@ def test_every_type_reads_back_with_its_tokenizer_template_and_hyperparameters(t
 def test_each_tensor_has_llama_cpps_type_and_its_weights_within_the_types_rounding(tiny, written):
     import gguf
 
-    from optimize.export_gguf import mixes, writer
+    from optimize.export.gguf import mixes, writer
 
     _, module = tiny
     stored = writer.gguf_tensors(module, module.config, "llama")
@@ -108,7 +108,7 @@ def test_the_mixes_follow_llama_cpp(tiny, written):
 
 
 def test_rows_a_k_quant_block_does_not_divide_fall_back_as_llama_cpp_does():
-    from optimize.export_gguf import mixes
+    from optimize.export.gguf import mixes
 
     shapes: dict[str, tuple] = {
         "token_embd.weight": (49152, 576),
@@ -198,7 +198,7 @@ def test_the_tokenizer_round_trips_through_the_file(tiny, written):
 
 
 def test_a_gguf_source_s_tokenizer_keys_are_copied_exactly(tiny, written, tmp_path):
-    from optimize.export_gguf import writer
+    from optimize.export.gguf import writer
 
     _, module = tiny
     first = written["Q8_0"].path
@@ -212,7 +212,7 @@ def test_a_gguf_source_s_tokenizer_keys_are_copied_exactly(tiny, written, tmp_pa
 def test_the_importance_matrix_weighs_the_rounding(tiny, tmp_path):
     import torch
 
-    from optimize.export_gguf import imatrix, quant, writer
+    from optimize.export.gguf import imatrix, quant, writer
 
     folder, module = tiny
     rng = np.random.default_rng(0)
@@ -258,7 +258,7 @@ def test_the_numpy_and_c_quantizers_agree_byte_for_byte_on_the_32_value_types():
 
 
 def test_the_modelfile_says_from_template_and_stop(written, tmp_path):
-    from optimize.export_gguf import modelfile
+    from optimize.export.gguf import modelfile
 
     text = modelfile.modelfile("model.gguf", CHATML, ["<|im_end|>", "<|im_end|>"])
     assert text.startswith("FROM ./model.gguf\n")
@@ -278,7 +278,7 @@ def test_the_modelfile_says_from_template_and_stop(written, tmp_path):
 def test_a_type_or_model_the_writer_cannot_write_is_refused_in_one_line(tiny, tmp_path):
     from transformers import BertConfig, BertForMaskedLM
 
-    from optimize.export_gguf import ExportError, writer
+    from optimize.export.gguf import ExportError, writer
 
     folder, module = tiny
     with pytest.raises(ExportError, match="GGUF type 'Q3_K' cannot be written"):
@@ -292,7 +292,7 @@ def test_a_type_or_model_the_writer_cannot_write_is_refused_in_one_line(tiny, tm
 def test_the_command_line_refuses_in_one_line_and_writes_a_file_and_modelfile(tiny, tmp_path):
     folder, _ = tiny
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    command = [sys.executable, "-m", "optimize.export_gguf", str(folder), str(tmp_path / "m.gguf")]
+    command = [sys.executable, "-m", "optimize.export.gguf", str(folder), str(tmp_path / "m.gguf")]
     bad = subprocess.run([*command, "--type", "IQ2_XS"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines() == [

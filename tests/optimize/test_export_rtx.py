@@ -97,7 +97,7 @@ def test_refusals_are_one_line(rtx_artifact, tmp_path):
 
 def test_an_artifact_without_a_plan_is_refused():
     from optimize.errors import RecipeError
-    from optimize.export import with_plan_engine
+    from optimize.export.bundle import with_plan_engine
 
     onnx_only = {"engine": {"format": "onnxruntime", "file": "model.onnx", "task": "sentence_embedding"}, "files": []}
     with pytest.raises(RecipeError, match="has no TensorRT-RTX plan"):

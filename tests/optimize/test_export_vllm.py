@@ -219,7 +219,7 @@ class Server:
     """`vllm serve FOLDER` on a free loopback port, its log in `log`; stopped on exit."""
 
     def __init__(self, folder: Path, log: Path):
-        from optimize.export_vllm import serve_command, serving_dtype
+        from optimize.export.vllm import serve_command, serving_dtype
 
         self.folder, self.log, self.port = folder, log, free_port()
         dtype = serving_dtype(json.loads((folder / "optimize_export.json").read_text())["quantization"])
@@ -249,7 +249,7 @@ class Server:
 def test_vllm_serves_the_w8a8_folder_at_the_artifacts_perplexity(w8a8_dir, w8a8_artifact, tmp_path):
     from openai import OpenAI
 
-    from optimize.export_vllm import perplexity_ids, served_perplexity
+    from optimize.export.vllm import perplexity_ids, served_perplexity
 
     missing = vllm_missing()
     if missing:

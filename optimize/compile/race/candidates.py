@@ -159,7 +159,7 @@ CANDIDATES.update(
     }
 )
 # The model written as a GGUF file of a type laptop users choose (llama.cpp's file types and per-tensor
-# mixes, optimize/export_gguf), gated and served on that exact file: the native kernels where they
+# mixes, optimize/export/gguf), gated and served on that exact file: the native kernels where they
 # carry every type in it, else OpenVINO GenAI's GGUF reader. The K-quant mixes and Q4_0 are rounded with
 # an importance matrix from the calibration text; Q4_K_M without one is there to measure what it buys.
 # By name (recipes/recipe/smollm2_laptop.yaml): from a 4-bit source they quantize a quantized model again.

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from optimize.export_gguf import ExportError
+from optimize.export.gguf import ExportError
 
 NUMPY_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from optimize.export_gguf import ExportError
+from optimize.export.gguf import ExportError
 
 # A Hugging Face ByteLevel pre-tokenizer -> llama.cpp's name for the same splitting
 # (tokenizer.ggml.pre), read from tokenizer.json's pre_tokenizer. A shape not listed is refused:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from optimize.export_gguf import ARCHITECTURES, ExportError, check_file_type, mixes, quant, vocab
+from optimize.export.gguf import ARCHITECTURES, ExportError, check_file_type, mixes, quant, vocab
 
 
 @dataclass

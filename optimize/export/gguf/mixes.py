@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from optimize.export_gguf import check_file_type
+from optimize.export.gguf import check_file_type
 
 BASE = {"Q8_0": "Q8_0", "Q4_0": "Q4_0", "Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K"}
 BLOCK = {"F32": 1, "F16": 1, "Q8_0": 32, "Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32}

@@ -9,7 +9,7 @@ from typing import Iterable
 
 import numpy as np
 
-from optimize.export_gguf import ExportError
+from optimize.export.gguf import ExportError
 
 
 def collect(module, sequences: Iterable[list[int]]) -> dict:
@@ -17,7 +17,7 @@ def collect(module, sequences: Iterable[list[int]]) -> dict:
     import gguf
     import torch
 
-    from optimize.export_gguf.writer import architecture_of
+    from optimize.export.gguf.writer import architecture_of
 
     config = module.config
     arch = architecture_of(config)

@@ -21,7 +21,7 @@ one line (`python -m serve` runs the OpenVINO GenAI ones).
 LM's Hugging Face checkpoint (engine=compressed_tensors_checkpoint: INT8 W8A8 or INT4 W4A16 weights
 vLLM serves on CPU and GPU; engine=modelopt_checkpoint: modelopt's FP8 export), its generation config
 and the artifact's tokenizer, plus optimize_export.json naming the artifact, what was measured and
-each file's sha256 (optimize/export_vllm.py). Other engines hold no checkpoint vLLM reads and are
+each file's sha256 (optimize/export/vllm.py). Other engines hold no checkpoint vLLM reads and are
 refused with one line.
 
 Exit 0 with the bundle written; 2 when the artifact is refused (not an artifact, changed files, a bad
@@ -46,9 +46,9 @@ from engines.formats import ONNXRUNTIME, ONNXRUNTIME_GENAI, OPENVINO, TENSORRT_R
 from optimize import EXIT_BAD_INPUT
 from optimize.artifact import publish, scratch_for, staging, write_manifest
 from optimize.errors import ArgumentParser, RecipeError
-from optimize.export_vllm import write_vllm
+from optimize.export.vllm import write_vllm
 
-BUNDLE_ASSETS = Path(__file__).resolve().parent / "assets" / "bundle"
+BUNDLE_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "bundle"
 RUN_SCRIPT, RUNTIMES = BUNDLE_ASSETS / "run.py", BUNDLE_ASSETS / "runtimes.py"  # the command, its graph runners
 CHECKER = Path(checker.__file__).resolve().parent  # the package's folder: the bundle carries its modules
 CHECKER_DIR = "artifact"  # where they go in the bundle (run.py loads the package from there by its path)

@@ -7,7 +7,7 @@ each tensor's type picked by llama.cpp's rules (mixes.py), K-quants rounded with
 from calibration text where one is given (imatrix.py). An Ollama Modelfile is written beside it
 (modelfile.py).
 
-    python -m optimize.export_gguf MODEL_DIR OUT.gguf --type Q4_K_M [--calibration-text FILE]
+    python -m optimize.export.gguf MODEL_DIR OUT.gguf --type Q4_K_M [--calibration-text FILE]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""python -m optimize.export_gguf MODEL OUT.gguf --type TYPE [--calibration-text FILE]
+"""python -m optimize.export.gguf MODEL OUT.gguf --type TYPE [--calibration-text FILE]
 
 MODEL is a Hugging Face folder (safetensors, config, tokenizer.json) or a GGUF file (read
 dequantized; its tokenizer keys are copied). The Modelfile is written beside OUT. A model, type or
@@ -10,11 +10,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from optimize.export_gguf import FILE_TYPES, ExportError
+from optimize.export.gguf import FILE_TYPES, ExportError
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m optimize.export_gguf", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="python -m optimize.export.gguf", description=__doc__.split("\n\n")[1])
     parser.add_argument("model", type=Path, help="a Hugging Face model folder or a .gguf file")
     parser.add_argument("out", type=Path, help="the GGUF file to write (the Modelfile goes beside it)")
     parser.add_argument("--type", default="Q4_K_M", help=f"one of {', '.join(FILE_TYPES)} (default Q4_K_M)")
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def export(args: argparse.Namespace):
-    from optimize.export_gguf import check_file_type, imatrix, modelfile, writer
+    from optimize.export.gguf import check_file_type, imatrix, modelfile, writer
 
     check_file_type(args.type)
     if args.calibration_tokens < 2:
@@ -75,7 +75,7 @@ def load(model: Path):
         location, gguf_file = str(model), None
     else:
         raise ExportError(f"{model} is neither a Hugging Face model folder (config.json) nor a .gguf file")
-    from optimize.export_gguf.writer import architecture_of
+    from optimize.export.gguf.writer import architecture_of
 
     architecture_of(AutoConfig.from_pretrained(location, gguf_file=gguf_file))  # refused before weights load
     module = AutoModelForCausalLM.from_pretrained(location, gguf_file=gguf_file, dtype=torch.float32)
