@@ -75,7 +75,7 @@ def version(binary: Path) -> str:
 
 
 def source_path(source: str) -> Path:
-    from optimize.models import resolve_package_path
+    from optimize.sources.models import resolve_package_path
 
     return resolve_package_path(source) if source.startswith("pkg://") else Path(source).expanduser()
 
@@ -106,9 +106,9 @@ def recipe_gguf(manifest: dict) -> tuple[Path | None, str]:
 
 
 def converted_folder(gguf: Path) -> Path:
-    """Where optimize.models.hf_folder keeps the GGUF dequantized to a safetensors folder."""
+    """Where optimize.sources.models.hf_folder keeps the GGUF dequantized to a safetensors folder."""
     from engines.artifact import sha256_file
-    from optimize.models import cache_root
+    from optimize.sources.models import cache_root
 
     return cache_root() / "gguf" / sha256_file(gguf)[:24]
 

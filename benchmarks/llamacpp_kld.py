@@ -71,7 +71,7 @@ def write_models(work: Path, also: tuple[str, ...] = ()) -> dict[str, Path]:
     source = smollm2_gguf()
     hf = work / "hf"
     if not (hf / "config.json").is_file():
-        from optimize.models import dequantized_copy
+        from optimize.sources.models import dequantized_copy
 
         model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
         dequantized_copy(model).save_pretrained(hf, safe_serialization=True)  # a GGUF-loaded one refuses

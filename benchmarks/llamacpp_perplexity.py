@@ -73,7 +73,7 @@ def llama_tree(given: str | None) -> Path:
 
 def compiled_scorer(tree: Path) -> Path:
     """The scorer built against `tree`'s llama.cpp, compiled once per source and library into the cache."""
-    from optimize.models import cache_root
+    from optimize.sources.models import cache_root
 
     library = tree / "build" / "bin"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -152,7 +152,7 @@ def report(artifact: Path, args: argparse.Namespace) -> dict:
     from benchmarks import llamacpp
     from optimize.errors import RecipeError
     from optimize.export.vllm import perplexity_ids
-    from optimize.gguf_header import read_header
+    from optimize.sources.gguf_header import read_header
 
     manifest = artifact_manifest(artifact)
     gguf, why = (args.gguf, "") if args.gguf else llamacpp.recipe_gguf(manifest)

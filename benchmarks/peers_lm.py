@@ -116,10 +116,10 @@ def shipped_gguf() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The safetensors folder optimize.models.hf_folder converted the shipped GGUF into (keyed by its
+    """The safetensors folder optimize.sources.models.hf_folder converted the shipped GGUF into (keyed by its
     sha256 under $OPTIMIZE_CACHE/gguf/); one clear line when no run has converted it yet."""
     from engines.artifact import sha256_file
-    from optimize.models import cache_root
+    from optimize.sources.models import cache_root
 
     folder = cache_root() / "gguf" / sha256_file(shipped_gguf())[:24]
     if not (folder / "model.safetensors").is_file():

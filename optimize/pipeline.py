@@ -18,11 +18,11 @@ from optimize.config import recipe_dict
 from optimize.context import Context, Model, SourceModel
 from optimize.errors import RecipeError
 from optimize.evaluate import subjects
-from optimize.models import load as load_source
-from optimize.models import resolve as resolve_source
-from optimize.models import source_hash
 from optimize.plan import Plan
 from optimize.reports import ci
+from optimize.sources.models import load as load_source
+from optimize.sources.models import resolve as resolve_source
+from optimize.sources.models import source_hash
 from optimize.tasks import lm_served
 
 log = logging.getLogger(__name__)

@@ -162,7 +162,7 @@ def calibration_sequences(ctx: Context, cfg: GGUFExportConfig) -> list[list[int]
 
 
 def tokenizer_folder(ctx: Context) -> Path:
-    from optimize.models import hf_folder
+    from optimize.sources.models import hf_folder
 
     return hf_folder(ctx.loaded_source())
 

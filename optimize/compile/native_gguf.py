@@ -58,7 +58,7 @@ class NativeGGUFConfig:
 def native_gguf_engine(model: Model, cfg: NativeGGUFConfig, ctx: Context) -> Model:
     """The GGUF source's own blocks in the native kernels, the file copied into the artifact."""
     from engines.native_gguf import model as native
-    from optimize.models import hf_folder
+    from optimize.sources.models import hf_folder
 
     gguf_path = source_gguf(model, ctx, METHOD)
     architecture, tensors = carried_tensors(gguf_path, ctx, METHOD, native.uncarried)

@@ -129,7 +129,7 @@ def onnxruntime_genai_engine(model: Model, cfg: GenAIConfig, ctx: Context) -> Mo
 
 def _source_folder(model, ctx) -> Path:
     """The builder reads a Hugging Face folder: the (cached) source, or the module a torch-side method changed."""
-    from optimize.models import hf_folder
+    from optimize.sources.models import hf_folder
 
     if model.module is ctx.source.module:
         return hf_folder(ctx.source)

@@ -84,7 +84,7 @@ def onnxruntime_genai_gguf_engine(model: Model, cfg: GenAIGGUFConfig, ctx: Conte
     from engines.onnxruntime_genai import gguf as carry
     from engines.onnxruntime_genai.build import BuildError, build, weight_precision
     from engines.openvino import genai_gguf
-    from optimize.models import hf_folder
+    from optimize.sources.models import hf_folder
 
     gguf_path = source_gguf(model, ctx, METHOD)
     architecture, tensors = carried_tensors(gguf_path, ctx, METHOD, carry.uncarried)

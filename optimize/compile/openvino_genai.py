@@ -304,7 +304,7 @@ def _calibration_batches(ctx, cfg: OVGenAIConfig) -> list[dict]:
 def _source_folder(model, ctx) -> Path:
     """A Hugging Face folder to export: the (cached) source, or the module a torch-side method changed
     saved with the source's tokenizer files."""
-    from optimize.models import hf_folder
+    from optimize.sources.models import hf_folder
 
     if model.module is ctx.source.module:
         return hf_folder(ctx.source)

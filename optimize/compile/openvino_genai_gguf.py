@@ -84,7 +84,7 @@ def openvino_genai_gguf_engine(model: Model, cfg: OVGenAIGGUFConfig, ctx: Contex
     from engines.openvino import genai_gguf
     from engines.openvino.genai_build import convert_tokenizer, copy_configs
     from engines.openvino.genai_compress import weight_precision
-    from optimize.models import hf_folder
+    from optimize.sources.models import hf_folder
 
     gguf_path = source_gguf(model, ctx)
     architecture, tensors = carried_tensors(gguf_path, ctx, "openvino_genai_gguf", genai_gguf.uncarried)

@@ -35,7 +35,7 @@ def loss_summary(losses: list[float]) -> dict:
 
 def checkpoint_dir(ctx, cfg: DistillConfig) -> Path:
     """$OPTIMIZE_CACHE/distill/<sha256 of (source hash, prune + distill config, calibration hash)>."""
-    from optimize.models import cache_root, source_hash
+    from optimize.sources.models import cache_root, source_hash
 
     config = {k: v for k, v in asdict(cfg).items() if k not in RUN_BOUNDS}
     identity = {

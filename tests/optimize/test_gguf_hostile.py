@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from optimize.errors import RecipeError
-from optimize.gguf_header import Header, check_model, main, read_header
+from optimize.sources.gguf_header import Header, check_model, main, read_header
 
 pytest.importorskip("gguf")
 
@@ -129,7 +129,7 @@ CHECKER = """
 import json, resource, sys
 from pathlib import Path
 from optimize.errors import RecipeError
-from optimize.gguf_header import check_gguf_source
+from optimize.sources.gguf_header import check_gguf_source
 lines = {}
 for name in sys.argv[1:]:
     try:

@@ -37,7 +37,7 @@ def test_checked_in_checkpoint_is_accurate():
     import torch
 
     from calibration.images import digits
-    from optimize.models import resolve_package_path
+    from optimize.sources.models import resolve_package_path
     from optimize.tasks.image_classification import encode_images, load_cnn, top1_accuracy
 
     module, config = load_cnn(resolve_package_path("pkg://optimize/assets/digits_cnn"))

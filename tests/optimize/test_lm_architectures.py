@@ -118,7 +118,7 @@ def test_gguf_files_load_as_the_model_they_came_from(arch, qtype, folders, tmp_p
     import torch
     from omegaconf import OmegaConf
 
-    from optimize import models
+    from optimize.sources import models
     from tests.support.gguf_writer import write_gguf
 
     folder = folders(arch)

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from optimize import cache_store, models
+from optimize import cache_store
 from optimize.errors import RecipeError
+from optimize.sources import models
 
 pytestmark = pytest.mark.slow  # each loads a model with transformers
 
@@ -114,7 +115,7 @@ CONVERTER = textwrap.dedent(
     import sys
     from pathlib import Path
     from tests.optimize.test_model_loading import _cfg
-    from optimize import models
+    from optimize.sources import models
 
     source = models.load(_cfg(Path(sys.argv[1])))
     print(models.hf_folder(source))

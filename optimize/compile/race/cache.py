@@ -61,7 +61,7 @@ def key_of(key_base: str, spec: Candidate) -> str:
 
 def folder(key_base: str, spec: Candidate) -> Path:
     """Where the candidate built to `spec` from what `key_base` hashes is kept."""
-    from optimize.models import cache_root
+    from optimize.sources.models import cache_root
 
     return cache_root() / "race" / key_of(key_base, spec)[:24]
 
@@ -129,7 +129,7 @@ def baseline_key(key_base: str, what: dict) -> str:
 
 
 def _baseline_folder(key: str) -> Path:
-    from optimize.models import cache_root
+    from optimize.sources.models import cache_root
 
     return cache_root() / "race" / f"baseline-{key}"
 

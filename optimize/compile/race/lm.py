@@ -122,7 +122,7 @@ def _fidelity_reference(ctx, cfg, tokens, baseline, key: str | None) -> dict | N
 
 
 def _reference_folder(key: str, identity: str):
-    from optimize.models import cache_root
+    from optimize.sources.models import cache_root
 
     return cache_root() / "race" / f"fidelity-{key}-{identity[:16]}"
 

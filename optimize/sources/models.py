@@ -19,7 +19,7 @@ from engines.pytorch.runner import HF_TASKS, PICKLE_SUFFIXES
 from optimize import tasks
 from optimize.context import SourceModel
 from optimize.errors import RecipeError
-from optimize.gguf_header import check_gguf_source
+from optimize.sources.gguf_header import check_gguf_source
 
 log = logging.getLogger(__name__)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")

@@ -8,7 +8,7 @@ it is walked, nesting and totals capped; then the model the metadata describes i
 sane maxima, the tensors the file really holds and this machine's memory. A file that fails is one
 RecipeError naming why (exit 2); nothing is allocated in proportion to what a file claims.
 
-`python -m optimize.gguf_header FILE` prints the summary, or the one line and exit 2.
+`python -m optimize.sources.gguf_header FILE` prints the summary, or the one line and exit 2.
 """
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def gguf_architectures() -> set[str]:
 
 def check_gguf_source(path: Path, source: str):
     """A GGUF file transformers can load as a causal LM, or one RecipeError naming why not: its header
-    is read within bounds (optimize/gguf_header.py, no weights) for the architecture, the model its
+    is read within bounds (optimize/sources/gguf_header.py, no weights) for the architecture, the model its
     metadata describes and the tensor types, before anything loads. Returns the header."""
     if importlib.util.find_spec("gguf") is None:
         return None  # the loader says which package is missing
@@ -341,7 +341,7 @@ def gguf_config_keys(architecture: str) -> set[str]:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m optimize.gguf_header FILE.gguf", file=sys.stderr)
+        print("usage: python -m optimize.sources.gguf_header FILE.gguf", file=sys.stderr)
         return 2
     try:
         header = check_gguf_source(Path(argv[0]), argv[0])
