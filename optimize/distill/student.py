@@ -9,7 +9,7 @@ from optimize.errors import RecipeError
 def make_student(module, teacher, cfg: DistillConfig, ctx, kept_layers: list[int] | None = None):
     """(student, layer map). The prune stage's module is the student; without one, build it from
     `student_layers` evenly spaced teacher layers (a student larger than the teacher is an error)."""
-    from optimize.surgery import Layout, evenly_spaced, keep_layers, student_copy
+    from optimize.transforms.surgery import Layout, evenly_spaced, keep_layers, student_copy
 
     teacher_layers = len(Layout(teacher).layers)
     if module is teacher:

@@ -8,7 +8,7 @@ from typing import Callable
 
 from optimize.context import Model
 from optimize.errors import RecipeError
-from optimize.surgery import Layout, student_copy
+from optimize.transforms.surgery import Layout, student_copy
 
 log = logging.getLogger(__name__)
 TORCH_TASKS = ("sentence_embedding", "causal_lm", "text_classification", "token_classification")

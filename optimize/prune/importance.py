@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from optimize.surgery import Layout
+from optimize.transforms.surgery import Layout
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,7 @@ from optimize.errors import RecipeError
 from optimize.prune.common import TORCH_TASKS
 from optimize.prune.importance import collect_importance
 from optimize.registry import register
-from optimize.surgery import Layout, evenly_spaced, keep_layers, parameter_count, slice_linear, student_copy
+from optimize.transforms.surgery import Layout, evenly_spaced, keep_layers, parameter_count, slice_linear, student_copy
 
 log = logging.getLogger(__name__)
 LAYER_SELECTIONS = ("block_importance", "output_fidelity", "evenly_spaced")

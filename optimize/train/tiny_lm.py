@@ -19,7 +19,7 @@ weights moved a median 3% of their block's step in 150 steps at --lr 3e-4 (docs/
 methods compared on it are compared on a model that was 4-bit, not on one trained in full precision.
 
 With --rotate the source's residual stream is first rotated by a random orthogonal matrix (--seed;
-optimize/rotation.py): the same function in FP32 (checked on its logits), and every weight a mix of
+optimize/transforms/rotation.py): the same function in FP32 (checked on its logits), and every weight a mix of
 hundreds of the source's, so none is left on a 4-bit grid. --steps 0 saves it without training. Its
 caveat: rotation spreads outlier channels, which favours INT4, so a comparison on it ranks methods
 rather than saying how much a model trained in full precision loses.
@@ -152,9 +152,9 @@ def continue_training(
 
 
 def _rotated(model, seed: int) -> dict:
-    """Rotate the model's residual stream (optimize/rotation.py); its record."""
+    """Rotate the model's residual stream (optimize/transforms/rotation.py); its record."""
     from optimize.errors import RecipeError
-    from optimize.rotation import RotationError, rotate_residual
+    from optimize.transforms.rotation import RotationError, rotate_residual
 
     try:
         difference = rotate_residual(model, seed)

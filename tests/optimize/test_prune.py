@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from optimize import surgery
 from optimize.errors import RecipeError
 from optimize.prune.magnitude_unstructured import magnitude_unstructured
 from optimize.prune.semi_structured_2_4 import semi_structured_2_4
 from optimize.prune.structured import structured as prune_structured
 from optimize.registry import build_config, get
+from optimize.transforms import surgery
 from tests.support.context import torch_context
 from tests.support.models import encode, tiny_bert, tiny_llama, torch_model
 

@@ -1,4 +1,4 @@
-"""optimize/rotation.py: a decoder whose residual stream is rotated computes the same logits with every
+"""optimize/transforms/rotation.py: a decoder whose residual stream is rotated computes the same logits with every
 weight matrix new (the norms' scales folded in, the embedding and LM head untied); architectures it
 cannot keep exact are refused, naming what it does rotate."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from optimize.rotation import RotationError, rotate_residual
+from optimize.transforms.rotation import RotationError, rotate_residual
 from tests.support.tiny_archs import tiny_model
 
 
