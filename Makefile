@@ -30,13 +30,13 @@ demo: $(STAMP)
 	$(PY) -m optimize recipe=minilm_int8_cpu
 
 # The linter and formatter, the import contracts ([tool.importlinter]), the type checker (pyproject.toml)
-# and the tables in docs/ made from the code (python -m optimize.docs_tables rewrites them).
+# and the tables in docs/ made from the code (python -m optimize.docs.tables rewrites them).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
-	$(PY) -m optimize.docs_tables --check
+	$(PY) -m optimize.docs.tables --check
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q

@@ -1,7 +1,7 @@
 """Every field of the OpenAI /v1/completions and /v1/chat/completions request bodies, and what this
 server does with it: one table (FIELDS), read by the parser to refuse (serve/protocol.py), by the
 model wrapper to refuse what its engine cannot do (serve/llm.py), and rendered into serve/README.md
-(`python -m optimize.docs_tables`).
+(`python -m optimize.docs.tables`).
 
 A field is honoured, honoured where the engine declares it (its `honours`, engines/generation.py),
 accepted without effect (an identifier or a hint that changes no output), or refused with a 400 that

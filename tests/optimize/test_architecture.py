@@ -85,7 +85,7 @@ def test_a_folder_without_init_is_reported_missing_from_the_graph(tmp_path, monk
 
 
 def test_every_package_says_what_it_holds():
-    """The layout in docs/design.md is made of these docstrings (optimize/docs_tables.py)."""
+    """The layout in docs/design.md is made of these docstrings (optimize/docs/tables.py)."""
     packages = [f for f in tracked_files() if f.endswith("__init__.py")]
     assert [p for p in packages if not ast.get_docstring(ast.parse((REPO / p).read_text()))] == []
 

@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import pytest
 
-from optimize import docs_tables, registry
+from optimize import registry
 from optimize.compile.race.candidates import CANDIDATES
+from optimize.docs import tables as docs_tables
 
 
 @pytest.fixture
@@ -23,7 +24,7 @@ def docs(tmp_path):
 
 def test_the_docs_tables_are_current_as_make_lint_checks_them():
     proc = subprocess.run(
-        [sys.executable, "-m", "optimize.docs_tables", "--check"], capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "optimize.docs.tables", "--check"], capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout == proc.stderr == ""
@@ -44,7 +45,7 @@ def test_a_stale_table_fails_the_check_by_name_and_a_rewrite_makes_it_current(do
     gate = docs / "gate.md"
     gate.write_text(gate.read_text().replace("| `gate.min_cosine` |", "| `gate.min_cosine_renamed` |"))
     assert docs_tables.main(["--check", "--docs", str(docs)]) == 1
-    assert capsys.readouterr().err.strip() == f"{gate}: the 'gate' table is stale; run python -m optimize.docs_tables"
+    assert capsys.readouterr().err.strip() == f"{gate}: the 'gate' table is stale; run python -m optimize.docs.tables"
     assert "min_cosine_renamed" in gate.read_text()  # --check writes nothing
 
     assert docs_tables.main(["--docs", str(docs)]) == 0
@@ -75,7 +76,7 @@ def test_a_method_added_to_the_code_makes_the_methods_table_stale(docs, monkeypa
 
 def test_a_missing_or_unknown_table_is_named(docs, capsys):
     race = docs / "race.md"
-    markers = ("<!-- generated:race (python -m optimize.docs_tables) -->\n", "<!-- end generated:race -->\n")
+    markers = ("<!-- generated:race (python -m optimize.docs.tables) -->\n", "<!-- end generated:race -->\n")
     race.write_text(race.read_text().replace(markers[0], "").replace(markers[1], ""))
     assert docs_tables.main(["--check", "--docs", str(docs)]) == 1
     err = capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""`python -m optimize.docs_tables [--check]`: the tables in docs/ that are made from the code.
+"""`python -m optimize.docs.tables [--check]`: the tables in docs/ that are made from the code.
 
 - `methods`: every registered method (optimize/registry.py), with its stage, what it takes, the tasks
   it applies to and its summary (the first paragraph of its docstring);
@@ -13,7 +13,7 @@
 
 Each table sits in a docs/*.md file (or one of EXTRA_DOCUMENTS) between two marker comments:
 
-    <!-- generated:NAME (python -m optimize.docs_tables) -->
+    <!-- generated:NAME (python -m optimize.docs.tables) -->
     | ... |
     <!-- end generated:NAME -->
 
@@ -36,11 +36,11 @@ from typing import Any, Callable
 
 from optimize.errors import ArgumentParser
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 # The code packages, in the order the layout shows them.
 PACKAGES = ("optimize", "engines", "serve", "calibration")
-COMMAND = "python -m optimize.docs_tables"
+COMMAND = "python -m optimize.docs.tables"
 # Documents outside docs/ that hold generated tables too (the serve package's own README).
 EXTRA_DOCUMENTS = (ROOT / "serve" / "README.md",)
 BLOCK = re.compile(r"(<!-- generated:([\w-]+) .*?-->\n)(.*?)(<!-- end generated:\2 -->)", re.DOTALL)

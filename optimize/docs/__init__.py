@@ -1,0 +1,1 @@
+"""Documentation made from the code: the tables in docs/ (tables.py)."""
