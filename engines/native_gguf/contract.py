@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.openvino.genai_gguf import CarryError
+from engines.gguf import CarryError
 
 # Architectures the kernels run: Llama (rotation of adjacent pairs, as GGUF stores its Q and K rows) and
 # Qwen2 (biases on q, k and v; rotation of each head's halves, NEOX style). Each's keys are under its name.

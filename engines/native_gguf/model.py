@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engines.gguf import GGUFTensor, named, open_reader, outside
 from engines.hardware import usable_cores
 from engines.native_gguf import build, contract
 from engines.native_gguf.contract import (  # noqa: F401 (the module's interface: the pipeline reads them here)
@@ -23,7 +24,6 @@ from engines.native_gguf.contract import (  # noqa: F401 (the module's interface
     field,
     hyperparameters,
 )
-from engines.openvino.genai_gguf import GGUFTensor, named, open_reader, outside
 
 ARCHITECTURES = contract.ARCHITECTURES
 # GGUF types of matrices carried as they are, and what each becomes (the manifest's record).

@@ -51,8 +51,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engines.gguf import CarryError, GGUFTensor, named, open_reader, outside
 from engines.onnxruntime_genai.build import OFFSET_SCOPE
-from engines.openvino.genai_gguf import CarryError, GGUFTensor, named, outside
 
 log = logging.getLogger(__name__)
 
@@ -198,8 +198,6 @@ def carry_blocks(
         raise CarryError(f"offset_form {offset_form!r}: use one of {', '.join(OFFSET_FORMS)}")
     import onnx
     from onnx import helper
-
-    from engines.openvino.genai_gguf import open_reader
 
     reader = open_reader(gguf_path)
     arch, heads = _architecture(reader)

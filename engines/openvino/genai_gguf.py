@@ -19,11 +19,13 @@ import hashlib
 import logging
 import os
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from engines import gguf as gguf_tensors
+from engines.gguf import CarryError, GGUFTensor, named, open_reader, outside
+from engines.gguf import tensors as tensors  # what uncarried() and type_summary() take, read from the file
 from engines.openvino.genai_build import IR_FILE, set_activation_quantization
 
 log = logging.getLogger(__name__)
@@ -40,51 +42,6 @@ CARRIED = {
 }
 # Types whose IR constants the reader rounds, patched here.
 PATCHED = ("Q4_1", "Q4_K", "Q6_K")
-VECTOR_TYPES = ("F32", "F16")  # norms and biases: copied as they are
-
-
-class CarryError(RuntimeError):
-    """The GGUF file cannot be carried through as it is (a type, an architecture, a malformed tensor)."""
-
-
-@dataclass(frozen=True)
-class GGUFTensor:
-    name: str
-    type: str
-    shape: tuple[int, ...]  # ggml order: the row length first
-
-
-def tensors(path: Path) -> tuple[str, list[GGUFTensor]]:
-    """The file's architecture and tensors; CarryError for a tensor whose data does not fill whole
-    blocks of its type (a block count that does not match its shape)."""
-    import gguf
-
-    reader = open_reader(path)
-    field = reader.fields.get("general.architecture")
-    architecture = bytes(field.parts[field.data[0]]).decode() if field else ""
-    out = []
-    for t in reader.tensors:
-        kind = gguf.GGMLQuantizationType(t.tensor_type)
-        block, size = gguf.GGML_QUANT_SIZES[kind]
-        shape = tuple(int(n) for n in t.shape)
-        if shape[0] % block or t.data.nbytes != int(np.prod(shape)) // block * size:
-            raise CarryError(
-                f"GGUF tensor {t.name} ({kind.name}, shape {list(shape)}): its {t.data.nbytes} bytes are not "
-                f"whole {kind.name} blocks of {block} values for that shape"
-            )
-        out.append(GGUFTensor(t.name, kind.name, shape))
-    return architecture, out
-
-
-def open_reader(path: Path):
-    import gguf
-
-    try:
-        return gguf.GGUFReader(str(path))
-    except (ValueError, KeyError, IndexError, OSError) as exc:  # an unknown type enum, a short file
-        raise CarryError(
-            f"{path.name} is not a GGUF file the readers know ({str(exc).splitlines()[0][:160]})"
-        ) from None
 
 
 def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
@@ -95,31 +52,9 @@ def uncarried(architecture: str, items: list[GGUFTensor]) -> str | None:
     return f"OpenVINO GenAI's GGUF reader does not read these tensors' types: {listed}" if listed else None
 
 
-def outside(items: list[GGUFTensor], carried, vector_types=VECTOR_TYPES, matrices=lambda t: True) -> list[GGUFTensor]:
-    """The tensors an engine cannot carry: matrices (of those `matrices` picks) of a type not in `carried`,
-    vectors (norms, biases) of one not in `vector_types`."""
-    bad = [t for t in items if len(t.shape) >= 2 and matrices(t) and t.type not in carried]
-    return bad + [t for t in items if len(t.shape) < 2 and t.type not in vector_types]
-
-
-def named(bad: list[GGUFTensor]) -> str:
-    """'name (type), ...' of the first six, and how many more; '' for none."""
-    more = f" and {len(bad) - 6} more" if len(bad) > 6 else ""
-    return ", ".join(f"{t.name} ({t.type})" for t in bad[:6]) + more if bad else ""
-
-
-def type_summary(items: list[GGUFTensor], became: dict[str, str] | None = None) -> dict:
-    """{gguf type: {count, became, tensors}}: the manifest's record of the weights as in the source.
-    `became`: what each type became in the engine (default: this reader's CARRIED table)."""
-    table = CARRIED if became is None else became
-    out: dict[str, dict] = {}
-    for t in items:
-        entry = out.setdefault(
-            t.type, {"count": 0, "became": table.get(t.type, f"{t.type} (as stored)"), "tensors": []}
-        )
-        entry["count"] += 1
-        entry["tensors"].append(t.name)
-    return out
+def type_summary(items: list[GGUFTensor]) -> dict:
+    """The manifest's record of the weights as in the source, and what each type became in this IR."""
+    return gguf_tensors.type_summary(items, CARRIED)
 
 
 def build_from_gguf(gguf_path: Path, out_dir: Path, dynamic_quantization_group_size: int = 0) -> tuple[dict, dict]:

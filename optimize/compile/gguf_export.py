@@ -76,7 +76,7 @@ class GGUFExportConfig:
 )
 def gguf_engine(model: Model, cfg: GGUFExportConfig, ctx: Context) -> Model:
     """The model as a GGUF of cfg.type plus its Modelfile, served by a runtime that reads the file."""
-    from engines.openvino import genai_gguf
+    from engines import gguf
     from optimize.compile.openvino_genai_gguf import precision_of
     from optimize.export.gguf import ExportError, modelfile
 
@@ -91,7 +91,7 @@ def gguf_engine(model: Model, cfg: GGUFExportConfig, ctx: Context) -> Model:
         (path.parent / "Modelfile").write_text(modelfile.for_gguf(path), encoding="utf-8")
     except ExportError as exc:
         raise RecipeError(f"engine.method={METHOD}: {exc}") from None
-    architecture, tensors = genai_gguf.tensors(path)
+    architecture, tensors = gguf.tensors(path)
     engine, served = serve(path, architecture, tensors, cfg, ctx, out)
     record.update(served)
     record["modelfile"] = f"{GGUF_DIR}/Modelfile"
@@ -140,10 +140,10 @@ def write_or_carry(model: Model, cfg: GGUFExportConfig, ctx: Context, path: Path
 
 def already_of_type(source_file: Path, file_type: str, config) -> bool:
     """Whether every tensor of the GGUF source has the type the mix would give it."""
-    from engines.openvino import genai_gguf
+    from engines import gguf
     from optimize.export.gguf import mixes
 
-    _, tensors = genai_gguf.tensors(source_file)
+    _, tensors = gguf.tensors(source_file)
     shapes = {t.name: tuple(reversed(t.shape)) for t in tensors}
     wanted = mixes.tensor_types(file_type, shapes, config.num_hidden_layers)
     return all(wanted[t.name] == t.type for t in tensors)

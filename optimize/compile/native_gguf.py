@@ -77,9 +77,9 @@ def package(gguf_path: Path, tensors, folder: Path, engine_dir: Path, context: i
     checked first (contract.py), the block scales too, and the kernels compiled here: a file they cannot
     run, or a CPU or compiler that cannot, is this stage's one-line error (exit 2), not a failure when
     the candidate is first evaluated."""
+    from engines.gguf import CarryError, type_summary
     from engines.native_gguf import build, contract
     from engines.native_gguf import model as native
-    from engines.openvino.genai_gguf import CarryError, type_summary
     from optimize.export.gguf import modelfile
 
     try:

@@ -81,9 +81,9 @@ class GenAIGGUFConfig:
 )
 def onnxruntime_genai_gguf_engine(model: Model, cfg: GenAIGGUFConfig, ctx: Context) -> Model:
     """ONNX Runtime GenAI with the GGUF source's own blocks in its MatMulNBits weights."""
+    from engines import gguf
     from engines.onnxruntime_genai import gguf as carry
     from engines.onnxruntime_genai.build import BuildError, build, weight_precision
-    from engines.openvino import genai_gguf
     from optimize.sources.models import hf_folder
 
     gguf_path = source_gguf(model, ctx, METHOD)
@@ -101,14 +101,14 @@ def onnxruntime_genai_gguf_engine(model: Model, cfg: GenAIGGUFConfig, ctx: Conte
         carried = carry.carry_blocks(
             gguf_path, onnx_path, cfg.accuracy_level, cfg.head_accuracy_level, cfg.offset_form, grid
         )
-    except (BuildError, genai_gguf.CarryError) as exc:
+    except (BuildError, gguf.CarryError) as exc:
         raise RecipeError(f"engine.method={METHOD}: {exc}") from None
     layers = weight_precision(onnx_path)
     record = {
         "method": METHOD,
         "weights": "as in the source",
         "gguf_file": gguf_path.name,
-        "gguf_types": genai_gguf.type_summary(
+        "gguf_types": gguf.type_summary(
             tensors, carry.became(tensors, cfg.accuracy_level, cfg.head_accuracy_level, cfg.offset_form)
         ),
         "carried": carried,  # {gguf type: matrices whose blocks the MatMulNBits weights are}

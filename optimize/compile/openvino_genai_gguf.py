@@ -138,11 +138,11 @@ def source_gguf(model: Model, ctx: Context, method: str = "openvino_genai_gguf")
 def carried_tensors(gguf_path: Path, ctx: Context, method: str, uncarried) -> tuple:
     """The file's architecture and tensors, refused in one line where `uncarried` (the engine's own
     check) names tensors the method cannot carry as they are."""
-    from engines.openvino import genai_gguf
+    from engines import gguf
 
     try:
-        architecture, tensors = genai_gguf.tensors(gguf_path)
-    except genai_gguf.CarryError as exc:
+        architecture, tensors = gguf.tensors(gguf_path)
+    except gguf.CarryError as exc:
         raise RecipeError(f"model.source={ctx.plan.model.source}: {exc}") from None
     reason = uncarried(architecture, tensors)
     if reason:

@@ -189,9 +189,9 @@ def test_k_quant_rows_that_are_not_whole_super_blocks_and_a_missing_bias_are_one
     a Qwen2 file without a layer's k bias. Each one line."""
     import gguf
 
+    from engines.gguf import CarryError, open_reader
     from engines.native_gguf import contract
     from engines.native_gguf.model import NativeModelError
-    from engines.openvino.genai_gguf import CarryError, open_reader
     from tests.support.gguf_writer import edit_tensor_info, rewrite_gguf, write_gguf
     from tests.support.tiny_archs import tiny_folder
 
@@ -264,8 +264,8 @@ def test_the_runner_generates_renders_and_samples_as_the_model_does(folder, tmp_
 
 
 def test_what_it_cannot_carry_is_named_before_anything_is_repacked(folder, tmp_path):
+    from engines.gguf import tensors
     from engines.native_gguf.model import NativeModelError, uncarried
-    from engines.openvino.genai_gguf import tensors
     from tests.support.gguf_writer import write_gguf
 
     path = write_gguf(folder, tmp_path / "f16.gguf", lambda name: "F16" if "ffn_up" in name else "Q8_0")

@@ -57,7 +57,7 @@ CHILD = r"""
 import json, sys
 import numpy as np
 from engines.native_gguf.model import NativeGGUF
-from engines.openvino.genai_gguf import CarryError
+from engines.gguf import CarryError
 
 for path in sys.argv[1:]:
     print(json.dumps({"file": path, "outcome": "start"}), flush=True)

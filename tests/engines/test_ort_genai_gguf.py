@@ -64,9 +64,9 @@ def _build(
     import torch
     from transformers import AutoModelForCausalLM
 
+    from engines import gguf as genai_gguf
     from engines.onnxruntime_genai import gguf as carry
     from engines.onnxruntime_genai.build import build
-    from engines.openvino import genai_gguf
     from optimize.sources.models import save_converted
     from tests.support.gguf_writer import write_gguf
 
@@ -131,9 +131,9 @@ def test_k_quant_blocks_compute_what_the_dequantized_file_does(wide, tmp_path, q
     """Q4_K everywhere: fused Q, K and V (and gate and up), the tied LM head its 4-bit blocks. Q4_K_M's
     mix: Q, K and V unfused (V 8-bit beside 4-bit Q and K), gate and up fused, V and down 8-bit blocks
     of 16, the Q6_K head f32."""
+    from engines import gguf as genai_gguf
     from engines.onnxruntime_genai import gguf as carry
     from engines.onnxruntime_genai.build import weight_precision
-    from engines.openvino import genai_gguf
 
     path, out, carried, dequantized = _build(wide, tmp_path, q4_k_m if qtype == "Q4_K_M" else qtype)
     _assert_equal_to_the_dequantized_file(out, dequantized)
@@ -203,8 +203,8 @@ def test_a_qwen2_file_is_carried_too(tmp_path):
 def test_a_fused_matrix_of_two_bit_widths_is_refused(folder, tmp_path):
     """V at 8 bits beside Q and K at 4, built fused (builder_options unfuses such files): the one
     qkv_proj cannot hold both; named."""
+    from engines.gguf import CarryError
     from engines.onnxruntime_genai import gguf as carry
-    from engines.openvino.genai_gguf import CarryError
 
     with pytest.raises(
         CarryError, match=r"qkv_proj/MatMul_Q4 fuses blk\.0\.attn_q\.weight \(Q4_0\).*attn_v\.weight \(Q8_0\)"
@@ -214,8 +214,8 @@ def test_a_fused_matrix_of_two_bit_widths_is_refused(folder, tmp_path):
 
 def test_a_type_with_no_exact_form_is_named(folder, tmp_path):
     """Q5_0 layer matrices are named before anything is built; a Q5_0 embedding would not be (it stays f32)."""
+    from engines import gguf as genai_gguf
     from engines.onnxruntime_genai import gguf as carry
-    from engines.openvino import genai_gguf
     from tests.support.gguf_writer import write_gguf
 
     path = write_gguf(folder, tmp_path / "model.gguf", lambda name: "Q5_0" if "ffn_up" in name else "Q8_0")
@@ -251,8 +251,8 @@ def test_an_8_bit_head_alone_takes_int8_activations_and_the_layers_stay_exact(fo
     import onnx
     from onnx import helper
 
+    from engines import gguf as genai_gguf
     from engines.onnxruntime_genai import gguf as carry
-    from engines.openvino import genai_gguf
 
     def kinds(name):
         return "Q8_0" if "token_embd" in name else "Q4_1"
@@ -361,8 +361,8 @@ def test_offset_blocks_on_the_int8_grid_stay_within_a_32nd_of_a_step(tmp_path, k
 def test_an_offset_beyond_the_int8_grid_is_refused_naming_the_matrix(tmp_path):
     """A block whose values sit far from zero against their spread (-m / d about -15,000) has no 8-bit
     form with a zero point in 0..255: refused, naming the matrix and the form that carries it."""
+    from engines.gguf import CarryError
     from engines.onnxruntime_genai import gguf as carry
-    from engines.openvino.genai_gguf import CarryError
 
     data = np.random.default_rng(3).standard_normal((2, 64)).astype(np.float32)
     data[0, :32] = np.linspace(100.0, 100.1, 32)
@@ -381,9 +381,9 @@ def test_q4_1_on_the_int8_grid_adds_no_nodes_and_keeps_the_files_log_likelihoods
     activation rounding of the dequantized file."""
     import onnx
 
+    from engines import gguf as genai_gguf
     from engines.onnxruntime_genai import gguf as carry
     from engines.onnxruntime_genai.build import OFFSET_SCOPE
-    from engines.openvino import genai_gguf
 
     grid: dict[int, int] = {}
     path, out, carried, dequantized = _build(folder, tmp_path, "Q4_1", 4, offset_form="int8_grid", grid=grid)
@@ -413,8 +413,8 @@ def test_int8_grid_needs_int8_activations_and_a_known_form():
 
 
 def test_the_builder_fuses_gate_and_up_and_qkv_unless_a_layer_holds_them_at_two_widths():
+    from engines.gguf import GGUFTensor
     from engines.onnxruntime_genai import gguf as carry
-    from engines.openvino.genai_gguf import GGUFTensor
 
     def tensors(types: dict[str, str]) -> list:
         return [GGUFTensor(f"blk.0.{part}.weight", kind, (64, 64)) for part, kind in types.items()]
