@@ -4,7 +4,7 @@ a sentence-transformers folder with MiniLM's tokenizer (its vocabulary, 30522, s
 since the real checkpoint does not install offline. Random weights time the same as trained ones; the
 accuracy figures are not a trained model's.
 
-    python benchmarks/encoder_110m_race.py FOLDER            # write the folder
+    python -m benchmarks.encoder_110m_race FOLDER            # write the folder
     /usr/bin/time -v python -m optimize recipe=minilm_int8_cpu model.source=FOLDER
 """
 
@@ -20,7 +20,7 @@ def main(argv: list[str]) -> int:
     from tests.support.tiny_archs import MPNET_BASE, encoder_folder
 
     if len(argv) != 1:
-        print("usage: python benchmarks/encoder_110m_race.py FOLDER", file=sys.stderr)
+        print("usage: python -m benchmarks.encoder_110m_race FOLDER", file=sys.stderr)
         return 2
     out = encoder_folder("mpnet", Path(argv[0]), MPNET_BASE)
     print(out)

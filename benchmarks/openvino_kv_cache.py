@@ -4,7 +4,7 @@ what a GiB holds (bytes a token, tokens, concurrent sequences of a shape), from 
 block layout (engines/openvino/genai_batch.py, checked against the pipeline's allocation in
 tests/engines/test_openvino_genai_kv.py).
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/openvino_kv_cache.py ARTIFACT \
+    .venv/bin/python -m benchmarks.openvino_kv_cache ARTIFACT \
         [--precisions f32 u8 u4 u4:32] [--tokens 2048] [--window 512] [--sequence-tokens 1024]
 
 A precision is written KIND or KIND:GROUP (u4:32: values in groups of 32 channels). The artifact's

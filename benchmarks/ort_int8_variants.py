@@ -16,7 +16,7 @@ For each graph it counts the op types in the file and in the graph ONNX Runtime 
 its own ENABLE_ALL rewrites), and profiles warm batch-32 runs of chosen graphs to show which
 kernels take the time.
 
-    .venv/bin/python benchmarks/ort_int8_variants.py --artifact DIR [--texts 64] [--json OUT]
+    .venv/bin/python -m benchmarks.ort_int8_variants --artifact DIR [--texts 64] [--json OUT]
 """
 
 from __future__ import annotations

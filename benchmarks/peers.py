@@ -16,7 +16,7 @@ ratio over PyTorch and over the best peer (the fastest peer whose min cosine >= 
 weighted p50 over the batch sizes (the artifact's recipe's workload weights, or --weights) with its
 ratio over the best eligible peer's.
 
-    .venv/bin/python benchmarks/peers.py --artifact DIR [--texts 64] [--calibration 100]
+    .venv/bin/python -m benchmarks.peers --artifact DIR [--texts 64] [--calibration 100]
         [--batch-sizes 1,32] [--weights 1:0.5,32:0.5] [--threads 0] [--json OUT] [--markdown [PATH]]
         [--optimum-python PY]
 

@@ -27,7 +27,7 @@ optimize.evaluate.generation.speed), ratios over PyTorch and over the best peer 
 peers whose perplexity is within the bar: +15% over PyTorch FP32, the recipe's gate), weight files on
 disk, the CPU, the share of the CPUs other processes used while timing, package versions.
 
-    .venv/bin/python benchmarks/peers_lm.py --artifact DIR [--model HF_DIR] [--work DIR]
+    .venv/bin/python -m benchmarks.peers_lm --artifact DIR [--model HF_DIR] [--work DIR]
         [--llamacpp-python PY] [--runs 5] [--warmup 1] [--threads 0] [--json OUT] [--markdown [PATH]]
 
 `--work DIR` keeps the built peers there and reuses them on the next run. The llama.cpp side venv

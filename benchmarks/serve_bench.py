@@ -25,7 +25,7 @@ How it is kept honest on a small shared machine:
   changes what batching can gain: serve/README.md lists the per-row cost at batch 1 and 32 for
   4-, 12- and 46-token texts.
 
-    .venv/bin/python benchmarks/serve_bench.py ARTIFACT [--rounds 3] [--seconds 8]
+    .venv/bin/python -m benchmarks.serve_bench ARTIFACT [--rounds 3] [--seconds 8]
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ Variants alternate A-B-B-A over `--rounds`, so a change in the machine's other l
 the medians are reported. The clients run on one asyncio event loop in this process (keep-alive
 connections, each sends its next request when its answer arrives).
 
-    .venv/bin/python benchmarks/serve_fleet.py ARTIFACT ray [--rounds 2] [--seconds 15] [--ingress proxy haproxy]
-    .venv/bin/python benchmarks/serve_fleet.py ARTIFACT shadow [--candidate OTHER] [--rounds 3]
-    .venv/bin/python benchmarks/serve_fleet.py ARTIFACT agreement --candidate FP32_ARTIFACT
+    .venv/bin/python -m benchmarks.serve_fleet ARTIFACT ray [--rounds 2] [--seconds 15] [--ingress proxy haproxy]
+    .venv/bin/python -m benchmarks.serve_fleet ARTIFACT shadow [--candidate OTHER] [--rounds 3]
+    .venv/bin/python -m benchmarks.serve_fleet ARTIFACT agreement --candidate FP32_ARTIFACT
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run as a script (benchmarks/serve_fleet.py), as the docs show
+sys.path.insert(0, str(ROOT))  # so that python benchmarks/serve_fleet.py runs as python -m benchmarks.serve_fleet does
 
 from benchmarks.artifact_input import artifact_manifest  # noqa: E402 (after the path)
 from serve import arguments as cli  # noqa: E402

