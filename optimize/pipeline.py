@@ -46,7 +46,8 @@ def plan(cfg, run_dir: Path) -> Plan:
     _refuse_after_candidates(stages)
     if not any(m.stage == "engine" for m, _ in stages):
         raise RecipeError("engine.method is required (the artifact needs an engine to run on)")
-    if not any(cfg.gate[k] is not None for k in gate.gate_keys()) and not lm_served.asked(cfg.gate):
+    the_gate = plans.GateSettings.of(cfg.gate)
+    if not any(the_gate[k] is not None for k in gate.gate_keys()) and not lm_served.asked(the_gate):
         raise RecipeError("the gate checks nothing: set at least one gate threshold (for example gate.min_cosine=0.99)")
     if cfg.evaluate.inputs not in ("data", "random"):
         raise RecipeError(f"evaluate.inputs={cfg.evaluate.inputs} (use data or random)")
@@ -65,7 +66,7 @@ def plan(cfg, run_dir: Path) -> Plan:
             "(evaluate.data.count)"
         )
     final = Path(cfg.output_dir).expanduser().resolve() if cfg.output_dir else run_dir / "artifact"
-    the_plan = plans.resolve(cfg, task, stages, the_workload, final)
+    the_plan = plans.resolve(cfg, task, stages, the_workload, the_gate, final)
     _refuse_unconstrained_engine(the_plan)
     lm_served.check_plan(the_plan)
     if cfg.evaluate.overlap not in ("error", "drop"):

@@ -10,7 +10,8 @@ composed (`recipe_dict(cfg)`): the plan is what the run reads, not what it repor
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import typing
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -154,6 +155,100 @@ class ServeSettings:
 
 
 @dataclass(frozen=True)
+class GateSettings(Mapping[str, Any]):
+    """`gate`: the thresholds (null: not checked) and the selectors that say where a check is measured,
+    typed and checked once when the plan is made. The schema and what each key means: GateConfig
+    (optimize/config.py), which this mirrors key for key. As a read-only mapping it is also what
+    gate.judge reads: its checks (optimize/gate.py CHECKS) name their thresholds by key."""
+
+    min_cosine: float | None = None
+    min_mean_cosine: float | None = None
+    min_topk_agreement: float | None = None
+    max_abs_error: float | None = None
+    min_speedup: float | None = None
+    speedup_batch_size: int | str = 1  # a batch size or `all` (optimize/workload.py checks which)
+    max_p95_ms: float | None = None
+    latency_batch_size: int | str = 1
+    max_size_mb: float | None = None
+    max_peak_memory_mb: float | None = None
+    max_accuracy_drop: float | None = None
+    min_accuracy: float | None = None
+    max_f1_drop: float | None = None
+    min_prediction_agreement: float | None = None
+    min_mask_iou: float | None = None
+    min_mask_agreement: float | None = None
+    max_ppl_increase_pct: float | None = None
+    max_ppl_increase_over_source_pct: float | None = None
+    min_decode_speedup: float | None = None
+    request_shape: str | None = None  # "1024x128", `all`, or null: the workload's first request
+    max_lm_eval_drop: float | None = None
+    max_served_ttft_p95_ms: float | None = None
+    min_served_tokens_per_s: float | None = None
+    served_concurrency: int | str | None = None  # clients, `all`, or null: every workload level
+    served_prompt_tokens: int | None = None
+    served_output_tokens: int | None = None
+    served_requests_per_client: int = 2
+    served_structured_share: float = 0.0
+    max_served_invalid_structured: int | None = None
+    max_mean_kld: float | None = None
+    max_p99_kld: float | None = None
+    min_top1_agreement: float | None = None
+    max_rms_delta_p_pct: float | None = None
+    max_task_drop_pts: float | None = None
+    min_distill_recovery: float | None = None
+
+    @classmethod
+    def of(cls, section: GateSettings | Mapping[str, Any] | None) -> GateSettings:
+        """The gate of a recipe's `gate` section (a key it leaves out keeps its default); RecipeError
+        naming the key for a key the gate does not have or a value not of its type."""
+        if isinstance(section, GateSettings):
+            return section
+        given = section if isinstance(section, dict) else recipe_dict(section)
+        unknown = sorted(set(given) - set(_GATE_TYPES))
+        if unknown:
+            raise RecipeError(f"gate.{unknown[0]}: no such key in the gate (GateConfig, optimize/config.py)")
+        return cls(**{key: _gate_value(key, value) for key, value in given.items()})
+
+    # The read-only mapping: every key, in the schema's order.
+    def __getitem__(self, key: str) -> Any:
+        if key not in _GATE_TYPES:
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(_GATE_TYPES)
+
+    def __len__(self) -> int:
+        return len(_GATE_TYPES)
+
+
+# Each gate key and the types its value may have (None where null is allowed), from the annotations.
+_GATE_TYPES: dict[str, tuple[type, ...]] = {
+    key: typing.get_args(hint) or (hint,) for key, hint in typing.get_type_hints(GateSettings).items()
+}
+
+
+def _gate_value(key: str, value: Any) -> Any:
+    """The value, checked against the key's types (a whole number is a float where a float is asked)."""
+    types = _GATE_TYPES[key]
+    if value is None and type(None) in types:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        if int in types:
+            return value
+        if float in types:
+            return float(value)
+    elif isinstance(value, float) and float in types:
+        return value
+    elif isinstance(value, str) and str in types:
+        return value
+    raise RecipeError(f"gate.{key}={value!r}: give {' or '.join(_KIND_NAMES[t] for t in types)}")
+
+
+_KIND_NAMES = {float: "a number", int: "a whole number", str: "a word (all)", type(None): "null"}
+
+
+@dataclass(frozen=True)
 class Plan:
     """The recipe checked and resolved before any weights load."""
 
@@ -163,7 +258,7 @@ class Plan:
     model: ModelSettings
     calibration: DataSettings
     evaluate: EvaluateSettings
-    gate: Mapping[str, Any]  # the thresholds and selectors as gate.judge reads them (null: not checked)
+    gate: GateSettings  # the thresholds and selectors, typed (a read-only mapping for gate.judge)
     prune: MethodSettings  # recorded by the distill stage, which learns back what pruning took
     serve: ServeSettings
     final_dir: Path  # where the artifact goes
@@ -173,8 +268,8 @@ class Plan:
         return any(method.needs_calibration for method, _ in self.stages)
 
 
-def resolve(cfg, task: Task, stages, the_workload: Workload, final_dir: Path) -> Plan:
-    """The plan of a composed recipe whose task, stages and workload the pipeline already resolved."""
+def resolve(cfg, task: Task, stages, the_workload: Workload, the_gate: GateSettings, final_dir: Path) -> Plan:
+    """The plan of a composed recipe whose task, stages, workload and gate the pipeline already resolved."""
     check_finite(_recipe_only(cfg))
     check_serve(cfg.get("serve"))
     check_packages(stages)
@@ -185,7 +280,7 @@ def resolve(cfg, task: Task, stages, the_workload: Workload, final_dir: Path) ->
         model=ModelSettings.of(cfg.model),
         calibration=DataSettings.of(cfg.calibration),
         evaluate=EvaluateSettings.of(cfg.evaluate),
-        gate=recipe_dict(cfg.gate),
+        gate=the_gate,
         prune=MethodSettings.of(cfg.prune),
         serve=ServeSettings.of(cfg.get("serve")),
         final_dir=final_dir,

@@ -281,7 +281,7 @@ def _bar(cfg: OpenVINOMixedConfig, ctx) -> float:
     if cfg.min_cosine is not None:
         return cfg.min_cosine
     gate_key = GATE_BAR[cfg.metric]
-    threshold = ctx.plan.gate.get(gate_key)
+    threshold = ctx.plan.gate[gate_key]
     if threshold is None:
         raise RecipeError(
             f"engine.method=openvino_mixed metric={cfg.metric}: set engine.params.min_cosine or gate.{gate_key}"

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optimize.errors import RecipeError
+from optimize.plan import GateSettings
 from optimize.workload import ALL
 
 if TYPE_CHECKING:
@@ -70,37 +71,31 @@ class ServedLoad:
         return f"{clients} clients, {self.prompt_tokens}x{self.output_tokens}"
 
 
-def asked(gate: Mapping[str, Any]) -> bool:
+def asked(section: GateSettings | Mapping[str, Any]) -> bool:
     """Whether the gate measures the served load: a served threshold, or a structured share (which
     implies its check)."""
-    return any(gate.get(key) is not None for key in SERVED_THRESHOLDS) or _share_given(gate)
+    gate = GateSettings.of(section)
+    return any(gate[key] is not None for key in SERVED_THRESHOLDS) or gate.served_structured_share != 0
 
 
-def _share_given(gate: Mapping[str, Any]) -> bool:
-    share = gate.get("served_structured_share")
-    return share is not None and share != 0
-
-
-def _share(gate: Mapping[str, Any]) -> float:
-    value = gate.get("served_structured_share")
-    value = 0.0 if value is None else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+def _share(gate: GateSettings) -> float:
+    value = gate.served_structured_share
+    if not 0 <= value <= 1:
         raise RecipeError(f"gate.served_structured_share={value}: give a share of the requests from 0 to 1")
-    return float(value)
+    return value
 
 
-def _whole(gate: Mapping[str, Any], key: str, default: int) -> int:
-    value = gate.get(key)
+def _whole(value: int | None, key: str, default: int) -> int:
     value = default if value is None else value
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if value < 1:
         raise RecipeError(f"gate.{key}={value}: give a whole number of at least 1")
     return value
 
 
-def levels(gate: Mapping[str, Any], workload: Workload) -> tuple[int, ...]:
+def levels(section: GateSettings | Mapping[str, Any], workload: Workload) -> tuple[int, ...]:
     """The clients the served load is driven with: gate.served_concurrency (a number), else (null or
     all) every level of workload.concurrency."""
-    value = gate.get("served_concurrency")
+    value = GateSettings.of(section).served_concurrency
     if value is None or (isinstance(value, str) and value.strip().lower() == ALL):
         return tuple(level.clients for level in workload.concurrency)
     if isinstance(value, str) and value.strip().isdigit():
@@ -110,15 +105,16 @@ def levels(gate: Mapping[str, Any], workload: Workload) -> tuple[int, ...]:
     return (value,)
 
 
-def settings(gate: Mapping[str, Any], workload: Workload) -> ServedLoad:
+def settings(section: GateSettings | Mapping[str, Any], workload: Workload) -> ServedLoad:
     """The load the served checks are measured under: the gate's served_* keys, else the workload's
     concurrency levels and first request shape."""
+    gate = GateSettings.of(section)
     first = workload.requests[0]
     return ServedLoad(
         levels=levels(gate, workload),
-        prompt_tokens=_whole(gate, "served_prompt_tokens", first.prompt),
-        output_tokens=_whole(gate, "served_output_tokens", first.output),
-        requests_per_client=_whole(gate, "served_requests_per_client", 2),
+        prompt_tokens=_whole(gate.served_prompt_tokens, "served_prompt_tokens", first.prompt),
+        output_tokens=_whole(gate.served_output_tokens, "served_output_tokens", first.output),
+        requests_per_client=_whole(gate.served_requests_per_client, "served_requests_per_client", 2),
         structured_share=_share(gate),
     )
 
@@ -128,14 +124,14 @@ def check_plan(plan: Plan) -> None:
     with timing turned off."""
     if not asked(plan.gate):
         return
-    key = next((k for k in SERVED_THRESHOLDS if plan.gate.get(k) is not None), "served_structured_share")
+    key = next((k for k in SERVED_THRESHOLDS if plan.gate[k] is not None), "served_structured_share")
     if not plan.task.generates:
         task = plan.model.task
         raise RecipeError(f"gate.{key}: served latency is measured for causal LMs (model.task=causal_lm), not {task}")
     if not plan.evaluate.latency:
         raise RecipeError(f"gate.{key}: served latency is a timing, and evaluate.latency=false turns timing off")
     load = settings(plan.gate, plan.workload)
-    if plan.gate.get("max_served_invalid_structured") is not None and not load.structured_share:
+    if plan.gate.max_served_invalid_structured is not None and not load.structured_share:
         raise RecipeError(
             "gate.max_served_invalid_structured: no served request is constrained; set gate.served_structured_share"
         )
