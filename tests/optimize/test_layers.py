@@ -102,3 +102,11 @@ def test_an_upward_or_sideways_import_breaks_the_layers_contract(tree_copy, modu
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert f"{LAYERS['name']} BROKEN" in proc.stdout
     assert f"{importer} -> {imported}" in proc.stdout
+
+
+def test_the_pipelines_root_holds_its_spine_and_at_most_twenty_modules():
+    """Trainers, exporters, source readers, model transforms and the docs tables live in subpackages
+    that say what they are; the root keeps the run's spine (plan, pipeline, context, gate, ...)."""
+    root = [Path(f).name for f in tracked("optimize") if re.fullmatch(r"optimize/\w+\.py", f)]
+    assert len(root) <= 20, sorted(root)
+    assert {"__init__.py", "__main__.py", "plan.py", "pipeline.py", "context.py", "gate.py", "registry.py"} <= set(root)
