@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 from optimize.evaluate.benchmark import BUSY_SHARE
 from optimize.evaluate.labeled import interval_note
+from optimize.plan import GateSettings
 from optimize.workload import ALL, Workload
 
 
@@ -45,7 +46,7 @@ class CheckSpec:
     busy_path: tuple[str, ...] = ()
     # The threshold the check takes when its own key is null, from the other thresholds (None: not
     # checked): a setting that asks for a measurement implies the check that judges it.
-    implied: Optional[Callable[[Mapping[str, Any]], Optional[float]]] = None
+    implied: Optional[Callable[[GateSettings], Optional[float]]] = None
     served: bool = False  # measured on the served artifact (optimize/tasks/lm_served.py), after any race
     # (candidate, threshold) -> why the measurement cannot decide the check ("" when it can): a drop
     # whose interval is wider than the threshold fails instead of passing by noise.
@@ -92,8 +93,8 @@ def _structured_note(candidate: dict) -> str:
     return f"{valid} valid, {cut} cut by max_tokens, of {sent} constrained requests"
 
 
-def _structured_share(thresholds: Mapping[str, Any]) -> Optional[float]:
-    return 0 if (thresholds.get("served_structured_share") or 0) > 0 else None
+def _structured_share(gate: GateSettings) -> Optional[float]:
+    return 0 if gate.served_structured_share > 0 else None
 
 
 def _decode_speedup(candidate: dict, shape: Optional[str]) -> Any:
@@ -349,19 +350,20 @@ class Verdict:
 
 
 def judge(
-    baseline: dict, candidate: dict, thresholds: Mapping[str, Any], workload: Optional[Workload] = None
+    baseline: dict, candidate: dict, thresholds: GateSettings | Mapping[str, Any], workload: Optional[Workload] = None
 ) -> Verdict:
     """Every threshold set becomes a check; a threshold on `all` points becomes one check per point of
     `workload` (without one: per point measured), named like min_speedup[batch=32]."""
+    gate = GateSettings.of(thresholds)
     checks = []
     busy = _dig(candidate, "timing", "other_cpu_share") or 0.0  # while the latency figures were timed
     for spec in CHECKS:
-        threshold = thresholds.get(spec.threshold_key)
+        threshold = gate[spec.threshold_key]
         if threshold is None and spec.implied is not None:
-            threshold = spec.implied(thresholds)
+            threshold = spec.implied(gate)
         if threshold is None:
             continue
-        for name, metric, point in _points(spec, thresholds, candidate, workload):
+        for name, metric, point in _points(spec, gate, candidate, workload):
             value = spec.read(baseline, candidate, point)
             if value is None:
                 checks.append(Check(name, metric, None, spec.comparison, threshold, False, "not measured"))
@@ -386,11 +388,11 @@ def _is_all(selector: Any) -> bool:
     return isinstance(selector, str) and selector.strip().lower() == ALL
 
 
-def _points(spec: CheckSpec, thresholds: Mapping[str, Any], candidate: dict, workload: Optional[Workload]) -> list:
+def _points(spec: CheckSpec, gate: GateSettings, candidate: dict, workload: Optional[Workload]) -> list:
     """(check name, metric, point) for each point the check is made at."""
     name, metric = spec.threshold_key, spec.metric
     if spec.per == "batch":
-        selector = thresholds.get(spec.selector or "")
+        selector = gate.get(spec.selector or "")
         if not _is_all(selector):
             batch = str(selector or 1)
             return [(name, f"{metric}, batch {batch}", batch)]
@@ -400,7 +402,7 @@ def _points(spec: CheckSpec, thresholds: Mapping[str, Any], candidate: dict, wor
             keys = sorted(_dig(candidate, "latency") or {}, key=int)
         return _each(name, metric, "batch", keys)
     if spec.per == "request":
-        selector = thresholds.get(spec.selector or "")
+        selector = gate.get(spec.selector or "")
         if selector is None:
             return [(name, metric, None)]
         if not _is_all(selector):
@@ -408,17 +410,17 @@ def _points(spec: CheckSpec, thresholds: Mapping[str, Any], candidate: dict, wor
         keys = [p.key for p in workload.requests] if workload is not None else list(_dig(candidate, "requests") or {})
         return _each(name, metric, "shape", keys)
     if spec.per == "concurrency":
-        return _each(name, metric, "concurrency", _levels(thresholds, candidate, workload))
+        return _each(name, metric, "concurrency", _levels(gate, candidate, workload))
     return [(name, metric, None)]
 
 
-def _levels(thresholds: Mapping[str, Any], candidate: dict, workload: Optional[Workload]) -> list[str]:
+def _levels(gate: GateSettings, candidate: dict, workload: Optional[Workload]) -> list[str]:
     """The client counts the served load was driven at (gate.served_concurrency, else every level of
     workload.concurrency): what was measured, else what was asked for (its checks then fail unmeasured)."""
     measured = _dig(candidate, "served", "levels")
     if isinstance(measured, dict) and measured:
         return list(measured)
-    asked = thresholds.get("served_concurrency")
+    asked = gate.served_concurrency
     if asked is not None and not _is_all(asked):
         return [str(asked)]
     if workload is not None:
