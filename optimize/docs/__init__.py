@@ -1,1 +1,1 @@
-"""Documentation made from the code: the tables in docs/ (tables.py)."""
+"""Parts of docs/ that the code writes, each module run as `python -m optimize.docs.NAME`."""
