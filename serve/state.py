@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, Sequence
 
 from starlette.requests import Request
 
 from serve.config import ServeConfig
 from serve.errors import bad_request, unavailable
+
+if TYPE_CHECKING:
+    from serve.protocols.spec import ProtocolSpec
 
 # Scope key a streaming route sets when its stream ended with an error event: the 200 went out with
 # the headers, and the request is counted as the server error it was.
@@ -17,8 +20,9 @@ STREAM_FAILED = "serve.stream_failed"
 
 
 class ServedModel(Protocol):
-    """What a handler class (serve.encoder, serve.classifier, serve.tensors, serve.llm) says about
-    itself. The routes ask it, not the task's name, so a new handler needs no change to them."""
+    """What a handler class (serve.encoder.model, serve.encoder.classifier, serve.encoder.tensors,
+    serve.llm.model) says about itself. The routes ask it, not the task's name, so a new handler needs
+    no change to them."""
 
     ANSWERS: ClassVar[frozenset[str]]  # the protocols it answers: "tensors", "embeddings", "predict", "completions"
     # What it is and where it is served, for a refusal; "{name}" and "{task}" are the served model's.
@@ -40,21 +44,23 @@ class ServeState:
         config: ServeConfig,
         load_model: Callable,
         handler: type[ServedModel] | None,  # the class that serves the engine block; None: nothing does
+        protocols: Sequence[ProtocolSpec] = (),  # what the app speaks (serve.app.protocols()), for /openapi.json
     ):
         from serve.metrics import Metrics
 
         self.root, self.manifest, self.config = root, manifest, config
         self.engine = manifest.get("engine") or {}
         self.handler = handler
+        self.protocols = list(protocols)
         self.name = config.model_name or default_model_name(root, manifest)
         self.version = "1"
         self.load_model = load_model
         self.metrics = Metrics()
         self.model: Any = None  # an instance of the handler class, once loaded
         self.batcher: Any = None  # encoders: serve.batching.Batcher
-        self.generator: Any = None  # causal LMs: serve.llm_service or serve.llm_batching
+        self.generator: Any = None  # causal LMs: serve.llm.service or serve.llm.batching
         self.load_error: str | None = None
-        # Why the engine was given up after failing (serve/llm_batching.py): not ready, not live.
+        # Why the engine was given up after failing (serve/llm/batching.py): not ready, not live.
         self.broken: str | None = None
         self.on_fatal: Callable[[str], None] = lambda message: None
         self.draining = False

@@ -4,7 +4,7 @@ tokens handed to the event loop as they are produced, and the per-token metrics 
 With --max-num-seqs 1, or a format whose row says batching="none", generations run one after another
 in a dedicated thread, through the runner the pipeline measured (the GenAI engines release the GIL
 while they decode). Each request's events (`Generation`) are what the routes read, whichever service
-produced them (serve/llm_batching.py posts the same ones).
+produced them (serve/llm/batching.py posts the same ones).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from serve.errors import busy, unavailable
 @dataclass
 class Generation:
     """One request's stream of events: ("token", text) (("token", text, entry) where the request asked
-    for logprobs: serve/logprobs.py's entry), then ("end", reason) or ("error", exc)."""
+    for logprobs: serve/llm/logprobs.py's entry), then ("end", reason) or ("error", exc)."""
 
     events: asyncio.Queue
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -113,7 +113,7 @@ class GenerationService:
 
     def generate_scored(self, generation: Generation, prompt_ids: list[int], sampling: Sampling, post) -> None:
         """As run() does, with each token's logprob entry beside its text."""
-        from serve.logprobs import token_entry
+        from serve.llm.logprobs import token_entry
 
         scored: list = []  # the engine hands each token's TokenLogprob before it yields the token
         for _, piece in self.generator.generate(prompt_ids, sampling, generation.cancel.is_set, scored.append):

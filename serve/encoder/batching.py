@@ -26,9 +26,19 @@ import collections
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 from serve.errors import busy, timed_out, unavailable
+
+
+class BatchItem(Protocol):
+    """What a request becomes before it is batched (serve.encoder.model.EncoderBatchItem,
+    serve.encoder.tensors.TensorBatchItem): its rows, and how it is cut into batch-sized pieces."""
+
+    @property
+    def rows(self) -> int: ...
+
+    def split(self, size: int) -> list[Any]: ...
 
 
 @dataclass

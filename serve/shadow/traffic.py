@@ -8,7 +8,7 @@ candidate over HTTP and compare. A candidate folder is served by a child `python
 loopback at a lower CPU priority (nice 10): it shares no memory, thread or event loop with the
 process answering users, so one that crashes, hangs or runs slow costs users nothing but what its
 CPU share takes. The figures go to /metrics (serve_shadow_*) and to a report folder that
-`python -m optimize.reports.compare` reads beside artifacts (serve/shadow_report.py).
+`python -m optimize.reports.compare` reads beside artifacts (serve/shadow/report.py).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-log = logging.getLogger("serve.shadow")
+log = logging.getLogger("serve.shadow.traffic")
 
 # The inference routes: what users ask the model. Health, metadata and /metrics are not shadowed.
 SHADOWED = re.compile(

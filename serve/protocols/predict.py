@@ -16,11 +16,12 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from serve.body import arriving, read_body
+from serve.encoder.model import run_encoder
 from serve.errors import bad_request, openai_error_body
-from serve.jsonbody import FastJSONResponse
-from serve.openapi import errors, json_body
-from serve.protocol import get_bool, json_object
-from serve.spec import ProtocolSpec
+from serve.protocols.jsonbody import FastJSONResponse
+from serve.protocols.openapi import errors, json_body
+from serve.protocols.parsing import get_bool, json_object
+from serve.protocols.spec import ProtocolSpec
 from serve.state import state_of
 
 
@@ -41,8 +42,6 @@ def parse_inputs(data: dict, max_inputs: int) -> tuple[list[str], bool]:
 
 
 async def predict(request: Request) -> FastJSONResponse:
-    from serve.kserve_routes import run_encoder
-
     state = state_of(request)
     state.require_answers("predict")
     with arriving(state.batcher):

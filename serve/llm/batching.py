@@ -22,7 +22,7 @@ static batches). This module only decides what enters the engine and carries tok
 - After every step each running request's new tokens are decoded and posted to its own asyncio queue,
   the same events the one-at-a-time service posts.
 - A failed engine step fails no more than it must. The engines fail a step on what a request's
-  constraint makes them compile or force (serve/structured.py bounds what is known to), and neither
+  constraint makes them compile or force (serve/llm/structured.py bounds what is known to), and neither
   steps again after that (OpenVINO GenAI's pipeline fails every later step; ONNX Runtime GenAI's
   Engine says it is "no longer healthy"). So the engine is rebuilt in the process (a new pipeline
   from the artifact's files, or a new Engine on the model already loaded: seconds, and the server
@@ -51,12 +51,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 from serve.errors import HTTPError, bad_request, busy, unavailable
-from serve.llm_service import Generation, observe_end, observe_token
-from serve.logprobs import token_entry
+from serve.llm.logprobs import token_entry
+from serve.llm.service import Generation, observe_end, observe_token
 
 if TYPE_CHECKING:
     from engines.generation import BatchEngine, Sampling, StaticBatchEngine
-    from serve.llm import GenerativeModel
+    from serve.llm.model import GenerativeModel
 
 log = logging.getLogger("serve")
 # The sequence length capacity is reported for when the recipe declared no request shape.

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 
-from serve.encoder import ORT_TO_NUMPY
+from serve.encoder.datatypes import NUMPY_TO_KSERVE, ORT_TO_NUMPY
 from serve.errors import unprocessable
 
 if TYPE_CHECKING:
@@ -43,8 +43,8 @@ class TensorBatchItem:
 
 
 class TensorModel:
-    ANSWERS = frozenset({"tensors"})
-    USE = "a {task} model: use /v2/models/{name}/infer"
+    ANSWERS: ClassVar[frozenset[str]] = frozenset({"tensors"})
+    USE: ClassVar[str] = "a {task} model: use /v2/models/{name}/infer"
 
     @classmethod
     def load(cls, root: Path, engine: dict, config: ServeConfig) -> TensorModel:
@@ -64,8 +64,6 @@ class TensorModel:
         self.batchable = bool(first_dims) and all(isinstance(d, str) and d == first_dims[0] for d in first_dims)
 
     def tensor_metadata(self) -> tuple[list[dict], list[dict]]:
-        from serve.protocol import NUMPY_TO_KSERVE
-
         def describe(arg: dict) -> dict:
             dtype = np.dtype(ORT_TO_NUMPY.get(arg["type"], "float32"))
             shape = [d if isinstance(d, int) else -1 for d in arg["shape"]]
@@ -92,8 +90,6 @@ class TensorModel:
         meta = self.inputs_meta[name]
         want = np.dtype(ORT_TO_NUMPY.get(meta["type"], "float32"))
         if array.dtype != want:
-            from serve.protocol import NUMPY_TO_KSERVE
-
             raise unprocessable(
                 f"input {name!r} must be {NUMPY_TO_KSERVE.get(want, want.name)}, got "
                 f"{NUMPY_TO_KSERVE.get(array.dtype, array.dtype.name)}"
