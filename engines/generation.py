@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterator, Literal, Protocol
+from typing import Any, Callable, Iterator, Literal, Protocol, runtime_checkable
 
 import numpy as np
+
+from engines.runners import TensorRunner
 
 # Used when the model folder carries no chat template: plain role-tagged turns.
 FALLBACK_CHAT_TEMPLATE = (
@@ -174,6 +176,7 @@ class TextModel(Protocol):
         ...
 
 
+@runtime_checkable  # serve checks that a generating format's runner is one (isinstance)
 class Generator(TextModel, Protocol):
     """One generation at a time."""
 
@@ -188,6 +191,11 @@ class Generator(TextModel, Protocol):
         With Sampling.logprobs (where the engine honours it), `on_logprob` is called with each
         token's TokenLogprob before the token is yielded."""
         ...
+
+
+class GeneratingRunner(TensorRunner, Generator, Protocol):
+    """What a generating format's loader returns (engines.load_engine): a TensorRunner over
+    {"input_ids"} -> {"logits"} that also generates."""
 
 
 class ScoringGenerator(Generator, Protocol):

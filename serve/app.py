@@ -17,7 +17,7 @@ import hmac
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -30,6 +30,11 @@ from serve.errors import HTTPError, too_large
 from serve.protocols import kserve, openai, predict, server, tokenize
 from serve.protocols.spec import ProtocolSpec, error_body_for
 from serve.state import STREAM_FAILED, ServedModel, ServeState, default_model_name  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from serve.llm.events import GenerationQueue
+    from serve.llm.model import GenerativeModel
+    from serve.state import LoadedModel
 
 log = logging.getLogger("serve")
 access_log = logging.getLogger("serve.access")  # one line per request, at debug level (--log-level debug)
@@ -85,32 +90,43 @@ async def load_in_background(state: ServeState) -> None:
     start_serving(state, model)
 
 
-def start_serving(state: ServeState, model) -> None:
-    cfg = state.config
-    generates = not hasattr(model, "run_batch")  # a model that answers batches of items, or one that generates
-    if generates and model.batch_engine is not None:
-        from serve.llm.batching import ContinuousBatchingService
+def start_serving(state: ServeState, model: LoadedModel) -> None:
+    """The model's queue started (a generation queue, or the batcher of a model that answers batches
+    of items), then the model marked ready."""
+    from serve.llm.model import GenerativeModel
 
-        state.generator = ContinuousBatchingService(
-            model, cfg.max_queue, state.metrics, state.manifest, on_broken=state.engine_broken
-        )
-        engine = state.generator.engine
-        state.metrics.set_cache_info(engine.block_tokens, engine.num_blocks)  # what a gateway's picker reads
-    elif generates:
-        from serve.llm.service import GenerationService
-
-        state.generator = GenerationService(model.generator, cfg.max_queue, state.metrics)
+    if isinstance(model, GenerativeModel):
+        state.generator = generation_queue(state, model)
+        how = f": {model.describe()}"
     else:
         from serve.encoder.batching import Batcher
 
+        cfg = state.config
         state.batcher = Batcher(
             model.run_batch, cfg.max_batch_size, cfg.max_queue_delay_s, cfg.max_queue, state.metrics, name=state.name
         )
         state.batcher.start()
-    how = f": {model.describe()}" if generates else ""
+        how = ""
     log.info("serve: model %r (%s) ready%s", state.name, model.task, how)
     state.model = model
     state.metrics.ready.set(1)
+
+
+def generation_queue(state: ServeState, model: GenerativeModel) -> GenerationQueue:
+    """Continuous batching where the model loaded a batch engine, else one generation at a time."""
+    if model.batch_engine is not None:
+        from serve.llm.batching import ContinuousBatchingService
+
+        batching = ContinuousBatchingService(
+            model, state.config.max_queue, state.metrics, state.manifest, on_broken=state.engine_broken
+        )
+        engine = batching.engine
+        state.metrics.set_cache_info(engine.block_tokens, engine.num_blocks)  # what a gateway's picker reads
+        return batching
+    from serve.llm.service import GenerationService
+
+    assert model.generator is not None  # a model without a batch engine loaded its Generator
+    return GenerationService(model.generator, state.config.max_queue, state.metrics)
 
 
 async def drain(state: ServeState) -> None:

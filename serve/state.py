@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, ClassVar, Protocol, Sequence, TypeVar, Union
 
 from starlette.requests import Request
 
@@ -12,7 +12,15 @@ from serve.config import ServeConfig
 from serve.errors import bad_request, unavailable
 
 if TYPE_CHECKING:
+    from serve.encoder.batching import Batcher, BatchModel
+    from serve.llm.events import GenerationQueue
+    from serve.llm.model import GenerativeModel
     from serve.protocols.spec import ProtocolSpec
+
+    # What a handler class loads: a model that answers batches of items, or one that generates.
+    LoadedModel = Union[BatchModel, GenerativeModel]
+
+Model = TypeVar("Model")
 
 # Scope key a streaming route sets when its stream ended with an error event: the 200 went out with
 # the headers, and the request is counted as the server error it was.
@@ -29,7 +37,7 @@ class ServedModel(Protocol):
     USE: ClassVar[str]
 
     @classmethod
-    def load(cls, root: Path, engine: dict, config: ServeConfig) -> Any:
+    def load(cls, root: Path, engine: dict, config: ServeConfig) -> LoadedModel:
         """The model as this server runs it (in a worker thread)."""
         ...
 
@@ -56,9 +64,9 @@ class ServeState:
         self.version = "1"
         self.load_model = load_model
         self.metrics = Metrics()
-        self.model: Any = None  # an instance of the handler class, once loaded
-        self.batcher: Any = None  # encoders: serve.batching.Batcher
-        self.generator: Any = None  # causal LMs: serve.llm.service or serve.llm.batching
+        self.model: LoadedModel | None = None  # an instance of the handler class, once loaded
+        self.batcher: Batcher | None = None  # models that answer batches of items
+        self.generator: GenerationQueue | None = None  # causal LMs: serve.llm.service or serve.llm.batching
         self.load_error: str | None = None
         # Why the engine was given up after failing (serve/llm/batching.py): not ready, not live.
         self.broken: str | None = None
@@ -104,6 +112,36 @@ class ServeState:
         if self.model is None:
             raise unavailable("the model is loading")
         # Draining is not refused here: a request uvicorn still accepts is served to the end.
+
+    def ready_model(self, kind: type[Model]) -> Model:
+        """The loaded model, as the route needs it: require_ready()'s refusals first. The route asked
+        require_answers() before, so the handler class is one that answers it; a model of another
+        kind here is a bug in the server (a 500)."""
+        self.require_ready()
+        if not isinstance(self.model, kind):
+            raise TypeError(f"the served model is a {type(self.model).__name__}, not a {kind.__name__}")
+        return self.model
+
+    def batch_model(self) -> BatchModel:
+        """The loaded model that answers batches of items (an encoder, a classifier, a tensor model)."""
+        from serve.llm.model import GenerativeModel
+
+        self.require_ready()
+        if self.model is None or isinstance(self.model, GenerativeModel):
+            raise TypeError(f"the served model is a {type(self.model).__name__}, which answers no tensors")
+        return self.model
+
+    def ready_batcher(self) -> Batcher:
+        """The batcher in front of a loaded model that answers batches (the route asked for the model first)."""
+        if self.batcher is None:
+            raise unavailable("the model is loading")
+        return self.batcher
+
+    def generation_queue(self) -> GenerationQueue:
+        """The generation queue of a loaded causal LM (the route asked for the model first)."""
+        if self.generator is None:
+            raise unavailable("the model is loading")
+        return self.generator
 
     def require_answers(self, protocol: str, param: str | None = None) -> None:
         """400 where the handler class does not answer `protocol`, saying where the model is served.

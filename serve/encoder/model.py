@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
 from serve.encoder.datatypes import NUMPY_TO_KSERVE, ORT_TO_NUMPY
-from serve.errors import too_large_batch, unavailable, unprocessable
+from serve.errors import too_large_batch, unprocessable
 
 if TYPE_CHECKING:
     from serve.config import ServeConfig
@@ -59,12 +59,18 @@ class EncoderModel:
 
     def __init__(self, root: Path, engine: dict, threads: int = 0, spinning: bool = False):
         from engines import load_engine
+        from engines.runners import DescribedRunner
         from engines.text import TextEncoder
 
         self.root = root
         self.max_length = int(engine.get("max_length") or 128)
         # Any runtime whose Runner describes its tensors (ONNX Runtime, OpenVINO): see engines/formats.py.
-        self.runner: Any = cast(Any, load_engine(root, engine, threads=threads, spinning=spinning))
+        runner = load_engine(root, engine, threads=threads, spinning=spinning)
+        if not isinstance(runner, DescribedRunner):
+            raise ValueError(
+                f"engine format {engine.get('format')!r} does not describe its tensors: it cannot serve here"
+            )
+        self.runner: DescribedRunner = runner
         self.text = TextEncoder(root / engine.get("tokenizer", "tokenizer"), self.max_length)
         self.vocab_size = self.text.tokenizer.get_vocab_size()
         self.input_names = list(self.runner.input_names)
@@ -190,9 +196,7 @@ def pad_to(array: np.ndarray, length: int) -> np.ndarray:
 async def run_encoder(state: ServeState, item: BatchItem) -> dict[str, np.ndarray]:
     """Submit to the batcher; a request larger than one batch goes in batch-sized pieces (each kind
     of item knows how it may be cut: a tensor model's request whose batch is not on axis 0 stays whole)."""
-    batcher = state.batcher
-    if batcher is None:  # the routes asked require_ready() first: only a model still loading has none
-        raise unavailable("the model is loading")
+    batcher = state.ready_batcher()
     size, timeout = state.config.max_batch_size, state.config.timeout_s
     if item.rows > state.config.max_inputs:  # every route: the cap on rows per request
         raise too_large_batch(item.rows, state.config.max_inputs)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, cast
+from typing import TYPE_CHECKING, ClassVar, cast
 
 import numpy as np
 
@@ -52,9 +52,15 @@ class TensorModel:
 
     def __init__(self, root: Path, engine: dict, threads: int = 0, spinning: bool = False):
         from engines import load_engine
+        from engines.runners import DescribedRunner
 
         self.task = engine.get("task", "generic")
-        self.runner: Any = cast(Any, load_engine(root, engine, threads=threads, spinning=spinning))
+        runner = load_engine(root, engine, threads=threads, spinning=spinning)
+        if not isinstance(runner, DescribedRunner):
+            raise ValueError(
+                f"engine format {engine.get('format')!r} does not describe its tensors: it cannot serve here"
+            )
+        self.runner: DescribedRunner = runner
         self.input_names = list(self.runner.input_names)
         self.output_names = list(self.runner.output_names)
         self.inputs_meta = {i["name"]: i for i in self.runner.signature()}

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, ClassVar
 
 from serve.errors import bad_request
 from serve.llm.request import GenerationRequest
@@ -59,6 +59,7 @@ class GenerativeModel:
         batch: BatchSettings | None = None,  # None: one at a time
     ):
         from engines import formats, load_engine
+        from engines.generation import Generator
 
         self.format = str(engine.get("format"))
         row = formats.get(self.format)
@@ -76,7 +77,10 @@ class GenerativeModel:
                 root, engine, batch, threads=threads, spinning=False
             )
         else:
-            self.generator = self.runner = cast("Generator", load_engine(root, engine, threads=threads))
+            runner = load_engine(root, engine, threads=threads)
+            if not isinstance(runner, Generator):
+                raise ValueError(f"engine format {self.format!r} loads a runner that does not generate")
+            self.generator = self.runner = runner
         self.context_length = self.runner.context_length
         self.max_prompt_tokens = min(max_prompt_tokens or self.context_length - 1, self.context_length - 1)
         self.max_tokens = max_tokens

@@ -292,14 +292,14 @@ def parse_requested_outputs(raw) -> list[RequestedOutput] | None:
 async def infer(request: Request) -> Response:
     state = model_of(request)
     state.require_answers("tensors")
-    state.require_ready()
+    model = state.batch_model()
     with arriving(state.batcher):
         body = await read_body(request, state.config.max_request_bytes)
         parsed = parse_infer_request(body, request.headers.get("inference-header-content-length"))
-        item = state.model.from_tensors(parsed.inputs)
+        item = model.from_tensors(parsed.inputs)
         if item.rows > state.config.max_inputs:
             raise too_large_batch(item.rows, state.config.max_inputs)
-        wanted = requested_outputs(parsed, state.model.output_names)
+        wanted = requested_outputs(parsed, model.output_names)
     if "attention_mask" in item.inputs:  # an encoder's tokens (a tensor model has none to count)
         state.metrics.prompt_tokens.inc(int(item.inputs["attention_mask"].sum()))
     outputs = await run_encoder(state, item)

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, MutableMapping
+from typing import TYPE_CHECKING, Any, MutableMapping
 
 import numpy as np
 from starlette.requests import Request
@@ -22,15 +22,22 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from serve.body import arriving, read_body
-from serve.encoder.model import run_encoder
+from serve.encoder.model import EncoderModel, run_encoder
 from serve.errors import HTTPError, bad_request, openai_error_body, timed_out
+from serve.llm.events import End, Failed, Generation, GenerationQueue
 from serve.llm.fields import CHAT, COMPLETIONS, refuse_unserved_fields
+from serve.llm.model import GenerativeModel
 from serve.llm.request import GenerationRequest
 from serve.protocols.jsonbody import FastJSONResponse, array
 from serve.protocols.openapi import OPENAI_ERRORS, SCHEMAS, errors, json_body, path_param, ref
 from serve.protocols.parsing import get_bool, get_int, get_number, get_object, get_str, is_int, json_object
 from serve.protocols.spec import ProtocolSpec
 from serve.state import STREAM_FAILED, state_of
+
+if TYPE_CHECKING:
+    from engines.generation import Sampling
+    from serve.llm.stops import StopMatcher
+    from serve.llm.tools import ToolCallStream
 
 
 def routes() -> list[Route]:
@@ -261,8 +268,7 @@ async def embeddings(request: Request) -> FastJSONResponse:
     with arriving(state.batcher):
         parsed = parse_embeddings_request(await read_json(request, state), state.config.max_inputs)
         check_model(state, parsed.model, "embeddings")
-        state.require_ready()
-        model = state.model
+        model = state.ready_model(EncoderModel)
         if parsed.dimensions is not None and parsed.dimensions != model.embedding_dim:
             raise bad_request(
                 f"this model's embeddings have {model.embedding_dim} dimensions; 'dimensions' cannot change that",
@@ -272,6 +278,7 @@ async def embeddings(request: Request) -> FastJSONResponse:
         if parsed.texts is not None:
             item = await asyncio.to_thread(model.from_texts, parsed.texts)
         else:
+            assert parsed.token_ids is not None  # the parser sets texts or token ids
             item = model.from_token_ids(parsed.token_ids)
     tokens = int(item.inputs["attention_mask"].sum())
     state.metrics.prompt_tokens.inc(tokens)
@@ -314,14 +321,13 @@ async def generate(request: Request, parse, chat: bool):
     state = state_of(request)
     # Counted while read and tokenized, for an engine that forms batches (ContinuousBatchingService),
     # and no longer once submitted.
-    with arriving(state.generator if hasattr(state.generator, "arriving") else None):
+    with arriving(state.generator):
         parsed = parse(await read_json(request, state))
         check_model(state, parsed.model, "completions")
-        state.require_ready()
-        model = state.model
+        model = state.ready_model(GenerativeModel)
         prompt_ids, sampling = await model.prepare_off_loop(parsed)
     state.metrics.prompt_tokens.inc(len(prompt_ids))
-    generations = submit_choices(state.generator, prompt_ids, sampling, parsed.n, model.seed_range)
+    generations = submit_choices(state.generation_queue(), prompt_ids, sampling, parsed.n, model.seed_range)
     choices = [Choice(i, g, StopMatcher(parsed.stop), tool_calls(parsed)) for i, g in enumerate(generations)]
     reply = Reply(state.name, chat, len(prompt_ids), choices, request.scope, sampling.logprobs)
     if parsed.stream:
@@ -338,7 +344,9 @@ def tool_calls(parsed):
     return ToolCallStream(parsed.tools)
 
 
-def submit_choices(service, prompt_ids: list[int], sampling, n: int, seed_range: tuple[int, int]) -> list:
+def submit_choices(
+    service: GenerationQueue, prompt_ids: list[int], sampling: Sampling, n: int, seed_range: tuple[int, int]
+) -> list[Generation]:
     """`n` independent generations of one prompt, each its own request to the engine's scheduler
     (batched together where the engine batches); choice i of a seeded request takes seed + i (wrapped
     into the engine's range), so the choices differ and the reply is reproducible. A refusal on the
@@ -362,9 +370,9 @@ class Choice:
     """One generation of a reply: its events read as text pieces (stop strings applied) and the
     logprob entries that came with them; with tools, the calls its text holds (`calls`)."""
 
-    def __init__(self, index: int, generation, stops, calls=None):
+    def __init__(self, index: int, generation: Generation, stops: StopMatcher, calls: ToolCallStream | None = None):
         self.index, self.generation, self.stops = index, generation, stops
-        self.calls = calls  # serve.tools.ToolCallStream, or None
+        self.calls = calls  # the tool calls its text holds, where the request's tools are active
         self.finish_reason: str | None = None
         self.entries: list[dict] = []  # logprob entries, where the request asked for them
         self.text_length = 0  # characters of text handed out so far (the legacy text_offset)
@@ -374,19 +382,18 @@ class Choice:
         fresh: list[dict] = []
         while True:
             event = await self.generation.events.get()
-            kind, value = event[0], event[1]
-            if kind == "error":
-                raise value
-            if kind == "end":
+            if isinstance(event, Failed):
+                raise event.error
+            if isinstance(event, End):
                 tail = self.stops.flush()
                 if tail or fresh:
                     yield tail, fresh
-                self.finish_reason = "stop" if self.stops.stopped else value
+                self.finish_reason = "stop" if self.stops.stopped else event.reason
                 return
-            if len(event) > 2:
-                fresh.append(event[2])
-                self.entries.append(event[2])
-            text = self.stops.feed(value)
+            if event.logprob is not None:
+                fresh.append(event.logprob)
+                self.entries.append(event.logprob)
+            text = self.stops.feed(event.text)
             if self.stops.stopped:
                 self.generation.cancel.set()  # no need to decode past a stop string
             if text:

@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from serve.errors import bad_request, openai_error_body
+from serve.llm.model import GenerativeModel
 from serve.protocols.openai import check_model, parse_message, read_json
 from serve.protocols.openapi import OPENAI_ERRORS, errors, json_body
 from serve.protocols.parsing import is_int
@@ -37,8 +38,7 @@ async def text_model(request: Request):
     if data.get("model") is not None:
         check_model(state, str(data["model"]))
     state.require_answers("completions")
-    state.require_ready()
-    return data, state.model
+    return data, state.ready_model(GenerativeModel)
 
 
 async def tokenize(request: Request) -> JSONResponse:
