@@ -16,7 +16,7 @@ import urllib.request
 from pathlib import Path
 from urllib.parse import urlsplit
 
-log = logging.getLogger("serve.shadow.traffic")
+log = logging.getLogger("serve.shadow")
 REPORT_EVERY_S = 30
 
 
