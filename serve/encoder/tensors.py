@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, cast
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
@@ -109,7 +109,7 @@ class TensorModel:
 
     def run_batch(self, items: list[TensorBatchItem]) -> list[dict[str, np.ndarray]]:
         """Requests of the same shape run as one call; the rest one by one."""
-        results: list[dict[str, np.ndarray] | None] = [None] * len(items)
+        results: dict[int, dict[str, np.ndarray]] = {}  # by the item's index
         groups: dict[tuple, list[int]] = {}
         for index, item in enumerate(items):
             groups.setdefault(item.key() if item.together else ("alone", index), []).append(index)
@@ -123,7 +123,7 @@ class TensorModel:
                 rows = slice(start, start + items[i].rows)
                 results[i] = {name: value[rows] for name, value in outputs.items()}
                 start += items[i].rows
-        return cast(list, results)
+        return [results[index] for index in range(len(items))]
 
     def run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One call; the model failing on inputs of declared types and ranks is the request's fault
