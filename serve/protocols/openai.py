@@ -81,7 +81,7 @@ async def read_json(request: Request, state) -> dict:
     return json_object(await read_body(request, state.config.max_request_bytes))
 
 
-# --- OpenAI: embeddings ---------------------------------------------------------------------------
+# --- parsing an embeddings request ----------------------------------------------------------------
 
 
 @dataclass
@@ -127,7 +127,7 @@ def is_token_list(value) -> bool:
     return isinstance(value, list) and bool(value) and all(is_int(x) for x in value)
 
 
-# --- OpenAI: completions and chat completions -----------------------------------------------------
+# --- parsing completion and chat requests ---------------------------------------------------------
 
 
 MAX_CHOICES = 16  # `n`
