@@ -316,7 +316,7 @@ def artifact_recipe(artifact: Path) -> str:
 # ---------------------------------------------------------------------------------------------
 def measure_fidelity(entries: list[Entry], inputs: dict) -> None:
     """Min and mean cosine of each runner's sentence embedding against PyTorch's, text by text."""
-    from optimize.evaluate.fidelity import cosine_rows
+    from engines.similarity import cosine_rows
     from optimize.evaluate.harness import batches_of, run_all
 
     batches = batches_of(inputs, FIDELITY_BATCH)

@@ -121,7 +121,7 @@ def timed(call, n: int, skip: int) -> list[float]:
 def direct_models(artifact: Path, threads: int) -> dict:
     """The server's own model object, with spinning (the pipeline's setting) and sleeping threads."""
     from engines.artifact import read_manifest
-    from serve.encoder import EncoderModel
+    from serve.encoder.model import EncoderModel
 
     engine = read_manifest(artifact)["engine"]
     return {

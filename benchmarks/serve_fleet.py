@@ -44,7 +44,7 @@ TEXT = "The quick brown fox jumps over the lazy dog."
 
 
 def free_port() -> int:
-    from serve.shadow_candidate import free_port as pick
+    from serve.shadow.candidate import free_port as pick
 
     return pick()
 

@@ -9,20 +9,25 @@ runtime inside the functions that need it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from engines.artifact import ArtifactError, check_engine_paths, read_manifest
 from engines.runners import TensorRunner
 
+if TYPE_CHECKING:
+    from engines.generation import GeneratingRunner
 
-def load(artifact_dir: str | Path, threads: int = 0, spinning: bool = True) -> TensorRunner:
+
+def load(artifact_dir: str | Path, threads: int = 0, spinning: bool = True) -> TensorRunner | GeneratingRunner:
     """Build the Runner an artifact's manifest describes (its `engine` block)."""
     root = Path(artifact_dir)
     engine = read_manifest(root).get("engine") or {}
     return load_engine(root, engine, threads=threads, spinning=spinning)
 
 
-def load_engine(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> TensorRunner:
-    """The Runner of an engine block, through the engine table (engines/formats.py).
+def load_engine(root: Path, engine: dict, threads: int = 0, spinning: bool = True) -> TensorRunner | GeneratingRunner:
+    """The Runner of an engine block, through the engine table (engines/formats.py): a TensorRunner,
+    which for a format that generates is a GeneratingRunner too (engines/generation.py).
 
     `spinning=False` for servers: idle runtime threads sleep instead of busy-waiting. The block's paths
     (`file`, `dir`, `tokenizer`, and an ONNX graph's external data) must resolve inside `root` through

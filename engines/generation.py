@@ -5,7 +5,7 @@ engine, written down as Protocols, and the settings values they pass it.
   prompt under a `Sampling`). What serve runs with --max-num-seqs 1, and all a new engine must be.
 - `ScoringGenerator`: a Generator the pipeline also measures (logits, log-likelihoods, timed
   decoding; the roofline reads `weight_bytes_per_token()` and `kv_shape()` where an engine has them).
-- `BatchEngine`: many generations at once, scheduled by the engine; serve/llm_batching.py drives it
+- `BatchEngine`: many generations at once, scheduled by the engine; serve/llm/batching.py drives it
   (add a request, step, read each request's new tokens, cancel through its handle).
 
 Which of these a format provides, and how serve batches it, is its row in engines/formats.py.
@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterator, Literal, Protocol
+from typing import Any, Callable, Iterator, Literal, Protocol, runtime_checkable
 
 import numpy as np
+
+from engines.runners import TensorRunner
 
 # Used when the model folder carries no chat template: plain role-tagged turns.
 FALLBACK_CHAT_TEMPLATE = (
@@ -115,7 +117,7 @@ class UnsupportedSampling(ValueError):
 
 
 # An engine says what it honours with two class attributes, which serve reads before it submits a
-# request (and serve/fields.py for the field table), an engine without them honouring none:
+# request (and serve/llm/fields.py for the field table), an engine without them honouring none:
 #   honours: tuple[str, ...]  -- the OPTIONAL_SAMPLING fields it carries out
 #   max_top_logprobs: int     -- the most alternatives per position it gives (Sampling.top_logprobs)
 
@@ -174,6 +176,7 @@ class TextModel(Protocol):
         ...
 
 
+@runtime_checkable  # serve checks that a generating format's runner is one (isinstance)
 class Generator(TextModel, Protocol):
     """One generation at a time."""
 
@@ -188,6 +191,11 @@ class Generator(TextModel, Protocol):
         With Sampling.logprobs (where the engine honours it), `on_logprob` is called with each
         token's TokenLogprob before the token is yielded."""
         ...
+
+
+class GeneratingRunner(TensorRunner, Generator, Protocol):
+    """What a generating format's loader returns (engines.load_engine): a TensorRunner over
+    {"input_ids"} -> {"logits"} that also generates."""
 
 
 class ScoringGenerator(Generator, Protocol):
@@ -213,7 +221,7 @@ class BatchHandle(Protocol):
 class BatchEngine(TextModel, Protocol):
     """Many generations at once. The caller adds requests, drives step() from one thread, and reads
     each request's tokens through its handle. The KV cache is `num_blocks` blocks of `block_tokens`
-    tokens (`kv_cache_bytes` in all); admission in serve/llm_batching.py counts in those blocks."""
+    tokens (`kv_cache_bytes` in all); admission in serve/llm/batching.py counts in those blocks."""
 
     @property
     def settings(self) -> BatchSettings: ...  # what the engine honours of the settings it was given

@@ -12,7 +12,7 @@ They are Protocols: a runner meets one by having its members, without inheriting
 
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -22,6 +22,16 @@ class TensorRunner(Protocol):
     output_names: list[str]
 
     def __call__(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+@runtime_checkable  # serve checks that an encoder's runner is one (isinstance)
+class DescribedRunner(TensorRunner, Protocol):
+    """A TensorRunner that describes its tensors (ONNX Runtime, OpenVINO): each input's and output's
+    name, ONNX type ("tensor(float)") and shape (ints, or names of open dimensions)."""
+
+    def signature(self) -> list[dict]: ...
+
+    def output_signature(self) -> list[dict]: ...
 
 
 class TimedGeneration(Protocol):

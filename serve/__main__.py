@@ -161,7 +161,7 @@ MAX_SHADOW_QUEUE = 1 << 16  # answered requests held for the candidate (each hol
 
 
 def add_shadow_arguments(p: argparse.ArgumentParser) -> None:
-    """Shadow traffic (serve/shadow.py): a candidate answers a copy of every request, off the response path."""
+    """Shadow traffic (serve/shadow/traffic.py): a candidate answers a copy of every request, off the response path."""
     p.add_argument(
         "--shadow",
         metavar="CANDIDATE",
@@ -296,8 +296,8 @@ def check_candidate(args) -> dict:
     served one is, without --allow-modified; and a report folder it can write. Returns the candidate's
     manifest ({} for a URL)."""
     from serve.arguments import url_problem
-    from serve.shadow_candidate import self_problem
-    from serve.shadow_report import folder_problem
+    from serve.shadow.candidate import self_problem
+    from serve.shadow.report import folder_problem
 
     problem = folder_problem(Path(args.shadow_report))
     if problem:
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(root, config, manifest)
     shadow = None
     if candidate_manifest is not None:
-        from serve.shadow_candidate import ShadowRun
+        from serve.shadow.candidate import ShadowRun
 
         shadow = ShadowRun(app, args, manifest, candidate_manifest)
     try:

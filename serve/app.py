@@ -5,8 +5,8 @@ anyio), has real streaming responses for server-sent events and a lifespan hook 
 draining; uvicorn stops accepting connections on SIGTERM and waits for the requests in flight,
 which is the drain the runtime needs. Together with prometheus_client they add about 5 MB.
 FastAPI would add pydantic and generate a schema from types; the protocols here are fixed by
-KServe and OpenAI, so the parsers are written out (serve/protocol.py) and the OpenAPI document
-is written by hand (serve/openapi.py).
+KServe and OpenAI, so the parsers are written out (each protocol's module in serve/protocols/) and
+the OpenAPI document is written by hand (serve/protocols/openapi.py).
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import importlib
 import logging
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -28,46 +27,45 @@ from starlette.routing import Match, Route
 
 from serve.config import ServeConfig
 from serve.errors import HTTPError, too_large
+from serve.protocols import kserve, openai, predict, server, tokenize
+from serve.protocols.spec import ProtocolSpec, error_body_for
 from serve.state import STREAM_FAILED, ServedModel, ServeState, default_model_name  # noqa: F401 (re-exported)
+
+if TYPE_CHECKING:
+    from serve.llm.events import GenerationQueue
+    from serve.llm.model import GenerativeModel
+    from serve.state import LoadedModel
 
 log = logging.getLogger("serve")
 access_log = logging.getLogger("serve.access")  # one line per request, at debug level (--log-level debug)
 OPEN_PATHS = ("/v2/health/", "/metrics")  # open without a key only when the operator says so
 
 
-# How serve answers the task an encoder engine's block names ("module:class", imported with the state).
-# Each class declares the protocols it answers (serve.state.ServedModel); the routes ask it.
-ENCODER_HANDLERS = {
-    "sentence_embedding": "serve.encoder:EncoderModel",
-    "text_classification": "serve.classifier:TextClassifierModel",  # logits, named by the artifact's labels.json
-    "token_classification": "serve.classifier:ClassifierModel",
-}
-TENSOR_HANDLER = "serve.tensors:TensorModel"  # any other model that takes tensors: images, audio, ...
-GENERATION_HANDLER = "serve.llm:GenerativeModel"  # every engine whose format generates
-
-
 def handler_for(engine: dict) -> type[ServedModel] | None:
-    """The class that serves this engine block, or None where none does (the load then says so).
-    Its module imports nothing heavy: the runtime comes in when the model loads."""
-    handler = handler_name(engine)
-    if handler is None:
-        return None
-    module, name = handler.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
-def handler_name(engine: dict) -> str | None:
-    """By what the engine's format serves: generation, else an encoder's task, else its tensors."""
+    """The class that serves this engine block, or None where none does (the load then says so): by
+    what the engine's format serves, generation, else an encoder's task, else its tensors. Each class
+    declares the protocols it answers (serve.state.ServedModel); the routes ask it. Their modules
+    import nothing heavy: the runtime comes in when the model loads."""
     from engines import formats
+    from serve.encoder.classifier import ClassifierModel, TextClassifierModel
+    from serve.encoder.model import EncoderModel
+    from serve.encoder.tensors import TensorModel
+    from serve.llm.model import GenerativeModel
 
     engine_format = formats.FORMATS.get(engine.get("format") or "")
     serves = engine_format.serves if engine_format else None
     if serves == "causal_lm":
-        return GENERATION_HANDLER
+        return GenerativeModel  # every engine whose format generates
     if serves != "encoder":
         return None
+    by_task: dict[str, type[ServedModel]] = {
+        "sentence_embedding": EncoderModel,
+        "text_classification": TextClassifierModel,  # logits, named by the artifact's labels.json
+        "token_classification": ClassifierModel,
+    }
     takes_tensors = engine.get("inputs") and not engine.get("tokenizer")
-    return ENCODER_HANDLERS.get(engine.get("task", "")) or (TENSOR_HANDLER if takes_tensors else None)
+    # Any other model that takes tensors (images, audio, ...) is a TensorModel.
+    return by_task.get(engine.get("task", "")) or (TensorModel if takes_tensors else None)
 
 
 def load_model_for(state: ServeState):
@@ -92,32 +90,43 @@ async def load_in_background(state: ServeState) -> None:
     start_serving(state, model)
 
 
-def start_serving(state: ServeState, model) -> None:
-    cfg = state.config
-    generates = not hasattr(model, "run_batch")  # a model that answers batches of items, or one that generates
-    if generates and model.batch_engine is not None:
-        from serve.llm_batching import ContinuousBatchingService
+def start_serving(state: ServeState, model: LoadedModel) -> None:
+    """The model's queue started (a generation queue, or the batcher of a model that answers batches
+    of items), then the model marked ready."""
+    from serve.llm.model import GenerativeModel
 
-        state.generator = ContinuousBatchingService(
-            model, cfg.max_queue, state.metrics, state.manifest, on_broken=state.engine_broken
-        )
-        engine = state.generator.engine
-        state.metrics.set_cache_info(engine.block_tokens, engine.num_blocks)  # what a gateway's picker reads
-    elif generates:
-        from serve.llm_service import GenerationService
-
-        state.generator = GenerationService(model.generator, cfg.max_queue, state.metrics)
+    if isinstance(model, GenerativeModel):
+        state.generator = generation_queue(state, model)
+        how = f": {model.describe()}"
     else:
-        from serve.batching import Batcher
+        from serve.encoder.batching import Batcher
 
+        cfg = state.config
         state.batcher = Batcher(
             model.run_batch, cfg.max_batch_size, cfg.max_queue_delay_s, cfg.max_queue, state.metrics, name=state.name
         )
         state.batcher.start()
-    how = f": {model.describe()}" if generates else ""
+        how = ""
     log.info("serve: model %r (%s) ready%s", state.name, model.task, how)
     state.model = model
     state.metrics.ready.set(1)
+
+
+def generation_queue(state: ServeState, model: GenerativeModel) -> GenerationQueue:
+    """Continuous batching where the model loaded a batch engine, else one generation at a time."""
+    if model.batch_engine is not None:
+        from serve.llm.batching import ContinuousBatchingService
+
+        batching = ContinuousBatchingService(
+            model, state.config.max_queue, state.metrics, state.manifest, on_broken=state.engine_broken
+        )
+        engine = batching.engine
+        state.metrics.set_cache_info(engine.block_tokens, engine.num_blocks)  # what a gateway's picker reads
+        return batching
+    from serve.llm.service import GenerationService
+
+    assert model.generator is not None  # a model without a batch engine loaded its Generator
+    return GenerationService(model.generator, state.config.max_queue, state.metrics)
 
 
 async def drain(state: ServeState) -> None:
@@ -138,13 +147,16 @@ async def drain(state: ServeState) -> None:
     )
 
 
+def protocols() -> list[ProtocolSpec]:
+    """Every protocol the server speaks, in the order the app routes them (and /openapi.json lists them)."""
+    return [kserve.SPEC, openai.SPEC, tokenize.SPEC, predict.SPEC, server.SPEC]
+
+
 # --- errors as JSON ------------------------------------------------------------------------------
 
 
 def error_response(path: str, error: HTTPError) -> JSONResponse:
-    """The body the protocol that owns `path` answers with (serve/spec.py)."""
-    from serve.spec import error_body_for, protocols
-
+    """The body the protocol that owns `path` answers with (serve/protocols/spec.py)."""
     body = error_body_for(path, protocols())(error)
     return JSONResponse(body, status_code=error.status, headers=error.headers)
 
@@ -327,13 +339,13 @@ def create_app(
     load_model: Callable = load_model_for,
 ) -> Starlette:
     from engines.artifact import read_manifest
-    from serve.spec import protocols
 
     root = Path(root)
     manifest = manifest if manifest is not None else read_manifest(root)
     handler = handler_for(manifest.get("engine") or {})
-    state = ServeState(root, manifest, config or ServeConfig(), load_model, handler)
-    routes = [route for spec in protocols() for route in spec.routes()]
+    specs = protocols()
+    state = ServeState(root, manifest, config or ServeConfig(), load_model, handler, protocols=specs)
+    routes = [route for spec in specs for route in spec.routes()]
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -2,7 +2,7 @@
 
 Every refusal the server makes is one of these: a status code, a message a person can act on, and
 an error type. The app turns it into the JSON body the caller's protocol expects (each protocol's
-`error_body`, serve/spec.py: KServe-style `{"error": "..."}` under /v2, OpenAI-style
+`error_body`, serve/protocols/spec.py: KServe-style `{"error": "..."}` under /v2, OpenAI-style
 `{"error": {...}}` everywhere else).
 """
 

@@ -181,7 +181,7 @@ class OVGenAIText(abc.ABC):
         """The model's own chat template when it has one (a conversation it refuses raises
         ChatTemplateError with its words), a plain role-tagged one otherwise. Tools go to a template
         that reads them only: for one that does not, the tokenizer would write its own long
-        description of them (serve/tools.py writes a compact one instead)."""
+        description of them (serve/llm/tools.py writes a compact one instead)."""
         messages = [dict(m) for m in messages]  # tool_calls and tool_call_id included
         template = self.tokenizer.chat_template or ""
         extra = {"tools": tools} if tools and "tools" in template else {}

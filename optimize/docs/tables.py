@@ -9,7 +9,7 @@
   the first sentence of its docstring (read from the source, nothing imported);
 - `contracts`: the import contracts `make lint` checks (`[tool.importlinter]` in pyproject.toml);
 - `serve-fields`: every field of the OpenAI completion and chat request bodies and what the server
-  does with it per engine (serve/fields.py), in serve/README.md.
+  does with it per engine (serve/llm/fields.py), in serve/README.md.
 
 Each table sits in a docs/*.md file (or one of EXTRA_DOCUMENTS) between two marker comments:
 
@@ -131,7 +131,7 @@ def gate_table() -> str:
 
 
 def serve_fields_table() -> str:
-    from serve.fields import fields_table
+    from serve.llm.fields import fields_table
 
     return fields_table()
 

@@ -53,7 +53,7 @@ def run_bundle(python: Path, bundle: Path, *args: str, cwd: Path) -> subprocess.
 def served_embeddings(artifact: Path, texts: list[str]) -> np.ndarray:
     """What `python -m serve` answers for these texts: its encoder, on the artifact itself."""
     from engines.artifact import read_manifest
-    from serve.encoder import EncoderModel
+    from serve.encoder.model import EncoderModel
 
     model = EncoderModel(artifact, read_manifest(artifact)["engine"])
     return model.run_batch([model.from_texts(texts)])[0]["sentence_embedding"]

@@ -6,9 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from engines.similarity import cosine_rows
 from optimize import gate
 from optimize.errors import RecipeError
-from optimize.evaluate.fidelity import cosine_rows, mask_agreement
+from optimize.evaluate.fidelity import mask_agreement
 from optimize.evaluate.harness import chosen_outputs, mask_metrics
 
 

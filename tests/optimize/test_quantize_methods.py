@@ -62,7 +62,7 @@ def _outputs(path: Path, x: np.ndarray) -> np.ndarray:
 
 
 def _min_cosine(a: np.ndarray, b: np.ndarray) -> float:
-    from optimize.evaluate.fidelity import cosine_rows
+    from engines.similarity import cosine_rows
 
     return float(cosine_rows(a, b).min())
 

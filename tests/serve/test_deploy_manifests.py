@@ -126,7 +126,7 @@ def containers(folder: str) -> list[tuple[dict, dict]]:
 def test_containers_run_this_server_as_it_is(folder):
     """The flags are flags of `python -m serve`, the probes hit its health routes on its port, and
     the pod is given longer to stop than the server's drain after the preStop pause."""
-    from serve.kserve_routes import routes
+    from serve.protocols.kserve import routes
 
     paths = {route.path for route in routes()}
     for container, pod in containers(folder):

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from serve.batching import Batcher
+from serve.encoder.batching import Batcher
 from serve.errors import HTTPError
 
 

@@ -12,8 +12,8 @@ import threading
 import numpy as np
 import pytest
 
-from serve import jsonbody
-from serve.batching import Batcher
+from serve.encoder.batching import Batcher
+from serve.protocols import jsonbody
 from tests.support.serve import metric_value
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "", "héllo wörld 你好", "x " * 300, "  spaced   out  "]

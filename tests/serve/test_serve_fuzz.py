@@ -16,15 +16,11 @@ import numpy as np
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from serve.encoder.datatypes import KSERVE_DTYPES
 from serve.errors import HTTPError
-from serve.protocol import (
-    KSERVE_DTYPES,
-    parse_chat_request,
-    parse_completion_request,
-    parse_embeddings_request,
-    parse_infer_request,
-)
-from serve.stops import StopMatcher
+from serve.llm.stops import StopMatcher
+from serve.protocols.kserve import parse_infer_request
+from serve.protocols.openai import parse_chat_request, parse_completion_request, parse_embeddings_request
 from tests.support.serve import ROOT
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from serve.batching import Batcher
+from serve.encoder.batching import Batcher
 from serve.errors import HTTPError
 from tests.support.serve import metric_value, running_server
 

@@ -11,9 +11,10 @@ from tests.support.serve import ROOT
 
 PROBE = """
 import json, sys
-import serve, serve.__main__, serve.app, serve.kserve_routes, serve.openai_routes, serve.batching
-import serve.encoder, serve.llm, serve.llm_service, serve.stops, serve.metrics, serve.openapi, serve.protocol
-import serve.body, serve.config, serve.spec, serve.misc_routes, serve.predict_routes, engines.generation
+import serve, serve.__main__, serve.app, serve.protocols.kserve, serve.protocols.openai, serve.encoder.batching
+import serve.encoder.model, serve.llm.model, serve.llm.service, serve.llm.stops, serve.metrics, serve.protocols.openapi
+import serve.protocols.parsing, serve.body, serve.config, serve.protocols.spec, serve.protocols.server
+import serve.protocols.predict, engines.generation
 import engines.onnxruntime_genai.runner
 from pathlib import Path
 from serve.app import create_app, load_model_for

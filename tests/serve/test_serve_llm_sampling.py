@@ -10,7 +10,7 @@ import math
 import httpx
 import pytest
 
-from serve.fields import FIELDS
+from serve.llm.fields import FIELDS
 from tests.support.serve import running_server
 
 pytestmark = pytest.mark.slow  # the artifacts are built by the session fixtures

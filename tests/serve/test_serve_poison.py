@@ -86,9 +86,9 @@ def test_each_poisoning_input_is_a_400_and_the_engine_goes_on(server):
 @pytest.fixture()
 def unbounded(monkeypatch):
     """The structured-output bounds lifted: what they refuse reaches the real engine."""
-    import serve.structured
+    import serve.llm.structured
 
-    monkeypatch.setattr(serve.structured, "check_bounds", lambda *args: None)
+    monkeypatch.setattr(serve.llm.structured, "check_bounds", lambda *args: None)
 
 
 @pytest.mark.parametrize("engine", ENGINES)

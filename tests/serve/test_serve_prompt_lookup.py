@@ -45,7 +45,7 @@ def test_prompt_lookup_serves_the_plain_text_and_counts_what_it_accepted(tiny_ov
 
 
 def test_capacity_is_counted_for_the_declared_request_shape():
-    from serve.llm_batching import DEFAULT_SEQUENCE_TOKENS, declared_sequence_tokens
+    from serve.llm.batching import DEFAULT_SEQUENCE_TOKENS, declared_sequence_tokens
 
     workload = {"declared": True, "requests": [{"prompt": 64, "output": 64}, {"prompt": 1024, "output": 128}]}
     assert declared_sequence_tokens({"metrics": {"workload": workload}}) == 1152

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from serve.shadow_candidate import free_port
+from serve.shadow.candidate import free_port
 from tests.support.cli import one_error_line
 from tests.support.serve import ROOT, wait_until
 

@@ -1,13 +1,13 @@
 """/openapi.json describes every route the app answers, and nothing it does not: both come from the
-same protocol objects (serve/spec.py), and this compares what Starlette routes with the document."""
+same protocol objects (serve/protocols/spec.py), and this compares what Starlette routes with the document."""
 
 from __future__ import annotations
 
 from starlette.routing import Route
 
-from serve.app import create_app
-from serve.openapi import openapi_document
-from serve.spec import error_body_for, protocols
+from serve.app import create_app, protocols
+from serve.protocols.openapi import openapi_document
+from serve.protocols.spec import error_body_for
 
 DOCUMENTED_METHODS = {"get", "post", "put", "patch", "delete"}  # HEAD comes with GET, undocumented
 

@@ -17,7 +17,7 @@ import httpx
 import numpy as np
 import pytest
 
-from serve.shadow import cosine_rows, texts_of, token_agreement
+from serve.shadow.traffic import cosine_rows, texts_of, token_agreement
 from tests.support.cli import one_error_line
 from tests.support.serve import ROOT, ServerProcess, metric_value, wait_until
 

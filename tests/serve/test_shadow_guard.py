@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from serve.__main__ import main
-from serve.shadow import MARK
-from serve.shadow_candidate import free_port, self_problem
-from serve.shadow_report import folder_problem
+from serve.shadow.candidate import free_port, self_problem
+from serve.shadow.report import folder_problem
+from serve.shadow.traffic import MARK
 from tests.serve.test_shadow import TEXTS, burst, shadow_metric
 from tests.support.serve import ServerProcess, wait_until
 

@@ -10,8 +10,8 @@ import json
 import pytest
 
 from serve.errors import HTTPError
-from serve.protocol import parse_chat_request
-from serve.tool_parser import parse_tool_calls
+from serve.llm.tool_parser import parse_tool_calls
+from serve.protocols.openai import parse_chat_request
 
 USER = [{"role": "user", "content": "hi"}]
 NOW_CALL = {"name": "now", "arguments": "{}"}

@@ -1,9 +1,9 @@
 """A text classifier (sequence or token classification) behind the batcher: the encoder's
-tokenizing, checks and batching (serve/encoder.py), logits out, and the artifact's labels.json
+tokenizing, checks and batching (serve/encoder/model.py), logits out, and the artifact's labels.json
 (written by the pipeline from the model's id2label) to name them.
 
 KServe v2 serves the logits as tensors ([rows, labels], or [rows, sequence, labels] for a token
-classifier); for a sequence classifier (TextClassifierModel) /predict (serve/predict_routes.py) also
+classifier); for a sequence classifier (TextClassifierModel) /predict (serve/protocols/predict.py) also
 answers as Text Embeddings Inference's classification route does: every label with its softmax
 score, highest first.
 """
@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
-from serve.encoder import EncoderBatchItem, EncoderModel
+from serve.encoder.model import EncoderBatchItem, EncoderModel
 from serve.errors import unprocessable
 
 LABELS_FILE = "labels.json"
@@ -38,8 +39,8 @@ def softmax(logits: np.ndarray) -> np.ndarray:
 class ClassifierModel(EncoderModel):
     """Any classifier's logits as tensors (a token classifier's are per token: no /predict rows)."""
 
-    ANSWERS = frozenset({"tensors"})
-    USE = "a {task} model: use /v2/models/{name}/infer for its logits"
+    ANSWERS: ClassVar[frozenset[str]] = frozenset({"tensors"})
+    USE: ClassVar[str] = "a {task} model: use /v2/models/{name}/infer for its logits"
 
     def __init__(self, root: Path, engine: dict, threads: int = 0, spinning: bool = False):
         super().__init__(root, engine, threads, spinning)
@@ -50,8 +51,8 @@ class ClassifierModel(EncoderModel):
 class TextClassifierModel(ClassifierModel):
     """One row of logits per text: /predict names them, every label with its score."""
 
-    ANSWERS = frozenset({"tensors", "predict"})
-    USE = "a text classifier: use /predict, or /v2/models/{name}/infer for its logits"
+    ANSWERS: ClassVar[frozenset[str]] = frozenset({"tensors", "predict"})
+    USE: ClassVar[str] = "a text classifier: use /predict, or /v2/models/{name}/infer for its logits"
 
     def from_texts_checked(self, texts: list[str], truncate: bool) -> EncoderBatchItem:
         """Texts tokenized; one past max_length tokens is refused unless the client asks to truncate

@@ -8,7 +8,7 @@ candidate over HTTP and compare. A candidate folder is served by a child `python
 loopback at a lower CPU priority (nice 10): it shares no memory, thread or event loop with the
 process answering users, so one that crashes, hangs or runs slow costs users nothing but what its
 CPU share takes. The figures go to /metrics (serve_shadow_*) and to a report folder that
-`python -m optimize.reports.compare` reads beside artifacts (serve/shadow_report.py).
+`python -m optimize.reports.compare` reads beside artifacts (serve/shadow/report.py).
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from engines.similarity import cosine_rows
+
 log = logging.getLogger("serve.shadow")
 
 # The inference routes: what users ask the model. Health, metadata and /metrics are not shadowed.
@@ -42,7 +44,6 @@ MARK_BYTES = MARK.encode()
 FORWARDED = (b"content-type", b"content-encoding", b"authorization", b"inference-header-content-length")
 CLASSIFIERS = ("text_classification", "token_classification")
 GENERATES = "causal_lm"
-EMPTY_ROW = 1e-4  # as optimize.evaluate.fidelity.EMPTY_ROW
 COSINE_BUCKETS = (0.5, 0.9, 0.95, 0.98, 0.99, 0.995, 0.999, 0.9999, 1.0)
 SHARE_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0)
 
@@ -60,17 +61,6 @@ class Exchange:
 
 
 # --- the measures (the gate's, as optimize/evaluate/fidelity.py computes them) ----------------------
-
-
-def cosine_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """optimize.evaluate.fidelity.cosine_rows, here because serve cannot import the pipeline
-    (tests/serve/test_shadow.py checks the two agree)."""
-    a = a.astype(np.float64).reshape(len(a), -1)
-    b = b.astype(np.float64).reshape(len(b), -1)
-    norm_a, norm_b = np.linalg.norm(a, axis=1), np.linalg.norm(b, axis=1)
-    cosine = (a * b).sum(1) / np.maximum(norm_a * norm_b, 1e-30)
-    empty = EMPTY_ROW * max(float(norm_a.max(initial=0.0)), float(norm_b.max(initial=0.0)))
-    return np.where((norm_a <= empty) & (norm_b <= empty), 1.0, cosine)
 
 
 def token_agreement(a: list[int], b: list[int]) -> tuple[float, int | None]:

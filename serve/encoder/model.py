@@ -12,14 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from serve.errors import unprocessable
+from serve.encoder.datatypes import NUMPY_TO_KSERVE, ORT_TO_NUMPY
+from serve.errors import too_large_batch, unprocessable
 
 if TYPE_CHECKING:
     from serve.config import ServeConfig
+    from serve.encoder.batching import BatchItem
+    from serve.state import ServeState
 
 # Value ranges the graph can take without failing inside ONNX Runtime (an index out of range
 # would be a 500): masks and BERT segment ids are 0/1; token ids must be in the vocabulary.
@@ -47,8 +50,8 @@ class EncoderBatchItem:
 
 class EncoderModel:
     task = "sentence_embedding"
-    ANSWERS = frozenset({"tensors", "embeddings"})
-    USE = "an encoder (sentence embeddings): use /v1/embeddings"
+    ANSWERS: ClassVar[frozenset[str]] = frozenset({"tensors", "embeddings"})
+    USE: ClassVar[str] = "an encoder (sentence embeddings): use /v1/embeddings"
 
     @classmethod
     def load(cls, root: Path, engine: dict, config: ServeConfig) -> EncoderModel:
@@ -56,12 +59,18 @@ class EncoderModel:
 
     def __init__(self, root: Path, engine: dict, threads: int = 0, spinning: bool = False):
         from engines import load_engine
+        from engines.runners import DescribedRunner
         from engines.text import TextEncoder
 
         self.root = root
         self.max_length = int(engine.get("max_length") or 128)
         # Any runtime whose Runner describes its tensors (ONNX Runtime, OpenVINO): see engines/formats.py.
-        self.runner: Any = cast(Any, load_engine(root, engine, threads=threads, spinning=spinning))
+        runner = load_engine(root, engine, threads=threads, spinning=spinning)
+        if not isinstance(runner, DescribedRunner):
+            raise ValueError(
+                f"engine format {engine.get('format')!r} does not describe its tensors: it cannot serve here"
+            )
+        self.runner: DescribedRunner = runner
         self.text = TextEncoder(root / engine.get("tokenizer", "tokenizer"), self.max_length)
         self.vocab_size = self.text.tokenizer.get_vocab_size()
         self.input_names = list(self.runner.input_names)
@@ -75,7 +84,6 @@ class EncoderModel:
 
     def tensor_metadata(self) -> tuple[list[dict], list[dict]]:
         """KServe metadata: names, datatypes and shapes (-1 for dimensions the graph leaves open)."""
-        from serve.protocol import NUMPY_TO_KSERVE
 
         def describe(arg: dict) -> dict:
             dtype = np.dtype(ORT_TO_NUMPY.get(arg["type"], "float32"))
@@ -182,13 +190,20 @@ def pad_to(array: np.ndarray, length: int) -> np.ndarray:
     return np.pad(array, ((0, 0), (0, length - array.shape[1])))
 
 
-ORT_TO_NUMPY = {
-    "tensor(float)": "float32",
-    "tensor(float16)": "float16",
-    "tensor(double)": "float64",
-    "tensor(int64)": "int64",
-    "tensor(int32)": "int32",
-    "tensor(int8)": "int8",
-    "tensor(uint8)": "uint8",
-    "tensor(bool)": "bool",
-}
+# --- a request's item through the batcher (every protocol that runs an encoder) ---------------------
+
+
+async def run_encoder(state: ServeState, item: BatchItem) -> dict[str, np.ndarray]:
+    """Submit to the batcher; a request larger than one batch goes in batch-sized pieces (each kind
+    of item knows how it may be cut: a tensor model's request whose batch is not on axis 0 stays whole)."""
+    batcher = state.ready_batcher()
+    size, timeout = state.config.max_batch_size, state.config.timeout_s
+    if item.rows > state.config.max_inputs:  # every route: the cap on rows per request
+        raise too_large_batch(item.rows, state.config.max_inputs)
+    pieces = item.split(size) if item.rows > size else [item]
+    if len(pieces) == 1:
+        return await batcher.submit(item, item.rows, timeout)
+    # All pieces are queued or none is (429), and a refused, timed-out or abandoned request's pieces
+    # leave the queue at once: none of them reaches the model.
+    results = await batcher.submit_many([(p, p.rows) for p in pieces], timeout)
+    return {name: np.concatenate([r[name] for r in results]) for name in results[0]}

@@ -4,27 +4,27 @@ request becomes, its limits (prompt length, token budget, KV-cache fit), its sam
 Two ways to generate, chosen by --max-num-seqs and the format's row in engines/formats.py:
 
 - Above 1 (the default), for a format that batches: the engine's own scheduler, one engine for all
-  requests, driven by one scheduling thread (serve/llm_batching.py). OpenVINO GenAI artifacts run its
+  requests, driven by one scheduling thread (serve/llm/batching.py). OpenVINO GenAI artifacts run its
   continuous-batching pipeline: requests join and leave the running batch at every step, the KV cache
   is paged and its size bounds admission. ONNX Runtime GenAI artifacts run its Engine, which on a CPU
   model batches statically: up to 4 requests start together and the next batch starts when that one
   has ended (engines.onnxruntime_genai.batch.GenAIBatchEngine says why).
 - 1, or a format that does not batch: one generation at a time in a dedicated thread, through the
-  runner the pipeline measured (serve/llm_service.py).
+  runner the pipeline measured (serve/llm/service.py).
 
 Either way each token is handed to the event loop as it is produced, which is what makes
 `stream: true` real streaming, and requests wait in a bounded queue: a full queue answers 429 at once.
-Stop strings: serve/stops.py.
+Stop strings: serve/llm/stops.py.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, ClassVar
 
 from serve.errors import bad_request
-from serve.protocol import GenerationRequest
+from serve.llm.request import GenerationRequest
 
 if TYPE_CHECKING:
     from engines.generation import BatchEngine, BatchSettings, Generator, Sampling, TextModel
@@ -40,8 +40,8 @@ GREEDY_BELOW = 1e-5
 
 class GenerativeModel:
     task = "causal_lm"
-    ANSWERS = frozenset({"completions"})
-    USE = "a causal LM: use /v1/completions or /v1/chat/completions"
+    ANSWERS: ClassVar[frozenset[str]] = frozenset({"completions"})
+    USE: ClassVar[str] = "a causal LM: use /v1/completions or /v1/chat/completions"
 
     @classmethod
     def load(cls, root: Path, engine: dict, config: ServeConfig) -> GenerativeModel:
@@ -59,6 +59,7 @@ class GenerativeModel:
         batch: BatchSettings | None = None,  # None: one at a time
     ):
         from engines import formats, load_engine
+        from engines.generation import Generator
 
         self.format = str(engine.get("format"))
         row = formats.get(self.format)
@@ -76,14 +77,17 @@ class GenerativeModel:
                 root, engine, batch, threads=threads, spinning=False
             )
         else:
-            self.generator = self.runner = cast("Generator", load_engine(root, engine, threads=threads))
+            runner = load_engine(root, engine, threads=threads)
+            if not isinstance(runner, Generator):
+                raise ValueError(f"engine format {self.format!r} loads a runner that does not generate")
+            self.generator = self.runner = runner
         self.context_length = self.runner.context_length
         self.max_prompt_tokens = min(max_prompt_tokens or self.context_length - 1, self.context_length - 1)
         self.max_tokens = max_tokens
         # Tokens the KV cache holds at most (batching): a request must fit it on its own.
         cache = self.batch_engine
         self.cache_tokens = cache.num_blocks * cache.block_tokens if cache is not None else 0
-        from serve.tools import takes_tools
+        from serve.llm.tools import takes_tools
 
         self.template_takes_tools = takes_tools(self.runner)
         # One thread tokenizes requests, off the event loop; one, as the loop was: the engine's
@@ -92,7 +96,7 @@ class GenerativeModel:
 
     def describe(self) -> str:
         """How generations are run, for the startup line."""
-        from serve.tools import FALLBACK
+        from serve.llm.tools import FALLBACK
 
         engine = self.batch_engine
         how = engine.describe() if engine is not None else "one generation at a time (--max-num-seqs 1)"
@@ -135,7 +139,7 @@ class GenerativeModel:
 
     def prompt_ids(self, request: GenerationRequest) -> list[int]:
         if request.messages is not None:
-            from serve.tools import chat_prompt
+            from serve.llm.tools import chat_prompt
 
             text = refused_by_template(
                 chat_prompt, self.runner, request.messages, request.tools, self.template_takes_tools
@@ -230,8 +234,8 @@ class GenerativeModel:
 
     def refuse_unhonoured(self, sampling: Sampling, request: GenerationRequest) -> None:
         """400 naming the request field of a Sampling field this engine does not honour (as the
-        engine declares it: `honours`, `max_top_logprobs`; serve/fields.py tabulates them)."""
-        from serve.fields import PARAM_OF_SAMPLING
+        engine declares it: `honours`, `max_top_logprobs`; serve/llm/fields.py tabulates them)."""
+        from serve.llm.fields import PARAM_OF_SAMPLING
 
         chat = request.messages is not None
         honours = getattr(self.runner, "honours", ())

@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: /v1/models, /v1/embeddings, /v1/completions, /v1/chat/completions.
+"""OpenAI-compatible endpoints and their parsers: /v1/models, /v1/embeddings, /v1/completions and
+/v1/chat/completions.
 
 Request and response shapes follow the OpenAI API reference, so the official `openai` client works
 unchanged (it asks for base64 embeddings by default; both encodings are served). Streaming is
@@ -12,7 +13,8 @@ import base64
 import json
 import time
 import uuid
-from typing import Any, MutableMapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, MutableMapping
 
 import numpy as np
 from starlette.requests import Request
@@ -20,12 +22,22 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
 from serve.body import arriving, read_body
+from serve.encoder.model import EncoderModel, run_encoder
 from serve.errors import HTTPError, bad_request, openai_error_body, timed_out
-from serve.jsonbody import FastJSONResponse, array
-from serve.openapi import OPENAI_ERRORS, SCHEMAS, errors, json_body, path_param, ref
-from serve.protocol import json_object, parse_chat_request, parse_completion_request, parse_embeddings_request
-from serve.spec import ProtocolSpec
+from serve.llm.events import End, Failed, Generation, GenerationQueue
+from serve.llm.fields import CHAT, COMPLETIONS, refuse_unserved_fields
+from serve.llm.model import GenerativeModel
+from serve.llm.request import GenerationRequest
+from serve.protocols.jsonbody import FastJSONResponse, array
+from serve.protocols.openapi import OPENAI_ERRORS, SCHEMAS, errors, json_body, path_param, ref
+from serve.protocols.parsing import get_bool, get_int, get_number, get_object, get_str, is_int, json_object
+from serve.protocols.spec import ProtocolSpec
 from serve.state import STREAM_FAILED, state_of
+
+if TYPE_CHECKING:
+    from engines.generation import Sampling
+    from serve.llm.stops import StopMatcher
+    from serve.llm.tools import ToolCallStream
 
 
 def routes() -> list[Route]:
@@ -69,18 +81,194 @@ async def read_json(request: Request, state) -> dict:
     return json_object(await read_body(request, state.config.max_request_bytes))
 
 
+# --- parsing an embeddings request ----------------------------------------------------------------
+
+
+@dataclass
+class EmbeddingsRequest:
+    model: str
+    texts: list[str] | None = None  # either texts ...
+    token_ids: list[list[int]] | None = None  # ... or token arrays
+    encoding_format: str = "float"
+    dimensions: int | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.texts) if self.texts is not None else len(self.token_ids or [])
+
+
+def parse_embeddings_request(data: dict, max_inputs: int) -> EmbeddingsRequest:
+    model = get_str(data, "model", required=True)
+    raw = data.get("input")
+    request = EmbeddingsRequest(
+        model=model,
+        encoding_format=get_str(data, "encoding_format", "float"),
+        dimensions=get_int(data, "dimensions", low=1),
+    )
+    get_str(data, "user")  # accepted and unused, but it must be what the API says it is
+    if request.encoding_format not in ("float", "base64"):
+        raise bad_request("'encoding_format' must be 'float' or 'base64'", param="encoding_format")
+    if isinstance(raw, str):
+        request.texts = [raw]
+    elif isinstance(raw, list) and raw and all(isinstance(x, str) for x in raw):
+        request.texts = raw
+    elif isinstance(raw, list) and raw and all(is_int(x) for x in raw):
+        request.token_ids = [raw]
+    elif isinstance(raw, list) and raw and all(is_token_list(x) for x in raw):
+        request.token_ids = raw
+    else:
+        raise bad_request("'input' must be a string, a non-empty list of strings, or token arrays", param="input")
+    if request.count > max_inputs:
+        raise bad_request(f"'input' has {request.count} items; at most {max_inputs} per request", param="input")
+    return request
+
+
+def is_token_list(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(is_int(x) for x in value)
+
+
+# --- parsing completion and chat requests ---------------------------------------------------------
+
+
+MAX_CHOICES = 16  # `n`
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit on `top_logprobs`
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def parse_sampling(data: dict, request: GenerationRequest, max_tokens_key: str = "max_tokens") -> None:
+    request.max_tokens = get_int(data, max_tokens_key, request.max_tokens, low=1)
+    request.temperature = get_number(data, "temperature", 1.0, 0.0, 2.0)
+    request.top_p = get_number(data, "top_p", 1.0, 0.0, 1.0)
+    request.stream = get_bool(data, "stream")
+    request.seed = get_int(data, "seed")
+    request.stop = parse_stop(data.get("stop"))
+    options = get_object(data, "stream_options")
+    request.include_usage = get_bool(options, "include_usage")
+    if set(options) - {"include_usage"}:
+        raise bad_request("'stream_options' takes 'include_usage' only", param="stream_options")
+    request.n = get_int(data, "n", low=1, high=MAX_CHOICES) or 1
+    request.top_k = max(get_int(data, "top_k", low=-1) or 0, 0)  # vLLM's -1, like 0: no cut
+    request.min_p = get_number(data, "min_p", 0.0, 0.0, 1.0)
+    request.repetition_penalty = get_number(data, "repetition_penalty", 1.0, 0.01, 10.0)
+    request.presence_penalty = get_number(data, "presence_penalty", 0.0, -2.0, 2.0)
+    request.frequency_penalty = get_number(data, "frequency_penalty", 0.0, -2.0, 2.0)
+
+
+def parse_chat_logprobs(data: dict, request: GenerationRequest) -> None:
+    """Chat: `logprobs: true`, and `top_logprobs: k` alternatives, which need it."""
+    request.logprobs = get_bool(data, "logprobs")
+    top = get_int(data, "top_logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    # As OpenAI's API: any top_logprobs, 0 included, needs logprobs (0 without it would ask nothing).
+    if top is not None and not request.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+    request.top_logprobs = top or 0
+
+
+def parse_completion_logprobs(data: dict, request: GenerationRequest) -> None:
+    """Completions (the legacy API): `logprobs: k` asks for the chosen token's and k alternatives."""
+    k = get_int(data, "logprobs", low=0, high=MAX_TOP_LOGPROBS)
+    request.logprobs, request.top_logprobs = k is not None, k or 0
+
+
+def parse_stop(raw) -> list[str]:
+    if raw is None:
+        return []
+    stops = [raw] if isinstance(raw, str) else raw
+    if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+        raise bad_request("'stop' must be a non-empty string or a list of up to 4 of them", param="stop")
+    return stops
+
+
+def parse_completion_request(data: dict) -> GenerationRequest:
+    refuse_unserved_fields(data, COMPLETIONS)
+    request = GenerationRequest(model=get_str(data, "model", required=True), max_tokens=16)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one: the shape some clients always send
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif is_token_list(prompt):
+        request.prompt_ids = prompt
+    else:
+        raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)", param="prompt")
+    parse_sampling(data, request)
+    parse_completion_logprobs(data, request)
+    parse_structured(data, request)
+    return request
+
+
+def parse_structured(data: dict, request: GenerationRequest, chat: bool = False) -> None:
+    """response_format / structured_outputs, and on chat tools / tool_choice: the constraint the
+    output is decoded under (a forced tool call's, or the response format's)."""
+    from serve.llm.structured import parse_response_format
+    from serve.llm.tools import call_constraint, parse_tools
+
+    request.constraint = parse_response_format(data)
+    if data.get("structured_outputs") is not None:
+        request.constraint_param = "structured_outputs"
+    if not chat:
+        for key in ("tools", "tool_choice"):
+            if data.get(key) is not None:
+                raise bad_request(f"'{key}' is taken on /v1/chat/completions only", param=key)
+        return
+    request.tools = parse_tools(data)
+    if request.tools is not None and request.tools.forced:
+        if request.constraint is not None:
+            raise bad_request(
+                f"'{request.constraint_param}' and a forced tool call both constrain the output: give one",
+                param="tool_choice",
+            )
+        request.constraint, request.constraint_param = call_constraint(request.tools), "tools"
+
+
+def parse_chat_request(data: dict) -> GenerationRequest:
+    refuse_unserved_fields(data, CHAT)
+    request = GenerationRequest(model=get_str(data, "model", required=True))
+    raw = data.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("'messages' must be a non-empty list", param="messages")
+    request.messages = [parse_message(m, i) for i, m in enumerate(raw)]
+    key = "max_completion_tokens" if data.get("max_completion_tokens") is not None else "max_tokens"
+    parse_sampling(data, request, key)
+    parse_chat_logprobs(data, request)
+    parse_structured(data, request, chat=True)
+    return request
+
+
+def parse_message(raw, index: int) -> dict:
+    if not isinstance(raw, dict):
+        raise bad_request(f"messages[{index}] must be an object", param="messages")
+    role = raw.get("role")
+    if role not in CHAT_ROLES:
+        raise bad_request(f"messages[{index}].role must be one of {', '.join(CHAT_ROLES)}", param="messages")
+    from serve.llm.tools import history_fields
+
+    return {"role": role, "content": message_text(raw.get("content"), index), **history_fields(raw, index)}
+
+
+def message_text(content, index: int) -> str:
+    """Plain text of a message: a string, or a list of text parts (the only modality served)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"messages[{index}].content: only text parts are supported", param="messages")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"messages[{index}].content must be a string or a list of text parts", param="messages")
+
+
 # --- embeddings ----------------------------------------------------------------------------------
 
 
 async def embeddings(request: Request) -> FastJSONResponse:
-    from serve.kserve_routes import run_encoder
-
     state = state_of(request)
     with arriving(state.batcher):
         parsed = parse_embeddings_request(await read_json(request, state), state.config.max_inputs)
         check_model(state, parsed.model, "embeddings")
-        state.require_ready()
-        model = state.model
+        model = state.ready_model(EncoderModel)
         if parsed.dimensions is not None and parsed.dimensions != model.embedding_dim:
             raise bad_request(
                 f"this model's embeddings have {model.embedding_dim} dimensions; 'dimensions' cannot change that",
@@ -90,6 +278,7 @@ async def embeddings(request: Request) -> FastJSONResponse:
         if parsed.texts is not None:
             item = await asyncio.to_thread(model.from_texts, parsed.texts)
         else:
+            assert parsed.token_ids is not None  # the parser sets texts or token ids
             item = model.from_token_ids(parsed.token_ids)
     tokens = int(item.inputs["attention_mask"].sum())
     state.metrics.prompt_tokens.inc(tokens)
@@ -127,19 +316,18 @@ async def chat_completions(request: Request):
 
 
 async def generate(request: Request, parse, chat: bool):
-    from serve.stops import StopMatcher
+    from serve.llm.stops import StopMatcher
 
     state = state_of(request)
     # Counted while read and tokenized, for an engine that forms batches (ContinuousBatchingService),
     # and no longer once submitted.
-    with arriving(state.generator if hasattr(state.generator, "arriving") else None):
+    with arriving(state.generator):
         parsed = parse(await read_json(request, state))
         check_model(state, parsed.model, "completions")
-        state.require_ready()
-        model = state.model
+        model = state.ready_model(GenerativeModel)
         prompt_ids, sampling = await model.prepare_off_loop(parsed)
     state.metrics.prompt_tokens.inc(len(prompt_ids))
-    generations = submit_choices(state.generator, prompt_ids, sampling, parsed.n, model.seed_range)
+    generations = submit_choices(state.generation_queue(), prompt_ids, sampling, parsed.n, model.seed_range)
     choices = [Choice(i, g, StopMatcher(parsed.stop), tool_calls(parsed)) for i, g in enumerate(generations)]
     reply = Reply(state.name, chat, len(prompt_ids), choices, request.scope, sampling.logprobs)
     if parsed.stream:
@@ -148,15 +336,17 @@ async def generate(request: Request, parse, chat: bool):
 
 
 def tool_calls(parsed):
-    """A choice's tool-call reader (serve/tools.py), for a chat request whose tools are active."""
+    """A choice's tool-call reader (serve/llm/tools.py), for a chat request whose tools are active."""
     if parsed.tools is None or not parsed.tools.active:
         return None
-    from serve.tools import ToolCallStream
+    from serve.llm.tools import ToolCallStream
 
     return ToolCallStream(parsed.tools)
 
 
-def submit_choices(service, prompt_ids: list[int], sampling, n: int, seed_range: tuple[int, int]) -> list:
+def submit_choices(
+    service: GenerationQueue, prompt_ids: list[int], sampling: Sampling, n: int, seed_range: tuple[int, int]
+) -> list[Generation]:
     """`n` independent generations of one prompt, each its own request to the engine's scheduler
     (batched together where the engine batches); choice i of a seeded request takes seed + i (wrapped
     into the engine's range), so the choices differ and the reply is reproducible. A refusal on the
@@ -180,9 +370,9 @@ class Choice:
     """One generation of a reply: its events read as text pieces (stop strings applied) and the
     logprob entries that came with them; with tools, the calls its text holds (`calls`)."""
 
-    def __init__(self, index: int, generation, stops, calls=None):
+    def __init__(self, index: int, generation: Generation, stops: StopMatcher, calls: ToolCallStream | None = None):
         self.index, self.generation, self.stops = index, generation, stops
-        self.calls = calls  # serve.tools.ToolCallStream, or None
+        self.calls = calls  # the tool calls its text holds, where the request's tools are active
         self.finish_reason: str | None = None
         self.entries: list[dict] = []  # logprob entries, where the request asked for them
         self.text_length = 0  # characters of text handed out so far (the legacy text_offset)
@@ -192,19 +382,18 @@ class Choice:
         fresh: list[dict] = []
         while True:
             event = await self.generation.events.get()
-            kind, value = event[0], event[1]
-            if kind == "error":
-                raise value
-            if kind == "end":
+            if isinstance(event, Failed):
+                raise event.error
+            if isinstance(event, End):
                 tail = self.stops.flush()
                 if tail or fresh:
                     yield tail, fresh
-                self.finish_reason = "stop" if self.stops.stopped else value
+                self.finish_reason = "stop" if self.stops.stopped else event.reason
                 return
-            if len(event) > 2:
-                fresh.append(event[2])
-                self.entries.append(event[2])
-            text = self.stops.feed(value)
+            if event.logprob is not None:
+                fresh.append(event.logprob)
+                self.entries.append(event.logprob)
+            text = self.stops.feed(event.text)
             if self.stops.stopped:
                 self.generation.cancel.set()  # no need to decode past a stop string
             if text:
@@ -281,7 +470,7 @@ class Reply:
         return {"role": "assistant", "content": content, "tool_calls": calls}
 
     def logprobs(self, entries: list[dict], offset: int) -> dict:
-        from serve.logprobs import chat_logprobs, completion_logprobs
+        from serve.llm.logprobs import chat_logprobs, completion_logprobs
 
         return chat_logprobs(entries) if self.chat else completion_logprobs(entries, offset)
 
@@ -377,7 +566,7 @@ class Reply:
         """At the end of a choice with tools: the tool calls it wrote, or the text held back."""
         if choice.calls is None:
             return
-        from serve.tools import call_deltas
+        from serve.llm.tools import call_deltas
 
         content, calls = choice.calls.finish()
         if content:

@@ -1,5 +1,5 @@
 """`python -m serve ARTIFACT --shadow CANDIDATE`: the candidate verified, served by a child process
-on loopback (or reached at a URL), and the shadow attached to the app (serve/shadow.py)."""
+on loopback (or reached at a URL), and the shadow attached to the app (serve/shadow/traffic.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def free_port() -> int:
 
 def self_problem(candidate_url: str, host: str, port: int) -> str | None:
     """Why the candidate at `candidate_url` would be this server itself (listening on `host`:`port`),
-    or None. Its copies of requests would come back to it: the mark on them (serve/shadow.py) keeps
+    or None. Its copies of requests would come back to it: the mark on them (serve/shadow/traffic.py) keeps
     each from being copied again, but a server comparing itself with itself measures nothing. Names
     are compared by the addresses they resolve to; every loopback address counts as one, and a
     server listening on every interface (0.0.0.0, ::) is every address this machine holds."""
@@ -137,13 +137,13 @@ class ShadowRun:
     """The candidate, the shadow, the report writer: started before serving, closed after."""
 
     def __init__(self, app, args, manifest: dict, candidate_manifest: dict):
-        from serve.app import GENERATION_HANDLER, handler_name
-        from serve.shadow import GENERATES, Shadow, ShadowTap
+        from serve.llm.model import GenerativeModel
+        from serve.shadow.traffic import GENERATES, Shadow, ShadowTap
 
         state = app.state.serve
         self.artifact_manifest, self.report_dir = manifest, Path(args.shadow_report)
         self.candidate = Candidate(args.shadow, args, state.name, candidate_manifest)
-        task = GENERATES if handler_name(state.engine) == GENERATION_HANDLER else state.task
+        task = GENERATES if state.handler is GenerativeModel else state.task
         self.shadow = Shadow(self.candidate.url, task, state.metrics, args.shadow_queue, args.shadow_timeout_s)
         app.add_middleware(ShadowTap, shadow=self.shadow)
         self.stopping = threading.Event()
@@ -155,7 +155,7 @@ class ShadowRun:
             self.write()
 
     def write(self) -> None:
-        from serve.shadow_report import write_report
+        from serve.shadow.report import write_report
 
         try:
             write_report(self.report_dir, self.shadow.summary(), self.artifact_manifest, self.candidate.manifest)

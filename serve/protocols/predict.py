@@ -16,11 +16,13 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from serve.body import arriving, read_body
+from serve.encoder.classifier import TextClassifierModel
+from serve.encoder.model import run_encoder
 from serve.errors import bad_request, openai_error_body
-from serve.jsonbody import FastJSONResponse
-from serve.openapi import errors, json_body
-from serve.protocol import get_bool, json_object
-from serve.spec import ProtocolSpec
+from serve.protocols.jsonbody import FastJSONResponse
+from serve.protocols.openapi import errors, json_body
+from serve.protocols.parsing import get_bool, json_object
+from serve.protocols.spec import ProtocolSpec
 from serve.state import state_of
 
 
@@ -41,20 +43,18 @@ def parse_inputs(data: dict, max_inputs: int) -> tuple[list[str], bool]:
 
 
 async def predict(request: Request) -> FastJSONResponse:
-    from serve.kserve_routes import run_encoder
-
     state = state_of(request)
     state.require_answers("predict")
     with arriving(state.batcher):
         data = json_object(await read_body(request, state.config.max_request_bytes))
         texts, single = parse_inputs(data, state.config.max_inputs)
         raw_scores, truncate = get_bool(data, "raw_scores"), get_bool(data, "truncate")
-        state.require_ready()
+        model = state.ready_model(TextClassifierModel)
         # Tokenizing in a worker thread: the event loop goes on serving meanwhile.
-        item = await asyncio.to_thread(state.model.from_texts_checked, texts, truncate)
+        item = await asyncio.to_thread(model.from_texts_checked, texts, truncate)
     state.metrics.prompt_tokens.inc(int(item.inputs["attention_mask"].sum()))
     logits = (await run_encoder(state, item))["logits"]
-    rows = state.model.predictions(logits, raw_scores)
+    rows = model.predictions(logits, raw_scores)
     return FastJSONResponse(rows[0] if single else rows)
 
 

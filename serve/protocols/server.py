@@ -7,8 +7,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from serve.errors import openai_error_body
-from serve.openapi import json_body
-from serve.spec import ProtocolSpec
+from serve.protocols.openapi import json_body, openapi_document
+from serve.protocols.spec import ProtocolSpec
 from serve.state import state_of
 
 
@@ -22,8 +22,6 @@ async def metrics_route(request: Request) -> Response:
 
 
 async def openapi_route(request: Request) -> JSONResponse:
-    from serve.openapi import openapi_document
-
     return JSONResponse(openapi_document(state_of(request)))
 
 

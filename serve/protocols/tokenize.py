@@ -17,8 +17,11 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from serve.errors import bad_request, openai_error_body
-from serve.openapi import OPENAI_ERRORS, errors, json_body
-from serve.spec import ProtocolSpec
+from serve.llm.model import GenerativeModel
+from serve.protocols.openai import check_model, parse_message, read_json
+from serve.protocols.openapi import OPENAI_ERRORS, errors, json_body
+from serve.protocols.parsing import is_int
+from serve.protocols.spec import ProtocolSpec
 from serve.state import state_of
 
 TEXT_KEYS = ("content", "prompt", "text")
@@ -30,21 +33,16 @@ def routes() -> list[Route]:
 
 async def text_model(request: Request):
     """The request's JSON body and the served causal LM's runner (its tokenizer)."""
-    from serve.openai_routes import check_model, read_json
-
     state = state_of(request)
     data = await read_json(request, state)
     if data.get("model") is not None:
         check_model(state, str(data["model"]))
     state.require_answers("completions")
-    state.require_ready()
-    return data, state.model
+    return data, state.ready_model(GenerativeModel)
 
 
 async def tokenize(request: Request) -> JSONResponse:
     import asyncio
-
-    from serve.protocol import parse_message
 
     data, model = await text_model(request)
     # A key given as null counts as given (and is refused as not a string): the document types them.
@@ -64,7 +62,7 @@ async def tokenize(request: Request) -> JSONResponse:
         check_length(len(text), model.context_length, key)
     else:
         raise bad_request(f"'{key}' must be a string", param=key)
-    # Rendering and tokenizing in the model's tokenizing thread, off the event loop (serve/llm.py).
+    # Rendering and tokenizing in the model's tokenizing thread, off the event loop (serve/llm/model.py).
     tokens = await asyncio.get_running_loop().run_in_executor(model.tokenizing, tokens_of, model, text)
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": model.context_length})
 
@@ -84,7 +82,7 @@ def check_length(characters: int, context_length: int, key: str) -> None:
 
 def tokens_of(model, text: str | list[dict]) -> list[int]:
     """The token ids of a text, or of a conversation as the model's chat template renders it."""
-    from serve.llm import refused_by_template
+    from serve.llm.model import refused_by_template
 
     if isinstance(text, list):
         text = refused_by_template(model.runner.chat_prompt, text)
@@ -92,8 +90,6 @@ def tokens_of(model, text: str | list[dict]) -> list[int]:
 
 
 async def detokenize(request: Request) -> JSONResponse:
-    from serve.protocol import is_int
-
     data, model = await text_model(request)
     tokens = data.get("tokens")
     vocab = model.runner.vocab_size

@@ -22,7 +22,7 @@ static batches). This module only decides what enters the engine and carries tok
 - After every step each running request's new tokens are decoded and posted to its own asyncio queue,
   the same events the one-at-a-time service posts.
 - A failed engine step fails no more than it must. The engines fail a step on what a request's
-  constraint makes them compile or force (serve/structured.py bounds what is known to), and neither
+  constraint makes them compile or force (serve/llm/structured.py bounds what is known to), and neither
   steps again after that (OpenVINO GenAI's pipeline fails every later step; ONNX Runtime GenAI's
   Engine says it is "no longer healthy"). So the engine is rebuilt in the process (a new pipeline
   from the artifact's files, or a new Engine on the model already loaded: seconds, and the server
@@ -51,12 +51,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 from serve.errors import HTTPError, bad_request, busy, unavailable
-from serve.llm_service import Generation, observe_end, observe_token
-from serve.logprobs import token_entry
+from serve.llm.events import End, Event, Failed, Generation, Token, observe_end, observe_token
+from serve.llm.logprobs import token_entry
 
 if TYPE_CHECKING:
     from engines.generation import BatchEngine, Sampling, StaticBatchEngine
-    from serve.llm import GenerativeModel
+    from serve.llm.model import GenerativeModel
 
 log = logging.getLogger("serve")
 # The sequence length capacity is reported for when the recipe declared no request shape.
@@ -147,7 +147,7 @@ class Sequence:
     emitted: str = ""
     text_stream: object = None  # the engine's streaming detokenizer, where it has one
 
-    def push(self, *event) -> None:
+    def push(self, event: Event) -> None:
         self.post(self.generation.events.put_nowait, event)
 
 
@@ -178,7 +178,7 @@ class PrefixCacheCounter:
 
 
 class ContinuousBatchingService:
-    """The GenerationService interface (submit, stop) over an engine that batches continuously."""
+    """A GenerationQueue (serve/llm/events.py) over an engine that batches continuously."""
 
     def __init__(
         self,
@@ -346,7 +346,7 @@ class ContinuousBatchingService:
             sequence = self.waiting[0]
             if sequence.generation.cancel.is_set():  # gone while it waited
                 self.waiting.popleft()
-                sequence.push("end", "cancelled")
+                sequence.push(End("cancelled"))
                 continue
             if not self.fits(sequence):
                 return  # first come, first served: later requests wait behind this one
@@ -360,7 +360,7 @@ class ContinuousBatchingService:
         try:
             sequence.handle = self.engine.add(request_id, sequence.prompt_ids, sequence.sampling)
         except Exception as exc:
-            sequence.push("error", exc)
+            sequence.push(Failed(exc))
             return self.release(sequence, None)
         sequence.ids = []
         if hasattr(self.engine, "text_stream"):  # optional: a streaming detokenizer per request (None: none)
@@ -386,7 +386,7 @@ class ContinuousBatchingService:
             try:
                 new, done = self.engine.read(sequence.handle)
             except Exception as exc:  # the engine failed this request alone
-                sequence.push("error", request_failure(sequence, exc))
+                sequence.push(Failed(request_failure(sequence, exc)))
                 self.finish(request_id, None)
                 continue
             if self.proposed_per_step:
@@ -422,7 +422,7 @@ class ContinuousBatchingService:
     def push_piece(self, sequence: Sequence, piece: str, entry: dict | None = None) -> None:
         sequence.emitted += piece
         observe_token(self.metrics, sequence.generation)
-        sequence.push("token", piece, *([] if entry is None else [entry]))
+        sequence.push(Token(piece, entry))
 
     def finish(self, request_id: int, reason: str | None) -> None:
         self.release(self.running.pop(request_id), reason)
@@ -431,7 +431,7 @@ class ContinuousBatchingService:
         with self.wakeup:
             self.reserved -= sequence.blocks
         if reason is not None:
-            sequence.push("end", reason)
+            sequence.push(End(reason))
 
     def step_failed(self, exc: Exception) -> None:
         """The engine's step raised: the suspects get their 400, the rest go on in a rebuilt engine;
@@ -445,10 +445,10 @@ class ContinuousBatchingService:
         survivors = []
         for request_id, sequence in list(self.running.items()):
             if suspected(sequence):
-                sequence.push("error", request_failure(sequence, exc))
+                sequence.push(Failed(request_failure(sequence, exc)))
                 self.finish(request_id, None)
             elif sequence.sampling.constraint is not None and sequence.ids:  # its grammar state is lost
-                sequence.push("error", HTTPError(500, f"the engine failed a step: {reason}", "server_error"))
+                sequence.push(Failed(HTTPError(500, f"the engine failed a step: {reason}", "server_error")))
                 self.finish(request_id, None)
             else:
                 survivors.append(self.running.pop(request_id))
@@ -473,7 +473,7 @@ class ContinuousBatchingService:
                 request_id, sequence.prompt_ids + done, replace(sequence.sampling, max_new_tokens=max(1, left))
             )
         except Exception as exc:
-            sequence.push("error", request_failure(sequence, exc))
+            sequence.push(Failed(request_failure(sequence, exc)))
             return self.release(sequence, None)
         self.running[request_id] = sequence
 
@@ -489,10 +489,10 @@ class ContinuousBatchingService:
             self.waiting.clear()
             self.starting = []
         for sequence in pending:
-            sequence.push("error", error)
+            sequence.push(Failed(error))
             self.release(sequence, None)
         for request_id, sequence in list(self.running.items()):
-            sequence.push("error", error)
+            sequence.push(Failed(error))
             self.finish(request_id, None)
         self.on_broken(reason)
 

@@ -1,6 +1,6 @@
 """Every field of the OpenAI /v1/completions and /v1/chat/completions request bodies, and what this
-server does with it: one table (FIELDS), read by the parser to refuse (serve/protocol.py), by the
-model wrapper to refuse what its engine cannot do (serve/llm.py), and rendered into serve/README.md
+server does with it: one table (FIELDS), read by the parser to refuse (serve/protocols/openai.py), by
+the model wrapper to refuse what its engine cannot do (serve/llm/model.py), and rendered into serve/README.md
 (`python -m optimize.docs.tables`).
 
 A field is honoured, honoured where the engine declares it (its `honours`, engines/generation.py),
@@ -147,7 +147,7 @@ PARAM_OF_SAMPLING = {f.sampling: f.name for f in FIELDS if f.sampling}
 
 def refuse_unserved_fields(data: dict, route: str) -> None:
     """400 naming the first field of a request body this server does not honour: unknown, or refused
-    with a value that asks for something (engine-dependent fields are checked by serve/llm.py)."""
+    with a value that asks for something (engine-dependent fields are checked by serve/llm/model.py)."""
     known = BY_ROUTE[route]
     for name, value in data.items():
         row = known.get(name)

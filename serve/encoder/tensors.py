@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
 
-from serve.encoder import ORT_TO_NUMPY
+from serve.encoder.datatypes import NUMPY_TO_KSERVE, ORT_TO_NUMPY
 from serve.errors import unprocessable
 
 if TYPE_CHECKING:
@@ -43,8 +43,8 @@ class TensorBatchItem:
 
 
 class TensorModel:
-    ANSWERS = frozenset({"tensors"})
-    USE = "a {task} model: use /v2/models/{name}/infer"
+    ANSWERS: ClassVar[frozenset[str]] = frozenset({"tensors"})
+    USE: ClassVar[str] = "a {task} model: use /v2/models/{name}/infer"
 
     @classmethod
     def load(cls, root: Path, engine: dict, config: ServeConfig) -> TensorModel:
@@ -52,9 +52,15 @@ class TensorModel:
 
     def __init__(self, root: Path, engine: dict, threads: int = 0, spinning: bool = False):
         from engines import load_engine
+        from engines.runners import DescribedRunner
 
         self.task = engine.get("task", "generic")
-        self.runner: Any = cast(Any, load_engine(root, engine, threads=threads, spinning=spinning))
+        runner = load_engine(root, engine, threads=threads, spinning=spinning)
+        if not isinstance(runner, DescribedRunner):
+            raise ValueError(
+                f"engine format {engine.get('format')!r} does not describe its tensors: it cannot serve here"
+            )
+        self.runner: DescribedRunner = runner
         self.input_names = list(self.runner.input_names)
         self.output_names = list(self.runner.output_names)
         self.inputs_meta = {i["name"]: i for i in self.runner.signature()}
@@ -64,8 +70,6 @@ class TensorModel:
         self.batchable = bool(first_dims) and all(isinstance(d, str) and d == first_dims[0] for d in first_dims)
 
     def tensor_metadata(self) -> tuple[list[dict], list[dict]]:
-        from serve.protocol import NUMPY_TO_KSERVE
-
         def describe(arg: dict) -> dict:
             dtype = np.dtype(ORT_TO_NUMPY.get(arg["type"], "float32"))
             shape = [d if isinstance(d, int) else -1 for d in arg["shape"]]
@@ -92,8 +96,6 @@ class TensorModel:
         meta = self.inputs_meta[name]
         want = np.dtype(ORT_TO_NUMPY.get(meta["type"], "float32"))
         if array.dtype != want:
-            from serve.protocol import NUMPY_TO_KSERVE
-
             raise unprocessable(
                 f"input {name!r} must be {NUMPY_TO_KSERVE.get(want, want.name)}, got "
                 f"{NUMPY_TO_KSERVE.get(array.dtype, array.dtype.name)}"
@@ -107,7 +109,7 @@ class TensorModel:
 
     def run_batch(self, items: list[TensorBatchItem]) -> list[dict[str, np.ndarray]]:
         """Requests of the same shape run as one call; the rest one by one."""
-        results: list[dict[str, np.ndarray] | None] = [None] * len(items)
+        results: dict[int, dict[str, np.ndarray]] = {}  # by the item's index
         groups: dict[tuple, list[int]] = {}
         for index, item in enumerate(items):
             groups.setdefault(item.key() if item.together else ("alone", index), []).append(index)
@@ -121,7 +123,7 @@ class TensorModel:
                 rows = slice(start, start + items[i].rows)
                 results[i] = {name: value[rows] for name, value in outputs.items()}
                 start += items[i].rows
-        return cast(list, results)
+        return [results[index] for index in range(len(items))]
 
     def run(self, feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """One call; the model failing on inputs of declared types and ranks is the request's fault

@@ -1,4 +1,4 @@
-"""KServe v2 / Triton HTTP protocol: health, server and model metadata, tensor inference.
+"""KServe v2 / Triton HTTP protocol: health, server and model metadata, tensor inference, its parser.
 
 Follows the Open Inference Protocol (kserve.github.io/website/docs/concepts/architecture/
 data-plane/v2-protocol) including Triton's binary tensor extension, which tritonclient uses by
@@ -8,7 +8,9 @@ default: a JSON header of `Inference-Header-Content-Length` bytes followed by ra
 from __future__ import annotations
 
 import json
+import math
 import uuid
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -18,11 +20,13 @@ from starlette.routing import Route
 
 from engines import formats
 from serve.body import arriving, read_body
-from serve.errors import HTTPError, not_found, too_large_batch, unprocessable
-from serve.jsonbody import FastJSONResponse, array
-from serve.openapi import INFER_ERRORS, errors, json_body, path_param, ref
-from serve.protocol import NUMPY_TO_KSERVE, parse_infer_request
-from serve.spec import ProtocolSpec
+from serve.encoder.datatypes import KSERVE_DTYPES, NUMPY_TO_KSERVE
+from serve.encoder.model import run_encoder
+from serve.errors import HTTPError, bad_request, not_found, too_large_batch, unprocessable
+from serve.protocols.jsonbody import FastJSONResponse, array
+from serve.protocols.openapi import INFER_ERRORS, errors, json_body, path_param, ref
+from serve.protocols.parsing import get_bool, get_int, get_object, get_str, is_int, json_object
+from serve.protocols.spec import ProtocolSpec
 from serve.state import state_of
 
 MODEL = "/v2/models/{name}"
@@ -144,20 +148,158 @@ async def model_config(request: Request) -> JSONResponse:
     )
 
 
+MAX_DIMS = 8
+# Elements one shape may describe: a terabyte of data, far past any request body, and small enough
+# that numpy's byte count (elements x 8) stays inside its index range.
+MAX_ELEMENTS = 2**40
+
+# --- parsing an inference request ----------------------------------------------------------------
+
+
+@dataclass
+class RequestedOutput:
+    name: str
+    binary: bool
+
+
+@dataclass
+class InferRequest:
+    inputs: dict[str, np.ndarray]
+    outputs: list[RequestedOutput] | None  # None: every output of the model
+    binary_output: bool  # request-level default for outputs (tritonclient's binary_data_output)
+    id: str | None = None
+
+
+def split_binary_body(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+    """Binary tensor extension: a JSON header of `Inference-Header-Content-Length` bytes, then raw tensors."""
+    if header_length is None:
+        return body, b""
+    try:
+        length = int(header_length)
+    except ValueError:
+        raise bad_request("Inference-Header-Content-Length must be an integer") from None
+    if not 0 < length <= len(body):
+        raise bad_request(f"Inference-Header-Content-Length {length} does not fit a body of {len(body)} bytes")
+    return body[:length], body[length:]
+
+
+def parse_infer_request(body: bytes, header_length: str | None = None) -> InferRequest:
+    header, binary = split_binary_body(body, header_length)
+    data = json_object(header)
+    raw_inputs = data.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise bad_request("'inputs' must be a non-empty list of tensors", param="inputs")
+    inputs, offset = {}, 0
+    for i, raw in enumerate(raw_inputs):
+        name, array, offset = parse_input_tensor(raw, i, binary, offset)
+        if name in inputs:
+            raise bad_request(f"input {name!r} is given twice", param="inputs")
+        inputs[name] = array
+    if offset != len(binary):
+        raise bad_request(f"{len(binary) - offset} bytes of binary data are not claimed by any input")
+    parameters = get_object(data, "parameters")
+    request_id = data.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise bad_request("'id' must be a string", param="id")
+    return InferRequest(
+        inputs=inputs,
+        outputs=parse_requested_outputs(data.get("outputs")),
+        binary_output=get_bool(parameters, "binary_data_output"),
+        id=request_id,
+    )
+
+
+def parse_shape(raw, where: str) -> list[int]:
+    if not isinstance(raw, list) or len(raw) > MAX_DIMS or not all(is_int(d) and d >= 0 for d in raw):
+        raise bad_request(f"{where}: 'shape' must be a list of at most {MAX_DIMS} non-negative integers")
+    # A zero dim makes the element count 0 whatever the others are, so [2**63, 0] would pass every
+    # size check and then fail in numpy (past its index range): bound the dims as if zeros were ones.
+    if math.prod(max(d, 1) for d in raw) > MAX_ELEMENTS:
+        raise bad_request(f"{where}: 'shape' {raw} is too large: its non-zero dims multiply to over {MAX_ELEMENTS}")
+    return raw
+
+
+def parse_input_tensor(raw, index: int, binary: bytes, offset: int) -> tuple[str, np.ndarray, int]:
+    where = f"inputs[{index}]"
+    if not isinstance(raw, dict):
+        raise bad_request(f"{where} must be an object")
+    name = get_str(raw, "name", required=True)
+    datatype = get_str(raw, "datatype", required=True)
+    if datatype not in KSERVE_DTYPES:
+        raise unprocessable(
+            f"{where} ({name}): datatype {datatype!r} is not supported (one of {', '.join(KSERVE_DTYPES)})"
+        )
+    shape = parse_shape(raw.get("shape"), where)
+    count = math.prod(shape)
+    parameters = get_object(raw, "parameters", where)
+    size = get_int(parameters, "binary_data_size", low=0)
+    if size is not None:
+        array, offset = binary_tensor(binary, offset, size, KSERVE_DTYPES[datatype], count, where)
+    else:
+        array = json_tensor(raw.get("data"), datatype, count, where)
+    return name, array.reshape(shape), offset
+
+
+def binary_tensor(binary: bytes, offset: int, size: int, dtype: np.dtype, count: int, where: str):
+    if size != count * dtype.itemsize:
+        raise bad_request(
+            f"{where}: binary_data_size {size} does not match the shape ({count} x {dtype.itemsize} bytes)"
+        )
+    if offset + size > len(binary):
+        raise bad_request(f"{where}: binary data ends early ({len(binary) - offset} of {size} bytes)")
+    array = np.frombuffer(binary, dtype=dtype, count=count, offset=offset)
+    return array.astype(dtype.newbyteorder("="), copy=True), offset + size
+
+
+def json_tensor(data, datatype: str, count: int, where: str) -> np.ndarray:
+    """Tensor data as JSON: a flat list in row-major order (nested lists are accepted too)."""
+    if not isinstance(data, list):
+        raise bad_request(f"{where}: 'data' must be a list (or use binary_data_size)")
+    try:
+        array = np.array(data)
+    except (ValueError, OverflowError, RecursionError):
+        raise bad_request(f"{where}: 'data' must be a list of numbers (nested lists must be rectangular)") from None
+    kinds = {"BOOL": "b"}.get(datatype, "iu" if datatype[0] in "IU" else "iuf")
+    if array.size and array.dtype.kind not in kinds:
+        raise unprocessable(f"{where}: 'data' holds {array.dtype.kind!r}-kind values, not {datatype}")
+    if array.size != count:
+        raise unprocessable(f"{where}: 'data' has {array.size} elements but the shape needs {count}")
+    target = KSERVE_DTYPES[datatype]
+    if array.size and array.dtype.kind in "iu" and target.kind in "iu":
+        info = np.iinfo(target)  # type: ignore[type-var]  # numpy's stubs: an integer dtype is checked above
+        if array.min() < info.min or array.max() > info.max:
+            raise unprocessable(f"{where}: values out of range for {datatype}")
+    return array.astype(target.newbyteorder("=")).reshape(-1)
+
+
+def parse_requested_outputs(raw) -> list[RequestedOutput] | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, list):
+        raise bad_request("'outputs' must be a list", param="outputs")
+    outputs = []
+    for i, item in enumerate(raw):
+        if not isinstance(item, dict):
+            raise bad_request(f"outputs[{i}] must be an object", param="outputs")
+        parameters = get_object(item, "parameters", f"outputs[{i}]")
+        outputs.append(RequestedOutput(get_str(item, "name", required=True), get_bool(parameters, "binary_data")))
+    return outputs
+
+
 # --- inference -----------------------------------------------------------------------------------
 
 
 async def infer(request: Request) -> Response:
     state = model_of(request)
     state.require_answers("tensors")
-    state.require_ready()
+    model = state.batch_model()
     with arriving(state.batcher):
         body = await read_body(request, state.config.max_request_bytes)
         parsed = parse_infer_request(body, request.headers.get("inference-header-content-length"))
-        item = state.model.from_tensors(parsed.inputs)
+        item = model.from_tensors(parsed.inputs)
         if item.rows > state.config.max_inputs:
             raise too_large_batch(item.rows, state.config.max_inputs)
-        wanted = requested_outputs(parsed, state.model.output_names)
+        wanted = requested_outputs(parsed, model.output_names)
     if "attention_mask" in item.inputs:  # an encoder's tokens (a tensor model has none to count)
         state.metrics.prompt_tokens.inc(int(item.inputs["attention_mask"].sum()))
     outputs = await run_encoder(state, item)
@@ -172,21 +314,6 @@ def requested_outputs(parsed, names: list[str]) -> list[tuple[str, bool]]:
     if unknown:
         raise unprocessable(f"unknown outputs {unknown}; the model returns {names}")
     return [(o.name, o.binary or parsed.binary_output) for o in parsed.outputs]
-
-
-async def run_encoder(state, item) -> dict[str, np.ndarray]:
-    """Submit to the batcher; a request larger than one batch goes in batch-sized pieces (each kind
-    of item knows how it may be cut: a tensor model's request whose batch is not on axis 0 stays whole)."""
-    size, timeout = state.config.max_batch_size, state.config.timeout_s
-    if item.rows > state.config.max_inputs:  # every route: the cap on rows per request
-        raise too_large_batch(item.rows, state.config.max_inputs)
-    pieces = item.split(size) if item.rows > size else [item]
-    if len(pieces) == 1:
-        return await state.batcher.submit(item, item.rows, timeout)
-    # All pieces are queued or none is (429), and a refused, timed-out or abandoned request's pieces
-    # leave the queue at once: none of them reaches the model.
-    results = await state.batcher.submit_many([(p, p.rows) for p in pieces], timeout)
-    return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
 
 
 def infer_response(state, parsed, wanted: list[tuple[str, bool]], outputs: dict[str, np.ndarray]) -> Response:

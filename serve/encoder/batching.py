@@ -26,9 +26,37 @@ import collections
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
+
+import numpy as np
 
 from serve.errors import busy, timed_out, unavailable
+
+
+class BatchItem(Protocol):
+    """What a request becomes before it is batched (serve.encoder.model.EncoderBatchItem,
+    serve.encoder.tensors.TensorBatchItem): its rows, and how it is cut into batch-sized pieces."""
+
+    @property
+    def rows(self) -> int: ...
+
+    def split(self, size: int) -> list[Any]: ...
+
+
+class BatchModel(Protocol):
+    """A model that answers batches of items (serve.encoder.model.EncoderModel and its classifiers,
+    serve.encoder.tensors.TensorModel): the Batcher runs its run_batch, the KServe routes read the rest."""
+
+    task: str
+    output_names: list[str]
+
+    def from_tensors(self, inputs: dict[str, np.ndarray]) -> Any:
+        """A request's tensors checked and made a BatchItem."""
+        ...
+
+    def run_batch(self, items: list) -> list[dict[str, np.ndarray]]: ...
+
+    def tensor_metadata(self) -> tuple[list[dict], list[dict]]: ...
 
 
 @dataclass

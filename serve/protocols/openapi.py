@@ -4,15 +4,17 @@ It describes what this server accepts and returns, status codes included, so tha
 schema-driven tester (schemathesis, tests/serve/test_serve_schema.py) can generate requests from it and
 check every response against it. Model names appear as examples; other names answer 404.
 
-Each protocol writes its own paths (its SPEC, serve/spec.py); this module assembles them and holds
-what they share: the helpers below and the component schemas they refer to.
+Each protocol writes its own paths (its SPEC, serve/protocols/spec.py); this module assembles those of
+the protocols the app serves (handed to it in the state) and holds what they share: the helpers below
+and the component schemas they refer to.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from serve.spec import protocols
+if TYPE_CHECKING:
+    from serve.state import ServeState
 
 
 def ref(name: str) -> dict:
@@ -54,7 +56,8 @@ def path_param(name: str, example: str) -> dict:
     }
 
 
-def openapi_document(state) -> dict:
+def openapi_document(state: ServeState) -> dict:
+    """The document of the protocols the app was built with (state.protocols, serve/app.py)."""
     doc: dict[str, Any] = {
         "openapi": "3.0.3",
         "info": {
@@ -62,7 +65,7 @@ def openapi_document(state) -> dict:
             "version": "1",
             "description": "KServe v2 / Triton HTTP and OpenAI-compatible endpoints for one gated artifact.",
         },
-        "paths": {path: item for spec in protocols() for path, item in spec.paths(state).items()},
+        "paths": {path: item for spec in state.protocols for path, item in spec.paths(state).items()},
         "components": {"schemas": SCHEMAS},
     }
     if state.config.api_key:

@@ -1,10 +1,10 @@
 """Tool calls on /v1/chat/completions: the request's `tools` and `tool_choice` checked (limits in
-serve/structured.py), the conversation rendered with them, the output constrained where a call is
-forced, and the text parsed back into `tool_calls` (serve/tool_parser.py), whole or streamed.
+serve/llm/structured.py), the conversation rendered with them, the output constrained where a call is
+forced, and the text parsed back into `tool_calls` (serve/llm/tool_parser.py), whole or streamed.
 
 - `tool_choice: "none"`: tools are not rendered; the model answers text.
 - `"auto"` (the default with tools): tools rendered; the model answers text or a call, parsed from
-  its output if it writes one (the forms serve/tool_parser.py reads).
+  its output if it writes one (the forms serve/llm/tool_parser.py reads).
 - `"required"` / `{"type": "function", "function": {"name": ..}}`: the output is constrained to a
   JSON object {"name": <one of the tools>, "arguments": <that tool's parameters>}, so even a small
   model writes a valid call; the reply is that call, `finish_reason: "tool_calls"`.
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 from engines.generation import Constraint
 from serve.errors import bad_request
-from serve.structured import LIMITS, check_schema
-from serve.tool_parser import OPEN_TAG, may_start_a_call, parse_tool_calls
+from serve.llm.structured import LIMITS, check_schema
+from serve.llm.tool_parser import OPEN_TAG, may_start_a_call, parse_tool_calls
 
 TOOL_CHOICES = ("none", "auto", "required")
 NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}
