@@ -18,11 +18,13 @@ def add_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--record", type=Path, default=None, help=HELP)
 
 
-def write(args: argparse.Namespace, module: str, argv: list[str] | None, **fields: str | None) -> None:
-    """Write the record where `--record` asked (nothing when it was not given): `fields` are its
-    measure, figure and ratio; the rest is this machine's now and the command line that ran."""
+def write(
+    args: argparse.Namespace, module: str, argv: list[str] | None, *, measure: str, figure: str, ratio: str | None
+) -> None:
+    """Write the record where `--record` asked (nothing when it was not given): its measure, figure and
+    ratio as given, the rest this machine's now and the command line that ran."""
     if args.record is None:
         return
     from optimize.docs.figures import write_record
 
-    write_record(args.record, module=module, argv=argv, **fields)  # type: ignore[arg-type]
+    write_record(args.record, measure=measure, figure=figure, ratio=ratio, module=module, argv=argv)

@@ -161,3 +161,16 @@ def test_a_record_that_cannot_be_written_is_refused_before_anything_runs(module,
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and fragment in err, err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_option_writes_only_when_given(tmp_path):
+    from benchmarks import figure_record
+
+    parser = argparse.ArgumentParser()
+    figure_record.add_option(parser)
+    fields = {"measure": "m", "figure": "1 tok/s", "ratio": None}
+    figure_record.write(parser.parse_args([]), "benchmarks.x", [], **fields)
+    assert list(tmp_path.iterdir()) == []
+    path = tmp_path / "x.json"
+    figure_record.write(parser.parse_args(["--record", str(path)]), "benchmarks.x", ["--record", str(path)], **fields)
+    assert json.loads(path.read_text())["command"] == f"python -m benchmarks.x --record {path}"
