@@ -30,13 +30,15 @@ demo: $(STAMP)
 	$(PY) -m optimize recipe=minilm_int8_cpu
 
 # The linter and formatter, the import contracts ([tool.importlinter]), the type checker (pyproject.toml)
-# and the tables in docs/ made from the code (python -m optimize.docs.tables rewrites them).
+# the tables in docs/ made from the code (python -m optimize.docs.tables rewrites them) and the table of
+# measured figures made from docs/figures/*.json (python -m optimize.docs.figures rewrites it).
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 	$(PY) -m optimize.docs.tables --check
+	$(PY) -m optimize.docs.figures --check
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q

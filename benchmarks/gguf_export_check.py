@@ -24,6 +24,9 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import figure_record
+from benchmarks.artifact_input import refuse, refuse_unwritable
+
 TYPES = ("Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K")
 
 
@@ -36,7 +39,11 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-texts", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=512, help="tokens per text (calibration and evaluation)")
     parser.add_argument("--json", type=Path)
+    figure_record.add_option(parser)
     args = parser.parse_args(argv)
+    refuse_unwritable(args.json, args.record)
+    if args.record and not (args.llama_quantize and Path(args.llama_quantize).is_file()):
+        refuse("--record keeps the files' identity with llama-quantize's: give --llama-quantize FILE")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -63,7 +70,27 @@ def main(argv=None) -> int:
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    if args.record:
+        figure_record.write(args, "benchmarks.gguf_export_check", argv, **record_fields(args.model, result))
     return 0
+
+
+def record_fields(model: Path, result: dict) -> dict:
+    """The row of docs/figures.md's table this run measures: how many of the writer's files have the same
+    type and the same bytes in every tensor as llama-quantize's of the same type."""
+    compared = {name: row for name, row in result["llama_quantize"].items() if "tensors" in row}
+    same = [name for name, row in compared.items() if row["same_bytes"] == row["tensors"]]
+    tensors = sorted({row["tensors"] for row in compared.values()})
+    plain = [name for name in result["llama_quantize"] if not name.endswith("-imatrix")]
+    weighted = [name.removesuffix("-imatrix") for name in result["llama_quantize"] if name.endswith("-imatrix")]
+    differ = sorted(set(result["llama_quantize"]) - set(same))
+    return {
+        "measure": f"The GGUF writer (optimize/export_gguf) against llama.cpp's llama-quantize on {model.name}: "
+        f"{', '.join(plain)}, and {', '.join(weighted)} with the same importance matrix",
+        "figure": f"{len(same)} of {len(result['llama_quantize'])} files: the same type and the same bytes in all "
+        f"{' or '.join(map(str, tensors))} tensors" + (f" (not: {', '.join(differ)})" if differ else ""),
+        "ratio": "identical to llama-quantize's" if not differ else None,
+    }
 
 
 def texts(split: str, count: int, tokenizer, tokens: int) -> list[list[int]]:

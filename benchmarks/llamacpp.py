@@ -41,6 +41,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from benchmarks import figure_record
 from benchmarks.artifact_input import artifact_manifest, refuse, refuse_unwritable
 from serve.arguments import OneLineParser
 
@@ -378,9 +379,12 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=0, help="compare an artifact's own decode, in turns, this many rounds")
     p.add_argument("--runs", type=int, default=5, help="timed runs a round for each side (their median)")
     p.add_argument("--json", type=Path)
+    figure_record.add_option(p)
     args = p.parse_args(argv)
-    refuse_unwritable(args.json)
+    refuse_unwritable(args.json, args.record)
     refuse_bad_counts(args)
+    if args.record and not args.rounds:
+        refuse("--record keeps an artifact's decode against llama-bench: give --rounds N and the artifact folder")
     if args.rounds and args.target.suffix == ".gguf":
         refuse("--rounds compares an artifact's decode with llama-bench: give the artifact folder, not a .gguf")
     gguf = gguf_of(args.target)
@@ -395,7 +399,27 @@ def main(argv=None) -> dict:
     print(summary)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    if args.record:
+        fields = record_fields(artifact_manifest(args.target), args, gguf, result)
+        figure_record.write(args, "benchmarks.llamacpp", argv, **fields)
     return result
+
+
+def record_fields(manifest: dict, args: argparse.Namespace, gguf: Path, result: dict) -> dict:
+    """The row of docs/figures.md's table an in-turns run measures: the artifact's one-sequence decode
+    against llama-bench's on the same file."""
+    ratios = [row["ratio"] for row in result["rounds"]]
+    benches = [row["llama_bench"] for row in result["rounds"]]
+    flags = " ".join(result.get("llama_bench_args") or [])
+    engine, recipe = manifest["engine"].get("format"), manifest["recipe"]["name"]
+    return {
+        "measure": f"The {engine} artifact of {recipe} decoding one sequence, "
+        f"{args.tokens} tokens after 64, in turns with llama-bench tg{args.tokens} on the same file "
+        f"({gguf.name}), {args.rounds} rounds",
+        "figure": f"{result['median_artifact']:.1f} tok/s",
+        "ratio": f"{result['median_ratio']:.3f}x llama-bench tg{args.tokens} ({min(ratios):.3f}-{max(ratios):.3f} "
+        f"by round; llama-bench {min(benches):.0f}-{max(benches):.0f} tok/s{', ' + flags if flags else ''})",
+    }
 
 
 if __name__ == "__main__":

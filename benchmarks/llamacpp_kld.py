@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
+from benchmarks import figure_record
 from serve.arguments import OneLineParser
 
 ENV = "PEERS_LLAMA_PERPLEXITY"
@@ -210,7 +211,13 @@ def main(argv=None) -> dict:
     )
     p.add_argument("--top-k", type=int, default=0, help="the reference's top k (0: the whole vocabulary, exact)")
     p.add_argument("--json")
+    figure_record.add_option(p)
     args = p.parse_args(argv)
+    if args.record and args.project_only:
+        refuse("--record keeps this project's KLD beside llama.cpp's: drop --project-only")
+    from benchmarks.artifact_input import refuse_unwritable
+
+    refuse_unwritable(args.json, args.record)
     tool = None if args.project_only else perplexity_tool(args.llama_perplexity)
     if args.project_only and not args.also:
         refuse("--project-only scores only the --also types: name some")
@@ -259,7 +266,29 @@ def main(argv=None) -> dict:
         )
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    if args.record:
+        figure_record.write(args, "benchmarks.llamacpp_kld", argv, **record_fields(args, result))
     return result
+
+
+def record_fields(args, result: dict) -> dict:
+    """The row of docs/figures.md's table this run measures: this project's mean KLD at each type beside
+    llama-perplexity's on the same text and reference."""
+    how = {"torch": "weights only", "q8-activations": "8-bit activations as llama.cpp rounds them"}[args.runner]
+    vocabulary = "whole vocabulary" if args.top_k == 0 else f"the reference's top {args.top_k}"
+    ours = ", ".join(f"{q} {result['project'][q]['mean_kld']:.3g}" for q in QUANTS)
+
+    def against(q: str) -> str:
+        ratio, theirs = result["ratio"][q], result["llama_cpp"][q]["mean_kld"]
+        return f"{q} {ratio:.2f}x llama.cpp's ({theirs:.3g})" if ratio is not None else f"{q} llama.cpp's {theirs}"
+
+    theirs = ", ".join(against(q) for q in QUANTS)
+    return {
+        "measure": f"Mean KLD from SmolLM2's Q4_1 file dequantized, this project's ({how}, {vocabulary}) beside "
+        f"llama-perplexity --kl-divergence's, {result['tokens']} tokens in {result['chunks']} chunks of {args.ctx}",
+        "figure": ours,
+        "ratio": theirs,
+    }
 
 
 if __name__ == "__main__":

@@ -34,6 +34,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from benchmarks import figure_record
 from benchmarks.artifact_input import artifact_manifest, refuse, refuse_unwritable
 from serve.arguments import OneLineParser
 
@@ -199,8 +200,9 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--no-repack", action="store_true", help="score with the file's layout (llama.cpp's plain kernels)")
     p.add_argument("--json", type=Path)
+    figure_record.add_option(p)
     args = p.parse_args(argv)
-    refuse_unwritable(args.json)
+    refuse_unwritable(args.json, args.record)
     if not 1 <= args.threads <= 1024:
         refuse(f"--threads {args.threads}: from 1 to 1024")
     try:
@@ -213,7 +215,25 @@ def main(argv=None) -> dict:
     print(summary(result))
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if args.record and "artifact_increase_over_baseline_pct" not in result:
+        print("error: no record written: the manifest records no baseline and artifact perplexity", file=sys.stderr)
+        raise SystemExit(1)
+    if args.record:
+        fields = record_fields(artifact_manifest(args.artifact), result)
+        figure_record.write(args, "benchmarks.llamacpp_perplexity", argv, **fields)
     return result
+
+
+def record_fields(manifest: dict, result: dict) -> dict:
+    """The row of docs/figures.md's table this run measures: the artifact's perplexity over its baseline
+    beside llama.cpp's own run of the same file, on the same held-out tokens."""
+    return {
+        "measure": f"The {manifest['engine'].get('format')} artifact of {manifest['recipe']['name']}: perplexity "
+        f"on {result['tokens']} held-out tokens, over the baseline's {result['baseline_perplexity']:.4f}",
+        "figure": f"{result['artifact_perplexity']:.4f} ({result['artifact_increase_over_baseline_pct']:+.4f}%)",
+        "ratio": f"llama.cpp on the same file ({Path(result['gguf']).name}, {result['ran_with']}): "
+        f"{result['perplexity']:.4f} ({result['increase_over_baseline_pct']:+.2f}%)",
+    }
 
 
 if __name__ == "__main__":

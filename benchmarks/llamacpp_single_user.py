@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import figure_record
 from benchmarks.artifact_input import refuse, refuse_unwritable
 from benchmarks.llamacpp import decode_reference, find_tool
 from serve.arguments import OneLineParser
@@ -195,8 +196,9 @@ def main(argv=None) -> dict:
     p.add_argument("--llama-server", default=None)
     p.add_argument("--llama-bench", default=None)
     p.add_argument("--json", type=Path)
+    figure_record.add_option(p)
     args = p.parse_args(argv)
-    refuse_unwritable(args.json)
+    refuse_unwritable(args.json, args.record)
     # SIGTERM unwinds like Ctrl-C: llama-server and llama-bench are stopped, not left running
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for flag, value, high in (("--rounds", args.rounds, MAX_ROUNDS), ("--prompt", args.prompt, MAX_PROMPT),
@@ -222,7 +224,24 @@ def main(argv=None) -> dict:
     )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    if args.record:
+        figure_record.write(args, "benchmarks.llamacpp_single_user", argv, **record_fields(args, result))
     return result
+
+
+def record_fields(args: argparse.Namespace, result: dict) -> dict:
+    """The row of docs/figures.md's table this run measures: the native engine's time to the first token
+    and decode for one user, against llama-server's and llama-bench's."""
+    threads = f"{args.threads} thread" + ("s" if args.threads > 1 else "")
+    return {
+        "measure": f"The native GGUF engine for one user: {args.gguf.name}, a {args.prompt}-token prompt then "
+        f"{args.tokens} new tokens greedily, {threads}, medians of {args.rounds} rounds in turns",
+        "figure": f"time to first token {result['median_native_ttft_s']} s, "
+        f"decode {result['median_native_decode_tok_s']} tok/s",
+        "ratio": f"TTFT {result['median_ttft_ratio']}x llama-server's ({result['median_server_ttft_s']} s; "
+        f"{result['median_ttft_cpu_ratio']}x in CPU seconds); decode {result['median_decode_ratio']}x "
+        f"llama-bench tg{args.tokens} ({result['median_bench_tg_tok_s']} tok/s)",
+    }
 
 
 if __name__ == "__main__":

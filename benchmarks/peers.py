@@ -40,6 +40,8 @@ from typing import Callable
 
 import numpy as np
 
+from benchmarks import figure_record
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -471,6 +473,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--json", type=Path, help="write every figure here")
     parser.add_argument("--markdown", nargs="?", const="-", help="also write the table to this file")
+    figure_record.add_option(parser)
     parser.add_argument(
         "--optimum-python",
         default=os.environ.get("PEERS_OPTIMUM_PYTHON"),
@@ -479,7 +482,7 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     from benchmarks.artifact_input import refuse_unwritable
 
-    refuse_unwritable(args.json, args.markdown)
+    refuse_unwritable(args.json, args.markdown, args.record)
     args.model = args.model or default_model_dir()
     return args
 
@@ -518,7 +521,31 @@ def main(argv=None) -> dict:
     }
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    if args.record:
+        fields = record_fields(artifact_recipe(args.artifact), entries, table, mix)
+        figure_record.write(args, "benchmarks.peers", argv, **fields)
     return result
+
+
+def record_fields(label: str, entries: list[Entry], table: dict, mix: dict) -> dict:
+    """The row of docs/figures.md's table this run measures: the artifact's p50 at each batch size and
+    weighted, against the best eligible peer's (the fastest with min cosine >= MIN_PEER_COSINE)."""
+    ours = next(e for e in entries if e.role == "artifact")
+    sizes = list(table)
+    times = [f"{ours.p50_ms[b]:.2f} ms" for b in sizes] + [f"{mix['cost_ms'][ARTIFACT]:.1f} ms"]
+    over = [table[b]["over_best_peer"][ARTIFACT] for b in sizes] + [mix["over_best_peer"][ARTIFACT]]
+    points = " / ".join([*(f"batch {b}" for b in sizes), "weighted"])
+    best = mix["best_peer"]
+    return {
+        "measure": f"The {label} artifact against the runtimes a user would pick instead, the "
+        f"same texts, in one process: p50 latency at {points}",
+        "figure": " / ".join(times),
+        "ratio": (
+            " / ".join(f"{r:.2f}x" for r in over) + f" the best eligible peer ({best}, min cosine >= {MIN_PEER_COSINE})"
+            if best
+            else None
+        ),
+    }
 
 
 if __name__ == "__main__":

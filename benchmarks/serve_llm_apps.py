@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from benchmarks import figure_record
 from optimize.evaluate.served import ServedServer
 from serve import arguments as cli
 
@@ -324,6 +325,21 @@ def run(args) -> dict:
     return report
 
 
+def record_fields(args, report: dict) -> dict:
+    """The row of docs/figures.md's table this run measures: how many of the clients' cases the served
+    artifact answered as the `openai` client expects."""
+    failed = [r["check"] for r in report["checks"] if not r["passed"]]
+    passed = len(report["checks"]) - len(failed)
+    return {
+        "measure": "What applications ask of a served LM: the openai client against python -m serve "
+        f"({', '.join(r['check'] for r in report['checks'])}), greedy, max_tokens {args.max_tokens}, on the "
+        f"{report['engine']} artifact of {model_name(args.artifact)}",
+        "figure": f"{passed} of {len(report['checks'])} checks passed"
+        + (f" (failed: {', '.join(failed)})" if failed else ""),
+        "ratio": None,
+    }
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     passed = sum(r["passed"] for r in report["checks"])
@@ -359,6 +375,7 @@ def parse_args(argv=None):
     p.add_argument("--checks", type=cli.names(list(CHECKS)), default=list(CHECKS), help=f"of {','.join(CHECKS)}")
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
+    figure_record.add_option(p)
     return p.parse_args(argv)
 
 
@@ -367,7 +384,7 @@ def main(argv=None) -> int:
     from optimize.evaluate.served import ServerNotReady
 
     args = parse_args(argv)
-    refuse_unwritable(args.json, args.markdown)
+    refuse_unwritable(args.json, args.markdown, args.record)
     artifact_manifest(args.artifact, serves="causal_lm")
     try:
         report = run(args)
@@ -380,6 +397,8 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps(report, indent=2))
     if args.markdown:
         args.markdown.write_text(table + "\n")
+    if args.record:
+        figure_record.write(args, "benchmarks.serve_llm_apps", argv, **record_fields(args, report))
     return 0 if all(r["passed"] for r in report["checks"]) else 1
 
 

@@ -54,6 +54,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks import figure_record
 from benchmarks.artifact_input import artifact_manifest, artifact_tokenizer, refuse, refuse_unwritable
 from optimize.evaluate.served import ServedServer, ServerNotReady, drive, drive_async
 from serve import arguments as cli
@@ -750,7 +751,10 @@ def parse_args(argv=None):
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--markdown", type=Path)
+    figure_record.add_option(p)
     args = p.parse_args(argv)
+    if args.record and ("batching" not in args.servers or not args.levels):
+        p.error("--record keeps the continuous-batching server's top level: add batching to --servers, give --levels")
     if args.structured_share > 0 and "batching" not in args.servers:
         p.error("--structured-share runs with the continuous-batching server: add batching to --servers")
     if args.structured_share > 0 and round(args.mix_clients * args.structured_share) == 0:
@@ -760,7 +764,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    refuse_unwritable(args.json, args.markdown)
+    refuse_unwritable(args.json, args.markdown, args.record)
     artifact_manifest(args.artifact, serves="causal_lm")
     report = run(args)
     table = markdown(report)
@@ -769,7 +773,45 @@ def main(argv=None) -> dict:
         args.json.write_text(json.dumps(report, indent=2))
     if args.markdown:
         args.markdown.write_text(table + "\n")
+    if args.record:
+        fields = record_fields(args, report)
+        if fields is None:
+            print("error: no record written: the continuous-batching server gave no figure", file=sys.stderr)
+            raise SystemExit(1)
+        figure_record.write(args, "benchmarks.serve_llm_load", argv, **fields)
     return report
+
+
+def tokens_per_s(report: dict, prefix: str, clients: int) -> float | None:
+    """The output tokens/s of the first server whose name starts with `prefix`, at `clients` clients."""
+    for name, entry in report["servers"].items():
+        if name.startswith(prefix):
+            return next((row["tokens_per_s"] for row in entry["levels"] if row["clients"] == clients), None)
+    return None
+
+
+def record_fields(args, report: dict) -> dict | None:
+    """The row of docs/figures.md's table this run measures: the continuous-batching server's output
+    tokens/s at the most clients, against each peer's at as many (None: that server gave no figure)."""
+    clients, fewest = max(args.levels), min(args.levels)
+    ours = tokens_per_s(report, "serve, continuous batching", clients)
+    if not ours:
+        return None
+    alone = tokens_per_s(report, "serve, continuous batching", fewest) if fewest != clients else None
+    peers = [(label, tokens_per_s(report, prefix, clients)) for label, prefix in PEER_LABELS]
+    manifest = json.loads((args.artifact / "manifest.json").read_text())
+    return {
+        "measure": f"The {manifest['engine'].get('format')} artifact of {manifest['recipe']['name']} (continuous "
+        f"batching) served to {clients} clients, {args.prompt_tokens}-token prompts, {args.new_tokens} new tokens, "
+        f"medians of {args.rounds} rounds: output tokens/s",
+        "figure": f"{ours} tok/s" + (f" ({alone} at {fewest} client{'s' if fewest > 1 else ''})" if alone else ""),
+        "ratio": ", ".join(f"{ours / theirs:.2f}x {label} ({theirs} tok/s)" for label, theirs in peers if theirs)
+        or None,
+    }
+
+
+# How the record names each peer, by the start of its server's name in the report.
+PEER_LABELS = (("llama.cpp's llama-server", "llama.cpp"), ("vLLM CPU bf16", "vLLM"))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ tokens). That coarsened KL never exceeds the full one (merging outcomes cannot r
 differs from it only by the divergence inside the baseline's tail: tests/optimize/test_token_fidelity.py
 holds it equal to a hand computation, equal to torch's full-vocabulary KL when k is the vocabulary and
 below it otherwise. The tail is not negligible where the changes are spread thin: on SmolLM2 at Q8_0
-k=128 (the default) gave 84% of the full figure, k=32 72% (docs/figures.md). Top-1 agreement and Δp
+k=128 (the default) gave 84% of the full figure, k=32 72% (docs/figures-history.md). Top-1 agreement and Δp
 are exact.
 
 Positions are scored in windows of `window` tokens, each starting without context (as perplexity is):

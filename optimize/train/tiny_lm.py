@@ -10,12 +10,12 @@ Writes a Hugging Face folder (config, model.safetensors, tokenizer, train.json) 
 is measured on. The point is a source that was never quantized, so INT4 methods can be compared from
 full precision offline (a GGUF source is already 4-bit: quantizing it again measures two roundings).
 About half an hour on 2 shared cores at the defaults; seconds at --hidden 128 --layers 2 --steps 150.
-A model this small and this briefly trained loses almost nothing to any INT4 method (docs/figures.md).
+A model this small and this briefly trained loses almost nothing to any INT4 method (docs/figures-history.md).
 
 With --from, an existing causal LM (anything `model.source` takes: a folder, a GGUF file, pkg://...)
 is trained further on the same text in FP32 instead, and saved as a full-precision checkpoint of a
 real model's size and shape. From a 4-bit file its weights stay near the file's grid: SmolLM2's Q4_1
-weights moved a median 3% of their block's step in 150 steps at --lr 3e-4 (docs/figures.md), so INT4
+weights moved a median 3% of their block's step in 150 steps at --lr 3e-4 (docs/figures-history.md), so INT4
 methods compared on it are compared on a model that was 4-bit, not on one trained in full precision.
 
 With --rotate the source's residual stream is first rotated by a random orthogonal matrix (--seed;

@@ -1,5 +1,5 @@
 """benchmarks/serve_llm_apps.py's own pieces: the tool-call validation, a check's exception as its
-failure and the table. The checks themselves run against real servers (on SmolLM2: docs/figures.md)."""
+failure and the table. The checks themselves run against real servers (on SmolLM2: docs/figures-history.md)."""
 
 from __future__ import annotations
 

@@ -237,7 +237,7 @@ def parameter_count(model) -> int:
 
 
 # From a full-precision source the mixed INT4 row rounds by GPTQ instead of AWQ + scale estimation:
-# on SmolLM2 made full precision by a residual rotation (docs/figures.md), +6.4% perplexity against
+# on SmolLM2 made full precision by a residual rotation (docs/figures-history.md), +6.4% perplexity against
 # +22.7% (AWQ + scale estimation alone +29.0%), for about twice the build time. From a GGUF source
 # (a re-quantization of 4-bit weights) GPTQ measured no better (+11.6% against +10.4%).
 FULL_PRECISION_ROWS = {"openvino_genai_int4_awq_r80_kv_u8": "openvino_genai_int4_awq_gptq_r80_kv_u8"}
