@@ -16,6 +16,10 @@ stops after the plan in any case).
         [--json OUT] [--keep] [-- OVERRIDE ...]
 
 OVERRIDEs after `--` go to `python -m optimize` (e.g. engine.params.candidates=[openvino_genai_int8_kv_u8]).
+
+`--builders-on HF_FOLDER` measures the builders' bytes per parameter instead (the figures of
+optimize/memory/plan.py's table): each builder in a fresh process on that folder, its tree's peak less
+what the process held after its imports, over the folder's parameter count.
 """
 
 from __future__ import annotations
@@ -51,8 +55,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--config-only", action="store_true", help="make the memory plan and stop")
     parser.add_argument("--json", type=Path, help="where to write the record")
     parser.add_argument("--keep", action="store_true", help="keep the written model for the next run")
+    parser.add_argument("--builders-on", type=Path, help="measure each builder's bytes per parameter on this folder")
     parser.add_argument("overrides", nargs="*", help="after --: overrides for python -m optimize")
     args = parser.parse_args(argv)
+    if args.builders_on is not None and not (args.builders_on / "config.json").is_file():
+        parser.error(f"--builders-on: {args.builders_on} is not a Hugging Face folder (no config.json)")
     if args.work.exists() and not args.work.is_dir():
         parser.error(f"--work: {args.work} is not a folder")
     return args
@@ -143,6 +150,52 @@ def stage_rows(out: Path) -> list[dict]:
     return (json.loads(manifest.read_text()).get("resources") or {}).get("stages") or []
 
 
+# Each builder as the engine methods run it, after its imports (the process prints what it holds then).
+_IDLE = "from engines.memprobe import tree_rss_bytes; import os; print(tree_rss_bytes(os.getpid()), flush=True)\n"
+BUILDERS = {
+    "onnxruntime_genai int4": (
+        "from pathlib import Path\nfrom engines.onnxruntime_genai.build import build\n"
+        + _IDLE
+        + "build(Path({src!r}), "
+        "Path({out!r}) / 'm', 'int4', 'cpu', ['accuracy_level=4', 'algo_config=k_quant_mixed'], "
+        "Path({out!r}) / 'cache')"
+    ),
+    "openvino_genai int8": (
+        "from pathlib import Path\nfrom engines.openvino.genai_build import export_stateful_lm\n"
+        "from engines.openvino.genai_compress import compress_weights\n" + _IDLE + "xml = export_stateful_lm("
+        "Path({src!r}), Path({out!r}) / 'fp32')\ncompress_weights(xml, Path({out!r}) / 'int8', mode='int8_asym')"
+    ),
+}
+
+
+def measure_builders(folder: Path, work: Path) -> dict:
+    """Each builder's peak over the folder's parameter count (bytes per parameter), imports excluded."""
+    from engines.memprobe import TreePeak
+    from optimize.memory.shape import of_folder
+
+    parameters, figures = of_folder(folder).parameters, {}
+    for name, code in BUILDERS.items():
+        out = work / "builders" / name.replace(" ", "_")
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        script = code.format(src=str(folder), out=str(out))
+        start = time.monotonic()
+        process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+        with TreePeak(process.pid) as peak:
+            idle = int((process.stdout.readline() if process.stdout else "") or 0)
+            process.communicate()
+        figures[name] = {
+            "exit_code": process.returncode,
+            "seconds": round(time.monotonic() - start, 1),
+            "peak_gb": round(peak.peak / GB, 3),
+            "idle_gb": round(idle / GB, 3),
+            "bytes_per_parameter": round((peak.peak - idle) / parameters, 2),
+        }
+        print(f"{name}: {figures[name]}")
+        shutil.rmtree(out, ignore_errors=True)
+    return {"folder": str(folder), "parameters": parameters, "builders": figures}
+
+
 def machine() -> dict:
     from engines import memprobe
 
@@ -155,6 +208,11 @@ def machine() -> dict:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    if args.builders_on is not None:
+        record = {"machine": machine(), "load_average_start": os.getloadavg()}
+        record.update(measure_builders(args.builders_on, args.work), load_average_end=os.getloadavg())
+        _write(args.json, record)
+        return 0
     from optimize.errors import RecipeError
     from optimize.memory import plan as memory
 
