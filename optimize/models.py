@@ -187,7 +187,7 @@ def load(cfg) -> SourceModel:
 
 
 def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
-    from engines.pytorch.runner import IncompleteWeights, load_hf_model
+    from engines.pytorch.runner import IncompleteWeights, load_hf_model, source_precision
 
     location, gguf_file = (cfg.source if path is None else str(path)), cfg.gguf_file
     offline = False
@@ -206,14 +206,17 @@ def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
             "give the Hugging Face folder that holds it"
         )
     try:
-        module = load_hf_model(
-            location,
-            cfg.task,
-            allow_pickle=cfg.allow_pickle,
-            trust_remote_code=cfg.trust_remote_code,
-            revision=cfg.revision,
-            gguf_file=gguf_file,
-        )
+        if gguf_file:  # the file's FP32 conversion, written a tensor at a time, then memory-mapped
+            module = load_hf_model(str(converted_folder(Path(location) / gguf_file)), cfg.task)
+        else:
+            module = load_hf_model(
+                location,
+                cfg.task,
+                allow_pickle=cfg.allow_pickle,
+                trust_remote_code=cfg.trust_remote_code,
+                revision=cfg.revision,
+                precision=source_precision(path) if cfg.task == "causal_lm" else "float32",
+            )
     except OSError as exc:  # transformers reports unreachable hubs and missing files as OSError
         if offline:
             raise RecipeError(
@@ -265,28 +268,49 @@ def source_hash(source: SourceModel) -> dict:
 
 
 def hf_folder(source) -> Path:
-    """A Hugging Face folder (config + safetensors + tokenizer) for builders that read one.
-
-    A folder source is used as it is. A GGUF source was dequantized to FP32 on load; the module is
-    saved once under the cache, keyed by the GGUF file's sha256, so later runs reuse it, and only
-    when it verifies (optimize/cache_store.py: its files, this code, this GGUF); else it is rebuilt."""
-    from optimize import cache_store
-
+    """A Hugging Face folder (config + safetensors + tokenizer) for builders that read one: a folder
+    source as it is, a GGUF source's FP32 conversion (converted_folder)."""
     location = Path(source.location)
     if not source.gguf_file:
         if not (location / "config.json").is_file():
             raise RecipeError(f"model.source={source.location}: the engine needs a local model folder")
         return location
-    from engines.artifact import sha256_file
+    return converted_folder(location / source.gguf_file)
 
-    digest = sha256_file(location / source.gguf_file)
+
+def converted_folder(gguf_path: Path) -> Path:
+    """The GGUF file dequantized to FP32 safetensors, a tensor at a time (optimize/gguf_convert.py),
+    under the cache keyed by the file's sha256: written once, reused by later runs only when it
+    verifies (optimize/cache_store.py: its files, this code, this GGUF), else rebuilt. The baseline
+    memory-maps it and the builders read it, so no process holds the dequantized model in memory."""
+    from engines.artifact import sha256_file
+    from optimize import cache_store
+
+    digest = sha256_file(gguf_path)
     folder = cache_root() / "gguf" / digest[:24]
     good, why = cache_store.open_verified(folder, "gguf:" + digest)
-    if not good:
-        if why != "not cached":
-            log.warning("cached conversion of %s under %s not used, rebuilt: %s", source.gguf_file, folder, why)
-            cache_store.discard(folder)
-        save_converted(source.module, location, source.gguf_file, folder, "gguf:" + digest)
+    if good:
+        return folder
+    if why != "not cached":
+        log.warning("cached conversion of %s under %s not used, rebuilt: %s", gguf_path.name, folder, why)
+        cache_store.discard(folder)
+    from optimize.gguf_convert import convert
+    from optimize.gguf_header import fp32_bytes, read_header
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    need, free = fp32_bytes(read_header(gguf_path)), shutil.disk_usage(folder.parent).free
+    if need > free:
+        raise RecipeError(
+            f"model.source={gguf_path}: its FP32 conversion needs {need / 2**30:.1f} GiB of disk under "
+            f"{folder.parent}, {free / 2**30:.1f} GiB free"
+        )
+    log.info("converting %s to FP32 safetensors under %s, a tensor at a time (once)", gguf_path.name, folder)
+    tmp = cache_store.staging(folder)
+    try:
+        convert(gguf_path, tmp)
+        cache_store.seal(tmp, folder, "gguf:" + digest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 
