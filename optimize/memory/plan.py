@@ -18,26 +18,29 @@ from optimize.memory.shape import ModelShape
 
 GB = 1e9
 
-# Bytes per parameter, in one table: where each figure came from is said beside it. "measured" figures
-# are peaks of the process tree (proportional set size) over the parameter count; "issue" figures come
-# from Qwen2-1.5B (1.54B parameters, a Q4_K/Q6_K GGUF dequantized to FP32) on a 2-core, 23 GB machine.
-RESIDENT = 6.3  # the run's own process with the FP32 source model loaded and scored (issue: 9.8 GB / 1.54B)
+# Each stage's bytes in one table: (fixed GB, bytes per parameter), where each came from beside it. The
+# fixed part is the process and its runtimes' own (imports, kernels): at SmolLM2's 135M parameters it
+# is most of a builder's peak, so a slope needs a point at size. "Measured" peaks are a process tree's
+# proportional set size (benchmarks/lm_at_size.py --builders-on, SmolLM2-135M's FP32 folder, 2-core
+# AMD EPYC, 2026-12-06, load average 7-8); "the issue's" are Qwen2-1.5B (1.54B parameters, a Q4_K/Q6_K
+# GGUF dequantized to FP32) on a 2-core, 23 GB machine, where the kernel killed the GenAI builder.
+RESIDENT = (1.0, 5.7)  # the run with the FP32 source loaded and scored: the issue's 9.8 GB, ~1 GB of it imports
 BUILD = {
-    # ONNX Runtime GenAI's model builder, a subprocess loading its own FP32 copy (issue: 13.8 GB / 1.54B,
-    # killed by the OOM killer at that size).
-    "onnxruntime_genai": 9.0,
-    "onnxruntime_genai_gguf": 9.0,  # the same builder on the dequantized file
-    # optimum-intel's export then NNCF with data (AWQ, scale estimation, GPTQ, LoRA, Hessian mixes):
-    # issue: the run reached 18.9 GB (12.6 B/param) against the 9.8 GB it held before, 6.1 B/param more.
-    "openvino_genai:data": 6.1,
-    # The same export with data-free rounding: the FP32 IR (4 B/param) and the compressed copy; estimated
-    # from the data-aware figure less its calibration activations, not yet measured at size.
-    "openvino_genai": 4.5,
-    "openvino_genai_gguf": 2.0,  # OpenVINO's GGUF reader: the file's blocks and the IR (estimated)
-    "native_gguf": 1.2,  # a copy of the file's blocks repacked for the kernels (estimated)
-    "gguf": 4.5,  # llama.cpp's writer from the FP32 module, tensor by tensor, with the imatrix pass (estimated)
+    # ONNX Runtime GenAI's model builder, a subprocess loading its own FP32 copy: measured 2.77 GB on
+    # SmolLM2 (int4 k_quant_mixed), the issue's 13.8 GB at 1.54B: the line through both.
+    "onnxruntime_genai": (1.7, 7.85),
+    "onnxruntime_genai_gguf": (1.7, 7.85),  # the same builder on the dequantized file (assumed alike)
+    # optimum-intel's export then NNCF with data (AWQ, scale estimation, GPTQ, LoRA, Hessian mixes): the
+    # issue's run grew from 9.8 GB to 18.9 GB during it at 1.54B (6.1 B/param); fixed part as below.
+    "openvino_genai:data": (0.7, 6.1),
+    # The export with data-free rounding: measured 1.33 GB on SmolLM2 (int8); the slope is an estimate
+    # (the FP32 IR, 4 B/param, and the compressed copy), not yet measured at size.
+    "openvino_genai": (0.7, 4.5),
+    "openvino_genai_gguf": (0.7, 2.0),  # OpenVINO's GGUF reader: the file's blocks and the IR (estimated)
+    "native_gguf": (0.3, 1.2),  # a copy of the file's blocks repacked for the kernels (estimated)
+    "gguf": (0.7, 4.5),  # llama.cpp's writer from the FP32 module, tensor by tensor, with its imatrix (estimated)
 }
-DEFAULT_BUILD = 6.1  # an engine method not in the table: as the costliest measured ONNX/OpenVINO export
+DEFAULT_BUILD = (1.7, 7.85)  # an engine method not in the table: as the costliest measured builder
 # A built engine's weights per source parameter as the scoring stage loads them beside the baseline:
 # INT4 with 8-bit heads and scales, INT8, or the file's own blocks (GGUF sources: bytes on disk).
 ENGINE = {"int4": 0.7, "int8": 1.2, "default": 4.0}
@@ -47,10 +50,11 @@ RUNTIME_BYTES = 0.4 * GB  # a runtime's own allocations beside its weights (ONNX
 _DATA_AWARE = ("awq", "scale_estimation", "gptq", "lora_correction", "sensitivity_metric")
 
 
-def build_factor(engine: str, params: dict) -> float:
-    if engine == "openvino_genai" and any(params.get(k) for k in _DATA_AWARE):
-        return BUILD["openvino_genai:data"]
-    return BUILD.get(engine, DEFAULT_BUILD)
+def build_bytes(engine: str, params: dict, parameters: int) -> float:
+    """What a builder's process needs at its peak for a model of `parameters`."""
+    key = "openvino_genai:data" if engine == "openvino_genai" and any(params.get(k) for k in _DATA_AWARE) else engine
+    fixed_gb, per_parameter = BUILD.get(key, DEFAULT_BUILD)
+    return fixed_gb * GB + per_parameter * parameters
 
 
 def engine_bytes(engine: str, params: dict, shape: ModelShape) -> float:
@@ -80,11 +84,11 @@ class MemoryPlan:
 
     @property
     def resident(self) -> float:
-        return RESIDENT * self.shape.parameters
+        return RESIDENT[0] * GB + RESIDENT[1] * self.shape.parameters
 
     def build_need(self, build: Build) -> float:
         """The run's peak while `build` builds: the resident baseline and the builder's own bytes."""
-        return self.resident + build_factor(build.engine, build.params) * self.shape.parameters
+        return self.resident + build_bytes(build.engine, build.params, self.shape.parameters)
 
     def scoring_need(self) -> float:
         """The baseline beside every candidate's loaded engine (the race scores them side by side)."""
@@ -148,7 +152,7 @@ def check_run(plan: MemoryPlan) -> None:
 def refusal(build: Build, parameters: int, free: int) -> Optional[str]:
     """Why a candidate cannot be built now (its builder's bytes over what is free), or None. `free`
     is what is free to the run while it holds the baseline, so only the builder's own bytes count."""
-    need = build_factor(build.engine, build.params) * parameters
+    need = build_bytes(build.engine, build.params, parameters)
     if need <= free:
         return None
     return f"refused for memory: its build needs ~{need / GB:.1f} GB, {free / GB:.1f} GB free"
@@ -174,6 +178,8 @@ def cheapest_builds(builds: list[Build], parameters: int) -> list[Build]:
     if limit is None or len(builds) <= limit:
         return list(builds)
     cost = {b.name: next((c for key, c in _COSTLIER if b.params.get(key)), 1.0) for b in builds}
-    by_cost = sorted(builds, key=lambda b: (cost[b.name], build_factor(b.engine, b.params)))  # then the leanest
+    by_cost = sorted(
+        builds, key=lambda b: (cost[b.name], build_bytes(b.engine, b.params, parameters))
+    )  # then the leanest
     kept = {b.name for b in by_cost[:limit]}
     return [b for b in builds if b.name in kept]
