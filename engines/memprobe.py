@@ -220,9 +220,8 @@ class TreePeak:
     def __enter__(self) -> "TreePeak":
         return self.start()
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         self.stop()
-        return False
 
 
 def killed_words(returncode: Optional[int], peak: "TreePeak", allowed: int, oom_kills_before: int) -> Optional[str]:

@@ -41,7 +41,7 @@ def of_folder(folder: Path) -> ModelShape:
     """From the safetensors headers: every tensor's shape and dtype, no tensor read."""
     from safetensors import safe_open
 
-    parameters, bytes_by_dtype = 0, {}
+    parameters, bytes_by_dtype = 0, dict[str, int]()
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         return of_config(json.loads((folder / "config.json").read_text()))
