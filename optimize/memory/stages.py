@@ -16,10 +16,10 @@ class StageLog:
     """`with log.stage(name):` records the stage's seconds and its peak; stages may nest (the race's
     builds inside the engine stage), each with its own peak."""
 
-    def __init__(self):
+    def __init__(self, every_s: float = 1.0):  # a sample costs ~10 ms of CPU (it lists /proc)
         from engines.memprobe import TreePeak
 
-        self.peak = TreePeak(every_s=0.5).start()  # a sample reads every process's smaps_rollup
+        self.peak = TreePeak(every_s=every_s).start()
         self.rows: list[dict] = []
         self.started = time.monotonic()
 
@@ -59,10 +59,10 @@ _current: Optional[StageLog] = None
 
 
 @contextlib.contextmanager
-def running() -> Iterator[StageLog]:
+def running(every_s: float = 1.0) -> Iterator[StageLog]:
     """A StageLog for the run, the one `stage` records into until it ends."""
     global _current
-    previous, _current = _current, StageLog()
+    previous, _current = _current, StageLog(every_s)
     try:
         yield _current
     finally:

@@ -166,7 +166,7 @@ def test_a_builder_subprocess_killed_for_memory_is_not_reported_by_its_last_line
 
 
 def test_each_stage_records_its_time_and_its_own_peak():
-    with stages.running() as log:
+    with stages.running(every_s=0.1) as log:
         with stages.stage("small"):
             pass
         with stages.stage("outer"):
