@@ -17,10 +17,11 @@ class ModelShape:
     dtype: str = ""  # the precision most of the weights are stored in
 
     def words(self) -> str:
+        size = f"{self.disk_bytes / 1e9:.{2 if self.disk_bytes < 1e9 else 1}f} GB"
         stored = {
-            "folder": f"{self.disk_bytes / 1e9:.1f} GB of {self.dtype} safetensors",
-            "gguf": f"a {self.disk_bytes / 1e9:.1f} GB GGUF file",
-            "config": f"{self.disk_bytes / 1e9:.1f} GB in {self.dtype}, read from config.json",
+            "folder": f"{size} of {self.dtype} safetensors",
+            "gguf": f"a {size} GGUF file",
+            "config": f"{size} in {self.dtype}, read from config.json",
         }[self.kind]
         return f"{self.parameters / 1e9:.2f}B parameters ({stored})"
 
