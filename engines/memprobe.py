@@ -177,6 +177,7 @@ class TreePeak:
         self.peak = 0
         self.first: Optional[int] = None  # the first sample: what the tree held when watching began
         self.marks: dict[str, int] = {}
+        self._lock = threading.Lock()  # marks are set and read by the caller while the thread samples
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -192,20 +193,24 @@ class TreePeak:
 
     def sample(self) -> int:
         now = tree_rss_bytes(self.pid)
-        if self.first is None:
-            self.first = now
-        self.peak = max(self.peak, now)
-        for name in self.marks:
-            self.marks[name] = max(self.marks[name], now)
+        with self._lock:
+            if self.first is None:
+                self.first = now
+            self.peak = max(self.peak, now)
+            for name in self.marks:
+                self.marks[name] = max(self.marks[name], now)
         return now
 
     def mark(self, name: str) -> None:
         """Start a named peak from now (what the tree holds now, then the most it holds until read)."""
-        self.marks[name] = tree_rss_bytes(self.pid)
+        now = tree_rss_bytes(self.pid)
+        with self._lock:
+            self.marks[name] = now
 
     def read(self, name: str) -> int:
         self.sample()
-        return self.marks.pop(name, self.peak)
+        with self._lock:
+            return self.marks.pop(name, self.peak)
 
     def growth(self) -> int:
         """How much more than at its first sample the tree held at its peak."""
