@@ -99,10 +99,7 @@ def memory_plan(config: dict):
     from optimize.memory.shape import of_config
 
     shape, race = of_config(config), EngineRaceConfig()
-    builds = []
-    for name in default_candidates(True):
-        spec = race.spec(name)
-        builds.append(memory.Build(name, spec.engine, {**spec.engine_params, **spec.quantize_params}))
+    builds = [memory.Build.of(name, race.spec(name)) for name in default_candidates(True)]
     return memory.make(shape, memory.cheapest_builds(builds, shape.parameters))
 
 

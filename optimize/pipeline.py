@@ -108,8 +108,7 @@ def _planned_builds(task, stages, kind: str, shape) -> list:
     from optimize.compile.race.candidates import default_candidates
 
     names = config.candidates or default_candidates(task.generates, kind == "gguf")
-    specs = {name: config.spec(name) for name in names}
-    builds = [memory.Build(n, s.engine, {**s.engine_params, **s.quantize_params}) for n, s in specs.items()]
+    builds = [memory.Build.of(name, config.spec(name)) for name in names]
     return builds if config.candidates else memory.cheapest_builds(builds, shape.parameters)
 
 

@@ -80,6 +80,11 @@ class Build:
     engine: str
     params: dict = field(default_factory=dict)
 
+    @classmethod
+    def of(cls, name: str, spec) -> "Build":
+        """A race candidate's build (optimize/compile/race/candidates.Candidate: its engine and parameters)."""
+        return cls(name, spec.engine, {**spec.engine_params, **spec.quantize_params})
+
 
 @dataclass
 class MemoryPlan:

@@ -108,10 +108,7 @@ def test_the_plan_refuses_a_run_from_the_config_alone():
 
 def test_a_default_race_at_size_keeps_the_cheapest_builds():
     race = candidates.EngineRaceConfig()
-    builds = [
-        memory.Build(n, race.spec(n).engine, {**race.spec(n).engine_params, **race.spec(n).quantize_params})
-        for n in candidates.default_candidates(True)
-    ]
+    builds = [memory.Build.of(name, race.spec(name)) for name in candidates.default_candidates(True)]
     assert memory.cheapest_builds(builds, 135_000_000) == builds  # SmolLM2 races the whole default set
     at_1b = [b.name for b in memory.cheapest_builds(builds, 1_200_000_000)]
     assert len(at_1b) == 3 and not any("gptq" in name for name in at_1b)

@@ -37,7 +37,7 @@ def sized_candidates(cfg: EngineRaceConfig, model, generates: bool, gguf: bool) 
     if cfg.candidates:
         return list(cfg.candidates), []
     names = default_candidates(generates, gguf)
-    builds = [_build_of(name, cfg) for name in names]
+    builds = [memory.Build.of(name, cfg.spec(name)) for name in names]
     parameters = parameter_count(model)
     kept = {b.name for b in memory.cheapest_builds(builds, parameters)}
     left_out = [n for n in names if n not in kept]
@@ -51,13 +51,6 @@ def sized_candidates(cfg: EngineRaceConfig, model, generates: bool, gguf: bool) 
     return [n for n in names if n in kept], left_out
 
 
-def _build_of(name: str, cfg: EngineRaceConfig):
-    from optimize.memory import plan as memory
-
-    spec = cfg.spec(name)
-    return memory.Build(name, spec.engine, {**spec.engine_params, **spec.quantize_params})
-
-
 def refuse_for_memory(entries: list[Entry], model) -> None:
     """Candidates whose builder would need more memory than is free beside the loaded model, refused
     with the figure before anything is built (optimize/memory/plan.py)."""
@@ -67,15 +60,11 @@ def refuse_for_memory(entries: list[Entry], model) -> None:
     for entry in entries:
         if entry.refused:
             continue
-        reason = memory.refusal(memory.Build(entry.name, entry.spec.engine, _params(entry)), parameters, free)
+        reason = memory.refusal(memory.Build.of(entry.name, entry.spec), parameters, free)
         if reason:
             entry.refused = True
             entry.outcome = reason
             log.warning("race: %s %s", entry.name, reason)
-
-
-def _params(entry: Entry) -> dict:
-    return {**entry.spec.engine_params, **entry.spec.quantize_params}
 
 
 def refuse_unconstrained(entries: list[Entry], task) -> None:
