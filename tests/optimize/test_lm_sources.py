@@ -255,3 +255,79 @@ def test_the_conversion_holds_one_shard_at_a_time_and_sharded_folders_load(gguf_
     a = AutoModelForCausalLM.from_pretrained(str(tmp_path / "sharded"), dtype=torch.float32).state_dict()
     b = AutoModelForCausalLM.from_pretrained(str(tmp_path / "whole"), dtype=torch.float32).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- no private FP32 copy
+
+HOLDER = """
+import sys
+from pathlib import Path
+from tests.optimize.test_lm_sources import _cfg
+from optimize import models
+from engines.pytorch.runner import TorchLM
+
+
+def private_bytes():
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("RssAnon:"))
+
+
+# A tiny model of the same kind first: the imports and caches a first load brings are not the weights.
+warm = models.load(_cfg(Path(sys.argv[2])))
+TorchLM(warm.module).logits([1, 2, 3])
+del warm
+before = private_bytes()
+source = models.load(_cfg(Path(sys.argv[1])))
+TorchLM(source.module).logits([i % 200 + 1 for i in range(128)])
+print(private_bytes() - before, source.info["parameters"])
+"""
+
+
+def _sized_folder(out: Path) -> Path:
+    """A Llama of about 34M parameters in bf16 (68 MB; 136 MB in FP32), sharded."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.support.models import train_tokenizer
+
+    vocab = train_tokenizer(out)
+    config = LlamaConfig(
+        hidden_size=512,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=vocab,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.to(torch.bfloat16).save_pretrained(out, max_shard_size="30MB")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["bf16 folder", "Q8_0 GGUF"])
+def test_the_baseline_holds_no_private_fp32_copy_of_the_weights(tmp_path, kind):
+    """The weights are file pages (memory-mapped): loading and scoring the baseline adds far less
+    private memory than an FP32 copy (4 bytes a parameter) would."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.gguf_writer import write_gguf
+    from tests.support.models import tiny_llama_folder
+
+    source, warm = _sized_folder(tmp_path / "model"), tiny_llama_folder(tmp_path / "warm")
+    if kind == "Q8_0 GGUF":
+        source = write_gguf(source, tmp_path / "model.Q8_0.gguf", "Q8_0")
+        warm = write_gguf(warm, tmp_path / "warm.Q8_0.gguf", "Q8_0")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2]), "OPTIMIZE_CACHE": str(tmp_path / "cache")}
+    command = [sys.executable, "-c", HOLDER, str(source), str(warm)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    added, parameters = map(int, run.stdout.split()[-2:])
+    assert parameters > 30_000_000
+    assert added < 1.5 * parameters, f"{added / 2**20:.0f} MiB private for {parameters / 1e6:.0f}M parameters"
