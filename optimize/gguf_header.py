@@ -291,8 +291,12 @@ def carried(header: Header) -> str:
     layers = header.metadata.get(f"{header.architecture}.block_count")
     return (
         f"GGUF {header.architecture}, {layers} layers, tensors {types}: carried (dequantized a tensor at a "
-        f"time to {fp32_bytes(header) / 2**30:.2f} GiB of FP32 safetensors, memory-mapped as the baseline)"
+        f"time to {_size(fp32_bytes(header))} of FP32 safetensors, memory-mapped as the baseline)"
     )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _elements(dims: tuple) -> int:

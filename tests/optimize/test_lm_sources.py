@@ -331,3 +331,37 @@ def test_the_baseline_holds_no_private_fp32_copy_of_the_weights(tmp_path, kind):
     added, parameters = map(int, run.stdout.split()[-2:])
     assert parameters > 30_000_000
     assert added < 1.5 * parameters, f"{added / 2**20:.0f} MiB private for {parameters / 1e6:.0f}M parameters"
+
+
+# ---------------------------------------------------------------- the baseline scored once
+
+
+def test_the_baseline_standard_task_scores_are_scored_once_and_kept_for_the_next_race(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from optimize.compile.race import lm
+    from optimize.tasks import lm_harness
+
+    monkeypatch.setenv("OPTIMIZE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    items = {"arc_easy": {"sha256": "a" * 64}}
+    monkeypatch.setattr(lm_harness, "standard_task_data", lambda names, limit, folder: items)
+    scored = []
+
+    def score(runner, tokens, names, folder, label=""):
+        scored.append(label)
+        return {"arc_easy": [1.0, 0.0, 1.0]}
+
+    monkeypatch.setattr(lm_harness, "standard_task_items", score)
+    ctx = SimpleNamespace(scratch=tmp_path / "scratch")
+    cfg = SimpleNamespace(standard_tasks=["arc_easy"], standard_limit=3)
+    first = lm._standard_reference(ctx, cfg, None, "the baseline", "model-and-machine")
+    assert first == {"written": {"arc_easy": "a" * 64}, "scores": {"arc_easy": [1.0, 0.0, 1.0]}}
+    assert lm._standard_reference(ctx, cfg, None, "the baseline", "model-and-machine") == first
+    assert scored == ["baseline"]  # the second race read the cache
+    items["arc_easy"] = {"sha256": "b" * 64}  # other items: scored again
+    assert lm._standard_reference(ctx, cfg, None, "the baseline", "model-and-machine")["written"] == {
+        "arc_easy": "b" * 64
+    }
+    assert scored == ["baseline", "baseline"]
+    assert lm._standard_reference(ctx, SimpleNamespace(standard_tasks=[]), None, None, "k") is None
