@@ -21,7 +21,8 @@ from optimize.errors import RecipeError
 
 log = logging.getLogger(__name__)
 
-SHARD_BYTES = 512 << 20
+# 1 GiB: a model up to 256M parameters (SmolLM2-135M) is one model.safetensors, as save_pretrained wrote it.
+SHARD_BYTES = 1 << 30
 
 
 def convert(gguf_path: Path, out: Path, shard_bytes: int = SHARD_BYTES) -> None:
