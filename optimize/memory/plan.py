@@ -1,8 +1,8 @@
 """Each stage's peak memory estimated before anything loads, from the model's size and the builders'
 bytes per parameter, against the memory this machine lets the run use.
 
-The run holds the source model for its baseline the whole time (RESIDENT: memory-mapped in its own
-precision, or a GGUF's FP32 conversion); each candidate's builder
+The run holds the source model for its baseline the whole time (memory-mapped in its own precision,
+or a GGUF's FP32 conversion); each candidate's builder
 runs in a child process of its own, one at a time, and needs its own bytes on top (BUILD); the
 candidates' scoring loads their engines beside the baseline (ENGINE), and each is then timed as
 served in a server of its own. A stage that cannot fit refuses its candidate in the race's table
@@ -25,12 +25,12 @@ GB = 1e9
 # proportional set size (benchmarks/lm_at_size.py --builders-on, SmolLM2-135M's FP32 folder, 2-core
 # AMD EPYC, 2026-12-06, load average 7-8); "the issue's" are Qwen2-1.5B (1.54B parameters, a Q4_K/Q6_K
 # GGUF dequantized to FP32) on a 2-core, 23 GB machine, where the kernel killed the GenAI builder.
-# The run holding its baseline: the source's weights as the baseline reads them (a bf16/fp16 folder in
-# its own precision, memory-mapped; a GGUF file converted to FP32 safetensors, memory-mapped) and, on
-# top, the imports (fixed) and the scoring's working memory. The issue's run held 9.8 GB with 6.2 GB of
-# FP32 weights at 1.54B: 1 GB of imports and 1.7 B/param besides the weights (assumed to scale).
-RESIDENT = (1.0, 1.7)
-STORED_BYTES = {"BF16": 2, "F16": 2, "bfloat16": 2, "float16": 2}  # else 4: FP32, or a GGUF converted to it
+# The run holding its baseline: the interpreter and its imports (fixed, the issue's run: ~1 GB), then
+# what optimize.models.baseline_memory measured per parameter: private bytes (0.85 B/param) and the
+# weights as memory-mapped file pages in the precision the baseline reads them (a bf16/fp16 folder's
+# own, a GGUF's FP32 conversion). The pages are counted as needed: every forward reads them again.
+RESIDENT_FIXED_GB = 1.0
+PRECISION_OF = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "gguf blocks": "gguf"}
 BUILD = {
     # ONNX Runtime GenAI's model builder, a subprocess loading its own FP32 copy: measured 2.77 GB on
     # SmolLM2 (int4 k_quant_mixed), the issue's 13.8 GB at 1.54B: the line through both.
@@ -95,8 +95,11 @@ class MemoryPlan:
 
     @property
     def resident(self) -> float:
-        stored = STORED_BYTES.get(self.shape.dtype, 4)
-        return RESIDENT[0] * GB + (RESIDENT[1] + stored) * self.shape.parameters
+        from optimize.models import baseline_memory
+
+        precision = PRECISION_OF.get(self.shape.dtype, self.shape.dtype)
+        held = baseline_memory(self.shape.parameters, precision)
+        return RESIDENT_FIXED_GB * GB + held["private"] + held["file_pages"]
 
     def build_need(self, build: Build) -> float:
         """The run's peak while `build` builds: the resident baseline and the builder's own bytes."""
