@@ -2,7 +2,7 @@
 
 A causal LM whose checkpoint is bf16 or fp16 stays in that precision, memory-mapped from its
 safetensors (an FP32 copy of an 8B model is 32 GB); its log-probabilities are still computed in FP32,
-each layer's weights upcast for its own forward only (fp32_compute), so the scores the gate compares
+each module's weights upcast for its own forward only (fp32_compute), so the scores the gate compares
 are those of the FP32 model, bit for bit. Generation (the baseline's timing and sample) runs in the
 checkpoint's precision, as transformers runs such a checkpoint.
 
@@ -156,7 +156,8 @@ def safetensors_dtypes(folder: Path) -> set[str]:
                 header = json.loads(f.read(size))
         except (OSError, ValueError):
             return set()
-        found |= {t["dtype"] for k, t in header.items() if k != "__metadata__" and t.get("dtype", "")[:1] in "FB"}
+        dtypes = {str(t.get("dtype", "")) for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)}
+        found |= {d for d in dtypes if d.startswith("F") or d == "BF16"}  # F64..F8_*, BF16; not BOOL or ints
     return found
 
 

@@ -45,7 +45,7 @@ def _write_safetensors(path: Path, dtypes: dict[str, str]) -> None:
 @pytest.mark.parametrize(
     "shards, precision",
     [
-        ([{"a": "bfloat16"}, {"b": "bfloat16", "steps": "int64"}], "bfloat16"),
+        ([{"a": "bfloat16"}, {"b": "bfloat16", "steps": "int64", "mask": "bool"}], "bfloat16"),
         ([{"a": "float16"}], "float16"),
         ([{"a": "bfloat16"}, {"b": "float32"}], "float32"),  # mixed: FP32, as before
         ([{"a": "float32"}], "float32"),
