@@ -205,6 +205,18 @@ def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
             f"model.source={path}: a bare checkpoint file has no architecture; "
             "give the Hugging Face folder that holds it"
         )
+    precision = source_precision(path) if cfg.task == "causal_lm" else "float32"
+    if kind == "folder" and precision != "float32":
+        shards = len(list(path.glob("*.safetensors"))) if path is not None else 0
+        log.info(
+            "model.source=%s: %s safetensors (%d file%s): carried in %s, memory-mapped, "
+            "scored in FP32 a module at a time",
+            cfg.source,
+            precision,
+            shards,
+            "" if shards == 1 else "s",
+            precision,
+        )
     try:
         if gguf_file:  # the file's FP32 conversion, written a tensor at a time, then memory-mapped
             module = load_hf_model(str(converted_folder(Path(location) / gguf_file)), cfg.task)
@@ -215,7 +227,7 @@ def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
                 allow_pickle=cfg.allow_pickle,
                 trust_remote_code=cfg.trust_remote_code,
                 revision=cfg.revision,
-                precision=source_precision(path) if cfg.task == "causal_lm" else "float32",
+                precision=precision,
             )
     except OSError as exc:  # transformers reports unreachable hubs and missing files as OSError
         if offline:

@@ -122,13 +122,18 @@ def _half_folder(out: Path, dtype: str) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_a_sharded_half_precision_folder_is_carried_in_its_precision_and_scores_as_fp32(tmp_path, dtype):
+def test_a_sharded_half_precision_folder_is_carried_in_its_precision_and_scores_as_fp32(tmp_path, dtype, caplog):
+    import logging
+
     import torch
 
     from engines.pytorch.runner import TorchLM, load_hf_model
 
     folder = _half_folder(tmp_path / "model", dtype)
-    source = models.load(_cfg(folder))
+    with caplog.at_level(logging.INFO, logger="optimize.models"):
+        source = models.load(_cfg(folder))
+    (line,) = [r.getMessage() for r in caplog.records if "carried" in r.getMessage()]
+    assert f"safetensors ({len(list(folder.glob('*.safetensors')))} files): carried in {dtype}" in line
     params = dict(source.module.named_parameters())
     assert {p.dtype for p in params.values()} == {getattr(torch, dtype)}  # no FP32 copy of any weight
     pointers = {name: p.data_ptr() for name, p in params.items()}
