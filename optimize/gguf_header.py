@@ -289,9 +289,10 @@ def carried(header: Header) -> str:
         counts[name] = counts.get(name, 0) + 1
     types = ", ".join(f"{n} x{c}" for n, c in sorted(counts.items(), key=lambda item: -item[1]))
     layers = header.metadata.get(f"{header.architecture}.block_count")
+    held = sum(_elements(dims) for dims, _, _ in header.tensors.values())
     return (
         f"GGUF {header.architecture}, {layers} layers, tensors {types}: carried (dequantized a tensor at a "
-        f"time to {_size(fp32_bytes(header))} of FP32 safetensors, memory-mapped as the baseline)"
+        f"time to {_size(4 * held)} of FP32 safetensors, memory-mapped as the baseline)"
     )
 
 
@@ -368,8 +369,14 @@ def check_gguf_source(path: Path, source: str):
             raise RecipeError(
                 f"model.source={source} holds {kind.name} tensors, which the installed gguf package cannot dequantize"
             ) from None
-    log.info("model.source=%s: %s", source, carried(header))
+    line = f"model.source={source}: {carried(header)}"
+    if line not in _SAID:  # the plan, the memory plan and the load each resolve the source: said once
+        _SAID.add(line)
+        log.info("%s", line)
     return header
+
+
+_SAID: set[str] = set()
 
 
 def gguf_config_keys(architecture: str) -> set[str]:
