@@ -18,6 +18,7 @@ from optimize.config import recipe_dict
 from optimize.context import Context, Model, SourceModel
 from optimize.errors import RecipeError
 from optimize.evaluate import subjects
+from optimize.memory import stages as memory_stages
 from optimize.plan import Plan
 from optimize.reports import ci
 from optimize.sources.models import load as load_source
@@ -71,11 +72,45 @@ def plan(cfg, run_dir: Path) -> Plan:
     lm_served.check_plan(the_plan)
     if cfg.evaluate.overlap not in ("error", "drop"):
         raise RecipeError(f"evaluate.overlap={cfg.evaluate.overlap} (use error or drop)")
-    resolve_source(cfg.model)
+    _plan_memory(cfg, task, stages)
     publish.check_settings(cfg.publish)
     artifact.check_destination(final, cfg.overwrite)
     ci.check_destination(cfg.report.junit)
     return the_plan
+
+
+def _plan_memory(cfg, task, stages):
+    """Each stage's peak memory planned from the source's files before anything loads (optimize/memory):
+    a run that cannot fit here is refused in one line; None where the source's size cannot be read
+    without loading it (a hub id, an ONNX graph)."""
+    from optimize.memory import plan as memory
+    from optimize.memory import shape as shapes
+
+    kind, path = resolve_source(cfg.model)
+    gguf_file = cfg.model.get("gguf_file")
+    if path is not None and gguf_file and path.is_dir():
+        kind, path = "gguf", path / gguf_file
+    found = shapes.of_source(kind, path)
+    if found is None:
+        return None
+    the_plan = memory.make(found, _planned_builds(task, stages, kind, found))
+    memory.check_run(the_plan)
+    return the_plan
+
+
+def _planned_builds(task, stages, kind: str, shape) -> list:
+    """The engine builds the run will make: the race's candidates (the default set cut to the model's
+    size), or the recipe's one engine method."""
+    from optimize.memory import plan as memory
+
+    method, config = next((m, c) for m, c in stages if m.stage == "engine")
+    if not method.builds_candidates:
+        return [memory.Build(method.name, method.name, {})]
+    from optimize.compile.race.candidates import default_candidates
+
+    names = config.candidates or default_candidates(task.generates, kind == "gguf")
+    builds = [memory.Build.of(name, config.spec(name)) for name in names]
+    return builds if config.candidates else memory.cheapest_builds(builds, shape.parameters)
 
 
 def _refuse_after_candidates(stages) -> None:
@@ -119,19 +154,29 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
     started = time.time()
     the_plan = plan(cfg, run_dir)
     task = the_plan.task
+    memory_plan = _plan_memory(cfg, task, the_plan.stages)
+    if memory_plan is not None:
+        for line in memory_plan.lines():
+            log.info("%s", line)
     # Scratch lives in the hidden partial directory beside the artifact (so one removal cleans both,
     # and a run killed with SIGKILL leaves one directory that the next run removes); libraries that
     # ask tempfile for a folder get one inside it too.
-    with artifact.staging(the_plan.final_dir) as stage, _temp_inside(artifact.scratch_for(stage)) as scratch:
+    with (
+        memory_stages.running() as stages_log,
+        artifact.staging(the_plan.final_dir) as stage,
+        _temp_inside(artifact.scratch_for(stage)) as scratch,
+    ):
         ctx = Context(the_plan, scratch, threads=the_plan.evaluate.threads)
         # Data first: a missing or overlapping data set fails before minutes of model loading.
-        if the_plan.needs_calibration:
-            ctx.calibration()
-        if the_plan.evaluate.inputs == "data":
-            ctx.evaluation_data()
-        source = ctx.source = load_source(cfg.model)
-        _prepare_tokenizer(the_plan, ctx, source, stage)
-        task.check_source(ctx)
+        with memory_stages.stage("data"):
+            if the_plan.needs_calibration:
+                ctx.calibration()
+            if the_plan.evaluate.inputs == "data":
+                ctx.evaluation_data()
+        with memory_stages.stage("load"):
+            source = ctx.source = load_source(cfg.model)
+            _prepare_tokenizer(the_plan, ctx, source, stage)
+            task.check_source(ctx)
         if ctx.encoder is None:  # tasks whose inputs are not text bring their own
             ctx.encoder = task.encoder(ctx)
         if ctx.encoder is None and source.onnx_path is not None:  # an ONNX file that takes tensors
@@ -145,15 +190,18 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
             plan_time_refusals(ctx, the_plan.stages, source.onnx_path)
         task.check_workload(ctx, the_plan.workload)
         lm_served.check_context(the_plan, ctx)
-        baseline = ctx.baseline = subjects.baseline(ctx, task)
+        with memory_stages.stage("baseline"):
+            baseline = ctx.baseline = subjects.baseline(ctx, task)
         model = _initial_model(source)
         for method, method_cfg in order(the_plan.stages):
             log.info("%s: %s", method.stage, method.name)
-            model = method.fn(model, method_cfg, ctx).file_into(ctx.stage_records, method.stage)
-        engine, runner = _install_engine(model, stage, the_plan, ctx.threads)
-        _ship_extra_files({**task.files(ctx), **model.files}, stage)
-        candidate = subjects.candidate(stage, engine, runner, model.layer_precision)
-        metrics, eval_data = task.evaluate(baseline, candidate, ctx)
+            with memory_stages.stage(f"{method.stage}: {method.name}"):
+                model = method.fn(model, method_cfg, ctx).file_into(ctx.stage_records, method.stage)
+        with memory_stages.stage("evaluate"):
+            engine, runner = _install_engine(model, stage, the_plan, ctx.threads)
+            _ship_extra_files({**task.files(ctx), **model.files}, stage)
+            candidate = subjects.candidate(stage, engine, runner, model.layer_precision)
+            metrics, eval_data = task.evaluate(baseline, candidate, ctx)
         for hook in model.metric_hooks:
             hook(metrics)
         metrics["baseline"].update(
@@ -165,13 +213,24 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
         verdict = gate.judge(metrics["baseline"], metrics["candidate"], the_plan.gate, the_plan.workload)
         if lm_served.asked(the_plan.gate):
             draft = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started, stage)
-            verdict = _judge_served(the_plan, ctx, stage, draft)
+            with memory_stages.stage("served gate"):
+                verdict = _judge_served(the_plan, ctx, stage, draft)
         manifest = _manifest(cfg, recipe_name, ctx, source, engine, metrics, verdict, eval_data, started, stage)
+        manifest["resources"] = _resources(memory_plan, stages_log)
         ci.write_into(stage, manifest, the_plan.final_dir)  # listed in the manifest like every file
         runlog.write_into(stage)
         manifest = artifact.write_manifest(stage, manifest)
         artifact.publish(stage, the_plan.final_dir)
     return manifest, the_plan.final_dir
+
+
+def _resources(memory_plan, stages_log) -> dict:
+    """Memory as planned before loading and each stage's time and peak as run (the run and its children)."""
+    return {
+        "memory_plan": memory_plan.record() if memory_plan is not None else None,
+        "stages": stages_log.record(),
+        "peak_gb": round(stages_log.peak.peak / 1e9, 2),
+    }
 
 
 def _judge_served(the_plan: Plan, ctx: Context, stage: Path, draft: dict) -> gate.Verdict:

@@ -10,13 +10,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from engines import memprobe
+
 log = logging.getLogger(__name__)
 # The scope of the nodes that add a carried GGUF Q4_1 matrix's block offsets (engines/onnxruntime_genai/gguf.py).
 OFFSET_SCOPE = "/gguf_offset/"
 
 
 class BuildError(RuntimeError):
-    """The builder failed; the message is its last line of output."""
+    """The builder failed; the message is its last line of output, or how the kernel ended it."""
 
 
 def build(
@@ -50,8 +52,10 @@ def build(
     log.info("GenAI builder: %s", " ".join(command[3:]))
     logfile = out.parent / "builder.log"
     with open(logfile, "w") as f:
-        proc = subprocess.run(command, stdout=f, stderr=subprocess.STDOUT)
-    if proc.returncode != 0 or not (out / "genai_config.json").is_file():
+        returncode, _, killed = memprobe.run_watched(command, stdout=f, stderr=subprocess.STDOUT)
+    if killed:  # its last line is whatever it printed before the kernel ended it: not why it failed
+        raise BuildError(f"the GenAI builder was {killed}")
+    if returncode != 0 or not (out / "genai_config.json").is_file():
         lines = [line for line in logfile.read_text(errors="replace").splitlines() if line.strip()]
         raise BuildError(f"the GenAI builder failed: {lines[-1][:300] if lines else 'no output'}")
     logfile.unlink()

@@ -1,4 +1,10 @@
-"""PyTorch engine: the FP32 baseline every candidate is measured against.
+"""PyTorch engine: the baseline every candidate is measured against.
+
+A causal LM whose checkpoint is bf16 or fp16 stays in that precision, memory-mapped from its
+safetensors (an FP32 copy of an 8B model is 32 GB); its log-probabilities are still computed in FP32,
+each module's weights upcast for its own forward only (fp32_compute), so the scores the gate compares
+are those of the FP32 model, bit for bit. Generation (the baseline's timing and sample) runs in the
+checkpoint's precision, as transformers runs such a checkpoint.
 
 Also holds the task wrappers that give a Hugging Face model the named-array interface of a Runner;
 the ONNX exporter exports these same wrappers, so baseline and candidate compute the same thing.
@@ -132,6 +138,40 @@ class TorchRunner:
         return {n: o.float().numpy() for n, o in zip(self.output_names, outputs)}
 
 
+# safetensors dtype names -> torch dtype names, for the precisions a baseline is kept in.
+HALF_PRECISIONS = {"BF16": "bfloat16", "F16": "float16"}
+MAX_SAFETENSORS_HEADER = 100 << 20
+
+
+def safetensors_dtypes(folder: Path) -> set[str]:
+    """The dtypes of the floating tensors in a folder's *.safetensors files, from their headers only
+    (an 8-byte length, then JSON); empty when there are none or a header is unreadable."""
+    found: set[str] = set()
+    for path in sorted(folder.glob("*.safetensors")):
+        try:
+            with open(path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                if not 0 < size <= MAX_SAFETENSORS_HEADER:
+                    return set()
+                header = json.loads(f.read(size))
+        except (OSError, ValueError):
+            return set()
+        dtypes = {str(t.get("dtype", "")) for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)}
+        found |= {d for d in dtypes if d.startswith("F") or d == "BF16"}  # F64..F8_*, BF16; not BOOL or ints
+    return found
+
+
+def source_precision(folder: Path | None) -> str:
+    """The torch dtype name a causal LM's baseline is held in: the checkpoint's own where every
+    floating tensor is bf16 (or every one fp16), else float32 (a hub id, mixed or FP32 weights)."""
+    if folder is None or not folder.is_dir():
+        return "float32"
+    dtypes = safetensors_dtypes(folder)
+    if len(dtypes) == 1 and next(iter(dtypes)) in HALF_PRECISIONS:
+        return HALF_PRECISIONS[next(iter(dtypes))]
+    return "float32"
+
+
 def load_hf_model(
     source: str,
     task: str,
@@ -139,8 +179,10 @@ def load_hf_model(
     trust_remote_code: bool = False,
     revision: str | None = None,
     gguf_file: str | None = None,
+    precision: str = "float32",
 ):
-    """Load a Hugging Face model in FP32 from a hub id or a local folder (safetensors unless opted in)."""
+    """Load a Hugging Face model from a hub id or a local folder (safetensors unless opted in), in
+    `precision` (a torch dtype name): a checkpoint already in it is memory-mapped, not copied."""
     import torch
     import transformers
 
@@ -149,7 +191,10 @@ def load_hf_model(
     # Mismatched shapes are listed in the loading info (check_loaded refuses them, naming the weights)
     # rather than raised by transformers as a RuntimeError pointing at a logged table.
     kwargs = dict(
-        dtype=torch.float32, trust_remote_code=trust_remote_code, revision=revision, ignore_mismatched_sizes=True
+        dtype=getattr(torch, precision),
+        trust_remote_code=trust_remote_code,
+        revision=revision,
+        ignore_mismatched_sizes=True,
     )
     if gguf_file:
         kwargs["gguf_file"] = gguf_file
@@ -231,9 +276,10 @@ class TorchLM:
         return kv_shape_from_hf_config(self.model.config.to_dict(), next(self.model.parameters()).element_size())
 
     def logits(self, ids) -> np.ndarray:
+        """FP32 logits, whatever precision the weights are held in (fp32_compute)."""
         import torch
 
-        with torch.inference_mode():
+        with torch.inference_mode(), fp32_compute(self.model):
             out = self.model(input_ids=torch.as_tensor(np.asarray(ids, dtype=np.int64))[None], use_cache=False)
         return out.logits[0].float().numpy()
 
@@ -322,3 +368,57 @@ def token_stamps(before_stamp: Callable[[], Any] = lambda: None):
             pass
 
     return Stamps()
+
+
+class fp32_compute:
+    """Within it, a model held in bf16/fp16 computes in FP32 one module at a time: each module's own
+    parameters and floating buffers are upcast just before its forward and the held ones put back
+    just after, so at most one module's FP32 copy exists at once (the largest matrix, not the
+    model). The upcast is exact, so the outputs are those of the model loaded in FP32. A model
+    already in FP32 is left as it is (no hooks)."""
+
+    def __init__(self, model):
+        self.model = model
+        self.hooks: list = []
+
+    def __enter__(self):
+        import torch
+
+        first = next(self.model.parameters(), None)
+        if first is None or first.dtype == torch.float32:
+            return self
+        for module in self.model.modules():
+            if any(t.is_floating_point() for t in _own_tensors(module)):
+                self.hooks.append(module.register_forward_pre_hook(_upcast))
+                self.hooks.append(module.register_forward_hook(_restore, always_call=True))
+        return self
+
+    def __exit__(self, *exc):
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks.clear()
+
+
+def _own_tensors(module) -> list:
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+def _upcast(module, args):
+    import torch
+
+    held = {}
+    for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        if tensor.is_floating_point() and tensor.dtype != torch.float32:
+            held[name] = tensor.data
+            tensor.data = tensor.data.float()
+    module._held_precision = held
+    cast = [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+    return tuple(cast)
+
+
+def _restore(module, args, output):
+    held = getattr(module, "_held_precision", None) or {}
+    tensors = dict([*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)])
+    for name, data in held.items():
+        tensors[name].data = data
+    module._held_precision = {}

@@ -14,6 +14,7 @@ from optimize.compile.race.choice import choose, untimed_thresholds
 from optimize.compile.race.entry import Entry
 from optimize.context import Context, Model
 from optimize.errors import RecipeError
+from optimize.memory import stages as memory_stages
 from optimize.registry import register
 
 
@@ -46,14 +47,17 @@ def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
     lm_race = tasks.get(model.task).generates
     exported, export = (model, None) if lm_race else export_once(model, ctx)  # decoders: built from the module
     gguf = bool(ctx.source is not None and ctx.source.gguf_file)
-    entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates or default_candidates(lm_race, gguf)]
+    names, left_out = budgets.sized_candidates(cfg, model, lm_race, gguf)
+    entries = [Entry(name, cfg.spec(name)) for name in names]
     if lm_race:
         budgets.refuse_at_plan_time(entries, model)
     if ctx.plan.serve.structured_output:
         budgets.refuse_unconstrained(entries, ctx.plan.task)
+    budgets.refuse_for_memory(entries, model)
     key_base = cache.identity(model, ctx)
     budget = budgets.Budget(cfg, entries, model)  # its clock starts here, at the first build
-    build_all(entries, exported, ctx, key_base if cfg.cache else None, budget)
+    with memory_stages.stage("race: build"):
+        build_all(entries, exported, ctx, key_base if cfg.cache else None, budget)
     built = [e for e in entries if e.model is not None]
     budgets.say_if_fewer(entries, built)
     if not built:
@@ -63,8 +67,10 @@ def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
         )
     halving = None
     if lm_race:
-        baseline = lm.score(built, ctx, workload, cfg, thresholds, key_base if cfg.cache else None)
-        halving = lm.serve_passing(built, ctx, workload, thresholds, baseline)  # each passing one as served, per level
+        with memory_stages.stage("race: scoring"):
+            baseline = lm.score(built, ctx, workload, cfg, thresholds, key_base if cfg.cache else None)
+        with memory_stages.stage("race: served timing"):  # each passing one as served, per level
+            halving = lm.serve_passing(built, ctx, workload, thresholds, baseline)
         winner = lm.choose(built, workload, baseline, thresholds)
     else:
         baseline = scoring.score(built, ctx, workload, cfg)
@@ -72,6 +78,7 @@ def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
     plot = report.plot_front(entries, workload, ctx.scratch / "race_front.png")
     record = report.race_record(ctx, workload, entries, winner, baseline, export, plot, time.monotonic() - started)
     record.update(budget=budget.record(entries), fewer_than_asked=budgets.fewer_than_asked(entries))
+    record.update(left_out_for_size=left_out)
     if halving is not None:
         record.update(served_halving=halving, served_cut_note=report.cut_note(halving))
     # The winner's engine record is in the race's (winner_engine); its quantize record is filed as its own.

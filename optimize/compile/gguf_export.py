@@ -113,7 +113,10 @@ def write_or_carry(model: Model, cfg: GGUFExportConfig, ctx: Context, path: Path
     if cfg.imatrix and cfg.type != "Q8_0":
         sequences = calibration_sequences(ctx, cfg)
         log.info("importance matrix from %d calibration texts", len(sequences))
-        weights = imatrix.collect(model.module, sequences)
+        from engines.pytorch.runner import fp32_compute
+
+        with fp32_compute(model.module):  # a bf16/fp16 source: the FP32 model's activations, a module at a time
+            weights = imatrix.collect(model.module, sequences)
     tokenizer_dir = None if source_file else tokenizer_folder(ctx)
     log.info("writing %s GGUF", cfg.type)
     written = writer.write(

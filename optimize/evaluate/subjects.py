@@ -52,6 +52,14 @@ def reference(source) -> dict:
             "statement": f"the GGUF file {source.gguf_file} dequantized to FP32 (its matrices: {listed}), "
             "the user's quantized model",
         }
+    first = next(iter(source.module.parameters()), None) if hasattr(source.module, "parameters") else None
+    if first is not None and str(first.dtype) in ("torch.bfloat16", "torch.float16"):  # kept in its precision
+        precision = str(first.dtype).removeprefix("torch.")
+        return {
+            "kind": "checkpoint",
+            "statement": f"the checkpoint {source.location} in {precision} (PyTorch), scored in FP32 a module "
+            f"at a time, generating in {precision}",
+        }
     return {"kind": "checkpoint", "statement": f"the checkpoint {source.location} in FP32 (PyTorch)"}
 
 

@@ -14,6 +14,7 @@ RecipeError naming why (exit 2); nothing is allocated in proportion to what a fi
 from __future__ import annotations
 
 import importlib.util
+import logging
 import mmap
 import os
 import re
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from optimize.errors import RecipeError
+
+log = logging.getLogger(__name__)
 
 # Value types (the GGUF spec): fixed sizes, 8 = string, 9 = array.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -238,8 +241,10 @@ def _unknown_tensors(header: Header, arch: str, blocks: int) -> list[str]:
     return sorted(n for n in header.tensors if n not in known and n.rsplit(".", 1)[0] not in known)
 
 
-def _check_memory(header: Header, values: dict[str, list[int]]) -> None:
-    """What transformers allocates in FP32: the configured model (estimated) and the dequantized tensors."""
+def fp32_bytes(header: Header, values: dict[str, list[int]] | None = None) -> int:
+    """The model's weights in FP32: the larger of what its metadata configures (estimated) and the
+    tensors the file holds."""
+    values = values if values is not None else _configured(header)
     tokens = header.metadata.get("tokenizer.ggml.tokens")
     vocab = max(values.get("vocab_size", [0])[0], tokens[1] if isinstance(tokens, tuple) else 0)
     layers, width = values.get("block_count", [1])[0], values.get("embedding_length", [1])[0]
@@ -247,12 +252,52 @@ def _check_memory(header: Header, values: dict[str, list[int]]) -> None:
     experts = values.get("expert_count", [1])[0]
     configured = layers * (4 * width * width + 3 * width * ffn * experts) + 2 * vocab * width
     held = sum(_elements(dims) for dims, _, _ in header.tensors.values())
-    need, have = 4 * max(configured, held), _physical_memory()
-    if need > have // 2:
+    return 4 * max(configured, held)
+
+
+def _configured(header: Header) -> dict[str, list[int]]:
+    arch = header.architecture
+    found = {}
+    for name in LIMITS:
+        raw = header.metadata.get(f"{arch}.{name}")
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            found[name] = [raw]
+        elif isinstance(raw, tuple) and raw[2]:
+            found[name] = [v for v in raw[2] if isinstance(v, int)] or [0]
+    return found
+
+
+def _check_memory(header: Header, values: dict[str, list[int]]) -> None:
+    """The file is converted a tensor at a time (optimize/sources/gguf_convert.py) and its FP32 conversion
+    memory-mapped as the baseline, which every forward reads whole: it must fit this machine's memory."""
+    need, have = fp32_bytes(header, values), _physical_memory()
+    if need > have:
         raise RecipeError(
-            f"the model it describes needs about {need / 2**30:.1f} GiB in FP32, over half this machine's "
-            f"{have / 2**30:.1f} GiB"
+            f"the model it describes is {need / 2**30:.1f} GiB in FP32 (the baseline every candidate is scored "
+            f"against), more than this machine's {have / 2**30:.1f} GiB of memory"
         )
+
+
+def carried(header: Header) -> str:
+    """One line saying what the file is and how it is carried: its architecture, layers and tensor
+    types (with counts), and the FP32 conversion the baseline and the builders read."""
+    import gguf
+
+    counts: dict[str, int] = {}
+    for _, kind, _ in header.tensors.values():
+        name = gguf.GGMLQuantizationType(kind).name
+        counts[name] = counts.get(name, 0) + 1
+    types = ", ".join(f"{n} x{c}" for n, c in sorted(counts.items(), key=lambda item: -item[1]))
+    layers = header.metadata.get(f"{header.architecture}.block_count")
+    held = sum(_elements(dims) for dims, _, _ in header.tensors.values())
+    return (
+        f"GGUF {header.architecture}, {layers} layers, tensors {types}: carried (dequantized a tensor at a "
+        f"time to {_size(4 * held)} of FP32 safetensors, memory-mapped as the baseline)"
+    )
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
 
 
 def _elements(dims: tuple) -> int:
@@ -324,7 +369,14 @@ def check_gguf_source(path: Path, source: str):
             raise RecipeError(
                 f"model.source={source} holds {kind.name} tensors, which the installed gguf package cannot dequantize"
             ) from None
+    line = f"model.source={source}: {carried(header)}"
+    if line not in _SAID:  # the plan, the memory plan and the load each resolve the source: said once
+        _SAID.add(line)
+        log.info("%s", line)
     return header
+
+
+_SAID: set[str] = set()
 
 
 def gguf_config_keys(architecture: str) -> set[str]:
@@ -348,7 +400,7 @@ def main(argv: list[str]) -> int:
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(f"{header.architecture}: {len(header.metadata)} metadata keys, {len(header.tensors)} tensors")
+    print(carried(header))
     return 0
 
 

@@ -187,7 +187,7 @@ def load(cfg) -> SourceModel:
 
 
 def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
-    from engines.pytorch.runner import IncompleteWeights, load_hf_model
+    from engines.pytorch.runner import IncompleteWeights, load_hf_model, source_precision
 
     location, gguf_file = (cfg.source if path is None else str(path)), cfg.gguf_file
     offline = False
@@ -205,15 +205,30 @@ def _load_hf(cfg, kind: str, path: Path | None) -> SourceModel:
             f"model.source={path}: a bare checkpoint file has no architecture; "
             "give the Hugging Face folder that holds it"
         )
-    try:
-        module = load_hf_model(
-            location,
-            cfg.task,
-            allow_pickle=cfg.allow_pickle,
-            trust_remote_code=cfg.trust_remote_code,
-            revision=cfg.revision,
-            gguf_file=gguf_file,
+    precision = source_precision(path) if cfg.task == "causal_lm" else "float32"
+    if kind == "folder" and precision != "float32":
+        shards = len(list(path.glob("*.safetensors"))) if path is not None else 0
+        log.info(
+            "model.source=%s: %s safetensors (%d file%s): carried in %s, memory-mapped, "
+            "scored in FP32 a module at a time",
+            cfg.source,
+            precision,
+            shards,
+            "" if shards == 1 else "s",
+            precision,
         )
+    try:
+        if gguf_file:  # the file's FP32 conversion, written a tensor at a time, then memory-mapped
+            module = load_hf_model(str(converted_folder(Path(location) / gguf_file)), cfg.task)
+        else:
+            module = load_hf_model(
+                location,
+                cfg.task,
+                allow_pickle=cfg.allow_pickle,
+                trust_remote_code=cfg.trust_remote_code,
+                revision=cfg.revision,
+                precision=precision,
+            )
     except OSError as exc:  # transformers reports unreachable hubs and missing files as OSError
         if offline:
             raise RecipeError(
@@ -261,32 +276,75 @@ def source_hash(source: SourceModel) -> dict:
     return {}
 
 
+# ---------------------------------------------------------------- what the baseline holds
+
+# Private memory of a causal LM's baseline per parameter, beyond the interpreter and its imports: what
+# loading memory-maps leaves unmapped, one module's FP32 upcast at a time and a scoring window's
+# activations. Measured on a 244M-parameter Llama (bf16 folder, and its Q8_0 GGUF through the FP32
+# conversion): 200 and 208 MB after loading and scoring two 512-token windows (docs/own-model.md).
+BASELINE_PRIVATE_PER_PARAMETER = 0.85
+# The weights themselves are file pages of the checkpoint (or of a GGUF's FP32 conversion), read by
+# every forward: the kernel drops them under pressure and reads them again (slower, never killed).
+BASELINE_FILE_BYTES_PER_PARAMETER = {"bfloat16": 2, "float16": 2, "float32": 4, "gguf": 4}
+
+
+def baseline_memory(parameters: int, precision: str) -> dict[str, int]:
+    """What a causal LM's baseline holds, for the memory plan: `private` bytes (which must fit) and
+    `file_pages` (the weights, memory-mapped). `precision`: source_precision's answer for a folder,
+    or "gguf" for a GGUF file."""
+    return {
+        "private": int(parameters * BASELINE_PRIVATE_PER_PARAMETER),
+        "file_pages": int(parameters * BASELINE_FILE_BYTES_PER_PARAMETER.get(precision, 4)),
+    }
+
+
 # ---------------------------------------------------------------- GGUF -> cached Hugging Face folder
 
 
 def hf_folder(source) -> Path:
-    """A Hugging Face folder (config + safetensors + tokenizer) for builders that read one.
-
-    A folder source is used as it is. A GGUF source was dequantized to FP32 on load; the module is
-    saved once under the cache, keyed by the GGUF file's sha256, so later runs reuse it, and only
-    when it verifies (optimize/cache_store.py: its files, this code, this GGUF); else it is rebuilt."""
-    from optimize import cache_store
-
+    """A Hugging Face folder (config + safetensors + tokenizer) for builders that read one: a folder
+    source as it is, a GGUF source's FP32 conversion (converted_folder)."""
     location = Path(source.location)
     if not source.gguf_file:
         if not (location / "config.json").is_file():
             raise RecipeError(f"model.source={source.location}: the engine needs a local model folder")
         return location
-    from engines.artifact import sha256_file
+    return converted_folder(location / source.gguf_file)
 
-    digest = sha256_file(location / source.gguf_file)
+
+def converted_folder(gguf_path: Path) -> Path:
+    """The GGUF file dequantized to FP32 safetensors, a tensor at a time (optimize/sources/gguf_convert.py),
+    under the cache keyed by the file's sha256: written once, reused by later runs only when it
+    verifies (optimize/cache_store.py: its files, this code, this GGUF), else rebuilt. The baseline
+    memory-maps it and the builders read it, so no process holds the dequantized model in memory."""
+    from engines.artifact import sha256_file
+    from optimize import cache_store
+
+    digest = sha256_file(gguf_path)
     folder = cache_root() / "gguf" / digest[:24]
     good, why = cache_store.open_verified(folder, "gguf:" + digest)
-    if not good:
-        if why != "not cached":
-            log.warning("cached conversion of %s under %s not used, rebuilt: %s", source.gguf_file, folder, why)
-            cache_store.discard(folder)
-        save_converted(source.module, location, source.gguf_file, folder, "gguf:" + digest)
+    if good:
+        return folder
+    if why != "not cached":
+        log.warning("cached conversion of %s under %s not used, rebuilt: %s", gguf_path.name, folder, why)
+        cache_store.discard(folder)
+    from optimize.sources.gguf_convert import convert
+    from optimize.sources.gguf_header import fp32_bytes, read_header
+
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    need, free = fp32_bytes(read_header(gguf_path)), shutil.disk_usage(folder.parent).free
+    if need > free:
+        raise RecipeError(
+            f"model.source={gguf_path}: its FP32 conversion needs {need / 2**30:.1f} GiB of disk under "
+            f"{folder.parent}, {free / 2**30:.1f} GiB free"
+        )
+    log.info("converting %s to FP32 safetensors under %s, a tensor at a time (once)", gguf_path.name, folder)
+    tmp = cache_store.staging(folder)
+    try:
+        convert(gguf_path, tmp)
+        cache_store.seal(tmp, folder, "gguf:" + digest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
 

@@ -102,6 +102,13 @@ def test_genai_int4_recipe_on_tiny_model(tiny_llm, tmp_path):
         "max_ppl_increase_over_source_pct",
     }
     assert "perplexity (held-out)" in proc.stdout and "decode tok/s p50" in proc.stdout
+    # Memory planned from the safetensors headers before loading, and each stage's time and peak as run.
+    resources = manifest["resources"]
+    assert resources["memory_plan"]["parameters"] == manifest["model"]["parameters"]
+    stages = {row["stage"]: row for row in resources["stages"]}
+    assert {"load", "baseline", "engine: onnxruntime_genai", "evaluate"} <= set(stages)
+    assert all(row["peak_gb"] > 0 and row["seconds"] >= 0 for row in stages.values())
+    assert "where the time went" in proc.stdout + proc.stderr
     from engines import load
 
     assert load(out).generate  # the artifact loads back through the engine dispatch

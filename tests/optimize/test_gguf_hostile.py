@@ -120,7 +120,7 @@ def _hostile_files(tiny: Path, folder: Path) -> list[Path]:
 
 def test_the_tiny_gguf_itself_passes(tiny_gguf, capsys):
     assert main([str(tiny_gguf)]) == 0
-    assert capsys.readouterr().out.startswith("llama: ")
+    assert capsys.readouterr().out.startswith("GGUF llama, 2 layers, tensors Q8_0 x")
 
 
 # One process checks every hostile file as the pipeline does (check_gguf_source, which resolve() runs

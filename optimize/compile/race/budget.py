@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Optional
 
-from optimize.compile.race.candidates import EngineRaceConfig
+from optimize.compile.race.candidates import EngineRaceConfig, default_candidates, parameter_count
 from optimize.compile.race.entry import Entry
 
 log = logging.getLogger(__name__)
@@ -27,6 +27,44 @@ def refuse_at_plan_time(entries: list[Entry], model) -> None:
             entry.refused = True
             entry.outcome = f"refused at plan time: {reason}"
             log.info("race: %s refused at plan time: %s", entry.name, reason)
+
+
+def sized_candidates(cfg: EngineRaceConfig, model, generates: bool, gguf: bool) -> tuple[list[str], list[str]]:
+    """The candidates to race and those the default set leaves out at this model's size (the cheapest
+    builds kept, optimize/memory/plan.py): the names the recipe gave are all raced."""
+    from optimize.memory import plan as memory
+
+    if cfg.candidates:
+        return list(cfg.candidates), []
+    names = default_candidates(generates, gguf)
+    builds = [memory.Build.of(name, cfg.spec(name)) for name in names]
+    parameters = parameter_count(model)
+    kept = {b.name for b in memory.cheapest_builds(builds, parameters)}
+    left_out = [n for n in names if n not in kept]
+    if left_out:
+        log.info(
+            "race: a model of %.2fB parameters races %d candidates by default; left out: %s",
+            parameters / 1e9,
+            len(kept),
+            ", ".join(left_out),
+        )
+    return [n for n in names if n in kept], left_out
+
+
+def refuse_for_memory(entries: list[Entry], model) -> None:
+    """Candidates whose builder would need more memory than is free beside the loaded model, refused
+    with the figure before anything is built (optimize/memory/plan.py)."""
+    from optimize.memory import plan as memory
+
+    parameters, free = parameter_count(model), memory.free_now()
+    for entry in entries:
+        if entry.refused:
+            continue
+        reason = memory.refusal(memory.Build.of(entry.name, entry.spec), parameters, free)
+        if reason:
+            entry.refused = True
+            entry.outcome = reason
+            log.warning("race: %s %s", entry.name, reason)
 
 
 def refuse_unconstrained(entries: list[Entry], task) -> None:
@@ -107,7 +145,8 @@ def fewer_than_asked(entries: list[Entry]) -> Optional[str]:
     missing = [e for e in entries if e.model is None]
     reasons = {
         "cut by the build budget": [e.name for e in missing if e.budget_cut],
-        "refused at plan time": [e.name for e in missing if e.refused],
+        "refused for memory": [e.name for e in missing if e.outcome.startswith("refused for memory")],
+        "refused at plan time": [e.name for e in missing if e.refused and not e.outcome.startswith("refused for")],
         "failed to build": [e.name for e in missing if not e.budget_cut and not e.refused],
     }
     said = "; ".join(f"{why}: {', '.join(names)}" for why, names in reasons.items() if names)

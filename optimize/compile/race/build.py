@@ -95,6 +95,7 @@ def build(
     start = time.monotonic()
     reply = run_bounded(lambda: _build_and_save(entry.spec, exported, ctx, where, key, limit_s), limit_s, tick)
     entry.build_s = time.monotonic() - start
+    entry.build_peak_gb = reply.get("peak", 0) / 1e9
     if reply.get("cut"):
         _discard_partial(where, key, reply.get("pid"))
         entry.budget_cut = True
@@ -137,39 +138,54 @@ def _build_and_save(spec, exported, ctx, where: Path, key: Optional[str], limit_
 def run_bounded(work: Callable[[], dict], limit_s: float, tick: Callable[[float], None]) -> dict:
     """`work()` in a forked process of its own session, ended (with anything it started) when
     `limit_s` runs out: its reply, or {"cut": True, "pid": ...}; an exception in it is
-    {"failed": "Type: message", "trace": ...}, a process that died is {"failed": "... exit code N"}."""
+    {"failed": "Type: message", "trace": ...}, a process that died is {"failed": "... exit code N"},
+    or, ended by the kernel for memory, {"failed": "killed for memory at 13.8 GB ..."}. Every reply
+    has "peak": the most its process and what it started held (bytes, sampled)."""
     import multiprocessing
     import warnings
 
+    from engines import memprobe
+
+    allowed, oom_before = memprobe.free_to_child(), memprobe.oom_kills()
     receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
     with warnings.catch_warnings():  # fork beside the runtimes' thread pools: the child uses its own
         warnings.simplefilter("ignore", DeprecationWarning)
         process = multiprocessing.get_context("fork").Process(target=_child, args=(work, send), daemon=False)
         process.start()
     send.close()
+    peak = memprobe.TreePeak(process.pid).start()
     start = time.monotonic()
     tick(0.0)
+
+    def ended() -> dict:
+        process.join()
+        peak.stop()
+        killed = memprobe.killed_words(process.exitcode, peak, allowed, oom_before)
+        return {"failed": killed or f"its build process ended with exit code {process.exitcode}", "pid": process.pid}
+
     try:
         while not receive.poll(POLL_S):
             elapsed = time.monotonic() - start
             tick(elapsed)
             if not process.is_alive() and not receive.poll(0):
-                process.join()
-                return {"failed": f"its build process ended with exit code {process.exitcode}", "pid": process.pid}
+                return {**ended(), "peak": peak.peak}
             if elapsed >= limit_s:
                 _end(process)
-                return {"cut": True, "pid": process.pid}
+                return {"cut": True, "pid": process.pid, "peak": peak.stop()}
         try:
             reply = receive.recv()
         except EOFError:
-            process.join()
-            return {"failed": f"its build process ended with exit code {process.exitcode}", "pid": process.pid}
+            return {**ended(), "peak": peak.peak}
         process.join()
-        return {**reply, "pid": process.pid}
+        peak.stop()
+        if reply.get("memory_error"):  # an allocation refused (a ulimit, no overcommit): out of memory too
+            reply["failed"] = f"ran out of memory at {peak.peak / memprobe.GB:.1f} GB ({reply['failed']})"
+        return {**reply, "pid": process.pid, "peak": peak.peak}
     except BaseException:  # interrupted: the build goes with the race
         _end(process)
         raise
     finally:
+        peak.stop()
         receive.close()
 
 
@@ -179,6 +195,7 @@ def _child(work: Callable[[], dict], send) -> None:
         reply = work()
     except Exception as exc:
         reply = {"failed": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()}
+        reply["memory_error"] = isinstance(exc, MemoryError)
     send.send(reply)
     send.close()
 

@@ -43,6 +43,8 @@ def identity(model, ctx) -> str:
 
 
 def _weights_hash(model) -> str:
+    import torch
+
     from engines.artifact import sha256_file
 
     if model.kind == "onnx":
@@ -50,7 +52,8 @@ def _weights_hash(model) -> str:
     digest = hashlib.sha256()
     for name, tensor in model.module.state_dict().items():
         digest.update(name.encode())
-        digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+        # the raw bytes (numpy has no bfloat16): for FP32 weights the same bytes as tensor.numpy()
+        digest.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

@@ -33,7 +33,16 @@ def serving(entry) -> str:
 
 def columns(entry) -> dict:
     """What the report shows of one candidate: its build time, then the task's own figures."""
-    return {"build s": build_words(entry), **(lm_cells(entry) if entry.metrics else encoder_cells(entry))}
+    return {
+        "build s": build_words(entry),
+        "build peak GB": _peak_words(entry),
+        **(lm_cells(entry) if entry.metrics else encoder_cells(entry)),
+    }
+
+
+def _peak_words(entry) -> str:
+    """The most its build's process tree held (a forked child shares the race's pages: counted once)."""
+    return f"{entry.build_peak_gb:.1f}" if entry.build_peak_gb else "-"
 
 
 def build_words(entry) -> str:

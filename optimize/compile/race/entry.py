@@ -20,6 +20,7 @@ class Entry:
     cached: bool = False
     cache_rebuilt: str = ""  # why a cached copy was there but not used (cache.load_cached)
     build_s: float = 0.0
+    build_peak_gb: float = 0.0  # the most its build's process and what it started held (sampled)
     size_mb: Optional[float] = None
     fidelity: dict = field(default_factory=dict)
     latency: dict = field(default_factory=dict)
@@ -51,6 +52,7 @@ class Entry:
             "cached": self.cached,
             "cache_rebuilt": self.cache_rebuilt,
             "build_s": round(self.build_s, 1),
+            "build_peak_gb": round(self.build_peak_gb, 2),
             "budget_s": round(self.budget_s, 1),
             "over_budget": self.over_budget,
             "size_mb": self.size_mb,

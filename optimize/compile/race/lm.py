@@ -96,6 +96,9 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: st
             "identity": fidelity["identity"],
             "reference": fidelity["reference"],
         }
+    standard = _standard_reference(ctx, cfg, tokens, baseline, key_base)
+    if standard is not None:
+        ctx.baseline.measured["standard_tasks"] = standard
     return base
 
 
@@ -119,6 +122,30 @@ def _fidelity_reference(ctx, cfg, tokens, baseline, key: str | None) -> dict | N
         if key:
             _save_reference(key, identity, reference)
     return {"texts": texts, "reference": reference, "identity": identity}
+
+
+def _standard_reference(ctx, cfg, tokens, baseline, key_base: str | None) -> dict | None:
+    """The baseline's per-item scores on the standard tasks, which the final evaluation reads from
+    ctx.baseline.measured: from the race cache where an earlier race on this model and machine scored
+    the same items, else scored now (once a run) and kept; None when no standard task is asked."""
+    if not cfg.standard_tasks:
+        return None
+    from optimize.compile.race import cache
+    from optimize.tasks.lm_harness import standard_task_data, standard_task_items
+
+    folder = ctx.scratch / "standard_tasks"
+    written = standard_task_data(cfg.standard_tasks, cfg.standard_limit, folder)
+    identity = {name: entry["sha256"] for name, entry in written.items()}
+    key = cache.baseline_key(key_base, {"standard_tasks": identity}) if key_base else None
+    cached = cache.load_baseline(key) if key else None
+    if cached is not None and cached.get("written") == identity:
+        log.info("race: the baseline's standard-task scores are reused from an earlier race on this machine")
+        return cached
+    scores = standard_task_items(baseline, tokens, list(cfg.standard_tasks), folder, "baseline")
+    entry = {"written": identity, "scores": scores}
+    if key:
+        cache.save_baseline(key, entry)
+    return entry
 
 
 def _reference_folder(key: str, identity: str):

@@ -1,0 +1,200 @@
+"""Each stage's peak memory estimated before anything loads, from the model's size and the builders'
+bytes per parameter, against the memory this machine lets the run use.
+
+The run holds the source model for its baseline the whole time (memory-mapped in its own precision,
+or a GGUF's FP32 conversion); each candidate's builder
+runs in a child process of its own, one at a time, and needs its own bytes on top (BUILD); the
+candidates' scoring loads their engines beside the baseline (ENGINE), and each is then timed as
+served in a server of its own. A stage that cannot fit refuses its candidate in the race's table
+with the figure; a run whose baseline and cheapest build cannot fit is refused at plan time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from optimize.errors import RecipeError
+from optimize.memory.shape import ModelShape
+
+GB = 1e9
+
+# Each stage's bytes in one table: (fixed GB, bytes per parameter), where each came from beside it. The
+# fixed part is the process and its runtimes' own (imports, kernels): at SmolLM2's 135M parameters it
+# is most of a builder's peak, so a slope needs a point at size. "Measured" peaks are a process tree's
+# proportional set size (benchmarks/lm_at_size.py --builders-on, SmolLM2-135M's FP32 folder, 2-core
+# AMD EPYC, 2026-12-06, load average 7-8); "the issue's" are Qwen2-1.5B (1.54B parameters, a Q4_K/Q6_K
+# GGUF dequantized to FP32) on a 2-core, 23 GB machine, where the kernel killed the GenAI builder.
+# The run holding its baseline: the interpreter and its imports (fixed, the issue's run: ~1 GB), then
+# what optimize.sources.models.baseline_memory measured per parameter: private bytes (0.85 B/param) and the
+# weights as memory-mapped file pages in the precision the baseline reads them (a bf16/fp16 folder's
+# own, a GGUF's FP32 conversion). The pages are counted as needed: every forward reads them again.
+RESIDENT_FIXED_GB = 1.0
+PRECISION_OF = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "gguf blocks": "gguf"}
+BUILD = {
+    # ONNX Runtime GenAI's model builder, a subprocess loading its own FP32 copy: measured 2.77 GB on
+    # SmolLM2 (int4 k_quant_mixed), the issue's 13.8 GB at 1.54B: the line through both.
+    "onnxruntime_genai": (1.7, 7.85),
+    "onnxruntime_genai_gguf": (1.7, 7.85),  # the same builder on the dequantized file (assumed alike)
+    # optimum-intel's export then NNCF with data (AWQ, scale estimation, GPTQ, LoRA, Hessian mixes): the
+    # issue's run grew from 9.8 GB to 18.9 GB during it at 1.54B (6.1 B/param); fixed part as below.
+    "openvino_genai:data": (0.7, 6.1),
+    # The export with data-free rounding: measured 1.33 GB on SmolLM2 (int8); the slope is an estimate
+    # (the FP32 IR, 4 B/param, and the compressed copy), not yet measured at size.
+    "openvino_genai": (0.7, 4.5),
+    "openvino_genai_gguf": (0.7, 2.0),  # OpenVINO's GGUF reader: the file's blocks and the IR (estimated)
+    "native_gguf": (0.3, 1.2),  # a copy of the file's blocks repacked for the kernels (estimated)
+    "gguf": (0.7, 4.5),  # llama.cpp's writer from the FP32 module, tensor by tensor, with its imatrix (estimated)
+}
+DEFAULT_BUILD = (1.7, 7.85)  # an engine method not in the table: as the costliest measured builder
+# A built engine's weights per source parameter as the scoring stage loads them beside the baseline:
+# INT4 with 8-bit heads and scales, INT8, or the file's own blocks (GGUF sources: bytes on disk).
+ENGINE = {"int4": 0.7, "int8": 1.2, "default": 4.0}
+RUNTIME_BYTES = 0.4 * GB  # a runtime's own allocations beside its weights (ONNX Runtime, OpenVINO)
+
+# Keys of an OpenVINO GenAI candidate's parameters that make NNCF read calibration activations.
+_DATA_AWARE = ("awq", "scale_estimation", "gptq", "lora_correction", "sensitivity_metric")
+
+
+def build_bytes(engine: str, params: dict, parameters: int) -> float:
+    """What a builder's process needs at its peak for a model of `parameters`."""
+    key = "openvino_genai:data" if engine == "openvino_genai" and any(params.get(k) for k in _DATA_AWARE) else engine
+    fixed_gb, per_parameter = BUILD.get(key, DEFAULT_BUILD)
+    return fixed_gb * GB + per_parameter * parameters
+
+
+def engine_bytes(engine: str, params: dict, shape: ModelShape) -> float:
+    """What a built candidate's engine holds when loaded, from its precision."""
+    if "gguf" in engine:
+        return shape.disk_bytes * 1.1 + RUNTIME_BYTES
+    text = " ".join(str(v) for v in params.values())
+    precision = "int4" if "int4" in text else "int8" if "int8" in text else "default"
+    return ENGINE[precision] * shape.parameters + RUNTIME_BYTES
+
+
+@dataclass(frozen=True)
+class Build:
+    """One engine build the run plans: a race candidate, or the recipe's one engine method."""
+
+    name: str
+    engine: str
+    params: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, name: str, spec) -> "Build":
+        """A race candidate's build (optimize/compile/race/candidates.Candidate: its engine and parameters)."""
+        return cls(name, spec.engine, {**spec.engine_params, **spec.quantize_params})
+
+
+@dataclass
+class MemoryPlan:
+    shape: ModelShape
+    free: int  # bytes free to the run when it was planned
+    limit: int  # the most the run may use in all (machine, cgroup, OPTIMIZE_MEMORY_LIMIT_GB)
+    builds: list[Build]
+
+    @property
+    def resident(self) -> float:
+        from optimize.sources.models import baseline_memory
+
+        precision = PRECISION_OF.get(self.shape.dtype, self.shape.dtype)
+        held = baseline_memory(self.shape.parameters, precision)
+        return RESIDENT_FIXED_GB * GB + held["private"] + held["file_pages"]
+
+    def build_need(self, build: Build) -> float:
+        """The run's peak while `build` builds: the resident baseline and the builder's own bytes."""
+        return self.resident + build_bytes(build.engine, build.params, self.shape.parameters)
+
+    def scoring_need(self) -> float:
+        """The baseline beside every candidate's loaded engine (the race scores them side by side)."""
+        return self.resident + sum(engine_bytes(b.engine, b.params, self.shape) for b in self.builds)
+
+    def fits(self, build: Build) -> bool:
+        return self.build_need(build) <= self.free
+
+    def stages(self) -> dict[str, float]:
+        """Each stage's planned peak in bytes."""
+        planned = {"baseline": self.resident}
+        planned.update({f"build {b.name}": self.build_need(b) for b in self.builds})
+        planned["scoring"] = self.scoring_need()
+        return planned
+
+    def record(self) -> dict:
+        return {
+            "parameters": self.shape.parameters,
+            "source": self.shape.words(),
+            "free_gb": round(self.free / GB, 2),
+            "limit_gb": round(self.limit / GB, 2),
+            "planned_peak_gb": {name: round(need / GB, 2) for name, need in self.stages().items()},
+            "refused": [b.name for b in self.builds if not self.fits(b)],
+        }
+
+    def lines(self) -> list[str]:
+        head = f"memory plan: {self.shape.words()}; {self.free / GB:.1f} GB free"
+        rows = [f"  {name}: ~{need / GB:.1f} GB" for name, need in self.stages().items()]
+        return [head, *rows]
+
+
+def make(shape: ModelShape, builds: Iterable[Build], free: Optional[int] = None) -> MemoryPlan:
+    from engines import memprobe
+
+    return MemoryPlan(shape, memprobe.free_bytes() if free is None else free, memprobe.limit_bytes(), list(builds))
+
+
+def free_now() -> int:
+    """What is free to the run now, beside what it and its children hold already."""
+    import os
+
+    from engines import memprobe
+
+    return memprobe.free_bytes(memprobe.tree_rss_bytes(os.getpid()))
+
+
+def check_run(plan: MemoryPlan) -> None:
+    """One line, exit 2, when the run cannot fit at all: its baseline alone, or with its cheapest build."""
+    if plan.builds:
+        cheapest = min(plan.builds, key=plan.build_need)
+        need, what = plan.build_need(cheapest), f"its baseline and its cheapest build ({cheapest.name})"
+    else:
+        need, what = plan.resident, "its baseline"
+    if need > plan.free:
+        raise RecipeError(
+            f"model.source: a model of {plan.shape.words()} needs ~{need / GB:.1f} GB for {what}; "
+            f"{plan.free / GB:.1f} GB is free here"
+        )
+
+
+def refusal(build: Build, parameters: int, free: int) -> Optional[str]:
+    """Why a candidate cannot be built now (its builder's bytes over what is free), or None. `free`
+    is what is free to the run while it holds the baseline, so only the builder's own bytes count."""
+    need = build_bytes(build.engine, build.params, parameters)
+    if need <= free:
+        return None
+    return f"refused for memory: its build needs ~{need / GB:.1f} GB, {free / GB:.1f} GB free"
+
+
+# How many candidates a race builds by default at each size: (up to this many parameters, at most this
+# many candidates). A 135M model races the whole default set in 15-30 minutes on 2 cores; the build,
+# scoring and served timing of each candidate grow with the parameter count.
+CANDIDATES_BY_SIZE = ((0.6e9, None), (1.5e9, 3), (4e9, 2), (float("inf"), 1))
+# The build's relative cost by what its parameters ask of the builder, so the cheapest are kept: GPTQ's
+# error feedback about 2x AWQ with scale estimation on SmolLM2 (candidates.py), LoRA correction 1.4x less.
+_COSTLIER = (("gptq", 3.0), ("lora_correction", 2.0), ("awq", 1.5))
+
+
+def candidate_limit(parameters: int) -> Optional[int]:
+    return next(limit for ceiling, limit in CANDIDATES_BY_SIZE if parameters <= ceiling)
+
+
+def cheapest_builds(builds: list[Build], parameters: int) -> list[Build]:
+    """The builds a default race keeps at this size: all below 0.6B parameters, else the cheapest
+    (by _COSTLIER) up to candidate_limit, in their order."""
+    limit = candidate_limit(parameters)
+    if limit is None or len(builds) <= limit:
+        return list(builds)
+    cost = {b.name: next((c for key, c in _COSTLIER if b.params.get(key)), 1.0) for b in builds}
+    by_cost = sorted(
+        builds, key=lambda b: (cost[b.name], build_bytes(b.engine, b.params, parameters))
+    )  # then the leanest
+    kept = {b.name for b in by_cost[:limit]}
+    return [b for b in builds if b.name in kept]

@@ -1,0 +1,182 @@
+"""Memory planned, not discovered (optimize/memory, engines/memprobe): the model's size read from its
+files without loading it, a candidate refused for memory with the figure, a run refused at plan time
+in one line (exit 2, nothing written), a build killed by the kernel reported as killed for memory, and
+each stage's time and peak recorded."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from engines import memprobe
+from optimize.compile.race import budget as race_budget
+from optimize.compile.race import build as race_build
+from optimize.compile.race import candidates
+from optimize.compile.race.entry import Entry
+from optimize.errors import RecipeError
+from optimize.memory import plan as memory
+from optimize.memory import stages
+from optimize.memory.shape import ModelShape, of_config, of_folder
+from tests.support.cli import run_optimize
+from tests.support.models import tiny_llama_folder
+
+MB = 1_000_000
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    return tiny_llama_folder(tmp_path_factory.mktemp("memory") / "src")
+
+
+def test_the_shape_is_read_from_the_safetensors_headers_and_agrees_with_the_config(tiny_folder):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    module = AutoModelForCausalLM.from_pretrained(str(tiny_folder), dtype=torch.float32)
+    loaded = sum(p.numel() for p in module.parameters())
+    shape = of_folder(tiny_folder)
+    assert shape.parameters == loaded and shape.kind == "folder"
+    assert shape.disk_bytes == sum(p.stat().st_size for p in tiny_folder.glob("*.safetensors"))
+    assert of_config(json.loads((tiny_folder / "config.json").read_text())).parameters == loaded
+
+
+def test_llama_shapes_from_the_config_alone_match_the_released_parameter_counts():
+    llama_1b = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32}
+    llama_1b.update(num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, torch_dtype="bfloat16")
+    shape = of_config(llama_1b)
+    assert shape.parameters == 1_235_814_400  # Llama-3.2-1B's model card: 1.24B
+    assert shape.disk_bytes == 2 * shape.parameters
+
+
+def _limit_to(monkeypatch, free_bytes: float) -> None:
+    """OPTIMIZE_MEMORY_LIMIT_GB set so that `free_bytes` are left beside what this process holds."""
+    held = memprobe.tree_rss_bytes(os.getpid())
+    monkeypatch.setenv(memprobe.LIMIT_ENV, str((held + free_bytes) / 1e9))
+
+
+def test_a_candidate_whose_builder_cannot_fit_is_refused_with_the_figure(monkeypatch):
+    import torch
+
+    model = SimpleNamespace(module=torch.nn.Linear(1000, 10_000))  # 10M parameters
+    _limit_to(monkeypatch, 1000 * MB)  # ONNX Runtime GenAI's builder needs ~1.8 GB, OpenVINO INT8's ~0.75 GB
+    cfg = candidates.EngineRaceConfig(candidates=["ort_genai_int4", "openvino_genai_int8_kv_u8"])
+    entries = [Entry(name, cfg.spec(name)) for name in cfg.candidates]
+    race_budget.refuse_for_memory(entries, model)
+    by_name = {e.name: e for e in entries}
+    refused = by_name["ort_genai_int4"]
+    assert refused.refused and refused.outcome.startswith("refused for memory: its build needs ~1.8 GB, 1.0 GB free")
+    assert not by_name["openvino_genai_int8_kv_u8"].refused
+    said = race_budget.fewer_than_asked(entries)
+    assert said is not None and "refused for memory: ort_genai_int4" in said
+
+
+def test_a_run_that_cannot_fit_is_refused_at_plan_time_in_one_line(tiny_folder, tmp_path):
+    out = tmp_path / "artifact"
+    proc = run_optimize(
+        "recipe=smollm2_int4_cpu",
+        f"model.source={tiny_folder}",
+        "model.hub_id=null",
+        f"output_dir={out}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        env={memprobe.LIMIT_ENV: "0.0001"},
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "needs ~" in lines[0] and "GB is free here" in lines[0], proc.stderr
+    assert "its baseline and its cheapest build" in lines[0]
+    assert not out.exists() and not any(tmp_path.glob(".artifact*"))
+
+
+def test_the_plan_refuses_a_run_from_the_config_alone():
+    eight_b = of_config(
+        {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32}
+        | {"num_key_value_heads": 8, "vocab_size": 128256, "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    )
+    plan = memory.make(eight_b, [memory.Build("openvino_genai_int8_kv_u8", "openvino_genai", {})], free=22 * 10**9)
+    with pytest.raises(RecipeError, match=r"8\.03B parameters .* needs ~\d+\.\d GB .*; 22\.0 GB is free here"):
+        memory.check_run(plan)
+    small = ModelShape(135_000_000, 270 * MB, "config", "bfloat16")
+    memory.check_run(memory.make(small, plan.builds, free=22 * 10**9))  # SmolLM2's size fits
+
+
+def test_a_default_race_at_size_keeps_the_cheapest_builds():
+    race = candidates.EngineRaceConfig()
+    builds = [memory.Build.of(name, race.spec(name)) for name in candidates.default_candidates(True)]
+    assert memory.cheapest_builds(builds, 135_000_000) == builds  # SmolLM2 races the whole default set
+    at_1b = [b.name for b in memory.cheapest_builds(builds, 1_200_000_000)]
+    assert len(at_1b) == 3 and not any("gptq" in name for name in at_1b)
+    assert [b.name for b in memory.cheapest_builds(builds, 8_000_000_000)] == ["openvino_genai_int8_kv_u8"]
+
+
+def _allocate_then_sigkill() -> dict:
+    held = bytearray(200 * MB)  # touched: resident
+    for i in range(0, len(held), 4096):
+        held[i] = 1
+    import time
+
+    time.sleep(1.0)  # long enough for the sampler to see it
+    os.kill(os.getpid(), signal.SIGKILL)
+    return {}
+
+
+def test_a_build_killed_near_the_memory_limit_is_reported_as_killed_for_memory(monkeypatch):
+    _limit_to(monkeypatch, 150 * MB)  # the child holds a share of this process's pages and 200 MB more
+    reply = race_build.run_bounded(_allocate_then_sigkill, 60, lambda s: None)
+    assert reply["failed"].startswith("killed for memory at 0.")
+    assert " GB was free to it)" in reply["failed"] and reply["peak"] >= 200 * MB
+
+
+def test_a_build_killed_far_from_the_limit_says_which_signal():
+    reply = race_build.run_bounded(lambda: os.kill(os.getpid(), signal.SIGTERM), 60, lambda s: None)
+    assert reply["failed"].startswith("killed by SIGTERM")  # not for memory: no limit was near
+
+
+def _allocate_under_rlimit() -> dict:
+    import resource
+
+    limit = 2 * 1024**3 + memprobe.tree_rss_bytes(os.getpid()) * 4  # address space: far above what it holds
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    blocks = []
+    while True:
+        blocks.append(bytearray(256 * MB))
+
+
+def test_a_build_refused_memory_by_its_limit_is_reported_as_out_of_memory():
+    reply = race_build.run_bounded(_allocate_under_rlimit, 120, lambda s: None)
+    assert reply["failed"].startswith("ran out of memory at ") and "MemoryError" in reply["failed"]
+
+
+def test_a_builder_subprocess_killed_for_memory_is_not_reported_by_its_last_line(monkeypatch):
+    _limit_to(monkeypatch, 150 * MB)
+    code = "import os, signal, time; a = bytearray(300_000_000); print('Progress: 100.00%', flush=True); "
+    code += "time.sleep(1); os.kill(os.getpid(), signal.SIGKILL)"
+    returncode, peak, killed = memprobe.run_watched([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
+    assert returncode == -signal.SIGKILL and peak >= 300 * MB
+    assert killed is not None and killed.startswith("killed for memory at 0.3 GB")
+
+
+def test_each_stage_records_its_time_and_its_own_peak():
+    with stages.running(every_s=0.1) as log:
+        with stages.stage("small"):
+            pass
+        with stages.stage("outer"):
+            with stages.stage("allocates"):
+                held = bytearray(300 * MB)
+                for i in range(0, len(held), 4096):
+                    held[i] = 1
+                import time
+
+                time.sleep(1.2)
+                del held
+    rows = {row["stage"]: row for row in log.record()}
+    assert [row["stage"] for row in log.record()] == ["small", "outer", "allocates"]  # by start
+    assert rows["allocates"]["peak_gb"] >= rows["small"]["peak_gb"] + 0.25
+    assert rows["outer"]["peak_gb"] >= rows["allocates"]["peak_gb"] - 0.01 and rows["outer"]["seconds"] >= 1.2
+    assert log.lines()[0].startswith("where the time went") and any("allocates:" in line for line in log.lines())
