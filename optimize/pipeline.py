@@ -101,12 +101,13 @@ def _plan_memory(cfg, task, stages):
 def _planned_builds(task, stages, kind: str, shape) -> list:
     """The engine builds the run will make: the race's candidates (the default set cut to the model's
     size), or the recipe's one engine method."""
+    from optimize.compile.race.candidates import EngineRaceConfig, default_candidates
     from optimize.memory import plan as memory
 
     method, config = next((m, c) for m, c in stages if m.stage == "engine")
-    if not method.builds_candidates:
+    # Only the race builds from a candidate list; tensorrt_rtx builds its own variants of one engine.
+    if not isinstance(config, EngineRaceConfig):
         return [memory.Build(method.name, method.name, {})]
-    from optimize.compile.race.candidates import default_candidates
 
     names = config.candidates or default_candidates(task.generates, kind == "gguf")
     builds = [memory.Build.of(name, config.spec(name)) for name in names]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from optimize import models
+from optimize.sources import models
 from optimize.errors import RecipeError
 from optimize.evaluate import token_fidelity as tf
 
@@ -82,7 +82,7 @@ def test_the_reference_scored_a_few_rows_at_a_time_equals_it_scored_whole(monkey
 
 @pytest.mark.slow
 def test_a_gguf_too_large_for_this_machine_is_refused_at_plan_time_in_one_line(gguf_files, monkeypatch):
-    from optimize import gguf_header
+    from optimize.sources import gguf_header
 
     monkeypatch.setattr(gguf_header, "_physical_memory", lambda: 1 << 20)
     with pytest.raises(RecipeError) as refused:
@@ -268,7 +268,7 @@ HOLDER = """
 import sys
 from pathlib import Path
 from tests.optimize.test_lm_sources import _cfg
-from optimize import models
+from optimize.sources import models
 from engines.pytorch.runner import TorchLM
 
 
