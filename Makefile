@@ -40,8 +40,13 @@ lint: $(STAMP)
 	$(PY) -m optimize.docs.tables --check
 	$(PY) -m optimize.docs.figures --check
 
+# Two worker processes (pytest-xdist), each test file kept on one worker (--dist loadfile) so a file's
+# module fixtures (a running server, a built engine) are made once; the session's artifacts are built
+# once per run for both (tests/support/shared.py). Many slow tests mostly wait on a subprocess (the
+# command line, a server), which a second worker overlaps even on 2 cores.
+TEST_WORKERS ?= 2
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The unit tests (under 2 minutes on 2 cores): no recipe runs, engine builds or model loading
 # (tests marked slow, see tests/conftest.py). `make test` runs them all.

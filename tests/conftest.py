@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import FAST_OVERRIDES, run_optimize
+from tests.support.shared import build_once, process_of, process_record
 
 # The fast tier (`make test-fast`: pytest -m "not slow") is the unit tests. Slow are the tests that run
 # the command line (`python -m optimize` starts Python, Hydra and torch, even for a refusal), build an
@@ -85,13 +86,19 @@ class Run:
 @pytest.fixture(scope="session")
 def minilm_run(tmp_path_factory) -> Run:
     """A real INT8 MiniLM artifact built by the pipeline (fast settings), and the run's console output."""
-    workdir = tmp_path_factory.mktemp("minilm")
-    out = workdir / "artifact"
-    proc = run_optimize(
-        "recipe=minilm_int8_cpu", *FAST_OVERRIDES, f"output_dir={out}", f"hydra.run.dir={workdir / 'run'}"
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return Run(proc, out)
+
+    def build(workdir: Path) -> dict:
+        proc = run_optimize(
+            "recipe=minilm_int8_cpu",
+            *FAST_OVERRIDES,
+            f"output_dir={workdir / 'artifact'}",
+            f"hydra.run.dir={workdir / 'run'}",
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return process_record(proc)
+
+    workdir, record = build_once(tmp_path_factory, "minilm", build)
+    return Run(process_of(record), workdir / "artifact")
 
 
 @pytest.fixture(scope="session")
@@ -113,23 +120,34 @@ def failed_gate_run(tmp_path_factory) -> FailedRun:
     """A real MiniLM run whose gate fails (min_cosine above 1 cannot pass), as CI runs it: with
     report.junit, GitHub's step summary and output files, and publish=mlflow allowing a failed gate
     (the embedded store beside the artifact)."""
-    workdir = tmp_path_factory.mktemp("minilm-failed")
-    artifact, junit = workdir / "out" / "artifact", workdir / "reports" / "junit.xml"
-    summary, outputs = workdir / "step_summary.md", workdir / "step_output"
-    summary.write_text("# earlier step\n")  # appended to, never replaced
-    proc = run_optimize(
-        "recipe=minilm_int8_cpu",
-        *FAST_OVERRIDES,
-        "gate.min_cosine=1.01",
-        f"output_dir={artifact}",
-        f"hydra.run.dir={workdir / 'run'}",
-        f"report.junit={junit}",
-        "publish=mlflow",
-        "publish.allow_failed=true",
-        env={"GITHUB_STEP_SUMMARY": str(summary), "GITHUB_OUTPUT": str(outputs)},
-    )
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return FailedRun(proc, artifact, junit, summary, outputs)
+
+    def paths(workdir: Path) -> tuple[Path, ...]:  # artifact, junit, summary, outputs
+        return (
+            workdir / "out" / "artifact",
+            workdir / "reports" / "junit.xml",
+            workdir / "step_summary.md",
+            workdir / "step_output",
+        )
+
+    def build(workdir: Path) -> dict:
+        artifact, junit, summary, outputs = paths(workdir)
+        summary.write_text("# earlier step\n")  # appended to, never replaced
+        proc = run_optimize(
+            "recipe=minilm_int8_cpu",
+            *FAST_OVERRIDES,
+            "gate.min_cosine=1.01",
+            f"output_dir={artifact}",
+            f"hydra.run.dir={workdir / 'run'}",
+            f"report.junit={junit}",
+            "publish=mlflow",
+            "publish.allow_failed=true",
+            env={"GITHUB_STEP_SUMMARY": str(summary), "GITHUB_OUTPUT": str(outputs)},
+        )
+        assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return process_record(proc)
+
+    workdir, record = build_once(tmp_path_factory, "minilm-failed", build)
+    return FailedRun(process_of(record), *paths(workdir))
 
 
 @pytest.fixture(scope="session")
@@ -137,18 +155,21 @@ def openvino_artifact(tmp_path_factory) -> Path:
     """A real OpenVINO (NNCF INT8) MiniLM artifact built by the pipeline (fast settings)."""
     pytest.importorskip("openvino")
     pytest.importorskip("nncf")
-    workdir = tmp_path_factory.mktemp("minilm-openvino")
-    out = workdir / "artifact"
     overrides = [o for o in FAST_OVERRIDES if not o.startswith(("engine=", "quantize"))]
-    proc = run_optimize(
-        "recipe=minilm_int8_cpu",
-        *overrides,
-        "quantize=none",
-        "engine=openvino",
-        "engine.params.precision=int8",
-        "engine.params.calibration_count=16",
-        f"output_dir={out}",
-        f"hydra.run.dir={workdir / 'run'}",
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+
+    def build(workdir: Path) -> dict:
+        proc = run_optimize(
+            "recipe=minilm_int8_cpu",
+            *overrides,
+            "quantize=none",
+            "engine=openvino",
+            "engine.params.precision=int8",
+            "engine.params.calibration_count=16",
+            f"output_dir={workdir / 'artifact'}",
+            f"hydra.run.dir={workdir / 'run'}",
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return {}
+
+    workdir, _ = build_once(tmp_path_factory, "minilm-openvino", build)
+    return workdir / "artifact"

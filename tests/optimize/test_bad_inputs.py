@@ -3,6 +3,7 @@ and a fuzz run over random overrides shows only refusals or plans, never a bug."
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -16,7 +17,7 @@ import pytest
 
 from optimize import artifact
 from optimize.errors import RecipeError, bad_input_message
-from tests.support.cli import FAST_OVERRIDES, ROOT, one_error_line, run_optimize
+from tests.support.cli import FAST_OVERRIDES, ROOT, one_error_line, refusal_in_process, run_optimize
 
 onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper  # noqa: E402
@@ -44,8 +45,11 @@ def onnx_model(domain: str = "", external: str | None = None):
     return model
 
 
-def refuse(tmp_path: Path, *overrides: str, fragments=(), log_lines: bool = False) -> str:
-    proc = run_optimize(*overrides, f"hydra.run.dir={tmp_path / 'run'}", f"output_dir={tmp_path / 'out'}", timeout=300)
+def refuse(tmp_path: Path, *overrides: str, fragments=(), log_lines: bool = False, at_plan: bool = True) -> str:
+    """The refusal of a run with these overrides. `at_plan`: one the command's check makes before it runs
+    anything, run in this process (refusal_in_process); else one the run makes, by the real command."""
+    command = refusal_in_process if at_plan else functools.partial(run_optimize, timeout=300)
+    proc = command(*overrides, f"hydra.run.dir={tmp_path / 'run'}", f"output_dir={tmp_path / 'out'}")
     line = one_error_line(proc, *fragments, log_lines=log_lines)
     assert "this is a bug" not in proc.stderr
     assert not (tmp_path / "out").exists()
@@ -148,14 +152,24 @@ def test_custom_code_model_exits_2(tmp_path):
     )
     (folder / "configuration_custom.py").write_text("raise SystemExit('remote code ran')\n")
     (folder / "model.safetensors").write_bytes(b"")
-    refuse(tmp_path, f"model.source={folder}", *FAST_OVERRIDES, fragments=["trust_remote_code"], log_lines=True)
+    refuse(
+        tmp_path,
+        f"model.source={folder}",
+        *FAST_OVERRIDES,
+        fragments=["trust_remote_code"],
+        log_lines=True,
+        at_plan=False,
+    )
 
 
 @pytest.mark.parametrize(
-    "value, fragment", [("0", "model.max_length=0"), ("-3", "model.max_length=-3"), ("100000", "512 positions")]
+    "value, fragment, at_plan",
+    [("0", "model.max_length=0", True), ("-3", "model.max_length=-3", True), ("100000", "512 positions", False)],
 )
-def test_max_length_outside_the_position_embeddings_exits_2(tmp_path, value, fragment):
-    refuse(tmp_path, f"model.max_length={value}", *FAST_OVERRIDES, fragments=[fragment], log_lines=True)
+def test_max_length_outside_the_position_embeddings_exits_2(tmp_path, value, fragment, at_plan):
+    refuse(
+        tmp_path, f"model.max_length={value}", *FAST_OVERRIDES, fragments=[fragment], log_lines=True, at_plan=at_plan
+    )
 
 
 def test_unwritable_output_dir_exits_2(tmp_path):
@@ -258,6 +272,7 @@ def test_a_huge_data_file_is_refused_from_the_cli_without_reading_it(tmp_path):
         "calibration.source=text_file",
         f"calibration.path={big}",
         fragments=["over the limit", "OPTIMIZE_MAX_DATA_BYTES"],
+        at_plan=False,
     )
     assert time.monotonic() - started < 60
 
@@ -265,7 +280,7 @@ def test_a_huge_data_file_is_refused_from_the_cli_without_reading_it(tmp_path):
 @pytest.mark.parametrize("path, fragment", [("DIR", "is a directory"), ("/dev/zero", "is a device")])
 def test_data_path_kind_is_named(tmp_path, path, fragment):
     path = str(tmp_path) if path == "DIR" else path
-    refuse(tmp_path, "calibration.source=text_file", f"calibration.path={path}", fragments=[fragment])
+    refuse(tmp_path, "calibration.source=text_file", f"calibration.path={path}", fragments=[fragment], at_plan=False)
 
 
 # --- finding 14: crash hygiene ---------------------------------------------------------------------

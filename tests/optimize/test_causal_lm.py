@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.cli import ROOT, one_error_line, run_optimize
+from tests.support.cli import ROOT, one_error_line, refusal_in_process, run_optimize
 from tests.support.context import recipe_context
 from tests.support.models import tiny_llama_folder
 
@@ -232,7 +232,9 @@ def test_nvfp4_and_gpu_recipe_refused_without_cuda(tmp_path):
 
     with pytest.raises(RecipeError, match="needs CUDA"):
         build_config(get("quantize", "modelopt_nvfp4"), {})
-    proc = run_optimize("recipe=smollm2_fp8_gpu", f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'r'}")
+    proc = refusal_in_process(
+        "recipe=smollm2_fp8_gpu", f"output_dir={tmp_path / 'a'}", f"hydra.run.dir={tmp_path / 'r'}"
+    )
     one_error_line(proc, "CUDA")
     assert not (tmp_path / "a").exists()
 

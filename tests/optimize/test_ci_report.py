@@ -13,7 +13,7 @@ import yaml
 
 from engines.artifact import read_manifest, verify
 from optimize.reports import ci
-from tests.support.cli import ROOT, one_error_line, run_optimize
+from tests.support.cli import ROOT, one_error_line, refusal_in_process
 
 EXAMPLE = ROOT / "examples" / "github-actions" / "optimize.yml"
 
@@ -123,9 +123,9 @@ def test_an_untrusted_timing_and_an_unmeasured_metric_have_their_own_messages(fa
 
 def test_report_junit_that_cannot_be_written_is_refused_before_the_run(tmp_path):
     (tmp_path / "taken").write_text("a file, not a folder")
-    proc = run_optimize(f"report.junit={tmp_path / 'taken' / 'junit.xml'}", f"output_dir={tmp_path / 'out'}")
+    proc = refusal_in_process(f"report.junit={tmp_path / 'taken' / 'junit.xml'}", f"output_dir={tmp_path / 'out'}")
     one_error_line(proc, "report.junit=", "not a writable directory")
-    proc = run_optimize(f"report.junit={tmp_path}", f"output_dir={tmp_path / 'out'}")
+    proc = refusal_in_process(f"report.junit={tmp_path}", f"output_dir={tmp_path / 'out'}")
     one_error_line(proc, "is a directory")
     assert not (tmp_path / "out").exists()
 

@@ -1,10 +1,12 @@
-"""The command line as a user meets it: exit codes, one-line errors, nothing half-written."""
+"""The command line as a user meets it: exit codes, one-line errors, nothing half-written. The
+process boundary (exit code, stderr, nothing written) is checked on a real `python -m optimize`; the
+other refusals run the command's own check in this process (refusal_in_process)."""
 
 import json
 
 import pytest
 
-from tests.support.cli import one_error_line, run_optimize
+from tests.support.cli import one_error_line, refusal_in_process, run_optimize
 
 
 def test_unknown_key_exits_2_naming_the_key(tmp_path):
@@ -13,7 +15,7 @@ def test_unknown_key_exits_2_naming_the_key(tmp_path):
 
 def test_missing_model_source_exits_2(tmp_path):
     out = tmp_path / "out"
-    proc = run_optimize("model.source=/no/such/dir", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = refusal_in_process("model.source=/no/such/dir", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
     one_error_line(proc, "/no/such/dir", "no such file or directory")
     assert not out.exists()
 
@@ -28,7 +30,7 @@ def test_missing_model_source_exits_2(tmp_path):
     ],
 )
 def test_bad_overrides_exit_2(override, fragment, tmp_path):
-    one_error_line(run_optimize(override, f"hydra.run.dir={tmp_path}"), fragment)
+    one_error_line(refusal_in_process(override, f"hydra.run.dir={tmp_path}"), fragment)
 
 
 def test_pickled_checkpoints_are_refused_with_the_way_to_opt_in(tmp_path):
@@ -36,12 +38,12 @@ def test_pickled_checkpoints_are_refused_with_the_way_to_opt_in(tmp_path):
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "bert"}))
     (folder / "pytorch_model.bin").write_bytes(b"not really a pickle")
-    proc = run_optimize(f"model.source={folder}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = refusal_in_process(f"model.source={folder}", f"hydra.run.dir={tmp_path / 'run'}")
     one_error_line(proc, "pickled", "model.allow_pickle=true")
-    proc = run_optimize(f"model.source={tmp_path / 'weights.pt'}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = refusal_in_process(f"model.source={tmp_path / 'weights.pt'}", f"hydra.run.dir={tmp_path / 'run'}")
     one_error_line(proc, "no such file")
     (tmp_path / "weights.pt").write_bytes(b"x")
-    proc = run_optimize(f"model.source={tmp_path / 'weights.pt'}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = refusal_in_process(f"model.source={tmp_path / 'weights.pt'}", f"hydra.run.dir={tmp_path / 'run'}")
     one_error_line(proc, "pickled checkpoint")
 
 
@@ -49,7 +51,7 @@ def test_existing_output_dir_is_not_overwritten(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("precious")
-    proc = run_optimize(f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = refusal_in_process(f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
     one_error_line(proc, "already exists")
     assert (out / "keep.txt").read_text() == "precious"
 

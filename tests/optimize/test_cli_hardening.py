@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tests.support.cli import ROOT, one_error_line, run_optimize
+from tests.support.cli import ROOT, one_error_line, refusal_in_process, run_optimize
 
 
 @pytest.mark.parametrize(
@@ -48,7 +48,7 @@ def test_a_missing_optional_package_is_found_at_plan_time_in_one_line(tmp_path):
     if importlib.util.find_spec("compressed_tensors") is not None:
         pytest.skip("compressed-tensors is installed here")
     out = tmp_path / "out"
-    proc = run_optimize("recipe=smollm2_int8_vllm", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = refusal_in_process("recipe=smollm2_int8_vllm", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
     one_error_line(proc, "quantize.method=ct_int8_w8a8 needs the compressed_tensors package", "pip install")
     assert not out.exists() and "Loading" not in proc.stderr  # refused before any weights load
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.cli import TINY_LM_RACE, one_error_line, run_optimize
+from tests.support.cli import TINY_LM_RACE, one_error_line, refusal_in_process, run_optimize
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("gguf", "libgguf", "jinja2")),
@@ -25,7 +25,7 @@ TINY_STAGE = [
 
 
 def test_a_type_the_writer_cannot_write_is_one_line(tmp_path):
-    proc = run_optimize(
+    proc = refusal_in_process(
         "recipe=smollm2_int4_cpu", "engine=gguf_q4_k_m", "engine.params.type=Q3_K", f"output_dir={tmp_path / 'a'}"
     )
     one_error_line(proc, "engine.params.type='Q3_K' cannot be written", "Q4_K_M")
@@ -33,7 +33,7 @@ def test_a_type_the_writer_cannot_write_is_one_line(tmp_path):
 
 
 def test_an_unknown_server_is_one_line(tmp_path):
-    proc = run_optimize(
+    proc = refusal_in_process(
         "recipe=smollm2_int4_cpu", "engine=gguf_q8_0", "engine.params.serve_with=vllm", f"output_dir={tmp_path / 'a'}"
     )
     one_error_line(proc, "engine.params.serve_with='vllm'")

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.cli import TINY_LM_RACE, one_error_line, run_optimize
+from tests.support.cli import TINY_LM_RACE, one_error_line, refusal_in_process, run_optimize
 from tests.support.tiny_archs import ARCHITECTURES
 
 pytest.importorskip("gguf")
@@ -224,7 +224,7 @@ def test_a_gguf_of_an_unsupported_architecture_exits_2_with_one_line(folders, tm
 
     gguf_path = write_gguf(folders("qwen2"), tmp_path / "rwkv.gguf", "Q8_0", architecture="rwkv6")
     out = tmp_path / "artifact"
-    proc = run_optimize(
+    proc = refusal_in_process(
         f"model.source={gguf_path}", "recipe=smollm2_int4_cpu", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'r'}"
     )
     one_error_line(proc, "GGUF architecture 'rwkv6' is not a causal LM that transformers")

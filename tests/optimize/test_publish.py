@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from engines.artifact import MANIFEST, read_manifest, seal, verify
-from tests.support.cli import FAST_OVERRIDES, ROOT, one_error_line, run_optimize
+from tests.support.cli import FAST_OVERRIDES, ROOT, one_error_line, refusal_in_process, run_optimize
 
 mlflow = pytest.importorskip("mlflow")
 huggingface_hub = pytest.importorskip("huggingface_hub")
@@ -208,9 +208,11 @@ def test_an_unknown_registry_and_missing_settings_are_refused(artifact_copy, tmp
     one_error_line(publish_cli(artifact_copy, "--to", "hf_hub"), "publish.repo_id is required")
     one_error_line(publish_cli(artifact_copy, "--to", "hf_hub", "--repo-id", "a/b/c"), "repo_id=a/b/c")
     # The same settings at the end of a run are refused before the run starts.
-    proc = run_optimize("publish=hf_hub", f"output_dir={tmp_path / 'run-out'}")
+    proc = refusal_in_process("publish=hf_hub", f"output_dir={tmp_path / 'run-out'}")
     one_error_line(proc, "publish.repo_id is required")
-    proc = run_optimize("publish=mlflow", "publish.tracking_uri=http://127.0.0.1:9", f"output_dir={tmp_path / 'o'}")
+    proc = refusal_in_process(
+        "publish=mlflow", "publish.tracking_uri=http://127.0.0.1:9", f"output_dir={tmp_path / 'o'}"
+    )
     one_error_line(proc, "unreachable")
     assert not (tmp_path / "run-out").exists() and not (tmp_path / "o").exists()
 
@@ -424,7 +426,7 @@ def test_a_hub_folder_that_cannot_be_made_is_refused(artifact_copy, tmp_path):
 
 def test_an_unsupported_tracking_uri_is_refused_before_the_run(tmp_path):
     for uri, fragment in (("foo://bar", "scheme 'foo' is not supported"), ("sqlite://garbage", "no database file")):
-        proc = run_optimize("publish=mlflow", f"publish.tracking_uri={uri}", f"output_dir={tmp_path / 'out'}")
+        proc = refusal_in_process("publish=mlflow", f"publish.tracking_uri={uri}", f"output_dir={tmp_path / 'out'}")
         one_error_line(proc, fragment)
         assert not (tmp_path / "out").exists()
 

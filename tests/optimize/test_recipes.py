@@ -13,7 +13,7 @@ from optimize import pipeline
 from optimize.__main__ import CONFIG_DIR
 from optimize.config import register_schema
 from optimize.errors import RecipeError
-from tests.support.cli import one_error_line, run_optimize
+from tests.support.cli import one_error_line, refusal_in_process
 
 RECIPES = sorted(p.stem for p in (Path(CONFIG_DIR) / "recipe").glob("*.yaml"))
 NEEDS_GPU = ("_gpu", "_trt")
@@ -117,7 +117,7 @@ def test_gpu_preset_refusal_is_one_line_on_the_command_line(name, tmp_path):
     if refusal is None:
         pytest.skip(f"this machine has what {name} needs (test_recipe_composes_and_plans plans it)")
     out = tmp_path / "out"
-    proc = run_optimize(f"recipe={name}", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
+    proc = refusal_in_process(f"recipe={name}", f"output_dir={out}", f"hydra.run.dir={tmp_path / 'run'}")
     assert one_error_line(proc) == f"error: {refusal}"
     assert not out.exists()
 

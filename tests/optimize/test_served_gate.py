@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.optimize.test_causal_lm import TINY_OVERRIDES
-from tests.support.cli import one_error_line, run_optimize
+from tests.support.cli import one_error_line, refusal_in_process, run_optimize
 from tests.support.models import tiny_llama_folder
 
 
@@ -61,19 +61,21 @@ def test_a_served_threshold_too_tight_fails_the_run_on_what_the_clients_measured
 
 
 def test_served_checks_are_refused_where_they_cannot_be_measured(tiny_llm, tmp_path):
-    proc = run_optimize("recipe=minilm_int8_cpu", "gate.max_served_ttft_p95_ms=500", f"output_dir={tmp_path / 'a'}")
+    proc = refusal_in_process(
+        "recipe=minilm_int8_cpu", "gate.max_served_ttft_p95_ms=500", f"output_dir={tmp_path / 'a'}"
+    )
     one_error_line(proc, "gate.max_served_ttft_p95_ms", "causal LMs", "sentence_embedding")
-    proc = run_optimize(
+    proc = refusal_in_process(
         *base_overrides(tiny_llm, tmp_path), "gate.min_served_tokens_per_s=5", "gate.served_concurrency=0",
         f"output_dir={tmp_path / 'b'}",
     )  # fmt: skip
     one_error_line(proc, "gate.served_concurrency=0", "at least 1")
-    proc = run_optimize(
+    proc = refusal_in_process(
         *base_overrides(tiny_llm, tmp_path), "gate.min_served_tokens_per_s=5", "evaluate.latency=false",
         f"output_dir={tmp_path / 'c'}",
     )  # fmt: skip
     one_error_line(proc, "gate.min_served_tokens_per_s", "evaluate.latency=false")
-    proc = run_optimize(
+    proc = refusal_in_process(
         *base_overrides(tiny_llm, tmp_path), "workload.concurrency=[1,0]", f"output_dir={tmp_path / 'd'}"
     )
     one_error_line(proc, "workload.concurrency=[1, 0]: 0 is not a whole number of at least 1")
@@ -139,7 +141,7 @@ def test_the_served_gate_checks_every_declared_concurrency_level_on_its_own(tiny
 
 
 def test_served_settings_that_can_never_work_are_refused_before_anything_is_built(tiny_llm, tmp_path):
-    proc = run_optimize(
+    proc = refusal_in_process(
         *base_overrides(tiny_llm, tmp_path), "gate.min_served_tokens_per_s=5", "gate.served_output_tokens=600",
         f"output_dir={tmp_path / 'a'}",
     )  # fmt: skip

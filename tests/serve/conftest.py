@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.serve import in_process
+from tests.support.shared import build_once
 from tests.support.tiny_llm import build_in_subprocess
 
 
@@ -17,9 +18,7 @@ from tests.support.tiny_llm import build_in_subprocess
 def tiny_llm_artifact(tmp_path_factory) -> Path:
     if importlib.util.find_spec("onnxruntime_genai") is None:
         pytest.skip("onnxruntime-genai is not installed")
-    out = tmp_path_factory.mktemp("tiny_llm") / "artifact"
-    build_in_subprocess(out)
-    return out
+    return built_tiny_llm(tmp_path_factory, "tiny_llm")
 
 
 @pytest.fixture(scope="session")
@@ -27,9 +26,18 @@ def tiny_ov_llm_artifact(tmp_path_factory) -> Path:
     """The same tiny Llama as an OpenVINO GenAI artifact (continuous batching); a few seconds."""
     if any(importlib.util.find_spec(m) is None for m in ("openvino", "openvino_genai", "openvino_tokenizers")):
         pytest.skip("openvino-genai is not installed")
-    out = tmp_path_factory.mktemp("tiny_ov_llm") / "artifact"
-    build_in_subprocess(out, "--openvino")
-    return out
+    return built_tiny_llm(tmp_path_factory, "tiny_ov_llm", "--openvino")
+
+
+def built_tiny_llm(tmp_path_factory, name: str, *flags: str) -> Path:
+    """The tiny causal-LM artifact (tests/support/tiny_llm.py), built once per test run."""
+
+    def build(workdir: Path) -> dict:
+        build_in_subprocess(workdir / "artifact", *flags)
+        return {}
+
+    workdir, _ = build_once(tmp_path_factory, name, build)
+    return workdir / "artifact"
 
 
 @pytest.fixture(scope="session")
@@ -73,32 +81,35 @@ def tensor_artifact(tmp_path_factory) -> Path:
 
     from tests.support.cli import run_optimize
 
-    workdir = tmp_path_factory.mktemp("tensor")
-    weights = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "w")
-    graph = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "w"], ["y"])],
-        "matmul",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])],
-        [weights],
-    )
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(workdir / "matmul.onnx"))
-    out = workdir / "artifact"
-    proc = run_optimize(
-        f"model.source={workdir / 'matmul.onnx'}",
-        "model.task=generic",
-        "engine=onnx",
-        "quantize=none",
-        "gate=none",
-        "gate.min_cosine=0.99",
-        "evaluate.inputs=random",
-        "calibration=random",
-        "evaluate.data.count=4",
-        "evaluate.batch_sizes=[1]",
-        "evaluate.latency=false",
-        "evaluate.memory=false",
-        f"output_dir={out}",
-        f"hydra.run.dir={workdir / 'run'}",
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    def build(workdir: Path) -> dict:
+        weights = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(4, 3) / 10, "w")
+        graph = helper.make_graph(
+            [helper.make_node("MatMul", ["x", "w"], ["y"])],
+            "matmul",
+            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4])],
+            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 3])],
+            [weights],
+        )
+        onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(workdir / "matmul.onnx"))
+        out = workdir / "artifact"
+        proc = run_optimize(
+            f"model.source={workdir / 'matmul.onnx'}",
+            "model.task=generic",
+            "engine=onnx",
+            "quantize=none",
+            "gate=none",
+            "gate.min_cosine=0.99",
+            "evaluate.inputs=random",
+            "calibration=random",
+            "evaluate.data.count=4",
+            "evaluate.batch_sizes=[1]",
+            "evaluate.latency=false",
+            "evaluate.memory=false",
+            f"output_dir={out}",
+            f"hydra.run.dir={workdir / 'run'}",
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return {}
+
+    workdir, _ = build_once(tmp_path_factory, "tensor", build)
+    return workdir / "artifact"

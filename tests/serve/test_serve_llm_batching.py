@@ -56,6 +56,14 @@ def metrics(server) -> str:
     return httpx.get(server.url + "/metrics", timeout=10).text
 
 
+@pytest.fixture(scope="module")
+def server(tiny_ov_llm_artifact):
+    """One server with the default batching for the tests that need no other flag; they read what their
+    own requests changed in /metrics, never its totals."""
+    with running_server(tiny_ov_llm_artifact, "--max-tokens", "16") as server:
+        yield server
+
+
 def test_concurrent_streams_interleave_and_match_their_solo_text(tiny_ov_llm_artifact):
     with running_server(tiny_ov_llm_artifact, "--max-tokens", "64", token_delay_s=0.02) as server:
         assert logged(server, "continuous batching in OpenVINO GenAI's scheduler")
@@ -74,23 +82,22 @@ def test_concurrent_streams_interleave_and_match_their_solo_text(tiny_ov_llm_art
         assert metric_value(text, "serve_generation_tokens_total") == metric_value(text, "serve_generated_tokens_total")
 
 
-def test_usage_in_the_last_chunk_with_the_openai_client(tiny_ov_llm_artifact):
+def test_usage_in_the_last_chunk_with_the_openai_client(server):
     import openai
 
-    with running_server(tiny_ov_llm_artifact, "--max-tokens", "16") as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        chunks = list(
-            client.completions.create(
-                model=NAME,
-                prompt="def main():",
-                max_tokens=8,
-                temperature=0,
-                stream=True,
-                stream_options={"include_usage": True},
-            )
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    chunks = list(
+        client.completions.create(
+            model=NAME,
+            prompt="def main():",
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
         )
-        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
-        assert chunks[-1].usage.prompt_tokens > 0
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens > 0
 
 
 def test_a_full_kv_cache_makes_requests_wait_then_429(tiny_ov_llm_artifact):
@@ -152,21 +159,24 @@ def test_a_client_that_leaves_mid_stream_frees_its_sequence(tiny_ov_llm_artifact
         wait_until(lambda: metric_value(metrics(server), "serve_requests_total", status="499") == 1, timeout=10)
 
 
-def test_prefix_cache_hits_are_counted(tiny_ov_llm_artifact):
+def test_prefix_cache_hits_are_counted(server, tiny_ov_llm_artifact):
     shared = "The return statement leaves the current function call with the expression list. " * 2
-    with running_server(tiny_ov_llm_artifact, "--max-tokens", "16") as server:
-        for question in ("What is it?", "Why?"):
-            r = httpx.post(server.url + "/v1/completions", json=body(shared + question, 4), timeout=30)
-            assert r.status_code == 200, r.text
-        text = metrics(server)
-        queries = metric_value(text, "serve_prefix_cache_queries_total")
-        hits = metric_value(text, "serve_prefix_cache_hits_total")
-        assert queries >= 2 * 32 and hits >= 32  # the second prompt found the first's whole blocks
-        assert hits < queries
-    with running_server(tiny_ov_llm_artifact, "--max-tokens", "16", "--no-prefix-caching") as server:
-        assert logged(server, "prefix caching off")
-        httpx.post(server.url + "/v1/completions", json=body(shared, 4), timeout=30)
-        assert metric_value(metrics(server), "serve_prefix_cache_queries_total") == 0
+    before = metrics(server)
+    for question in ("What is it?", "Why?"):
+        r = httpx.post(server.url + "/v1/completions", json=body(shared + question, 4), timeout=30)
+        assert r.status_code == 200, r.text
+    after = metrics(server)
+
+    def counted(name: str) -> float:
+        return metric_value(after, name) - metric_value(before, name)
+
+    queries, hits = counted("serve_prefix_cache_queries_total"), counted("serve_prefix_cache_hits_total")
+    assert queries >= 2 * 32 and hits >= 32  # the second prompt found the first's whole blocks
+    assert hits < queries
+    with running_server(tiny_ov_llm_artifact, "--max-tokens", "16", "--no-prefix-caching") as uncached:
+        assert logged(uncached, "prefix caching off")
+        httpx.post(uncached.url + "/v1/completions", json=body(shared, 4), timeout=30)
+        assert metric_value(metrics(uncached), "serve_prefix_cache_queries_total") == 0
 
 
 def test_one_at_a_time_on_request(tiny_ov_llm_artifact):
@@ -177,20 +187,19 @@ def test_one_at_a_time_on_request(tiny_ov_llm_artifact):
         assert metric_value(metrics(server), "serve_num_requests_running") == 0
 
 
-def test_chat_and_seeded_sampling_in_the_batch(tiny_ov_llm_artifact):
+def test_chat_and_seeded_sampling_in_the_batch(server):
     import openai
 
-    with running_server(tiny_ov_llm_artifact, "--max-tokens", "16") as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        messages = [{"role": "user", "content": "What is Python?"}]
-        reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
-        deltas = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, stream=True)
-        streamed = "".join(c.choices[0].delta.content or "" for c in deltas if c.choices)
-        assert streamed == reply.choices[0].message.content
-        seeded = [
-            client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0.8, seed=3)
-            .choices[0]
-            .message.content
-            for _ in range(2)
-        ]
-        assert seeded[0] == seeded[1]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "user", "content": "What is Python?"}]
+    reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0)
+    deltas = client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in deltas if c.choices)
+    assert streamed == reply.choices[0].message.content
+    seeded = [
+        client.chat.completions.create(model=NAME, messages=messages, max_tokens=8, temperature=0.8, seed=3)
+        .choices[0]
+        .message.content
+        for _ in range(2)
+    ]
+    assert seeded[0] == seeded[1]

@@ -78,77 +78,99 @@ def one_at_a_time_texts(tiny_llm_artifact) -> list[str]:
         return [completion(server, p, 12) for p in PROMPTS] + [seeded(server, PROMPTS[0])]
 
 
-def test_a_batch_streams_together_and_matches_one_at_a_time(tiny_llm_artifact, one_at_a_time_texts):
+@pytest.fixture(scope="module")
+def server(tiny_llm_artifact):
+    """One batching server, tokens 20 ms apart, for the tests that need no other flag: each waits for
+    it to be idle and reads what its own requests changed in /metrics, never its totals."""
     with running_server(tiny_llm_artifact, "--max-tokens", "64", token_delay_s=0.02) as server:
-        assert logged(server, STATIC)
-        assert logged(server, "--max-num-seqs 16 asked: its static batches hold 4")
+        yield server
 
-        async def batch():
-            return await asyncio.gather(*(stream_times(server.url, p, 12) for p in PROMPTS))
 
-        results = asyncio.run(batch())
-        assert [status for status, _, _ in results] == [200] * len(PROMPTS)
-        assert [text for _, text, _ in results] == one_at_a_time_texts[: len(PROMPTS)]
-        # every stream had begun before any ended: they ran together, not one after another
-        assert max(stamps[0] for _, _, stamps in results) < min(stamps[-1] for _, _, stamps in results)
+def idle(server) -> str:
+    """/metrics once no request is running (the previous test's streams may still be ending)."""
+
+    def metrics_when_idle() -> str | None:
         text = metrics(server)
-        assert metric_value(text, "serve_time_to_first_token_seconds_count") == len(PROMPTS)
-        assert metric_value(text, "serve_request_queue_time_seconds_count") == len(PROMPTS)
-        assert metric_value(text, "serve_generation_tokens_total") == metric_value(text, "serve_generated_tokens_total")
-        assert metric_value(text, "serve_prefix_cache_queries_total") == 0  # the Engine has no prefix cache here
-        assert metric_value(text, "serve_num_requests_running") == 0
-        # a seeded sample runs alone (the static Engine takes no seed per request): the same text as one at a time
-        assert seeded(server, PROMPTS[0]) == one_at_a_time_texts[-1]
+        return text if metric_value(text, "serve_num_requests_running") == 0 else None
+
+    return wait_until(metrics_when_idle, timeout=30)
 
 
-def test_requests_still_being_read_join_the_batch_after_a_lone_request(tiny_llm_artifact):
+def test_a_batch_streams_together_and_matches_one_at_a_time(server, one_at_a_time_texts):
+    assert logged(server, STATIC)
+    assert logged(server, "--max-num-seqs 16 asked: its static batches hold 4")
+    before = idle(server)
+
+    async def batch():
+        return await asyncio.gather(*(stream_times(server.url, p, 12) for p in PROMPTS))
+
+    results = asyncio.run(batch())
+    assert [status for status, _, _ in results] == [200] * len(PROMPTS)
+    assert [text for _, text, _ in results] == one_at_a_time_texts[: len(PROMPTS)]
+    # every stream had begun before any ended: they ran together, not one after another
+    assert max(stamps[0] for _, _, stamps in results) < min(stamps[-1] for _, _, stamps in results)
+    text = metrics(server)
+    assert metric_value(text, "serve_num_requests_running") == 0
+
+    def counted(name: str) -> float:
+        return metric_value(text, name) - metric_value(before, name)
+
+    assert counted("serve_time_to_first_token_seconds_count") == len(PROMPTS)
+    assert counted("serve_request_queue_time_seconds_count") == len(PROMPTS)
+    assert counted("serve_generation_tokens_total") == counted("serve_generated_tokens_total")
+    assert metric_value(text, "serve_prefix_cache_queries_total") == 0  # the Engine has no prefix cache here
+    # a seeded sample runs alone (the static Engine takes no seed per request): the same text as one at a time
+    assert seeded(server, PROMPTS[0]) == one_at_a_time_texts[-1]
+
+
+def test_requests_still_being_read_join_the_batch_after_a_lone_request(server):
     """After one request alone (a warm-up) the next batch would wait for one request only. Requests
     whose bodies are still arriving when it forms are waited for too (up to the engine's gather
     time): three clients whose bodies come 20 ms late share a batch with a fourth that is complete at
     once, rather than waiting a whole generation behind a batch of one."""
-    with running_server(tiny_llm_artifact, "--max-tokens", "64", token_delay_s=0.02) as server:
-        completion(server, PROMPTS[0], 4)
+    idle(server)
+    completion(server, PROMPTS[0], 4)
 
-        async def late_body(prompt: str):
-            await asyncio.sleep(0.02)
-            yield json.dumps(body(prompt, 12, stream=True)).encode()
+    async def late_body(prompt: str):
+        await asyncio.sleep(0.02)
+        yield json.dumps(body(prompt, 12, stream=True)).encode()
 
-        async def stream(prompt: str, late: bool) -> list[float]:
-            stamps = []
-            content = late_body(prompt) if late else json.dumps(body(prompt, 12, stream=True)).encode()
-            headers = {"content-type": "application/json"}
-            async with httpx.AsyncClient(timeout=60) as client:
-                async with client.stream("POST", server.url + "/v1/completions", content=content, headers=headers) as r:
-                    assert r.status_code == 200, await r.aread()
-                    async for line in r.aiter_lines():
-                        if line.startswith("data: {") and not json.loads(line[6:])["choices"][0]["finish_reason"]:
-                            stamps.append(time.monotonic())
-            return stamps
+    async def stream(prompt: str, late: bool) -> list[float]:
+        stamps = []
+        content = late_body(prompt) if late else json.dumps(body(prompt, 12, stream=True)).encode()
+        headers = {"content-type": "application/json"}
+        async with httpx.AsyncClient(timeout=60) as client:
+            async with client.stream("POST", server.url + "/v1/completions", content=content, headers=headers) as r:
+                assert r.status_code == 200, await r.aread()
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and not json.loads(line[6:])["choices"][0]["finish_reason"]:
+                        stamps.append(time.monotonic())
+        return stamps
 
-        async def scenario():
-            late = [asyncio.create_task(stream(p, late=True)) for p in PROMPTS[1:]]
-            await asyncio.sleep(0.005)  # their headers are in: the server is reading their bodies
-            return await asyncio.gather(stream(PROMPTS[0], late=False), *late)
+    async def scenario():
+        late = [asyncio.create_task(stream(p, late=True)) for p in PROMPTS[1:]]
+        await asyncio.sleep(0.005)  # their headers are in: the server is reading their bodies
+        return await asyncio.gather(stream(PROMPTS[0], late=False), *late)
 
-        results = asyncio.run(scenario())
-        assert max(stamps[0] for stamps in results) < min(stamps[-1] for stamps in results)
+    results = asyncio.run(scenario())
+    assert max(stamps[0] for stamps in results) < min(stamps[-1] for stamps in results)
 
 
-def test_a_request_that_arrives_during_a_batch_waits_for_it(tiny_llm_artifact):
+def test_a_request_that_arrives_during_a_batch_waits_for_it(server):
     """What static batching costs: a fifth stream starts only once the batch of four has ended."""
-    with running_server(tiny_llm_artifact, "--max-tokens", "64", token_delay_s=0.02) as server:
+    idle(server)
 
-        async def scenario():
-            first = [asyncio.create_task(stream_times(server.url, p, 16)) for p in PROMPTS]
-            await asyncio.to_thread(
-                wait_until, lambda: metric_value(metrics(server), "serve_num_requests_running") == 4, 30
-            )
-            late = await stream_times(server.url, "x = 1", 4)
-            return await asyncio.gather(*first), late
+    async def scenario():
+        first = [asyncio.create_task(stream_times(server.url, p, 16)) for p in PROMPTS]
+        await asyncio.to_thread(
+            wait_until, lambda: metric_value(metrics(server), "serve_num_requests_running") == 4, 30
+        )
+        late = await stream_times(server.url, "x = 1", 4)
+        return await asyncio.gather(*first), late
 
-        batch, (status, _, late_stamps) = asyncio.run(scenario())
-        assert status == 200 and [s for s, _, _ in batch] == [200] * 4
-        assert late_stamps[0] > max(stamps[-1] for _, _, stamps in batch)
+    batch, (status, _, late_stamps) = asyncio.run(scenario())
+    assert status == 200 and [s for s, _, _ in batch] == [200] * 4
+    assert late_stamps[0] > max(stamps[-1] for _, _, stamps in batch)
 
 
 def test_usage_in_the_last_chunk_with_the_openai_client(tiny_llm_artifact):

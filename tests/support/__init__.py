@@ -1,7 +1,9 @@
 """What the tests share, one copy each:
 
-- cli: `run_optimize` (the command line in a subprocess), FAST_OVERRIDES, ROOT, and
-  `one_error_line` (exit 2 with a single `error: ...` line on stderr, no traceback);
+- cli: `run_optimize` (the command line in a subprocess), `refusal_in_process` (the command line's
+  own check of a command that is refused before it runs, in the test process), FAST_OVERRIDES, ROOT,
+  and `one_error_line` (exit 2 with a single `error: ...` line on stderr, no traceback);
+- shared: `build_once`, a session artifact built once per test run, also across pytest-xdist workers;
 - context: `recipe_context` and its shorthands, the real optimize.context.Context on a plan of a
   composed recipe, which method and task tests hand to a method;
 - models: tiny random models (tiny_bert, tiny_llama, tiny_llama_folder) and a stand-in tokenizer;

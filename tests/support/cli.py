@@ -75,6 +75,30 @@ def run_optimize(
     )
 
 
+def refusal_in_process(*argv: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`python -m optimize ARGV` up to its refusal, in this process: the check the command runs before
+    Hydra runs or writes anything (optimize.__main__.precheck: the flags parsed, the recipe composed and
+    planned), its stdout, stderr and exit code returned as run_optimize returns a finished command's.
+    Seconds less than a subprocess, which starts Python, Hydra and torch for one line. `env`: variables
+    set while it runs. A command line that passes the check would run its recipe: that fails here (a
+    refusal the run itself makes needs the real command, run_optimize)."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    from optimize.__main__ import precheck
+    from optimize.config import register_schema
+
+    register_schema()
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, env or {}), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        try:
+            precheck(list(argv))
+        except SystemExit as exc:
+            return subprocess.CompletedProcess(["optimize", *argv], exc.code, stdout.getvalue(), stderr.getvalue())
+    raise AssertionError(f"python -m optimize {' '.join(argv)} passed its check: it would run\n{stderr.getvalue()}")
+
+
 def one_error_line(proc: subprocess.CompletedProcess, *fragments: str, log_lines: bool = False) -> str:
     """A refusal as every command line here makes it (`python -m optimize`, `optimize.verify`,
     `python -m serve`): exit 2, stderr one line `error: ...` naming each fragment, no traceback.
