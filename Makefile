@@ -51,7 +51,7 @@ test: $(STAMP) lint
 # The unit tests (under 2 minutes on 2 cores): no recipe runs, engine builds or model loading
 # (tests marked slow, see tests/conftest.py). `make test` runs them all.
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 clean:
 	rm -rf $(VENV) outputs multirun

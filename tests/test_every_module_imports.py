@@ -1,4 +1,4 @@
-"""Every module of the four code packages imports (in the fast tier): a module no fast test reaches,
+"""Every module of the code packages (benchmarks included) imports (in the fast tier): a module no fast test reaches,
 such as one only a slow end-to-end test runs, still fails `make test-fast` when an import in it
 breaks (a moved module, a renamed name, a missing dependency at import time)."""
 
@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("optimize", "engines", "calibration", "serve")
+PACKAGES = ("optimize", "engines", "calibration", "serve", "benchmarks")
 # Scripts shipped inside every bundle and run there by their path, never imported as project modules
 # (tests/optimize/test_architecture.py lists them with why).
 NOT_MODULES = ("optimize/assets/",)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-from optimize.sources import models
 from optimize.errors import RecipeError
 from optimize.evaluate import token_fidelity as tf
+from optimize.sources import models
 
 
 def _cfg(source: Path):

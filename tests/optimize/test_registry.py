@@ -40,7 +40,10 @@ def test_unknown_method_names_the_stage_and_known_methods():
         registry.get("quantize", "int3_magic")
 
 
-def test_registering_a_name_twice_is_refused():
+def test_registering_a_name_twice_is_refused(monkeypatch):
+    # A copy of the registry, restored afterwards: a method left registered would show in the docs tables
+    # of every later test in this process (tests/optimize/test_docs_tables.py).
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
     registry.register("prune", "test_twice", DemoConfig)(_demo)
     with pytest.raises(ValueError, match="registered twice"):
         registry.register("prune", "test_twice", DemoConfig)(_demo)
