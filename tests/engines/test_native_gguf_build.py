@@ -45,6 +45,7 @@ def _planted(tmp_path: Path) -> bytes:
     return out.read_bytes()
 
 
+@pytest.mark.slow  # compiles, trains or loads a model: not a unit test
 @needs_kernels
 def test_a_swapped_library_is_removed_and_rebuilt_never_loaded(cache, tmp_path, caplog):
     library = build.library()
@@ -58,6 +59,7 @@ def test_a_swapped_library_is_removed_and_rebuilt_never_loaded(cache, tmp_path, 
     assert "the library differs from the one its record names" in caplog.text
 
 
+@pytest.mark.slow  # compiles, trains or loads a model: not a unit test
 @needs_kernels
 def test_a_record_rewritten_to_match_a_swapped_library_fails_its_signature(cache, tmp_path, caplog):
     import hashlib
@@ -75,6 +77,7 @@ def test_a_record_rewritten_to_match_a_swapped_library_fails_its_signature(cache
     assert not (tmp_path / "planted").exists() and "not signed with this machine's cache key" in caplog.text
 
 
+@pytest.mark.slow  # compiles, trains or loads a model: not a unit test
 @needs_kernels
 def test_a_library_without_a_record_or_with_an_extra_file_is_rebuilt(cache, tmp_path, caplog):
     library = build.library()
@@ -88,6 +91,7 @@ def test_a_library_without_a_record_or_with_an_extra_file_is_rebuilt(cache, tmp_
     assert "other files" in caplog.text and not (library.parent / "other.so").exists()
 
 
+@pytest.mark.slow  # compiles, trains or loads a model: not a unit test
 @needs_kernels
 def test_a_library_sealed_under_another_key_is_rebuilt(cache, tmp_path, monkeypatch, caplog):
     library = build.library()
@@ -100,6 +104,7 @@ def test_a_library_sealed_under_another_key_is_rebuilt(cache, tmp_path, monkeypa
     assert "not signed with this machine's cache key" in caplog.text
 
 
+@pytest.mark.slow  # compiles, trains or loads a model: not a unit test
 @needs_kernels
 def test_a_sanitized_build_is_cached_under_its_own_key(cache):
     plain = build.library()

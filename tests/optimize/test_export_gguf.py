@@ -126,6 +126,7 @@ def test_rows_a_k_quant_block_does_not_divide_fall_back_as_llama_cpp_does():
     assert mixes.fallback("Q4_0", 40) == "F16"
 
 
+@pytest.mark.slow  # compiles, trains or loads a model: not a unit test
 def test_transformers_reads_each_file_to_the_same_logits_as_its_dequantized_weights(tiny, written):
     import gguf
     import torch
@@ -289,6 +290,7 @@ def test_a_type_or_model_the_writer_cannot_write_is_refused_in_one_line(tiny, tm
     assert not list(tmp_path.iterdir())  # nothing half-written
 
 
+@pytest.mark.slow  # compiles, trains or loads a model: not a unit test
 def test_the_command_line_refuses_in_one_line_and_writes_a_file_and_modelfile(tiny, tmp_path):
     folder, _ = tiny
     env = dict(os.environ, HF_HUB_OFFLINE="1")

@@ -91,6 +91,7 @@ def test_a_file_or_an_unwritable_place_for_the_model_is_refused(tmp_path):
     assert target.read_bytes() == b"\xff\xfe not a folder" and not (tmp_path / "missing").exists()
 
 
+@pytest.mark.slow  # compiles, trains or loads a model: not a unit test
 def test_the_command_line_trains_into_the_folder_and_leaves_nothing_beside_it(tmp_path):
     out = tmp_path / "lm"
     out.mkdir()  # an empty folder is taken
@@ -122,6 +123,7 @@ def test_training_further_from_a_model_keeps_its_tokenizer_and_moves_its_weights
     assert "model.layers.0.mlp.down_proj.weight" in moved
 
 
+@pytest.mark.slow  # compiles, trains or loads a model: not a unit test
 def test_a_rotated_copy_is_the_same_function_with_no_weight_where_it_was(tmp_path):
     """--from SOURCE --rotate --steps 0: saved untied, its logits the source's, every matrix new, the
     rotation recorded; a model it cannot rotate exactly (Gemma 3) is one line, exit 2, nothing written."""
