@@ -241,7 +241,7 @@ def main(argv: list[str]) -> int:
         seconds=round(seconds, 1),
         peak_gb=round(peak / GB, 2),
         checkpoint_gb=round(checkpoint / GB, 2),
-        target_peak_gb=round((2 * checkpoint + 1.5 * GB) / GB, 2),  # the bar: 2x the checkpoint + 1.5 GB
+        target_peak_gb=round((2 * checkpoint + 1.5 * GB) / GB, 2),  # the target: 2x the checkpoint + 1.5 GB
         stages=stage_rows(out),
         load_average_end=os.getloadavg(),
         overrides=args.overrides,

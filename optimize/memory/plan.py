@@ -23,9 +23,9 @@ GB = 1e9
 # fixed part is the process and its runtimes' own (imports, kernels): at SmolLM2's 135M parameters it
 # is most of a builder's peak, so a slope needs a point at size. "Measured" peaks are a process tree's
 # proportional set size (benchmarks/lm_at_size.py --builders-on, SmolLM2-135M's FP32 folder, 2-core
-# AMD EPYC, 2026-12-06, load average 7-8); "the issue's" are Qwen2-1.5B (1.54B parameters, a Q4_K/Q6_K
+# AMD EPYC, 2026-12-06, load average 7-8); "the 1.5B run's" are Qwen2-1.5B (1.54B parameters, a Q4_K/Q6_K
 # GGUF dequantized to FP32) on a 2-core, 23 GB machine, where the kernel killed the GenAI builder.
-# The run holding its baseline: the interpreter and its imports (fixed, the run: ~1 GB), then
+# The run holding its baseline: the interpreter and its imports (fixed, the 1.5B run: ~1 GB), then
 # what optimize.sources.models.baseline_memory measured per parameter: private bytes (0.85 B/param) and the
 # weights as memory-mapped file pages in the precision the baseline reads them (a bf16/fp16 folder's
 # own, a GGUF's FP32 conversion). The pages are counted as needed: every forward reads them again.
@@ -33,11 +33,11 @@ RESIDENT_FIXED_GB = 1.0
 PRECISION_OF = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "gguf blocks": "gguf"}
 BUILD = {
     # ONNX Runtime GenAI's model builder, a subprocess loading its own FP32 copy: measured 2.77 GB on
-    # SmolLM2 (int4 k_quant_mixed), the 13.8 GB at 1.54B: the line through both.
+    # SmolLM2 (int4 k_quant_mixed), the 1.5B run's 13.8 GB at 1.54B: the line through both.
     "onnxruntime_genai": (1.7, 7.85),
     "onnxruntime_genai_gguf": (1.7, 7.85),  # the same builder on the dequantized file (assumed alike)
     # optimum-intel's export then NNCF with data (AWQ, scale estimation, GPTQ, LoRA, Hessian mixes): the
-    # issue's run grew from 9.8 GB to 18.9 GB during it at 1.54B (6.1 B/param); fixed part as below.
+    # 1.5B run grew from 9.8 GB to 18.9 GB during it at 1.54B (6.1 B/param); fixed part as below.
     "openvino_genai:data": (0.7, 6.1),
     # The export with data-free rounding: measured 1.33 GB on SmolLM2 (int8); the slope is an estimate
     # (the FP32 IR, 4 B/param, and the compressed copy), not yet measured at size.
