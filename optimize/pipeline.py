@@ -157,8 +157,8 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
     task = the_plan.task
     memory_plan = _plan_memory(cfg, task, the_plan.stages)
     if memory_plan is not None:
-        for line in memory_plan.lines():
-            log.info("%s", line)
+        for line in memory_plan.lines():  # the run's log and -v; a refusal says its own figures
+            log.debug("%s", line)
     # Scratch lives in the hidden partial directory beside the artifact (so one removal cleans both,
     # and a run killed with SIGKILL leaves one directory that the next run removes); libraries that
     # ask tempfile for a folder get one inside it too.

@@ -4,9 +4,14 @@ Face folder, a GGUF file's header, or (for a folder with no weights yet) its con
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
+
+from optimize.errors import RecipeError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -29,13 +34,17 @@ class ModelShape:
 def of_source(kind: str, path: Optional[Path]) -> Optional[ModelShape]:
     """The shape of a resolved source (optimize.sources.models.resolve's kind and path); None where its size
     cannot be read without loading it (a hub id, an ONNX graph, a pickled checkpoint)."""
-    if path is None:
+    if path is None or kind not in ("folder", "gguf"):
         return None
-    if kind == "folder":
-        return of_folder(path)
-    if kind == "gguf":
-        return of_gguf(path)
-    return None
+    try:
+        return of_folder(path) if kind == "folder" else of_gguf(path)
+    except RecipeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any unreadable header: the estimate is skipped, not the run
+        # The plan only estimates; a source whose headers it cannot read (an empty or torn safetensors
+        # file, a config.json without a decoder's keys) is refused by the loader with its own one line.
+        log.debug("memory plan skipped: %s cannot be sized (%s)", path, exc)
+        return None
 
 
 def of_folder(folder: Path) -> ModelShape:

@@ -67,8 +67,10 @@ def running(every_s: float = 1.0) -> Iterator[StageLog]:
         yield _current
     finally:
         _current.close()
-        for line in _current.lines():
-            log.info("%s", line)
+        # The console gets the headline (total time and peak); each stage's line goes to the run's log
+        # (the artifact's run.log, the console with -v) and its figures to the manifest's resources.
+        for number, line in enumerate(_current.lines()):
+            log.log(logging.INFO if number == 0 else logging.DEBUG, "%s", line)
         _current = previous
 
 
