@@ -442,23 +442,28 @@ class ContinuousBatchingService:
         rebuild = getattr(self.engine, "rebuild", None)
         if rebuild is None or self.failed_steps > MAX_FAILED_STEPS:
             return self.give_up(reason if rebuild else f"{reason} (this engine cannot be rebuilt)")
-        survivors = []
+        survivors, failures = [], []
         for request_id, sequence in list(self.running.items()):
             if suspected(sequence):
-                sequence.push(Failed(request_failure(sequence, exc)))
-                self.finish(request_id, None)
+                failures.append((sequence, request_failure(sequence, exc)))
             elif sequence.sampling.constraint is not None and sequence.ids:  # its grammar state is lost
-                sequence.push(Failed(HTTPError(500, f"the engine failed a step: {reason}", "server_error")))
-                self.finish(request_id, None)
+                failures.append((sequence, HTTPError(500, f"the engine failed a step: {reason}", "server_error")))
             else:
                 survivors.append(self.running.pop(request_id))
+                continue
+            self.release(self.running.pop(request_id), None)
         try:
             rebuild()
         except Exception as rebuild_exc:
             self.running.update((next(self.ids), s) for s in survivors)
-            return self.give_up(f"{reason}; rebuilding it failed: {one_line(rebuild_exc)}")
-        for sequence in survivors:
-            self.resume(sequence)
+            self.give_up(f"{reason}; rebuilding it failed: {one_line(rebuild_exc)}")
+        else:
+            for sequence in survivors:
+                self.resume(sequence)
+        # Their answers go out only now, so a client that reads its error next finds the server
+        # settled: serving again, or marked broken.
+        for sequence, failure in failures:
+            sequence.push(Failed(failure))
 
     def resume(self, sequence: Sequence) -> None:
         """Hand a running request to the rebuilt engine: its prompt and the tokens it has, for the
