@@ -65,7 +65,7 @@ def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
             "engine.method=auto: no candidate could be built here: "
             + "; ".join(f"{e.name}: {e.outcome}" for e in entries)
         )
-    halving = None
+    halving = timing = None
     if lm_race:
         with memory_stages.stage("race: scoring"):
             baseline = lm.score(built, ctx, workload, cfg, thresholds, key_base if cfg.cache else None)
@@ -73,12 +73,15 @@ def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
             halving = lm.serve_passing(built, ctx, workload, thresholds, baseline)
         winner = lm.choose(built, workload, baseline, thresholds)
     else:
-        baseline = scoring.score(built, ctx, workload, cfg)
+        with memory_stages.stage("race: scoring"):
+            baseline, timing = scoring.score(built, ctx, workload, cfg)
         winner = choose(built, workload, baseline, thresholds)
     plot = report.plot_front(entries, workload, ctx.scratch / "race_front.png")
     record = report.race_record(ctx, workload, entries, winner, baseline, export, plot, time.monotonic() - started)
     record.update(budget=budget.record(entries), fewer_than_asked=budgets.fewer_than_asked(entries))
     record.update(left_out_for_size=left_out)
+    if timing is not None:
+        record.update(timing=timing)
     if halving is not None:
         record.update(served_halving=halving, served_cut_note=report.cut_note(halving))
     # The winner's engine record is in the race's (winner_engine); its quantize record is filed as its own.

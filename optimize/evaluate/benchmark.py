@@ -82,14 +82,22 @@ def _own_cpu_seconds(process) -> float:
     return total
 
 
-def quietest(time_once: Callable[[], dict], retimes: int = MAX_RETIMES) -> dict:
+def quietest(time_once: Callable[[], dict], retimes: int = MAX_RETIMES, until: float | None = None) -> dict:
     """time_once() -> stats with `other_cpu_share` (benchmark.measure's, or a generation run's); run
-    again while other processes took more than RETIME_SHARE of the CPUs, at most `retimes` more times.
-    Returns the quietest run's stats with `retimes`, how many more runs the point needed."""
+    again while other processes took more than RETIME_SHARE of the CPUs, at most `retimes` more times,
+    and only while another run (as long as the last) would end before `until` (time.monotonic()).
+    Returns the quietest run's stats with `retimes`, how many more runs the point needed, and
+    `retime_cut: True` when the point wanted another run that `until` did not leave time for."""
+    started = time.monotonic()
     best, tries = time_once(), 0
+    took = time.monotonic() - started
     while best["other_cpu_share"] > RETIME_SHARE and tries < retimes:
+        if until is not None and time.monotonic() + took > until:
+            return {**best, "retimes": tries, "retime_cut": True}
         tries += 1
+        started = time.monotonic()
         again = time_once()
+        took = time.monotonic() - started
         if again["other_cpu_share"] < best["other_cpu_share"]:
             best = again
     return {**best, "retimes": tries}

@@ -146,17 +146,28 @@ def baseline_lines(metrics: dict) -> list[str]:
     return [f"baseline: {statement}"] if statement else []
 
 
+def race_notes(race: dict) -> list[str]:
+    """What the reader must know before the race table names the winner: fewer candidates than asked,
+    timing the budget left noisier, candidates successive halving cut."""
+    notes = [race["fewer_than_asked"]] if race.get("fewer_than_asked") else []
+    timing = race.get("timing") or {}
+    if timing.get("retimes_cut"):
+        notes.append(
+            f"the machine was busy while timing batch {', '.join(timing['retimes_cut'])} and the race's timing "
+            f"budget ({timing['budget_s']:.0f} s) left no time to time it again: those figures are noisier"
+        )
+    if race.get("served_cut_note"):
+        notes.append(race["served_cut_note"])
+    return [f"NOTE: {note}" for note in notes]
+
+
 def render(manifest: dict, path) -> str:
     threads = manifest["metrics"].get("threads", {})
     race = (manifest.get("stages") or {}).get("engine") or {}
     parts = [f"recipe {manifest['recipe']['name']}: {manifest['model']['source']}"]
     if race.get("method") == "auto":
         parts += [f"engine race ({race['seconds']:.0f} s; won on {race['won_on']}):"]
-        if race.get("fewer_than_asked"):  # said before the table that names the winner
-            parts += [f"NOTE: {race['fewer_than_asked']}"]
-        if race.get("served_cut_note"):  # successive halving: who was cut after the first served round
-            parts += [f"NOTE: {race['served_cut_note']}"]
-        parts += [_table(race_rows(race)), ""]
+        parts += [*race_notes(race), _table(race_rows(race)), ""]
     parts += [
         _table(metrics_rows(manifest["metrics"])),
         *baseline_lines(manifest["metrics"]),

@@ -49,3 +49,24 @@ def test_cpu_time_of_a_child_process_counts_as_this_runs_own():
     finally:
         child.communicate(b"\n")
     assert _own_cpu_seconds(me) - before >= 0.35  # and once waited for
+
+
+def test_a_busy_point_is_timed_again_only_while_another_run_fits_before_the_deadline():
+    """The race's timing budget: a point timed on a busy machine wants up to two more runs; a deadline
+    that leaves no room for one as long as the last keeps the first and says the retime was cut."""
+    import time
+
+    from optimize.evaluate.benchmark import MAX_RETIMES, quietest
+
+    calls = []
+
+    def busy_run():
+        calls.append(1)
+        time.sleep(0.2)
+        return {"other_cpu_share": 0.5}
+
+    cut = quietest(busy_run, until=time.monotonic() + 0.3)
+    assert len(calls) == 1 and cut == {"other_cpu_share": 0.5, "retimes": 0, "retime_cut": True}
+    calls.clear()
+    roomy = quietest(busy_run, until=time.monotonic() + 60)
+    assert len(calls) == 1 + MAX_RETIMES and roomy == {"other_cpu_share": 0.5, "retimes": MAX_RETIMES}

@@ -66,6 +66,8 @@ def test_the_default_recipe_races_and_gates_each_encoder_family(arch, tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     race = json.loads((out / "manifest.json").read_text())["stages"]["engine"]
     assert race["budget"]["cut"] == []
+    timing = race["timing"]  # the timing phase ran under its own budget, twice the longest build's
+    assert timing["budget_s"] == 2 * max(race["budget"]["per_candidate_s"].values()) and timing["spent_s"] > 0
     for candidate in race["candidates"]:
         if candidate["precision"] is not None:  # built: within its budget (plus the 10% the race allows)
             assert candidate["build_s"] <= 1.1 * candidate["budget_s"], candidate

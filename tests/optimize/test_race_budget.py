@@ -122,3 +122,24 @@ def test_a_race_cut_by_its_budget_says_so_before_the_winner(tmp_path):
     assert report.index(f"NOTE: {said}") < report.index("won:") and "build s" in report
     by_name = {c["name"]: c for c in race["candidates"]}
     assert by_name["openvino_genai_int8"]["outcome"].startswith("cut: over its 1 s build budget at ")
+
+
+def test_the_timing_budget_is_twice_the_longest_build_budget_and_its_points_share_what_is_left():
+    entries = _entries("ort_fp32", "openvino_f32", "openvino_mixed")
+    cfg = candidates.EngineRaceConfig(candidate_budget_s={"default": 100, "openvino_mixed": 150})
+    race_budget.Budget(cfg, entries, _Sized(10))  # gives each entry its build budget
+    timing = race_budget.TimingBudget(cfg, entries)
+    assert timing.total_s == candidates.TIMING_BUDGET_FACTOR * 150
+    # 300 s over 2 points and 10 runners would be 15 s each: capped at the most one runner needs.
+    assert timing.measure_s(points_left=2, runners=10) == race_budget.TimingBudget.MEASURE_S
+    given = race_budget.TimingBudget(candidates.EngineRaceConfig(timing_budget_s=0.4), entries)
+    assert given.measure_s(points_left=2, runners=2) == pytest.approx(0.1, abs=0.01)
+    time.sleep(0.4)
+    given.cut_points.append("32")
+    given.finish()
+    assert given.measure_s(points_left=1, runners=2) == 0.0  # spent: the fewest repeats
+    record = given.record()
+    assert record["budget_s"] == 0.4 and record["from"] == "timing_budget_s" and record["retimes_cut"] == ["32"]
+    assert record["spent_s"] >= 0.4
+    with pytest.raises(RecipeError, match="timing_budget_s must be positive"):
+        candidates.EngineRaceConfig(timing_budget_s=0).validate()

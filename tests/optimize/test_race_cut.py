@@ -146,3 +146,15 @@ def test_the_race_table_says_which_build_was_cut_and_which_search_a_time_box_sto
     rows = race_rows({"candidates": [cut.report(), boxed.report()]})
     assert rows[1][0] == "ort_int8_dynamic" and rows[1][-1] == "cut: over its 150 s build budget at 150 s"
     assert rows[2][-1] == "won: fastest (its search stopped at its time box before any revert)"
+
+
+def test_timing_the_budget_left_noisier_is_said_before_the_race_table():
+    from optimize.reports.console import race_notes
+
+    race = {"timing": {"budget_s": 300.0, "spent_s": 320.5, "retimes_cut": ["32"]}, "fewer_than_asked": "one of two"}
+    assert race_notes(race) == [
+        "NOTE: one of two",
+        "NOTE: the machine was busy while timing batch 32 and the race's timing budget (300 s) left no time to "
+        "time it again: those figures are noisier",
+    ]
+    assert race_notes({"timing": {"budget_s": 300.0, "spent_s": 60.0, "retimes_cut": []}}) == []

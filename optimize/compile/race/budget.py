@@ -7,7 +7,12 @@ import logging
 import time
 from typing import Optional
 
-from optimize.compile.race.candidates import EngineRaceConfig, default_candidates, parameter_count
+from optimize.compile.race.candidates import (
+    TIMING_BUDGET_FACTOR,
+    EngineRaceConfig,
+    default_candidates,
+    parameter_count,
+)
 from optimize.compile.race.entry import Entry
 
 log = logging.getLogger(__name__)
@@ -134,6 +139,51 @@ class Budget:
             "build_s": {e.name: round(e.build_s, 1) for e in entries if e.model is not None},
             "cut": [e.name for e in entries if e.budget_cut],
             "over_budget": [e.name for e in entries if e.over_budget],
+        }
+
+
+class TimingBudget:
+    """The race's timing phase (encoders): seconds to time every built candidate at every workload
+    point, counted from the first timed run. Each point's runs share what is left evenly; a point timed
+    while the machine was busy is timed again only while that fits (benchmark.quietest), so a busy
+    machine costs the figures' quality, said in the record, not an unbounded wait."""
+
+    MEASURE_S = 8.0  # at most this many seconds of timed calls per runner and point
+
+    def __init__(self, cfg: EngineRaceConfig, entries: list[Entry]):
+        longest = max(e.budget_s for e in entries)
+        self.total_s = cfg.timing_budget_s if cfg.timing_budget_s is not None else TIMING_BUDGET_FACTOR * longest
+        self.given = cfg.timing_budget_s is not None
+        self.started = time.monotonic()
+        self.finished: Optional[float] = None
+        self.cut_points: list[str] = []
+
+    def end(self) -> float:
+        return self.started + self.total_s
+
+    def spent_s(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+    def finish(self) -> None:
+        self.finished = time.monotonic()
+        if self.cut_points:
+            log.warning(
+                "race: the timing budget (%.0f s) left no time to time again, on a busy machine, the points %s",
+                self.total_s,
+                ", ".join(self.cut_points),
+            )
+
+    def measure_s(self, points_left: int, runners: int) -> float:
+        """Seconds of timed calls each runner gets at the next point (benchmark.measure's budget_s)."""
+        left = max(0.0, self.end() - time.monotonic())
+        return min(self.MEASURE_S, left / max(points_left, 1) / max(runners, 1))
+
+    def record(self) -> dict:
+        return {
+            "budget_s": round(self.total_s, 1),
+            "from": "timing_budget_s" if self.given else f"{TIMING_BUDGET_FACTOR:g}x the longest build budget",
+            "spent_s": round(self.spent_s(), 1),
+            "retimes_cut": self.cut_points,
         }
 
 

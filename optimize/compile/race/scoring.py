@@ -1,16 +1,20 @@
 """Scoring encoder candidates: fidelity to the baseline on the evaluation data, then one
-block-alternating timing run per batch size with the baseline and every candidate taking turns."""
+block-alternating timing run per batch size with the baseline and every candidate taking turns, within
+the race's timing budget."""
 
 from __future__ import annotations
 
+from optimize.compile.race.budget import TimingBudget
+from optimize.compile.race.build import ProgressLine
 from optimize.compile.race.candidates import EngineRaceConfig
 from optimize.compile.race.entry import Entry
 
 
-def score(entries: list[Entry], ctx, workload, cfg: EngineRaceConfig) -> dict:
+def score(entries: list[Entry], ctx, workload, cfg: EngineRaceConfig) -> tuple[dict, dict]:
     """Fidelity of every candidate against the baseline on the evaluation data, then one timing run
     per batch size (evaluate.batch_sizes and every workload point) with the baseline and every
-    candidate taking turns, timed again while the machine was busy. Returns the baseline's p50s."""
+    candidate taking turns, timed again while the machine was busy and the timing budget allows.
+    Returns the baseline's p50s and the timing phase's record (budget.TimingBudget)."""
     from engines import engine_bytes, load_engine
     from optimize import tasks
     from optimize.evaluate import benchmark, harness
@@ -29,19 +33,29 @@ def score(entries: list[Entry], ctx, workload, cfg: EngineRaceConfig) -> dict:
         outputs = harness.run_all(runners[entry.name], batches)
         entry.fidelity = harness.fidelity_of(reference, outputs, task.fidelity_output, ctx.plan.evaluate.top_k)
         entry.scores = task.race_scores(reference, outputs, ctx)  # classifiers: labeled accuracy
+    clock = TimingBudget(cfg, entries)
+    line = ProgressLine()
+    points = workload.batch_sizes_timed(list(ctx.plan.evaluate.batch_sizes))
     baseline_p50 = {}
-    for batch_size in workload.batch_sizes_timed(list(ctx.plan.evaluate.batch_sizes)):
+    for number, batch_size in enumerate(points, 1):
         timed = [b for b in harness.batches_of(inputs, batch_size) if harness.sample_count(b) == batch_size]
+        runs = {"baseline": baseline, **runners}
+        measure_s = clock.measure_s(len(points) - number + 1, len(runs))
+        head = f"race: timing batch {batch_size} ({number}/{len(points)})"
+        line.show(f"{head}: {clock.spent_s():.0f} s of {clock.total_s:.0f} s")
         stats = benchmark.quietest(
             lambda: benchmark.measure(
-                {"baseline": baseline, **runners},
+                runs,  # noqa: B023
                 timed,  # noqa: B023
                 batch_size,  # noqa: B023
                 warmup=2,
                 repeats=cfg.timing_repeats,
-                budget_s=8.0,
-            )
+                budget_s=measure_s,  # noqa: B023
+            ),
+            until=clock.end(),
         )
+        if stats.get("retime_cut"):
+            clock.cut_points.append(str(batch_size))
         baseline_p50[str(batch_size)] = stats["baseline"]["p50_ms"]
         for entry in entries:
             entry.latency[str(batch_size)] = {
@@ -50,4 +64,6 @@ def score(entries: list[Entry], ctx, workload, cfg: EngineRaceConfig) -> dict:
                 "other_cpu_share": stats["other_cpu_share"],
                 "retimes": stats["retimes"],
             }
-    return baseline_p50
+    line.close()
+    clock.finish()
+    return baseline_p50, clock.record()
