@@ -131,6 +131,17 @@ OPENAI_OBJECT = lambda kind, **props: {
     },
 }
 
+
+def COMPLETION_RESPONSE(kind: str, field: str, schema: dict) -> dict:  # noqa: N802  # named like the schemas
+    """A completion's response: its choices each carry `field` (the text, or the chat message)."""
+    choice = {
+        "type": "object",
+        "required": [field, "finish_reason"],
+        "properties": {field: schema, "finish_reason": {"type": "string", "enum": ["stop", "length"]}},
+    }
+    return OPENAI_OBJECT(kind, id={"type": "string"}, usage=USAGE, choices={"type": "array", "items": choice})
+
+
 SCHEMAS: dict[str, Any] = {
     "KServeError": {"type": "object", "required": ["error"], "properties": {"error": {"type": "string"}}},
     "OpenAIError": {
@@ -297,37 +308,9 @@ SCHEMAS: dict[str, Any] = {
             **SAMPLING,
         },
     },
-    "CompletionResponse": OPENAI_OBJECT(
-        "text_completion",
-        id={"type": "string"},
-        usage=USAGE,
-        choices={
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["text", "finish_reason"],
-                "properties": {
-                    "text": {"type": "string"},
-                    "finish_reason": {"type": "string", "enum": ["stop", "length"]},
-                },
-            },
-        },
-    ),
-    "ChatResponse": OPENAI_OBJECT(
-        "chat.completion",
-        id={"type": "string"},
-        usage=USAGE,
-        choices={
-            "type": "array",
-            "items": {
-                "type": "object",
-                "required": ["message", "finish_reason"],
-                "properties": {
-                    "message": {"type": "object", "required": ["role", "content"]},
-                    "finish_reason": {"type": "string", "enum": ["stop", "length"]},
-                },
-            },
-        },
+    "CompletionResponse": COMPLETION_RESPONSE("text_completion", "text", {"type": "string"}),
+    "ChatResponse": COMPLETION_RESPONSE(
+        "chat.completion", "message", {"type": "object", "required": ["role", "content"]}
     ),
     "Model": OPENAI_OBJECT("model", id={"type": "string"}, owned_by={"type": "string"}),
     "ModelList": OPENAI_OBJECT("list", data={"type": "array", "items": {"$ref": "#/components/schemas/Model"}}),
