@@ -3,6 +3,7 @@ need an artifact reuse it instead of rebuilding (export alone takes ~20 s on 2 c
 
 from __future__ import annotations
 
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import FAST_OVERRIDES, run_optimize
+from tests.support.schedule import heaviest_files_first
 from tests.support.shared import build_once, process_of, process_record
 
 # The fast tier (`make test-fast`: pytest -m "not slow") is the unit tests. Slow are the tests that run
@@ -75,6 +77,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = set(getattr(item, "fixturenames", ()))
         if module.parts[0] in SLOW_DIRS or module.name in SLOW_MODULES or fixtures & SLOW_FIXTURES:
             item.add_marker(pytest.mark.slow)
+    if "PYTEST_XDIST_WORKER" in os.environ:  # every worker collects, in the same order: xdist checks it
+        items[:] = heaviest_files_first(items)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist queues the files of `--dist loadfile` by their number of tests unless told to keep the
+    # collection's order, which lists the longest files first (tests/support/schedule.py).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 @dataclass(frozen=True)
