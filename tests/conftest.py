@@ -27,6 +27,7 @@ SLOW_MODULES = {
     "test_byom_e2e.py",
     "test_byom_failures.py",
     "test_causal_lm.py",
+    "test_causal_lm_smollm2.py",
     "test_ci_report.py",
     "test_classifier_e2e.py",
     "test_cli.py",
@@ -62,6 +63,7 @@ SLOW_MODULES = {
 }
 SLOW_FIXTURES = {
     "minilm_run",
+    "minilm_default_race",
     "failed_gate_run",
     "openvino_artifact",
     "tiny_llm_artifact",
@@ -184,3 +186,37 @@ def openvino_artifact(tmp_path_factory) -> Path:
 
     workdir, _ = build_once(tmp_path_factory, "minilm-openvino", build)
     return workdir / "artifact"
+
+
+@dataclass(frozen=True)
+class RaceRun:
+    proc: subprocess.CompletedProcess
+    artifact: Path
+    cache: Path  # its OPTIMIZE_CACHE, empty before the run: every candidate was built in it
+    config: Path  # its XDG_CONFIG_HOME, which holds the key the cache's records are signed with
+
+
+@pytest.fixture(scope="session")
+def minilm_default_race(tmp_path_factory) -> RaceRun:
+    """The default recipe as shipped (the engine race over every default candidate, each built afresh
+    in a cache of its own), with small counts; the speed threshold is left to the recipe's own report
+    (tests never assert the machine's speed), the fidelity checks stay on. One race for the tests of
+    the default recipe, of a candidate it races (openvino_mixed) and of what its cache trusts."""
+
+    def build(workdir: Path) -> dict:
+        proc = run_optimize(
+            "evaluate.data.count=16",
+            "calibration.count=16",
+            "evaluate.batch_sizes=[1,4]",
+            "evaluate.repeats=5",
+            "evaluate.warmup=1",
+            "gate.min_speedup=null",
+            f"output_dir={workdir / 'artifact'}",
+            f"hydra.run.dir={workdir / 'run'}",
+            env={"OPTIMIZE_CACHE": str(workdir / "cache"), "XDG_CONFIG_HOME": str(workdir / "config")},
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return process_record(proc)
+
+    workdir, record = build_once(tmp_path_factory, "minilm-default-race", build)
+    return RaceRun(process_of(record), workdir / "artifact", workdir / "cache", workdir / "config")

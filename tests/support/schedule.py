@@ -23,7 +23,6 @@ from typing import Sequence
 import pytest
 
 FILE_SECONDS = Path(__file__).with_name("file_seconds.json")
-TESTS = Path(__file__).resolve().parents[1]
 
 
 def recorded_seconds() -> dict[str, float]:
@@ -35,15 +34,19 @@ def heaviest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
     """The items with the files in order of recorded time, longest first; within a file, and among
     files with no record, the collection's own order (a module's fixtures rely on it)."""
     seconds = recorded_seconds()
-    first_seen: dict[Path, int] = {}
+    first_seen: dict[str, int] = {}
     for item in items:
-        first_seen.setdefault(item.path, len(first_seen))
+        first_seen.setdefault(_file_of(item), len(first_seen))
 
     def key(item: pytest.Item) -> tuple[float, int]:
-        name = item.path.relative_to(TESTS).as_posix()
-        return (-seconds.get(name, 0.0), first_seen[item.path])
+        name = _file_of(item)
+        return (-seconds.get(name.removeprefix("tests/"), 0.0), first_seen[name])
 
     return sorted(items, key=key)  # stable: a file's items keep their order
+
+
+def _file_of(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]  # the file's path from the root folder: tests/optimize/test_x.py
 
 
 def file_seconds_of(junit: Path) -> dict[str, float]:
