@@ -3,6 +3,7 @@ need an artifact reuse it instead of rebuilding (export alone takes ~20 s on 2 c
 
 from __future__ import annotations
 
+import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.cli import FAST_OVERRIDES, run_optimize
+from tests.support.schedule import heaviest_files_first
 from tests.support.shared import build_once, process_of, process_record
 
 # The fast tier (`make test-fast`: pytest -m "not slow") is the unit tests. Slow are the tests that run
@@ -25,6 +27,7 @@ SLOW_MODULES = {
     "test_byom_e2e.py",
     "test_byom_failures.py",
     "test_causal_lm.py",
+    "test_causal_lm_smollm2.py",
     "test_ci_report.py",
     "test_classifier_e2e.py",
     "test_cli.py",
@@ -60,6 +63,7 @@ SLOW_MODULES = {
 }
 SLOW_FIXTURES = {
     "minilm_run",
+    "minilm_default_race",
     "failed_gate_run",
     "openvino_artifact",
     "tiny_llm_artifact",
@@ -75,6 +79,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = set(getattr(item, "fixturenames", ()))
         if module.parts[0] in SLOW_DIRS or module.name in SLOW_MODULES or fixtures & SLOW_FIXTURES:
             item.add_marker(pytest.mark.slow)
+    if "PYTEST_XDIST_WORKER" in os.environ:  # every worker collects, in the same order: xdist checks it
+        items[:] = heaviest_files_first(items)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist queues the files of `--dist loadfile` by their number of tests unless told to keep the
+    # collection's order, which lists the longest files first (tests/support/schedule.py).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 @dataclass(frozen=True)
@@ -173,3 +186,37 @@ def openvino_artifact(tmp_path_factory) -> Path:
 
     workdir, _ = build_once(tmp_path_factory, "minilm-openvino", build)
     return workdir / "artifact"
+
+
+@dataclass(frozen=True)
+class RaceRun:
+    proc: subprocess.CompletedProcess
+    artifact: Path
+    cache: Path  # its OPTIMIZE_CACHE, empty before the run: every candidate was built in it
+    config: Path  # its XDG_CONFIG_HOME, which holds the key the cache's records are signed with
+
+
+@pytest.fixture(scope="session")
+def minilm_default_race(tmp_path_factory) -> RaceRun:
+    """The default recipe as shipped (the engine race over every default candidate, each built afresh
+    in a cache of its own), with small counts; the speed threshold is left to the recipe's own report
+    (tests never assert the machine's speed), the fidelity checks stay on. One race for the tests of
+    the default recipe, of a candidate it races (openvino_mixed) and of what its cache trusts."""
+
+    def build(workdir: Path) -> dict:
+        proc = run_optimize(
+            "evaluate.data.count=16",
+            "calibration.count=16",
+            "evaluate.batch_sizes=[1,4]",
+            "evaluate.repeats=5",
+            "evaluate.warmup=1",
+            "gate.min_speedup=null",
+            f"output_dir={workdir / 'artifact'}",
+            f"hydra.run.dir={workdir / 'run'}",
+            env={"OPTIMIZE_CACHE": str(workdir / "cache"), "XDG_CONFIG_HOME": str(workdir / "config")},
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return process_record(proc)
+
+    workdir, record = build_once(tmp_path_factory, "minilm-default-race", build)
+    return RaceRun(process_of(record), workdir / "artifact", workdir / "cache", workdir / "config")

@@ -5,6 +5,7 @@ the reason, and runs sharing one cache never collide."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -202,19 +203,22 @@ def _race(tmp_path: Path, name: str, candidates: str) -> tuple[subprocess.Comple
     return proc, out
 
 
-@pytest.mark.slow
-def test_an_int8_model_swapped_into_the_cached_fp32_candidate_is_rebuilt_not_shipped(tmp_path):
+def test_an_int8_model_swapped_into_the_cached_fp32_candidate_is_rebuilt_not_shipped(minilm_default_race, tmp_path):
     """The attack of issue 35: after a race, the INT8 candidate's model.onnx copied over the cached FP32
-    candidate's; a rerun racing only ort_fp32 shipped MatMulInteger nodes under `onnxruntime fp32`."""
+    candidate's; a rerun racing only ort_fp32 shipped MatMulInteger nodes under `onnxruntime fp32`. The
+    race is the default recipe's (the session's): a copy of its cache and of the key that signed it."""
     import onnx
 
     from engines.artifact import read_manifest
 
-    _race(tmp_path, "first", "ort_fp32,ort_int8_dynamic_all")
-    folders = {
-        json.loads((f / "candidate.json").read_text())["precision"]: f for f in (tmp_path / "cache" / "race").iterdir()
-    }
-    (folders["fp32"] / "model.onnx").write_bytes((folders["int8"] / "model.onnx").read_bytes())
+    shutil.copytree(minilm_default_race.cache, tmp_path / "cache")
+    shutil.copytree(minilm_default_race.config, tmp_path / "config")
+    onnxruntime = {}  # precision -> the folder of an ONNX Runtime candidate (the INT8 ones: any of them)
+    for record in sorted((tmp_path / "cache" / "race").glob("*/candidate.json")):
+        saved = json.loads(record.read_text())
+        if saved["engine"]["format"] == "onnxruntime":
+            onnxruntime.setdefault(saved["precision"], record.parent)
+    (onnxruntime["fp32"] / "model.onnx").write_bytes((onnxruntime["int8"] / "model.onnx").read_bytes())
 
     proc, out = _race(tmp_path, "second", "ort_fp32")
     assert "cached copy failed its check" in proc.stdout  # the report's build column
