@@ -96,8 +96,8 @@ def test_carried_blocks_compute_what_the_dequantized_file_does(folder, tmp_path,
     np.testing.assert_allclose(ours, reference, atol=2e-4)
     assert abs(np.exp(-ours.mean()) / np.exp(-reference.mean()) - 1) < 1e-5
     # The matrices a step reads are the file's bytes (Q4_0 carried with an f16 offset: 20 bytes a block of 32).
-    # Q5_0 and Q5_1: 8-bit values with an f32 scale and offset a row and 16 values (48 bytes a block of 32).
-    blocks = {"Q4_0": 20, "Q4_1": 20, "Q5_0": 48, "Q5_1": 48, "Q8_0": 34}
+    # Q5_0 and Q5_1: nibbles, a plane of fifth bits and an f16 scale and offset (24 bytes a block of 32).
+    blocks = {"Q4_0": 20, "Q4_1": 20, "Q5_0": 24, "Q5_1": 24, "Q8_0": 34}
     layer_weights = 2 * (3 * 64 * 64 + 3 * 64 * 128)  # 2 layers: q, o 64x64, k, v 32x64, gate, up, down 64x128
     if qtype != "mixed":
         assert runner.model.weight_bytes_per_token == (layer_weights + 512 * 64) // 32 * blocks[qtype]
