@@ -821,8 +821,8 @@ void ng_free(model *m) {
  *    describes (KIND_4BIT / KIND_8BIT / KIND_4BIT_K / KIND_6BIT_K / KIND_5BIT / KIND_5BIT_K, group-blocks of
  *    320 / 544 / 384 / 512 / 384 / 448 bytes, rows / 16 groups of cols / 32 blocks), and live until ng_free.
  * 5. The file's tensor data lay inside the file, aligned to its general.alignment, none overlapping.
- * 6. Block scales (and Q4_1's offsets, Q4_0's -8 x scale, the K-quants' super-block scales and mins) are
- *    finite f16 numbers.
+ * 6. Block scales (and Q4_1's and Q5_1's offsets, Q4_0's -8 x scale and Q5_0's -16 x scale, the K-quants'
+ *    super-block scales and mins) are finite f16 numbers.
  * 7. The KV cache (2 x layers x positions x kv_heads x head_dim values of 2 bytes, kv_half, or 4) fits
  *    the machine's memory.
  * NULL where memory runs out. */

@@ -1,7 +1,8 @@
 """A GGUF file in the native kernels: its hyperparameters checked, its blocks repacked 16 rows to a
-group (kernels.c gives the layout; the bytes per weight stay the file's), and one decoding step.
+group (kernels.c gives the layout; the bits per weight stay the file's: 4-, 5- and 6-bit values are
+nibbles and bit planes, unpacked in registers), and one decoding step.
 
-What it carries as it is: a Llama or a Qwen2 whose matrices are Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K
+What it carries as it is: a Llama or a Qwen2 whose matrices are Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K
 (mixed freely) and whose norms (and Qwen2's biases) are F32 or F16. Anything else is named before a
 byte is repacked (`uncarried`, and contract.py: every value kernels.c reads, checked before any of it
 reaches C).
@@ -31,11 +32,11 @@ CARRIED = {
     "Q4_0": "4-bit groups of 16 rows, the file's f16 scale, offset -8 x scale (exact)",
     "Q4_1": "4-bit groups of 16 rows, the file's f16 scale and offset (exact)",
     "Q8_0": "8-bit groups of 16 rows, the file's f16 scale (exact)",
-    "Q5_0": "5-bit groups of 16 rows (nibbles and a plane of fifth bits), the file's f16 scale, offset -16 x scale (exact)",
-    "Q5_1": "5-bit groups of 16 rows (nibbles and a plane of fifth bits), the file's f16 scale and offset (exact)",
+    "Q5_0": "5-bit groups of 16 rows (nibbles, fifth bits a plane), the file's f16 scale, offset -16 x scale (exact)",
+    "Q5_1": "5-bit groups of 16 rows (nibbles, fifth bits a plane), the file's f16 scale and offset (exact)",
     "Q4_K": "4-bit groups of 16 rows, each sub-block's scale and min as f32 (exact)",
-    "Q5_K": "5-bit groups of 16 rows (nibbles and a plane of fifth bits), each sub-block's scale and min as f32 (exact)",
-    "Q6_K": "6-bit groups of 16 rows (nibbles and planes of fifth and sixth bits), each 16-value sub-block's scale as f32 (exact)",
+    "Q5_K": "5-bit groups of 16 rows (nibbles, fifth bits a plane), each sub-block's scale and min as f32 (exact)",
+    "Q6_K": "6-bit groups of 16 rows (nibbles, bit planes), each 16-value sub-block's scale as f32 (exact)",
 }
 KIND_4BIT, KIND_8BIT, KIND_4BIT_K, KIND_6BIT_K, KIND_5BIT, KIND_5BIT_K = 0, 1, 2, 3, 4, 5
 GROUP = 16
@@ -76,16 +77,16 @@ def repacked(t) -> tuple[int, np.ndarray]:
         values, d, m = _q5(blocks, offsets=kind == "Q5_1")
         if kind == "Q5_0" and np.abs(d).max(initial=0) * 16 > np.finfo(np.float16).max:
             raise NativeModelError(f"{t.name} has a Q5_0 scale whose offset -16 x scale overflows f16")
-        halves = [np.ascontiguousarray(a.astype(np.float16))[..., None].view(np.uint8) for a in (d, m)]
-        return KIND_5BIT, _groups_nibbles(values, *halves, extra=1)
+        d16, m16 = (np.ascontiguousarray(a.astype(np.float16))[..., None].view(np.uint8) for a in (d, m))
+        return KIND_5BIT, _groups_nibbles(values, d16, m16, extra=1)
     if kind in K_QUANTS:
         values, scale, offset = K_QUANTS[kind](raw.reshape(raw.shape[0], -1, contract.BLOCK_BYTES[kind]))
         if kind == "Q6_K":
             return KIND_6BIT_K, _groups_6bit_k(values, scale)
-        as_bytes = [np.ascontiguousarray(a, np.float32)[..., None].view(np.uint8) for a in (scale, offset)]
+        d32, m32 = (np.ascontiguousarray(a, np.float32)[..., None].view(np.uint8) for a in (scale, offset))
         if kind == "Q4_K":
-            return KIND_4BIT_K, _groups_nibbles(values, *as_bytes, extra=0)
-        return KIND_5BIT_K, _groups_nibbles(values, *as_bytes, extra=1)
+            return KIND_4BIT_K, _groups_nibbles(values, d32, m32, extra=0)
+        return KIND_5BIT_K, _groups_nibbles(values, d32, m32, extra=1)
     if kind == "Q4_0":  # d * (q - 8) is d * q + m with m = -8d, exact in f16 (a power of two)
         blocks = raw.reshape(raw.shape[0], -1, 18)
         d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
