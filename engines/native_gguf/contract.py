@@ -19,9 +19,10 @@ path). So everything it will read is checked here, once, at load time, and the c
    values): `check_tensors`, `check_norm`, `check_bias`;
 5. the file's layout: each tensor's data lies inside the file at an offset aligned to the file's
    general.alignment, no two overlapping (llama.cpp refuses both): `check_layout`;
-6. block scales (and Q4_1's offsets, the K-quants' super-block scales and mins) are finite f16
-   numbers: `check_scales`, one vectorized test a
-   tensor while it is repacked (a NaN or Inf scale turns every logit NaN);
+6. block scales (and Q4_1's and Q5_1's offsets, the K-quants' super-block scales and mins) are finite
+   f16 numbers: `check_scales`, one vectorized test a tensor while it is repacked (a NaN or Inf scale
+   turns every logit NaN); Q4_0's and Q5_0's offsets (-8 and -16 x scale, formed in f16) too, where
+   model.repacked forms them;
 7. the KV cache (f16 unless f32 is asked for: `kv_bytes`) fits this machine's memory: `check_memory`.
 Each refusal is a NativeModelError: one line naming the field or the tensor.
 """

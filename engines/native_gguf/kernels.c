@@ -21,12 +21,17 @@
  *     the value is d * q + m (Q4_0 carried as m = -8d).
  *   8-bit group-block (544 bytes): 512 bytes (byte 64j + 4i + k is row i's element 4j + k) and 16 f16
  *     scales; the value is d * q.
+ *   5-bit group-block (384 bytes, Q5_0 and Q5_1): the 4-bit layout's 256 bytes of nibbles, then a 64-byte bit plane
+ *     of the values' fifth bits (bit 2t + h of byte 4i + k is that of the nibble h of byte 64t + 4i + k: one shift
+ *     and one mask put nibble vector v's bits in place), then 16 f16 scales d and 16 f16 offsets m (Q5_0 carried as
+ *     m = -16d); the value is d * q + m. 5 bits a value as the file's, not 8: a token reads half the bytes.
  * K-quants (Q4_K, Q5_K, Q6_K) carry a sub-block's scale as a 6- or 8-bit integer times an f16 super-block
  * scale: exact as an f32 number (at most 19 significant bits), never as an f16 one. So:
  *   4-bit K group-block (384 bytes, Q4_K): the 4-bit layout with 16 f32 scales d and 16 f32 offsets m.
- *   8-bit K group-block (768 bytes, Q5_0's, Q5_1's and Q5_K's 5-bit and Q6_K's 6-bit values, unsigned): 512 bytes as the
- *     8-bit layout, then f32 scales d and offsets m for each half of the block (Q6_K's sub-blocks are 16
- *     values): 16 d of elements 0-15, 16 of 16-31, then the m likewise; the value is d * q + m.
+ *   5-bit K group-block (448 bytes, Q5_K): the 5-bit layout with 16 f32 scales d and 16 f32 offsets m.
+ *   6-bit K group-block (512 bytes, Q6_K): nibbles and a fifth-bit plane as the 5-bit layout, a sixth-bit plane
+ *     likewise, then f32 scales d for each half of the block (Q6_K's sub-blocks are 16 values): 16 d of elements
+ *     0-15, 16 of 16-31; the value is d * (q - 32), q unsigned.
  */
 #include <float.h>
 #include <immintrin.h>
@@ -46,13 +51,14 @@ enum { LOW_BITS = 7, QMAX = 127 * 128 };       /* x = 128 high + low, |high| <= 
 #error "the native GGUF kernels need AVX-512 VNNI, or AVX2 with FMA and F16C"
 #endif
 
-enum { GROUP = 16, BYTES_4BIT = 320, BYTES_8BIT = 544, BYTES_4BIT_K = 384, BYTES_8BIT_K = 768, PREFETCH_BLOCKS = 32 };
+enum { GROUP = 16, BYTES_4BIT = 320, BYTES_8BIT = 544, BYTES_4BIT_K = 384, BYTES_6BIT_K = 512, BYTES_5BIT = 384,
+       BYTES_5BIT_K = 448, PREFETCH_BLOCKS = 32 };
 /* Tokens one pass takes (a prompt is read in such chunks): a group's weights, read from memory for the
  * first, are still in cache for the others (64: a 1,024-token prompt streams the weights from memory 16
  * times, not 64, and meets a quarter of the barriers); the kernels take them TOKEN_TILE at a time (one
  * accumulator register each). */
 enum { MAX_BATCH = 64, TOKEN_TILE = 16 };
-enum { KIND_4BIT = 0, KIND_8BIT = 1, KIND_4BIT_K = 2, KIND_8BIT_K = 3 };
+enum { KIND_4BIT = 0, KIND_8BIT = 1, KIND_4BIT_K = 2, KIND_6BIT_K = 3, KIND_5BIT = 4, KIND_5BIT_K = 5 };
 
 typedef struct { int kind, rows, cols; const uint8_t *data; } matrix;
 typedef struct {
@@ -62,7 +68,7 @@ typedef struct {
 } layer;
 
 /* A vector quantized per block of 32: x = scale * (2^LOW_BITS * high + low), high int8, low uint8; the
- * sums of each block and of each half (half_sum, the 8-bit K offsets' terms) of x as quantized. */
+ * sums of each block and of each half (half_sum, the 6-bit K offsets' terms) of x as quantized. */
 typedef struct { float *sum, *half_sum, *scale; int32_t *high_sum, *high, *low; } activations;
 
 typedef struct {
@@ -143,62 +149,89 @@ static void prefetch(const uint8_t *p, int bytes) {
   for (int c = 0; c < bytes; c += 64) _mm_prefetch((const char *)p + c, _MM_HINT_T0);
 }
 
+/* Where a nibble group-block's parts start: the nibbles, `extra` 64-byte bit planes (5-bit: one; 6-bit K:
+ * two), then 16 scales d and 16 offsets m, f16 or f32 (K-quants). The 6-bit K group-block has 32 d, no m. */
+static inline int scales_at(const int extra) { return 256 + 64 * extra; }
+static inline int offsets_at(const int extra, const int f32) { return scales_at(extra) + (f32 ? 64 : 32); }
+static inline int nibble_bytes(const int extra, const int f32) { return offsets_at(extra, f32) + (f32 ? 64 : 32); }
+
 #if VNNI
 /* A group-block's 16 scales (or offsets) at p: f16, or f32 (K-quants). */
 static inline __m512 lanes16(const uint8_t *p, const int f32) {
   return f32 ? _mm512_loadu_ps(p) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
 
-/* 16 rows of a 4-bit matrix times one token's activations (decoding); f32: the K group-block. */
-static inline __attribute__((always_inline)) void group_4bit_one_(const uint8_t *p, int blocks, const activations *a, float *y, const int f32) {
-  __m512 acc = _mm512_setzero_ps();
+/* q with bit `to` of each byte set from bit v of the plane's byte (v: the nibble vector, 2t + h):
+ * one shift and one vpternlogd (q | (shifted & bit)). */
+static inline __m512i with_bit(__m512i q, __m512i plane, int v, int to) {
+  __m512i moved = v < to ? _mm512_slli_epi16(plane, to - v) : _mm512_srli_epi16(plane, v - to);
+  return _mm512_ternarylogic_epi32(q, moved, _mm512_set1_epi8((char)(1 << to)), 0xF8);
+}
+
+/* Chunk t's two value vectors (each row's elements 8t + k and 8t + 4 + k): its nibbles, with the fifth
+ * (extra >= 1) and sixth (extra == 2) bits from the planes after them. */
+static inline __attribute__((always_inline)) void unpacked(const uint8_t *p, int t, const int extra, __m512i *lo, __m512i *hi) {
   const __m512i nibble = _mm512_set1_epi8(15);
-  const int bytes = f32 ? BYTES_4BIT_K : BYTES_4BIT, offsets = f32 ? 320 : 288;
+  __m512i v = _mm512_loadu_si512(p + 64 * t);
+  *lo = _mm512_and_si512(v, nibble); *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+  for (int plane = 0; plane < extra; plane++) {
+    __m512i bits = _mm512_loadu_si512(p + 256 + 64 * plane);
+    *lo = with_bit(*lo, bits, 2 * t, 4 + plane); *hi = with_bit(*hi, bits, 2 * t + 1, 4 + plane);
+  }
+}
+
+/* 16 rows of a 4- or 5-bit (extra: 0 or 1) matrix times one token's activations (decoding); f32: the K
+ * group-block. */
+static inline __attribute__((always_inline)) void group_nibbles_one_(const uint8_t *p, int blocks, const activations *a, float *y,
+                                                                     const int f32, const int extra) {
+  __m512 acc = _mm512_setzero_ps();
+  const int bytes = nibble_bytes(extra, f32);
   for (int b = 0; b < blocks; b++, p += bytes) {
     prefetch(p + PREFETCH_BLOCKS * bytes, bytes);
     const int32_t *high = a->high + b * 8, *low = a->low + b * 8;
     __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
     for (int t = 0; t < 4; t++) {
-      __m512i v = _mm512_loadu_si512(p + 64 * t);
-      __m512i lo = _mm512_and_si512(v, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
+      __m512i lo, hi;
+      unpacked(p, t, extra, &lo, &hi);
       h0 = _mm512_dpbusd_epi32(h0, lo, _mm512_set1_epi32(high[2 * t]));
       h1 = _mm512_dpbusd_epi32(h1, hi, _mm512_set1_epi32(high[2 * t + 1]));
       l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(low[2 * t]), lo);
       l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(low[2 * t + 1]), hi);
     }
     __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), 8), _mm512_add_epi32(l0, l1));
-    __m512 scale = _mm512_mul_ps(lanes16(p + 256, f32), _mm512_set1_ps(a->scale[b]));
+    __m512 scale = _mm512_mul_ps(lanes16(p + scales_at(extra), f32), _mm512_set1_ps(a->scale[b]));
     acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
-    acc = _mm512_fmadd_ps(lanes16(p + offsets, f32), _mm512_set1_ps(a->sum[b]), acc);
+    acc = _mm512_fmadd_ps(lanes16(p + offsets_at(extra, f32), f32), _mm512_set1_ps(a->sum[b]), acc);
   }
   _mm512_storeu_ps(y, acc);
 }
 
-/* 16 rows of an 8-bit K matrix (unsigned values up to 63) times one token's activations: each half of a
- * block its own integer dot product, scale and offset. */
-static void group_8bit_k_one(const uint8_t *p, int blocks, const activations *a, float *y) {
+/* 16 rows of a 6-bit K matrix (unsigned values up to 63) times one token's activations: each half of a
+ * block its own integer dot product, scale d and offset -32d (exact in f32). */
+static void group_6bit_k_one(const uint8_t *p, int blocks, const activations *a, float *y) {
   __m512 acc = _mm512_setzero_ps();
-  for (int b = 0; b < blocks; b++, p += BYTES_8BIT_K) {
-    prefetch(p + PREFETCH_BLOCKS * BYTES_8BIT_K, BYTES_8BIT_K);
+  const __m512 minus32 = _mm512_set1_ps(-32.f);
+  for (int b = 0; b < blocks; b++, p += BYTES_6BIT_K) {
+    prefetch(p + PREFETCH_BLOCKS * BYTES_6BIT_K, BYTES_6BIT_K);
     const int32_t *high = a->high + b * 8, *low = a->low + b * 8;
     for (int half = 0; half < 2; half++) {
       __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
-      for (int j = 4 * half; j < 4 * half + 4; j += 2) {
-        __m512i w0 = _mm512_loadu_si512(p + 64 * j), w1 = _mm512_loadu_si512(p + 64 * (j + 1));
-        h0 = _mm512_dpbusd_epi32(h0, w0, _mm512_set1_epi32(high[j]));
-        h1 = _mm512_dpbusd_epi32(h1, w1, _mm512_set1_epi32(high[j + 1]));
-        l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(low[j]), w0);
-        l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(low[j + 1]), w1);
+      for (int t = 2 * half; t < 2 * half + 2; t++) {
+        __m512i lo, hi;
+        unpacked(p, t, 2, &lo, &hi);
+        h0 = _mm512_dpbusd_epi32(h0, lo, _mm512_set1_epi32(high[2 * t]));
+        h1 = _mm512_dpbusd_epi32(h1, hi, _mm512_set1_epi32(high[2 * t + 1]));
+        l0 = _mm512_dpbusd_epi32(l0, _mm512_set1_epi32(low[2 * t]), lo);
+        l1 = _mm512_dpbusd_epi32(l1, _mm512_set1_epi32(low[2 * t + 1]), hi);
       }
       __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(_mm512_add_epi32(h0, h1), LOW_BITS), _mm512_add_epi32(l0, l1));
-      __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(p + 512 + 64 * half), _mm512_set1_ps(a->scale[b]));
-      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
-      acc = _mm512_fmadd_ps(_mm512_loadu_ps(p + 640 + 64 * half), _mm512_set1_ps(a->half_sum[2 * b + half]), acc);
+      __m512 d = _mm512_loadu_ps(p + 384 + 64 * half);
+      acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(a->scale[b])), acc);
+      acc = _mm512_fmadd_ps(_mm512_mul_ps(d, minus32), _mm512_set1_ps(a->half_sum[2 * b + half]), acc);
     }
   }
   _mm512_storeu_ps(y, acc);
 }
-
 /* 16 rows of an 8-bit matrix times one token's activations. VNNI multiplies u8 by s8: the weights meet
  * the signed high plane as q + 128 (unsigned), and 128 times the plane's sum comes off again. */
 static void group_8bit_one(const uint8_t *p, int blocks, const activations *a, float *y) {
@@ -223,22 +256,19 @@ static void group_8bit_one(const uint8_t *p, int blocks, const activations *a, f
   _mm512_storeu_ps(y, acc);
 }
 
-/* 16 rows of a 4-bit matrix times n tokens' activations (a prompt; row i of the result at y + i * stride).
- * A block's weights are unpacked once for all n; each token's arithmetic is group_4bit_one's, in the same
- * order, so a prompt's logits are a decode's to the bit. */
-static inline __attribute__((always_inline)) void group_4bit_tokens_(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride, const int f32) {
+/* 16 rows of a 4- or 5-bit matrix times n tokens' activations (a prompt; row i of the result at y + i * stride).
+ * A block's weights are unpacked once for all n; each token's arithmetic is group_nibbles_one_'s, in the
+ * same order, so a prompt's logits are a decode's to the bit. */
+static inline __attribute__((always_inline)) void group_nibbles_tokens_(const uint8_t *p, int blocks, const activations *a, int n, float *y,
+                                                                        size_t stride, const int f32, const int extra) {
   __m512 acc[TOKEN_TILE];
   for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
-  const __m512i nibble = _mm512_set1_epi8(15);
-  const int bytes = f32 ? BYTES_4BIT_K : BYTES_4BIT;
+  const int bytes = nibble_bytes(extra, f32);
   for (int b = 0; b < blocks; b++, p += bytes) {
     prefetch(p + PREFETCH_BLOCKS * bytes, bytes);
     __m512i lo[4], hi[4];
-    for (int t = 0; t < 4; t++) {
-      __m512i v = _mm512_loadu_si512(p + 64 * t);
-      lo[t] = _mm512_and_si512(v, nibble); hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble);
-    }
-    __m512 d = lanes16(p + 256, f32), m = lanes16(p + (f32 ? 320 : 288), f32);
+    for (int t = 0; t < 4; t++) unpacked(p, t, extra, &lo[t], &hi[t]);
+    __m512 d = lanes16(p + scales_at(extra), f32), m = lanes16(p + offsets_at(extra, f32), f32);
     for (int i = 0; i < n; i++) {
       const int32_t *high = a[i].high + b * 8, *low = a[i].low + b * 8;
       __m512i h0 = _mm512_setzero_si512(), h1 = h0, l0 = h0, l1 = h0;
@@ -256,15 +286,16 @@ static inline __attribute__((always_inline)) void group_4bit_tokens_(const uint8
   for (int i = 0; i < n; i++) _mm512_storeu_ps(y + i * stride, acc[i]);
 }
 
-/* 16 rows of an 8-bit K matrix times n tokens' activations, as group_8bit_k_one computes each. */
-static void group_8bit_k_tokens(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+/* 16 rows of a 6-bit K matrix times n tokens' activations, as group_6bit_k_one computes each. */
+static void group_6bit_k_tokens(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
   __m512 acc[TOKEN_TILE];
   for (int i = 0; i < n; i++) acc[i] = _mm512_setzero_ps();
-  for (int b = 0; b < blocks; b++, p += BYTES_8BIT_K) {
-    prefetch(p + PREFETCH_BLOCKS * BYTES_8BIT_K, BYTES_8BIT_K);
-    __m512i w[8];
-    for (int j = 0; j < 8; j++) w[j] = _mm512_loadu_si512(p + 64 * j);
-    __m512 d[2] = {_mm512_loadu_ps(p + 512), _mm512_loadu_ps(p + 576)}, m[2] = {_mm512_loadu_ps(p + 640), _mm512_loadu_ps(p + 704)};
+  for (int b = 0; b < blocks; b++, p += BYTES_6BIT_K) {
+    prefetch(p + PREFETCH_BLOCKS * BYTES_6BIT_K, BYTES_6BIT_K);
+    __m512i w[8];  /* w[2t]: chunk t's low nibbles' values, w[2t + 1] its high ones' */
+    for (int t = 0; t < 4; t++) unpacked(p, t, 2, &w[2 * t], &w[2 * t + 1]);
+    __m512 d[2] = {_mm512_loadu_ps(p + 384), _mm512_loadu_ps(p + 448)};
+    __m512 m[2] = {_mm512_mul_ps(d[0], _mm512_set1_ps(-32.f)), _mm512_mul_ps(d[1], _mm512_set1_ps(-32.f))};
     for (int i = 0; i < n; i++) {
       const int32_t *high = a[i].high + b * 8, *low = a[i].low + b * 8;
       for (int half = 0; half < 2; half++) {
@@ -283,7 +314,6 @@ static void group_8bit_k_tokens(const uint8_t *p, int blocks, const activations 
   }
   for (int i = 0; i < n; i++) _mm512_storeu_ps(y + i * stride, acc[i]);
 }
-
 /* 16 rows of an 8-bit matrix times n tokens' activations, as group_8bit_one computes each. */
 static void group_8bit_tokens(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
   __m512 acc[TOKEN_TILE];
@@ -313,17 +343,18 @@ static void group_8bit_tokens(const uint8_t *p, int blocks, const activations *a
 
 /* One token (decoding) takes the kernel that keeps its accumulator in a register: the loop over tokens
  * halved decode speed where it ran for one. */
-static void group_4bit(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
-  if (n == 1) group_4bit_one_(p, blocks, a, y, 0);
-  else group_4bit_tokens_(p, blocks, a, n, y, stride, 0);
-}
-static void group_4bit_k(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
-  if (n == 1) group_4bit_one_(p, blocks, a, y, 1);
-  else group_4bit_tokens_(p, blocks, a, n, y, stride, 1);
-}
-static void group_8bit_k(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
-  if (n == 1) group_8bit_k_one(p, blocks, a, y);
-  else group_8bit_k_tokens(p, blocks, a, n, y, stride);
+#define NIBBLE_KERNEL(name, f32, extra)                                                                  \
+  static void name(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) { \
+    if (n == 1) group_nibbles_one_(p, blocks, a, y, f32, extra);                                         \
+    else group_nibbles_tokens_(p, blocks, a, n, y, stride, f32, extra);                                  \
+  }
+NIBBLE_KERNEL(group_4bit, 0, 0)
+NIBBLE_KERNEL(group_4bit_k, 1, 0)
+NIBBLE_KERNEL(group_5bit, 0, 1)
+NIBBLE_KERNEL(group_5bit_k, 1, 1)
+static void group_6bit_k(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+  if (n == 1) group_6bit_k_one(p, blocks, a, y);
+  else group_6bit_k_tokens(p, blocks, a, n, y, stride);
 }
 static void group_8bit(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
   if (n == 1) group_8bit_one(p, blocks, a, y);
@@ -340,10 +371,29 @@ static inline __m256 lanes8(const uint8_t *p, const int f32) {
   return f32 ? _mm256_loadu_ps((const float *)p) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-static inline __attribute__((always_inline)) void group_4bit_one_(const uint8_t *p, int blocks, const activations *a, float *y, const int f32) {
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+/* q with bit `to` of each byte set from bit v of the plane's byte (v: the nibble vector, 2t + h). */
+static inline __m256i with_bit(__m256i q, __m256i plane, int v, int to) {
+  __m256i moved = v < to ? _mm256_slli_epi16(plane, to - v) : _mm256_srli_epi16(plane, v - to);
+  return _mm256_or_si256(q, _mm256_and_si256(moved, _mm256_set1_epi8((char)(1 << to))));
+}
+
+/* Rows 8 half .. 8 half + 7 of chunk t's two value vectors: nibbles, with the fifth (extra >= 1) and
+ * sixth (extra == 2) bits from the planes after them. */
+static inline __attribute__((always_inline)) void unpacked(const uint8_t *p, int t, int half, const int extra, __m256i *lo, __m256i *hi) {
   const __m256i nibble = _mm256_set1_epi8(15);
-  const int bytes = f32 ? BYTES_4BIT_K : BYTES_4BIT, width = f32 ? 4 : 2, offsets = f32 ? 320 : 288;
+  __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * half));
+  *lo = _mm256_and_si256(v, nibble); *hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+  for (int plane = 0; plane < extra; plane++) {
+    __m256i bits = _mm256_loadu_si256((const __m256i *)(p + 256 + 64 * plane + 32 * half));
+    *lo = with_bit(*lo, bits, 2 * t, 4 + plane); *hi = with_bit(*hi, bits, 2 * t + 1, 4 + plane);
+  }
+}
+
+/* 16 rows of a 4- or 5-bit (extra: 0 or 1) matrix times one token's activations; f32: the K group-block. */
+static inline __attribute__((always_inline)) void group_nibbles_one_(const uint8_t *p, int blocks, const activations *a, float *y,
+                                                                     const int f32, const int extra) {
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  const int bytes = nibble_bytes(extra, f32), width = f32 ? 4 : 2;
   for (int b = 0; b < blocks; b++, p += bytes) {
     prefetch(p + PREFETCH_BLOCKS * bytes, bytes);
     const int32_t *high = a->high + b * 8, *low = a->low + b * 8;
@@ -352,18 +402,18 @@ static inline __attribute__((always_inline)) void group_4bit_one_(const uint8_t 
       __m256i h0 = _mm256_set1_epi32(high[2 * t]), h1 = _mm256_set1_epi32(high[2 * t + 1]);
       __m256i l0 = _mm256_set1_epi32(low[2 * t]), l1 = _mm256_set1_epi32(low[2 * t + 1]);
       for (int half = 0; half < 2; half++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(p + 64 * t + 32 * half));
-        __m256i lo = _mm256_and_si256(v, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
-        /* |pair sums| <= 2 * 15 * 127 twice: within 16 bits */
+        __m256i lo, hi;
+        unpacked(p, t, half, extra, &lo, &hi);
+        /* |pair sums| <= 2 * 31 * 127 twice: within 16 bits */
         h[half] = _mm256_add_epi32(h[half], pairs_to_32(_mm256_add_epi16(_mm256_maddubs_epi16(lo, h0), _mm256_maddubs_epi16(hi, h1))));
         l[half] = _mm256_add_epi32(l[half], pairs_to_32(_mm256_add_epi16(_mm256_maddubs_epi16(l0, lo), _mm256_maddubs_epi16(l1, hi))));
       }
     }
     for (int half = 0; half < 2; half++) {
       __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(h[half], LOW_BITS), l[half]);
-      __m256 scale = _mm256_mul_ps(lanes8(p + 256 + 8 * width * half, f32), _mm256_set1_ps(a->scale[b]));
+      __m256 scale = _mm256_mul_ps(lanes8(p + scales_at(extra) + 8 * width * half, f32), _mm256_set1_ps(a->scale[b]));
       acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
-      acc[half] = _mm256_fmadd_ps(lanes8(p + offsets + 8 * width * half, f32), _mm256_set1_ps(a->sum[b]), acc[half]);
+      acc[half] = _mm256_fmadd_ps(lanes8(p + offsets_at(extra, f32) + 8 * width * half, f32), _mm256_set1_ps(a->sum[b]), acc[half]);
     }
   }
   _mm256_storeu_ps(y, acc[0]); _mm256_storeu_ps(y + 8, acc[1]);
@@ -393,28 +443,31 @@ static void group_8bit_one(const uint8_t *p, int blocks, const activations *a, f
   _mm256_storeu_ps(y, acc[0]); _mm256_storeu_ps(y + 8, acc[1]);
 }
 
-/* 16 rows of an 8-bit K matrix (unsigned values up to 63: |pair sums| <= 2 * 63 * 127) times one token's
- * activations, each half of a block with its own scale and offset. */
-static void group_8bit_k_one(const uint8_t *p, int blocks, const activations *a, float *y) {
+/* 16 rows of a 6-bit K matrix (unsigned values up to 63: |pair sums| <= 2 * 63 * 127 twice, within 16 bits)
+ * times one token's activations, each half of a block with its own scale d and offset -32d. */
+static void group_6bit_k_one(const uint8_t *p, int blocks, const activations *a, float *y) {
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int b = 0; b < blocks; b++, p += BYTES_8BIT_K) {
-    prefetch(p + PREFETCH_BLOCKS * BYTES_8BIT_K, BYTES_8BIT_K);
+  const __m256 minus32 = _mm256_set1_ps(-32.f);
+  for (int b = 0; b < blocks; b++, p += BYTES_6BIT_K) {
+    prefetch(p + PREFETCH_BLOCKS * BYTES_6BIT_K, BYTES_6BIT_K);
     const int32_t *high = a->high + b * 8, *low = a->low + b * 8;
     for (int part = 0; part < 2; part++) {  /* elements 0-15, then 16-31 */
       __m256i h[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, l[2] = {h[0], h[0]};
-      for (int j = 4 * part; j < 4 * part + 4; j++) {
-        __m256i hj = _mm256_set1_epi32(high[j]), lj = _mm256_set1_epi32(low[j]);
+      for (int t = 2 * part; t < 2 * part + 2; t++) {
+        __m256i h0 = _mm256_set1_epi32(high[2 * t]), h1 = _mm256_set1_epi32(high[2 * t + 1]);
+        __m256i l0 = _mm256_set1_epi32(low[2 * t]), l1 = _mm256_set1_epi32(low[2 * t + 1]);
         for (int half = 0; half < 2; half++) {
-          __m256i w = _mm256_loadu_si256((const __m256i *)(p + 64 * j + 32 * half));
-          h[half] = _mm256_add_epi32(h[half], pairs_to_32(_mm256_maddubs_epi16(w, hj)));
-          l[half] = _mm256_add_epi32(l[half], pairs_to_32(_mm256_maddubs_epi16(lj, w)));
+          __m256i lo, hi;
+          unpacked(p, t, half, 2, &lo, &hi);
+          h[half] = _mm256_add_epi32(h[half], pairs_to_32(_mm256_add_epi16(_mm256_maddubs_epi16(lo, h0), _mm256_maddubs_epi16(hi, h1))));
+          l[half] = _mm256_add_epi32(l[half], pairs_to_32(_mm256_add_epi16(_mm256_maddubs_epi16(l0, lo), _mm256_maddubs_epi16(l1, hi))));
         }
       }
       for (int half = 0; half < 2; half++) {
         __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(h[half], LOW_BITS), l[half]);
-        __m256 scale = _mm256_mul_ps(_mm256_loadu_ps((const float *)(p + 512 + 64 * part + 32 * half)), _mm256_set1_ps(a->scale[b]));
-        acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[half]);
-        acc[half] = _mm256_fmadd_ps(_mm256_loadu_ps((const float *)(p + 640 + 64 * part + 32 * half)), _mm256_set1_ps(a->half_sum[2 * b + part]), acc[half]);
+        __m256 d = _mm256_loadu_ps((const float *)(p + 384 + 64 * part + 32 * half));
+        acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, _mm256_set1_ps(a->scale[b])), acc[half]);
+        acc[half] = _mm256_fmadd_ps(_mm256_mul_ps(d, minus32), _mm256_set1_ps(a->half_sum[2 * b + part]), acc[half]);
       }
     }
   }
@@ -422,21 +475,23 @@ static void group_8bit_k_one(const uint8_t *p, int blocks, const activations *a,
 }
 
 /* A prompt's tokens one after the other: the group's weights stay in cache between them. */
-static void group_4bit(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
-  for (int i = 0; i < n; i++) group_4bit_one_(p, blocks, &a[i], y + i * stride, 0);
-}
-static void group_4bit_k(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
-  for (int i = 0; i < n; i++) group_4bit_one_(p, blocks, &a[i], y + i * stride, 1);
-}
-static void group_8bit_k(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
-  for (int i = 0; i < n; i++) group_8bit_k_one(p, blocks, &a[i], y + i * stride);
+#define NIBBLE_KERNEL(name, f32, extra)                                                                  \
+  static void name(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) { \
+    for (int i = 0; i < n; i++) group_nibbles_one_(p, blocks, &a[i], y + i * stride, f32, extra);       \
+  }
+NIBBLE_KERNEL(group_4bit, 0, 0)
+NIBBLE_KERNEL(group_4bit_k, 1, 0)
+NIBBLE_KERNEL(group_5bit, 0, 1)
+NIBBLE_KERNEL(group_5bit_k, 1, 1)
+static void group_6bit_k(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
+  for (int i = 0; i < n; i++) group_6bit_k_one(p, blocks, &a[i], y + i * stride);
 }
 static void group_8bit(const uint8_t *p, int blocks, const activations *a, int n, float *y, size_t stride) {
   for (int i = 0; i < n; i++) group_8bit_one(p, blocks, &a[i], y + i * stride);
 }
 #endif
 
-static const int BLOCK_BYTES[] = {BYTES_4BIT, BYTES_8BIT, BYTES_4BIT_K, BYTES_8BIT_K};  /* by kind */
+static const int BLOCK_BYTES[] = {BYTES_4BIT, BYTES_8BIT, BYTES_4BIT_K, BYTES_6BIT_K, BYTES_5BIT, BYTES_5BIT_K};  /* by kind */
 static size_t group_bytes(const matrix *w) { return (size_t)(w->cols / 32) * BLOCK_BYTES[w->kind]; }
 
 /* Y = W A for n tokens' activations (row i of Y at y + i * stride), the row groups shared out among the
@@ -454,10 +509,19 @@ static void matmul(const matrix *w, const activations *a, int n, float *y, int s
         case KIND_4BIT: group_4bit(p, blocks, a + i, tile, out, stride); break;
         case KIND_8BIT: group_8bit(p, blocks, a + i, tile, out, stride); break;
         case KIND_4BIT_K: group_4bit_k(p, blocks, a + i, tile, out, stride); break;
-        default: group_8bit_k(p, blocks, a + i, tile, out, stride);
+        case KIND_5BIT: group_5bit(p, blocks, a + i, tile, out, stride); break;
+        case KIND_5BIT_K: group_5bit_k(p, blocks, a + i, tile, out, stride); break;
+        default: group_6bit_k(p, blocks, a + i, tile, out, stride);
       }
     }
   }
+}
+
+/* Lane `lane`'s element e of a nibble group-block (4, 5 or 6 bits: `extra` bit planes after the nibbles). */
+static inline int nibble_value(const uint8_t *p, int lane, int e, int extra) {
+  int t = e / 8, h = (e % 8) / 4, at = 4 * lane + e % 4, q = (p[64 * t + at] >> (4 * h)) & 15;
+  for (int plane = 0; plane < extra; plane++) q |= ((p[256 + 64 * plane + at] >> (2 * t + h)) & 1) << (4 + plane);
+  return q;
 }
 
 /* One row of a repacked matrix, dequantized (the embedding lookup). */
@@ -466,17 +530,18 @@ static void dequantized_row(const matrix *w, int r, float *out) {
   const uint8_t *group = w->data + (size_t)(r / GROUP) * group_bytes(w);
   for (int b = 0; b < blocks; b++) {
     const uint8_t *p = group + (size_t)b * BLOCK_BYTES[w->kind];
-    if (w->kind == KIND_8BIT_K) {
-      const float *d = (const float *)(p + 512), *m = (const float *)(p + 640);
-      for (int e = 0; e < 32; e++) out[b * 32 + e] = d[16 * (e / 16) + lane] * p[64 * (e / 4) + 4 * lane + e % 4] + m[16 * (e / 16) + lane];
-    } else if (w->kind == KIND_4BIT || w->kind == KIND_4BIT_K) {
-      int k = w->kind == KIND_4BIT_K;
-      float d = k ? ((const float *)(p + 256))[lane] : _cvtsh_ss(*(const uint16_t *)(p + 256 + 2 * lane));
-      float m = k ? ((const float *)(p + 320))[lane] : _cvtsh_ss(*(const uint16_t *)(p + 288 + 2 * lane));
+    if (w->kind == KIND_6BIT_K) {
+      const float *d = (const float *)(p + 384);
       for (int e = 0; e < 32; e++) {
-        uint8_t byte = p[64 * (e / 8) + 4 * lane + e % 4];
-        out[b * 32 + e] = d * ((e % 8) < 4 ? byte & 15 : byte >> 4) + m;
+        float scale = d[16 * (e / 16) + lane];
+        out[b * 32 + e] = scale * nibble_value(p, lane, e, 2) + scale * -32.f;
       }
+    } else if (w->kind != KIND_8BIT) {
+      int k = w->kind == KIND_4BIT_K || w->kind == KIND_5BIT_K, extra = w->kind == KIND_5BIT || w->kind == KIND_5BIT_K;
+      const uint8_t *ds = p + scales_at(extra), *ms = p + offsets_at(extra, k);
+      float d = k ? ((const float *)ds)[lane] : _cvtsh_ss(((const uint16_t *)ds)[lane]);
+      float m = k ? ((const float *)ms)[lane] : _cvtsh_ss(((const uint16_t *)ms)[lane]);
+      for (int e = 0; e < 32; e++) out[b * 32 + e] = d * nibble_value(p, lane, e, extra) + m;
     } else {
       float d = _cvtsh_ss(*(const uint16_t *)(p + 512 + 2 * lane));
       for (int e = 0; e < 32; e++) out[b * 32 + e] = d * (int8_t)p[64 * (e / 4) + 4 * lane + e % 4];
@@ -753,11 +818,11 @@ void ng_free(model *m) {
  *    dim columns; attn_norm, ffn_norm and out_norm `dim` finite floats each; a Qwen2 layer's q|k|v bias
  *    (ng_layer_bias) dim + 2 x kv_heads x head_dim finite floats, none elsewhere. Matrices are Q4_0,
  *    Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K (K-quants' rows whole 256-value super-blocks) repacked as the header
- *    describes (KIND_4BIT / KIND_8BIT / KIND_4BIT_K / KIND_8BIT_K, group-blocks of 320 / 544 / 384 / 768
- *    bytes, rows / 16 groups of cols / 32 blocks; 8-bit K values at most 63), and live until ng_free.
+ *    describes (KIND_4BIT / KIND_8BIT / KIND_4BIT_K / KIND_6BIT_K / KIND_5BIT / KIND_5BIT_K, group-blocks of
+ *    320 / 544 / 384 / 512 / 384 / 448 bytes, rows / 16 groups of cols / 32 blocks), and live until ng_free.
  * 5. The file's tensor data lay inside the file, aligned to its general.alignment, none overlapping.
- * 6. Block scales (and Q4_1's offsets, Q4_0's -8 x scale, the K-quants' super-block scales and mins) are
- *    finite f16 numbers.
+ * 6. Block scales (and Q4_1's and Q5_1's offsets, Q4_0's -8 x scale and Q5_0's -16 x scale, the K-quants'
+ *    super-block scales and mins) are finite f16 numbers.
  * 7. The KV cache (2 x layers x positions x kv_heads x head_dim values of 2 bytes, kv_half, or 4) fits
  *    the machine's memory.
  * NULL where memory runs out. */

@@ -1,7 +1,8 @@
 """A GGUF file in the native kernels: its hyperparameters checked, its blocks repacked 16 rows to a
-group (kernels.c gives the layout; the bytes per weight stay the file's), and one decoding step.
+group (kernels.c gives the layout; the bits per weight stay the file's: 4-, 5- and 6-bit values are
+nibbles and bit planes, unpacked in registers), and one decoding step.
 
-What it carries as it is: a Llama or a Qwen2 whose matrices are Q4_0, Q4_1, Q8_0, Q4_K, Q5_K or Q6_K
+What it carries as it is: a Llama or a Qwen2 whose matrices are Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or Q6_K
 (mixed freely) and whose norms (and Qwen2's biases) are F32 or F16. Anything else is named before a
 byte is repacked (`uncarried`, and contract.py: every value kernels.c reads, checked before any of it
 reaches C).
@@ -31,13 +32,13 @@ CARRIED = {
     "Q4_0": "4-bit groups of 16 rows, the file's f16 scale, offset -8 x scale (exact)",
     "Q4_1": "4-bit groups of 16 rows, the file's f16 scale and offset (exact)",
     "Q8_0": "8-bit groups of 16 rows, the file's f16 scale (exact)",
-    "Q5_0": "5-bit values in 8-bit groups of 16 rows, the file's scale and offset -16 x scale as f32 (exact)",
-    "Q5_1": "5-bit values in 8-bit groups of 16 rows, the file's scale and offset as f32 (exact)",
+    "Q5_0": "5-bit groups of 16 rows (nibbles, fifth bits a plane), the file's f16 scale, offset -16 x scale (exact)",
+    "Q5_1": "5-bit groups of 16 rows (nibbles, fifth bits a plane), the file's f16 scale and offset (exact)",
     "Q4_K": "4-bit groups of 16 rows, each sub-block's scale and min as f32 (exact)",
-    "Q5_K": "5-bit values in 8-bit groups of 16 rows, each sub-block's scale and min as f32 (exact)",
-    "Q6_K": "6-bit values in 8-bit groups of 16 rows, each 16-value sub-block's scale as f32 (exact)",
+    "Q5_K": "5-bit groups of 16 rows (nibbles, fifth bits a plane), each sub-block's scale and min as f32 (exact)",
+    "Q6_K": "6-bit groups of 16 rows (nibbles, bit planes), each 16-value sub-block's scale as f32 (exact)",
 }
-KIND_4BIT, KIND_8BIT, KIND_4BIT_K, KIND_8BIT_K = 0, 1, 2, 3
+KIND_4BIT, KIND_8BIT, KIND_4BIT_K, KIND_6BIT_K, KIND_5BIT, KIND_5BIT_K = 0, 1, 2, 3, 4, 5
 GROUP = 16
 QK_K = 256
 
@@ -71,12 +72,21 @@ def repacked(t) -> tuple[int, np.ndarray]:
     if kind == "Q4_1":
         blocks = raw.reshape(raw.shape[0], -1, 20)
         return KIND_4BIT, _groups_4bit(blocks[..., 4:], blocks[..., 0:2], blocks[..., 2:4])
-    if kind in F32_SCALED:
-        values, scale, offset = F32_SCALED[kind](raw.reshape(raw.shape[0], -1, contract.BLOCK_BYTES[kind]))
+    if kind in ("Q5_0", "Q5_1"):
+        blocks = raw.reshape(raw.shape[0], -1, contract.BLOCK_BYTES[kind])
+        values, d, m = _q5(blocks, offsets=kind == "Q5_1")
+        if kind == "Q5_0" and np.abs(d).max(initial=0) * 16 > np.finfo(np.float16).max:
+            raise NativeModelError(f"{t.name} has a Q5_0 scale whose offset -16 x scale overflows f16")
+        d16, m16 = (np.ascontiguousarray(a.astype(np.float16))[..., None].view(np.uint8) for a in (d, m))
+        return KIND_5BIT, _groups_nibbles(values, d16, m16, extra=1)
+    if kind in K_QUANTS:
+        values, scale, offset = K_QUANTS[kind](raw.reshape(raw.shape[0], -1, contract.BLOCK_BYTES[kind]))
+        if kind == "Q6_K":
+            return KIND_6BIT_K, _groups_6bit_k(values, scale)
+        d32, m32 = (np.ascontiguousarray(a, np.float32)[..., None].view(np.uint8) for a in (scale, offset))
         if kind == "Q4_K":
-            as_bytes = [np.ascontiguousarray(a, np.float32)[..., None].view(np.uint8) for a in (scale, offset)]
-            return KIND_4BIT_K, _groups_4bit(_nibbles(values), *as_bytes)
-        return KIND_8BIT_K, _groups_8bit_k(values, scale, offset)
+            return KIND_4BIT_K, _groups_nibbles(values, d32, m32, extra=0)
+        return KIND_5BIT_K, _groups_nibbles(values, d32, m32, extra=1)
     if kind == "Q4_0":  # d * (q - 8) is d * q + m with m = -8d, exact in f16 (a power of two)
         blocks = raw.reshape(raw.shape[0], -1, 18)
         d = blocks[..., 0:2].copy().view(np.float16).astype(np.float32)
@@ -85,11 +95,6 @@ def repacked(t) -> tuple[int, np.ndarray]:
         offset = (d * -8).astype(np.float16).view(np.uint8)
         return KIND_4BIT, _groups_4bit(blocks[..., 2:], blocks[..., 0:2], offset)
     raise NativeModelError(f"{t.name} is {kind}; the native GGUF kernels carry {', '.join(CARRIED)}")
-
-
-def _nibbles(values: np.ndarray) -> np.ndarray:
-    """[rows, blocks, 32] values 0..15 -> [rows, blocks, 16] bytes as Q4_0 / Q4_1 hold them."""
-    return (values[..., :16] | (values[..., 16:] << 4)).astype(np.uint8)
 
 
 def _q4_k(blocks: np.ndarray):
@@ -161,50 +166,61 @@ def _q5(blocks: np.ndarray, offsets: bool):
     return np.concatenate([qs & 15, qs >> 4], axis=-1) | (fifth << 4), d, m
 
 
-# Types whose scales are exact in f32 only (K-quants: an f16 times a 6- or 8-bit integer), or whose 5-bit
-# values fill the 8-bit layout: values, f32 scales and offsets a block of 32 (or a half of one).
-F32_SCALED = {
-    "Q4_K": _q4_k,
-    "Q5_K": _q5_k,
-    "Q6_K": _q6_k,
-    "Q5_0": lambda blocks: _q5(blocks, offsets=False),
-    "Q5_1": lambda blocks: _q5(blocks, offsets=True),
-}
+# K-quants (scales exact in f32 only: an f16 times a 6- or 8-bit integer): values, f32 scales and offsets a
+# block of 32 (Q6_K: a half of one).
+K_QUANTS = {"Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
-def _groups_8bit_k(values: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
-    """[rows, blocks, 32] unsigned values and f32 scales and offsets per block [rows, blocks] or per half
-    [rows, blocks, 2] -> [groups, blocks, 768] bytes (kernels.c's 8-bit K group-block)."""
-    rows, count = values.shape[:2]
+def _planes(values: np.ndarray, extra: int) -> list[np.ndarray]:
+    """[groups, GROUP, blocks, 32] values -> `extra` bit planes [groups, blocks, 64]: plane p's byte 4i + k
+    holds, in bit 2t + h, bit 4 + p of the value that nibble h of nibble byte 64t + 4i + k holds."""
+    groups, _, blocks, _ = values.shape
+    by_vector = values.reshape(groups, GROUP, blocks, 4, 2, 4).transpose(0, 2, 3, 4, 1, 5)  # g, b, t, h, i, k
+    by_vector = by_vector.reshape(groups, blocks, 8, 64).astype(np.uint16)
+    weights = (1 << np.arange(8, dtype=np.uint16))[:, None]
+    return [(((by_vector >> (4 + p)) & 1) * weights).sum(axis=2).astype(np.uint8) for p in range(extra)]
+
+
+def _lanes(a: np.ndarray, groups: int) -> np.ndarray:
+    """[rows, blocks, w] bytes (each row's number) -> [groups, blocks, 16w]: a group-block's 16 rows' in order."""
+    rows, blocks, width = a.shape
+    return a.reshape(groups, GROUP, blocks, width).transpose(0, 2, 1, 3).reshape(groups, blocks, 16 * width)
+
+
+def _group_values(values: np.ndarray, extra: int) -> np.ndarray:
+    """[rows, blocks, 32] values (4 + extra bits) -> [groups, blocks, 256 + 64 extra]: the nibbles (byte
+    64t + 4i + k holds row i's elements 8t + k low, 8t + 4 + k high), then the bit planes."""
+    rows, blocks = values.shape[:2]
     groups = rows // GROUP
-    packed = (
-        values.astype(np.uint8).reshape(groups, GROUP, count, 8, 4).transpose(0, 2, 3, 1, 4).reshape(groups, count, 512)
-    )
-    lanes = []
-    for a in (scale, offset):
-        halves = np.broadcast_to(a.reshape(rows, count, -1), (rows, count, 2)).astype(np.float32)
-        lanes.append(
-            halves.reshape(groups, GROUP, count, 2).transpose(0, 2, 3, 1).reshape(groups, count, 32).view(np.uint8)
-        )
-    return np.ascontiguousarray(np.concatenate([packed, *lanes], axis=-1))
+    values = values.astype(np.uint8).reshape(groups, GROUP, blocks, 32)
+    split = (values & 15).reshape(groups, GROUP, blocks, 4, 2, 4)  # group, lane, block, t, low/high, k
+    packed = (split[..., 0, :] | (split[..., 1, :] << 4)).astype(np.uint8)
+    packed = packed.transpose(0, 2, 3, 1, 4).reshape(groups, blocks, 256)
+    return np.concatenate([packed, *_planes(values, extra)], axis=-1)
+
+
+def _groups_nibbles(values: np.ndarray, scale: np.ndarray, offset: np.ndarray, extra: int) -> np.ndarray:
+    """[rows, blocks, 32] values of 4 + extra bits and [rows, blocks, w] scales and offsets (w = 2: f16, 4:
+    f32 as bytes) -> [groups, blocks, 256 + 64 extra + 32w] bytes (kernels.c's 4- and 5-bit group-blocks)."""
+    groups = values.shape[0] // GROUP
+    lanes = [_lanes(a, groups) for a in (scale, offset)]
+    return np.ascontiguousarray(np.concatenate([_group_values(values, extra), *lanes], axis=-1))
+
+
+def _groups_6bit_k(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """[rows, blocks, 32] values 0..63 and f32 scales per half [rows, blocks, 2] -> [groups, blocks, 512]
+    bytes (kernels.c's 6-bit K group-block: the offset, -32 x scale, is the kernel's to form)."""
+    rows, blocks = values.shape[:2]
+    groups = rows // GROUP
+    halves = np.ascontiguousarray(scale, np.float32).reshape(groups, GROUP, blocks, 2).transpose(0, 2, 3, 1)
+    d = np.ascontiguousarray(halves).reshape(groups, blocks, 32).view(np.uint8)
+    return np.ascontiguousarray(np.concatenate([_group_values(values, 2), d], axis=-1))
 
 
 def _groups_4bit(qs: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> np.ndarray:
     """[rows, blocks, 16] nibbles (ggml: element e < 16 in byte e's low nibble, e >= 16 in byte e-16's
-    high one) and [rows, blocks, w] scales and offsets (w = 2: f16, 4: f32 as bytes) -> [groups, blocks,
-    256 + 32w] bytes."""
-    rows, blocks = qs.shape[:2]
-    groups = rows // GROUP
-    values = np.concatenate([qs & 15, qs >> 4], axis=-1)  # [rows, blocks, 32], element order
-    values = values.reshape(groups, GROUP, blocks, 4, 2, 4)  # group, lane, block, t, low/high, k
-    packed = (values[..., 0, :] | (values[..., 1, :] << 4)).astype(np.uint8)
-    packed = packed.transpose(0, 2, 3, 1, 4).reshape(groups, blocks, 256)
-    width = scale.shape[-1]
-    lanes = [
-        a.reshape(groups, GROUP, blocks, width).transpose(0, 2, 1, 3).reshape(groups, blocks, 16 * width)
-        for a in (scale, offset)
-    ]
-    return np.ascontiguousarray(np.concatenate([packed, *lanes], axis=-1))
+    high one) and [rows, blocks, 2] f16 scales and offsets as bytes -> [groups, blocks, 320] bytes."""
+    return _groups_nibbles(np.concatenate([qs & 15, qs >> 4], axis=-1), scale, offset, extra=0)
 
 
 def _groups_8bit(blocks: np.ndarray) -> np.ndarray:

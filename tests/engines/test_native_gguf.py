@@ -96,8 +96,8 @@ def test_carried_blocks_compute_what_the_dequantized_file_does(folder, tmp_path,
     np.testing.assert_allclose(ours, reference, atol=2e-4)
     assert abs(np.exp(-ours.mean()) / np.exp(-reference.mean()) - 1) < 1e-5
     # The matrices a step reads are the file's bytes (Q4_0 carried with an f16 offset: 20 bytes a block of 32).
-    # Q5_0 and Q5_1: 8-bit values with an f32 scale and offset a row and 16 values (48 bytes a block of 32).
-    blocks = {"Q4_0": 20, "Q4_1": 20, "Q5_0": 48, "Q5_1": 48, "Q8_0": 34}
+    # Q5_0 and Q5_1: nibbles, a plane of fifth bits and an f16 scale and offset (24 bytes a block of 32).
+    blocks = {"Q4_0": 20, "Q4_1": 20, "Q5_0": 24, "Q5_1": 24, "Q8_0": 34}
     layer_weights = 2 * (3 * 64 * 64 + 3 * 64 * 128)  # 2 layers: q, o 64x64, k, v 32x64, gate, up, down 64x128
     if qtype != "mixed":
         assert runner.model.weight_bytes_per_token == (layer_weights + 512 * 64) // 32 * blocks[qtype]
@@ -145,6 +145,60 @@ def test_k_quant_blocks_compute_what_the_dequantized_file_does(wide_folder, tmp_
     if qtype == "Q4_K":  # 4-bit nibbles and an f32 scale and offset a row and 32 values: 384 bytes a group-block
         layer_weights = 2 * (2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512)
         assert model.weight_bytes_per_token == layer_weights // 32 * 24 + 512 * 256 // 32 * 24
+
+
+def packed(name: str) -> str:
+    """Every packed 5- and 6-bit group-block in one file: Q and gate|up Q5_0, K Q5_1, V and down Q6_K, the
+    output projection and the embedding (the head, tied) Q5_K."""
+    kinds = (("attn_q", "Q5_0"), ("attn_k", "Q5_1"), ("attn_v", "Q6_K"), ("ffn_down", "Q6_K"), ("ffn_", "Q5_0"))
+    for part, kind in kinds:
+        if part in name:
+            return kind
+    return "Q5_K"
+
+
+@needs_kernels
+@pytest.mark.slow
+@pytest.mark.parametrize("march", PATHS)
+def test_packed_5_and_6_bit_blocks_decode_as_a_prompt_reads_them(wide_folder, tmp_path, march, monkeypatch):
+    """The 5-bit (f16 and f32 scales) and 6-bit K group-blocks: a token stepped alone (each kernel's
+    one-token path) gives the logits of the prompt's pass (the many-token path) to the bit, both within
+    the activations' rounding of the dequantized file; a token reads 24 bytes a 32 values of Q5_0 and
+    Q5_1, 28 of Q5_K and 32 of Q6_K (the file's 22, 24, 22 and 26.25, not 48 as 8-bit values were)."""
+    from engines.native_gguf.model import NativeGGUF
+
+    monkeypatch.setenv("OPTIMIZE_NATIVE_MARCH", march)
+    path, dequantized = _write(wide_folder, tmp_path, packed)
+    prompt_model, step_model = (NativeGGUF(path, context=256, kv_cache="f32") for _ in range(2))
+    prompt = prompt_model.forward(IDS, 0).copy()
+    steps = np.stack([step_model.step(token, position).copy() for position, token in enumerate(IDS)])
+    np.testing.assert_array_equal(steps, prompt)
+    reference = _reference_log_likelihoods(dequantized, IDS)
+    np.testing.assert_allclose(_log_likelihoods(prompt_model, IDS), reference, atol=4e-4)
+    five, five_k, six_k = 24, 28, 32  # bytes a row's 32 values
+    per_layer = (256 * 256 + 128 * 256 + 2 * 512 * 256) * five + 256 * 256 * five_k + (128 * 256 + 256 * 512) * six_k
+    assert prompt_model.weight_bytes_per_token == (2 * per_layer + 512 * 256 * five_k) // 32
+
+
+@needs_kernels
+@pytest.mark.parametrize("qtype, top", [("Q4_0", 0x7BFF), ("Q5_0", 0x7BFF), ("Q5_0", 0x6C00)])
+def test_a_symmetric_scale_whose_offset_overflows_f16_is_one_line(folder, tmp_path, qtype, top):
+    """Q4_0 and Q5_0 are carried as d * q + m with m = -8d or -16d in f16: a scale that makes m overflow
+    (65504 for both; 4096 for Q5_0, whose 8 x 4096 would fit) is refused naming the tensor, not run as Inf."""
+    import gguf
+
+    from engines.native_gguf.model import NativeGGUF, NativeModelError
+    from tests.support.gguf_writer import rewrite_gguf, write_gguf
+
+    source = write_gguf(folder, tmp_path / "model.gguf", qtype)
+    name = "blk.1.ffn_up.weight"
+    raw = np.array(next(t for t in gguf.GGUFReader(str(source)).tensors if t.name == name).data, dtype=np.uint8)
+    raw[3, 0:2] = np.array([top], np.uint16).view(np.uint8)  # row 3's first block's f16 scale
+    edited = rewrite_gguf(source, tmp_path / "edited.gguf", tensors={name: (raw, gguf.GGMLQuantizationType[qtype])})
+    with pytest.raises(NativeModelError) as caught:
+        NativeGGUF(edited, context=64)
+    line = str(caught.value)
+    assert "\n" not in line and name in line and f"{qtype} scale whose offset" in line and "overflows f16" in line
 
 
 @needs_kernels

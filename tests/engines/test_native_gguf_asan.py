@@ -186,7 +186,14 @@ def test_every_mutated_file_is_refused_in_one_line_or_runs_clean(work):
             assert outcomes[str(f)]["outcome"] == "refused", (f.name, outcomes[str(f)])
 
 
-def test_k_quant_and_qwen2_files_mutated_are_refused_in_one_line_or_run_clean(work, other_bases):
+# The packed 5- and 6-bit kernels (Q5_0, Q5_1, Q5_K, Q6_K) on both paths: AVX-512 VNNI where the CPU has
+# it, and the AVX2 one (x86-64-v3) on any CPU.
+PATHS = ["native", pytest.param("x86-64-v3", marks=pytest.mark.skipif(build.path() == "AVX2", reason="native is AVX2"))]
+
+
+@pytest.mark.parametrize("march", PATHS)
+def test_k_quant_and_qwen2_files_mutated_are_refused_in_one_line_or_run_clean(work, other_bases, march, monkeypatch):
+    monkeypatch.setenv("OPTIMIZE_NATIVE_MARCH", march)
     files = []
     for index, base in enumerate(other_bases):
         files += [base / "base.gguf", *k_and_bias_mutations(base), *random_mutations(base, 60, seed=20251206 + index)]
