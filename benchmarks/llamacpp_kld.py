@@ -208,15 +208,16 @@ def q8_0_round(x):
 
 
 def project_kld(
-    files: dict, ids: list[int], ctx: int, types: tuple[str, ...], runner: str = "torch", top_k: int = 0
+    files: dict, ids: list[int], ctx: int, types: tuple[str, ...], runner: str = "torch", top_k: int | None = None
 ) -> dict:
     from optimize.evaluate import token_fidelity as tf
 
     texts = {"text": ids}
     base = Torch(files["hf"])
     vocab = int(base.model.config.vocab_size)
-    # 0: the whole vocabulary (exact, as llama.cpp's figure is; 2,040 positions x 49k is 0.8 GB)
-    reference = tf.reference(base, texts, ctx, k=top_k or vocab, score_from=ctx // 2)
+    # None: the pipeline's own reference; 0: the whole vocabulary (exact; 2,040 positions x 49k is 0.8 GB)
+    k = tf.TOP_K if top_k is None else top_k or vocab
+    reference = tf.reference(base, texts, ctx, k=k, score_from=ctx // 2)
     out = {}
     for qtype in types:
         kind = TorchQ8Activations if runner == "q8-activations" else Torch
@@ -241,7 +242,13 @@ def main(argv=None) -> dict:
         help="how the quantized files run: PyTorch on their weights dequantized (weights only), or with "
         "each product's input rounded to Q8_0 blocks as llama.cpp's CPU kernels round it",
     )
-    p.add_argument("--top-k", type=int, default=0, help="the reference's top k (0: the whole vocabulary, exact)")
+    p.add_argument(
+        "--top-k",
+        type=int,
+        default=None,
+        help="the reference's top k (0: the whole vocabulary, exact; unset: the pipeline's reference, its top "
+        "k and tokens drawn from the rest)",
+    )
     p.add_argument("--json")
     figure_record.add_option(p)
     args = p.parse_args(argv)
@@ -311,7 +318,7 @@ def record_fields(args, result: dict) -> dict:
     """The row of docs/figures.md's table this run measures: this project's mean KLD at each type beside
     llama-perplexity's on the same text and reference."""
     how = {"torch": "weights only", "q8-activations": "8-bit activations as llama.cpp rounds them"}[args.runner]
-    vocabulary = "whole vocabulary" if args.top_k == 0 else f"the reference's top {args.top_k}"
+    vocabulary = "whole vocabulary" if args.top_k == 0 else _reference_words(args.top_k)
     ours = ", ".join(f"{q} {result['project'][q]['mean_kld']:.3g}" for q in QUANTS)
 
     def against(q: str) -> str:
@@ -325,6 +332,13 @@ def record_fields(args, result: dict) -> dict:
         "figure": ours,
         "ratio": theirs,
     }
+
+
+def _reference_words(top_k: int | None) -> str:
+    from optimize.evaluate import token_fidelity as tf
+
+    k = tf.TOP_K if top_k is None else top_k
+    return f"the pipeline's reference: the baseline's top {k} and {tf.TAIL_SAMPLES} tokens drawn from the rest"
 
 
 if __name__ == "__main__":
