@@ -18,7 +18,7 @@ weights dequantized) is taken on the same chunks from the same position (score_f
 Both score the same tokens: llama.cpp tokenizes the text itself, and this project scores the tokens
 llama.cpp stored in its base file. The GGUFs written here name the pre-tokenizer "default", which
 splits a space from the word after it (" (" became " " and "("): llama.cpp then scored a text of
-unnatural tokens, on which the models diverge more (Q8_0: 0.00464 against 0.00364 with the right
+unnatural tokens, on which the models diverge more (Q8_0: 0.00464 against 0.00402 with the right
 split). So llama-perplexity is told the source file's own pre-tokenizer (--override-kv); even then its
 split of whitespace before digits differs from the Hugging Face tokenizer's, a token now and then.
 
