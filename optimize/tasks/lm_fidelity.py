@@ -42,7 +42,7 @@ def baseline_reference(runner, texts: dict[str, list[int]], cfg, measured: dict)
     on the same texts earlier in this run) where it is there, else computed now."""
     from optimize.evaluate import token_fidelity as tf
 
-    identity = tf.texts_sha256(texts, cfg.fidelity_window) + f"-k{cfg.fidelity_top_k}"
+    identity = tf.reference_identity(texts, cfg.fidelity_window, cfg.fidelity_top_k)
     earlier = measured.get("fidelity_reference") or {}
     if earlier.get("identity") == identity:
         return earlier["reference"], identity

@@ -58,9 +58,9 @@ def test_kld_agreement_and_delta_p_match_a_hand_computation():
 
 
 def test_the_top1_reference_is_the_kl_over_the_top_token_and_the_rest_by_hand():
-    """k=1: the baseline's most likely token and "any other" as two outcomes."""
+    """k=1 without draws from the rest: the baseline's most likely token and "any other" as two outcomes."""
     texts = {"prose": [0, 1]}
-    ref = tf.reference(Bigram(BASE), texts, window=8, k=1)
+    ref = tf.reference(Bigram(BASE), texts, window=8, k=1, samples=0)
     figures = tf.compare(ref, Bigram(CAND), texts, window=8)
     p, q = _softmax(BASE[0]), _softmax(CAND[0])
     top = p.index(max(p))
@@ -114,10 +114,31 @@ def test_top_k_reference_against_the_full_vocabulary_on_a_tiny_llama():
         exact["tokens"] == len(full) == (70 - 3) + (40 - 2)
     )  # each window of 32 restarts: its first token is not scored
     assert set(exact["by_kind"]) == {"prose", "code"}
-    coarse = tf.compare(tf.reference(base, texts, 32, k=8), cand, texts, 32)
+    coarse = tf.compare(tf.reference(base, texts, 32, k=8, samples=0), cand, texts, 32)
     assert 0 < coarse["mean_kld"] <= full.mean() + 1e-12  # merging outcomes never raises a divergence
     assert coarse["top1_agreement"] == exact["top1_agreement"]  # exact whatever k
     assert coarse["rms_delta_p_pct"] == pytest.approx(exact["rms_delta_p_pct"], rel=1e-5)
+    # The tail's draws estimate what merging it loses: the figure comes back to the full one.
+    drawn = tf.compare(tf.reference(base, texts, 32, k=8), cand, texts, 32)
+    assert full.mean() - coarse["mean_kld"] > 0.1 * full.mean()
+    assert drawn["mean_kld"] == pytest.approx(full.mean(), rel=0.05)
+    assert drawn["top1_agreement"] == exact["top1_agreement"]
+
+
+def test_the_tails_draws_estimate_the_divergence_inside_the_rest_without_bias():
+    """k=1 over three tokens: the rest is two tokens, and many draws from it give the full KL."""
+    ids = [0, 1, 2, 0]
+    texts = {"prose": ids}
+    ref = tf.reference(Bigram(BASE), texts, window=8, k=1, samples=20000)
+    figures = tf.compare(ref, Bigram(CAND), texts, window=8)
+    kls = []
+    for prev in ids[:-1]:
+        p, q = _softmax(BASE[prev]), _softmax(CAND[prev])
+        kls.append(sum(pi * math.log(pi / qi) for pi, qi in zip(p, q)))
+    assert figures["mean_kld"] == pytest.approx(sum(kls) / 3, rel=0.01)
+    assert not (ref.tail_ids == ref.top_ids).any()  # k=1: each row drawn from outside its own top token
+    again = tf.reference(Bigram(BASE), texts, window=8, k=1, samples=20000)
+    assert np.array_equal(again.tail_ids, ref.tail_ids)  # seeded: the same draws every run
 
 
 def test_the_screen_reference_is_the_reference_of_the_prefix():
@@ -161,7 +182,7 @@ def test_the_race_keeps_the_baseline_reference_sealed_and_refuses_an_edited_one(
     cfg = LLMEvalConfig(fidelity_window=8, fidelity_top_k=2)
     texts = {"prose": [0, 1, 2, 0, 1]}
     ref = tf.reference(Bigram(BASE), texts, 8, k=2)
-    identity = tf.texts_sha256(texts, 8) + "-k2"
+    identity = tf.reference_identity(texts, 8, 2)
     lm._save_reference("key", identity, ref)
     loaded, got = lm._load_reference("key", texts, cfg)
     assert got == identity and np.array_equal(loaded.top_logp, ref.top_logp)

@@ -156,9 +156,9 @@ def _reference_folder(key: str, identity: str):
 
 def _load_reference(key: str, texts: dict, cfg):
     from optimize import cache_store
-    from optimize.evaluate.token_fidelity import Reference, texts_sha256
+    from optimize.evaluate.token_fidelity import Reference, reference_identity
 
-    identity = texts_sha256(texts, cfg.fidelity_window) + f"-k{cfg.fidelity_top_k}"
+    identity = reference_identity(texts, cfg.fidelity_window, cfg.fidelity_top_k)
     where = _reference_folder(key, identity)
     good, why = cache_store.open_verified(where, identity)
     if good:
