@@ -96,13 +96,16 @@ def _write_hparams(writer, config, file_type: int = 1) -> None:
 
 
 def _write_tokenizer(writer, folder: Path, config) -> None:
-    """A byte-level BPE vocabulary as llama.cpp writes one (tokenizer model "gpt2")."""
+    """A byte-level BPE vocabulary as llama.cpp writes one (tokenizer model "gpt2"), with the
+    pre-tokenizer llama.cpp must split text with ("default" splits SmolLM2's text unlike its own)."""
+    from optimize.export.gguf.vocab import pre_name
+
     spec = json.loads((Path(folder) / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     tokens = [token for token, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
     special = {t["content"] for t in spec.get("added_tokens", [])}
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre_name(spec.get("pre_tokenizer"), Path(folder)))  # as the product's writer names it
     writer.add_token_list(tokens)
     writer.add_token_types([3 if t in special else 1 for t in tokens])  # 3: control, 1: normal
     merges = spec["model"]["merges"]
