@@ -102,7 +102,8 @@ def memory_plan(config: dict):
     from optimize.memory.shape import of_config
 
     shape, race = of_config(config), EngineRaceConfig()
-    builds = [memory.Build.of(name, race.spec(name)) for name in default_candidates(True)]
+    names = default_candidates(True, parameters=shape.parameters)
+    builds = [memory.Build.of(name, race.spec(name)) for name in names]
     return memory.make(shape, memory.cheapest_builds(builds, shape.parameters))
 
 

@@ -136,3 +136,27 @@ def test_a_write_that_fails_midway_leaves_nothing(tiny, tmp_path):
     with pytest.raises(ExportError, match="importance matrix"):
         writer.write(llama, tmp_path / "x.gguf", "Q4_K_M", tokenizer_dir=folder, imatrix=bad)
     assert not list(tmp_path.iterdir())
+
+
+def test_the_command_line_writes_a_bf16_folder_as_its_fp32_load_would(tiny, tmp_path):
+    """The command line keeps a bf16 folder memory-mapped in bf16 and collects the importance matrix a
+    module at a time in FP32: the file is the one written from the folder loaded in FP32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optimize.export.gguf import __main__ as cli
+    from optimize.export.gguf import imatrix, writer
+
+    folder, _, bf16, _, _ = tiny
+    half = tmp_path / "bf16"
+    bf16.save_pretrained(half)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(half)
+    text = tmp_path / "calibration.txt"
+    text.write_text("def f(x):\n    return x + 1\n\nThe quick brown fox jumps over the lazy dog.\n", encoding="utf-8")
+    args = ["--type", "Q4_K_M", "--calibration-text", str(text), "--calibration-tokens", "32"]
+    assert cli.main([str(half), str(tmp_path / "cli.gguf"), *args]) == 0
+    upcast = AutoModelForCausalLM.from_pretrained(half, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(half)
+    means = imatrix.collect(upcast, cli.calibration_sequences(text, tokenizer, 32))
+    reference = writer.write(upcast, tmp_path / "fp32.gguf", "Q4_K_M", tokenizer_dir=half, imatrix=means)
+    assert (tmp_path / "cli.gguf").read_bytes() == reference.path.read_bytes()
