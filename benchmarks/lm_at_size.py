@@ -56,6 +56,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="where to write the record")
     parser.add_argument("--keep", action="store_true", help="keep the written model for the next run")
     parser.add_argument("--builders-on", type=Path, help="measure each builder's bytes per parameter on this folder")
+    parser.add_argument(
+        "--builder", action="append", choices=sorted(BUILDERS), default=[], help="with --builders-on: only these"
+    )
     parser.add_argument("overrides", nargs="*", help="after --: overrides for python -m optimize")
     args = parser.parse_args(argv)
     if args.builders_on is not None and not (args.builders_on / "config.json").is_file():
@@ -99,7 +102,8 @@ def memory_plan(config: dict):
     from optimize.memory.shape import of_config
 
     shape, race = of_config(config), EngineRaceConfig()
-    builds = [memory.Build.of(name, race.spec(name)) for name in default_candidates(True)]
+    names = default_candidates(True, parameters=shape.parameters)
+    builds = [memory.Build.of(name, race.spec(name)) for name in names]
     return memory.make(shape, memory.cheapest_builds(builds, shape.parameters))
 
 
@@ -111,6 +115,7 @@ def write_model(config, tok, folder: Path) -> None:
     with torch.device("meta"):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
     model = model.to_empty(device="cpu")
+    model.tie_weights()  # to_empty gives the head storage of its own: a tied one would be written twice
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -162,16 +167,34 @@ BUILDERS = {
         "from engines.openvino.genai_compress import compress_weights\n" + _IDLE + "xml = export_stateful_lm("
         "Path({src!r}), Path({out!r}) / 'fp32')\ncompress_weights(xml, Path({out!r}) / 'int8', mode='int8_asym')"
     ),
+    # The race forks this builder from the run that holds the model memory-mapped in its own precision,
+    # so it starts after the load with every weight page read in: what it adds is the importance matrix
+    # (a module at a time in FP32), the write and the native kernels' checks of the file.
+    "gguf Q4_K_M": (
+        "from pathlib import Path\nimport torch\nfrom engines.pytorch.runner import fp32_compute, load_hf_model, "
+        "source_precision\nfrom optimize.export.gguf import imatrix, writer\n"
+        "from optimize.compile.native_gguf import package\nfrom engines import gguf\n"
+        "module = load_hf_model({src!r}, 'causal_lm', precision=source_precision(Path({src!r}))).eval()\n"
+        "with torch.inference_mode():\n    [float(p.sum()) for p in module.parameters()]\n"
+        + _IDLE
+        + "ids = torch.randint(0, module.config.vocab_size, (4, 512), generator=torch.Generator().manual_seed(0))\n"
+        "with fp32_compute(module):\n    means = imatrix.collect(module, ids.tolist())\n"
+        "path = Path({out!r}) / 'model.gguf'\n"
+        "writer.write(module, path, 'Q4_K_M', tokenizer_dir=Path({src!r}), imatrix=means)\n"
+        "package(path, gguf.tensors(path)[1], Path({src!r}), Path({out!r}) / 'engine', 0, 'gguf')"
+    ),
 }
 
 
-def measure_builders(folder: Path, work: Path) -> dict:
+def measure_builders(folder: Path, work: Path, only: list[str]) -> dict:
     """Each builder's peak over the folder's parameter count (bytes per parameter), imports excluded."""
     from engines.memprobe import TreePeak
     from optimize.memory.shape import of_folder
 
     parameters, figures = of_folder(folder).parameters, {}
     for name, code in BUILDERS.items():
+        if only and name not in only:
+            continue
         out = work / "builders" / name.replace(" ", "_")
         shutil.rmtree(out, ignore_errors=True)
         out.mkdir(parents=True)
@@ -207,7 +230,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     if args.builders_on is not None:
         record = {"machine": machine(), "load_average_start": os.getloadavg()}
-        record.update(measure_builders(args.builders_on, args.work), load_average_end=os.getloadavg())
+        record.update(measure_builders(args.builders_on, args.work, args.builder), load_average_end=os.getloadavg())
         _write(args.json, record)
         return 0
     from optimize.errors import RecipeError

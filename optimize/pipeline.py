@@ -109,7 +109,7 @@ def _planned_builds(task, stages, kind: str, shape) -> list:
     if not isinstance(config, EngineRaceConfig):
         return [memory.Build(method.name, method.name, {})]
 
-    names = config.candidates or default_candidates(task.generates, kind == "gguf")
+    names = config.candidates or default_candidates(task.generates, kind == "gguf", shape.parameters)
     builds = [memory.Build.of(name, config.spec(name)) for name in names]
     return builds if config.candidates else memory.cheapest_builds(builds, shape.parameters)
 

@@ -138,7 +138,8 @@ def serve_fields_table() -> str:
 
 def race_table() -> str:
     from optimize import tasks
-    from optimize.compile.race.candidates import CANDIDATES, default_candidates
+    from optimize.compile.race.candidates import AT_SIZE_GGUF, CANDIDATES, default_candidates
+    from optimize.memory.plan import CANDIDATES_BY_SIZE
 
     generating = ", ".join(f"`{name}`" for name in tasks.names() if tasks.get(name).generates)
 
@@ -150,6 +151,9 @@ def race_table() -> str:
             return f"{generating} from a full-precision source"
         if name in gguf:
             return f"{generating} from a GGUF file"
+        if name in AT_SIZE_GGUF:
+            above = CANDIDATES_BY_SIZE[0][0] / 1e9
+            return f"{generating} from a full-precision source above {above:g}B parameters (the cheapest builds kept)"
         return f"every task but {generating}" if name in default_candidates(generates=False) else "when named"
 
     rows = [

@@ -44,13 +44,26 @@ BUILD = {
     "openvino_genai": (0.7, 4.5),
     "openvino_genai_gguf": (0.7, 2.0),  # OpenVINO's GGUF reader: the file's blocks and the IR (estimated)
     "native_gguf": (0.3, 1.2),  # a copy of the file's blocks repacked for the kernels (estimated)
-    "gguf": (0.7, 4.5),  # llama.cpp's writer from the FP32 module, tensor by tensor, with its imatrix (estimated)
+    # The GGUF writer streaming the memory-mapped model (Q4_K_M with its importance matrix, the native
+    # kernels' checks of the file): growth of the forked builder over the run holding the model, measured
+    # 0.58 GB at 0.34B and 0.75 GB at 0.59B parameters (random bf16 Llamas of Llama-3.2-1B's widths, 4
+    # and 8 layers, SmolLM2's vocabulary; benchmarks/lm_at_size.py --builders-on --builder 'gguf Q4_K_M';
+    # 2-core AMD EPYC Zen 4, 2026-12-06, load average 7-12): 0.33 GB + 0.73 B/param. Both shapes share
+    # one 100M-parameter head, whose FP32 upcast for the importance matrix's forward sits in that fixed
+    # part; a released 128k vocabulary makes the head ~21% of a 1B model (4 bytes each upcast), so the
+    # slope carries 0.6 B/param more. The writer it replaced held every tensor in FP32 and every
+    # quantized one: 1.64 GB at 0.34B (4.8 B/param), 2.5 GB or more at 0.59B, the same machine.
+    "gguf": (0.35, 1.3),
 }
 DEFAULT_BUILD = (1.7, 7.85)  # an engine method not in the table: as the costliest measured builder
 # A built engine's weights per source parameter as the scoring stage loads them beside the baseline:
 # INT4 with 8-bit heads and scales, INT8, or the file's own blocks (GGUF sources: bytes on disk).
 ENGINE = {"int4": 0.7, "int8": 1.2, "default": 4.0}
 RUNTIME_BYTES = 0.4 * GB  # a runtime's own allocations beside its weights (ONNX Runtime, OpenVINO)
+# A GGUF file the writer makes, bytes per parameter by file type: the types' block sizes (Q8_0 34 bytes
+# per 32 values, Q4_K 144 per 256, Q6_K 210 per 256, ...) in llama.cpp's mixes, the head and part of
+# the layers at 6 bits (estimated from the types, not measured).
+WRITTEN_GGUF = {"Q8_0": 1.07, "Q6_K": 0.83, "Q5_K_M": 0.72, "Q4_K_M": 0.62, "Q4_0": 0.58}
 
 # Keys of an OpenVINO GenAI candidate's parameters that make NNCF read calibration activations.
 _DATA_AWARE = ("awq", "scale_estimation", "gptq", "lora_correction", "sensitivity_metric")
@@ -65,6 +78,8 @@ def build_bytes(engine: str, params: dict, parameters: int) -> float:
 
 def engine_bytes(engine: str, params: dict, shape: ModelShape) -> float:
     """What a built candidate's engine holds when loaded, from its precision."""
+    if engine == "gguf" and params.get("type") in WRITTEN_GGUF:  # a file written from the model
+        return WRITTEN_GGUF[params["type"]] * shape.parameters + RUNTIME_BYTES
     if "gguf" in engine:
         return shape.disk_bytes * 1.1 + RUNTIME_BYTES
     text = " ".join(str(v) for v in params.values())

@@ -115,6 +115,41 @@ def test_a_default_race_at_size_keeps_the_cheapest_builds():
     assert [b.name for b in memory.cheapest_builds(builds, 8_000_000_000)] == ["openvino_genai_int8_kv_u8"]
 
 
+LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32}
+LLAMA_1B.update(num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True, torch_dtype="bfloat16")
+
+
+def _sized(parameters: int, gguf: bool = False) -> tuple[list[str], list[str]]:
+    """The race's own choice (budget.sized_candidates) for a module of `parameters`."""
+    import torch
+
+    module = torch.nn.Module()
+    module.register_parameter("w", torch.nn.Parameter(torch.empty(parameters, device="meta")))
+    return race_budget.sized_candidates(candidates.EngineRaceConfig(), SimpleNamespace(module=module), True, gguf)
+
+
+def test_at_size_the_default_lm_race_keeps_the_streamed_gguf_files_and_below_it_is_unchanged():
+    smollm2, left_out = _sized(134_515_008)
+    assert smollm2 == [  # SmolLM2-135M's default race, as it was
+        "ort_genai_int4_k_quant_mixed",
+        "openvino_genai_int4_awq_gptq_r80_kv_u8",
+        "openvino_genai_int4_g32_awq_kv_u8",
+        "openvino_genai_int8_kv_u8",
+    ]
+    assert left_out == [] and _sized(600_000_000)[0] == smollm2  # the whole set up to 0.6B, as before
+    one_b = of_config(LLAMA_1B).parameters  # a planned 1B shape, from its config alone
+    kept, left_out = _sized(one_b)
+    assert kept == ["openvino_genai_int8_kv_u8", "gguf_q4_k_m", "gguf_q8_0"]  # the three leanest builds
+    assert "ort_genai_int4_k_quant_mixed" in left_out
+    assert _sized(3_210_000_000)[0] == ["gguf_q4_k_m", "gguf_q8_0"]
+    assert _sized(8_030_000_000)[0] == ["gguf_q4_k_m"]
+    from_gguf, _ = _sized(one_b, gguf=True)  # a GGUF source keeps its own blocks: nothing written again
+    assert not any(name.startswith("gguf_") for name in from_gguf)
+    # Scored beside the baseline, a written Q4_K_M file weighs its blocks, not the bf16 source's bytes.
+    shape = of_config(LLAMA_1B)
+    assert memory.engine_bytes("gguf", {"type": "Q4_K_M"}, shape) < 0.7 * shape.parameters + memory.RUNTIME_BYTES
+
+
 def _allocate_then_sigkill() -> dict:
     held = bytearray(200 * MB)  # touched: resident
     for i in range(0, len(held), 4096):

@@ -41,9 +41,9 @@ def sized_candidates(cfg: EngineRaceConfig, model, generates: bool, gguf: bool) 
 
     if cfg.candidates:
         return list(cfg.candidates), []
-    names = default_candidates(generates, gguf)
-    builds = [memory.Build.of(name, cfg.spec(name)) for name in names]
     parameters = parameter_count(model)
+    names = default_candidates(generates, gguf, parameters)
+    builds = [memory.Build.of(name, cfg.spec(name)) for name in names]
     kept = {b.name for b in memory.cheapest_builds(builds, parameters)}
     left_out = [n for n in names if n not in kept]
     if left_out:

@@ -249,14 +249,27 @@ def parameter_count(model) -> int:
 FULL_PRECISION_ROWS = {"openvino_genai_int4_awq_r80_kv_u8": "openvino_genai_int4_awq_gptq_r80_kv_u8"}
 
 
-def default_candidates(generates: bool, gguf: bool = False) -> list[str]:
-    """The default set; a causal LM from a GGUF file also gets the candidates that keep its blocks,
-    one from a full-precision source its GPTQ rows."""
+# At the sizes where the default race keeps only its cheapest builds (above 0.6B parameters,
+# optimize/memory/plan.py's CANDIDATES_BY_SIZE), a causal LM from a full-precision source also races
+# the GGUF files the writer streams from the memory-mapped model (optimize/export/gguf/writer.py):
+# their builder holds a block of rows in FP32, not the model, so they are the leanest builds there and
+# the cut keeps them first, Q4_K_M before Q8_0 where only one fits the count. Below that size the
+# default set is as it was (SmolLM2's race, winner and figures unchanged).
+AT_SIZE_GGUF = ["gguf_q4_k_m", "gguf_q8_0"]
+
+
+def default_candidates(generates: bool, gguf: bool = False, parameters: int = 0) -> list[str]:
+    """The default set for a model of `parameters` (0: any size the whole set races at); a causal LM
+    from a GGUF file also gets the candidates that keep its blocks, one from a full-precision source
+    its GPTQ rows and, at size, the streamed GGUF files (AT_SIZE_GGUF)."""
+    from optimize.memory.plan import candidate_limit
+
     if not generates:
         return list(DEFAULT_TENSORS)
     if gguf:
         return DEFAULT_GGUF + DEFAULT_GENERATING
-    return [FULL_PRECISION_ROWS.get(name, name) for name in DEFAULT_GENERATING]
+    names = [FULL_PRECISION_ROWS.get(name, name) for name in DEFAULT_GENERATING]
+    return names + AT_SIZE_GGUF if candidate_limit(parameters) is not None else names
 
 
 @dataclass

@@ -46,12 +46,14 @@ def export(args: argparse.Namespace):
         raise ExportError(f"--calibration-tokens={args.calibration_tokens} must be at least 2")
     if not args.out.parent.is_dir():
         raise ExportError(f"{args.out.parent} is not a folder to write {args.out.name} into")
+    from engines.pytorch.runner import fp32_compute
+
     module, tokenizer, source_gguf = load(args.model)
     weights = None
     if args.calibration_text is not None:
-        weights = imatrix.collect(
-            module, calibration_sequences(args.calibration_text, tokenizer, args.calibration_tokens)
-        )
+        sequences = calibration_sequences(args.calibration_text, tokenizer, args.calibration_tokens)
+        with fp32_compute(module):  # a bf16/fp16 folder: the FP32 model's activations, a module at a time
+            weights = imatrix.collect(module, sequences)
     written = writer.write(
         module,
         args.out,
@@ -65,9 +67,13 @@ def export(args: argparse.Namespace):
 
 
 def load(model: Path):
-    """(module, tokenizer, the GGUF file or None) for a model folder or GGUF file."""
+    """(module, tokenizer, the GGUF file or None) for a model folder or GGUF file. A bf16/fp16 folder
+    stays memory-mapped in its own precision (the writer converts a block of rows at a time), a GGUF
+    file is read dequantized to FP32."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from engines.pytorch.runner import source_precision
 
     if model.is_file() and model.suffix == ".gguf":
         location, gguf_file = str(model.parent), model.name
@@ -78,7 +84,8 @@ def load(model: Path):
     from optimize.export.gguf.writer import architecture_of
 
     architecture_of(AutoConfig.from_pretrained(location, gguf_file=gguf_file))  # refused before weights load
-    module = AutoModelForCausalLM.from_pretrained(location, gguf_file=gguf_file, dtype=torch.float32)
+    precision = "float32" if gguf_file else source_precision(model)
+    module = AutoModelForCausalLM.from_pretrained(location, gguf_file=gguf_file, dtype=getattr(torch, precision))
     tokenizer = AutoTokenizer.from_pretrained(location, gguf_file=gguf_file)
     return module.eval(), tokenizer, (model if gguf_file else None)
 

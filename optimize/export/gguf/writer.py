@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -53,16 +54,20 @@ def write(
 ) -> Written:
     """`module` as a GGUF of `file_type` at `out`; the tokenizer copied from `tokenizer_gguf` (a GGUF
     source) or built from `tokenizer_dir`; `imatrix` {GGUF tensor name: mean squared input} rounds
-    the quantized matrices it names."""
+    the quantized matrices it names.
+
+    Streamed: every tensor's name, shape and type follow from the module's shapes, so the header and
+    the tensor table are written first, then each tensor is converted to FP32, permuted and quantized
+    a block of rows at a time and written, so the writer holds one block in FP32 (and its quantized
+    bytes), never the model."""
     import gguf
 
     check_file_type(file_type)
     config = module.config
     arch = architecture_of(config)
-    tensors = gguf_tensors(module, config, arch)
-    types = mixes.tensor_types(
-        file_type, {k: v.shape for k, v in tensors.items()}, config.num_hidden_layers, bool(imatrix)
-    )
+    sources = source_tensors(module, config, arch)
+    shapes = {tensor_name: tuple(tensor.shape) for tensor_name, tensor in sources.items()}
+    types = mixes.tensor_types(file_type, shapes, config.num_hidden_layers, bool(imatrix))
     out = Path(out)
     partial = out.with_name(out.name + ".partial")
     writer = gguf.GGUFWriter(str(partial), arch)
@@ -74,23 +79,59 @@ def write(
             vocab.write_from_folder(writer, Path(tokenizer_dir), config)
         else:
             raise ExportError("a GGUF needs the model's tokenizer: give its folder or GGUF source")
-        for tensor_name, data in tensors.items():
-            weights = (imatrix or {}).get(tensor_name) if types[tensor_name] != "F32" else None
-            stored, raw = quant.encode(data, types[tensor_name], weights)
-            writer.add_tensor(tensor_name, stored, raw_dtype=raw)
+        for tensor_name, shape in shapes.items():
+            kind = types[tensor_name]
+            raw = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor_info(tensor_name, shape, np.dtype(np.float32), stored_nbytes(shape, kind), raw_dtype=raw)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
+        writer.write_ti_data_to_file()
+        for tensor_name, tensor in sources.items():
+            kind = types[tensor_name]
+            weights = (imatrix or {}).get(tensor_name) if kind != "F32" else None
+            blocks = stored_blocks(tensor, tensor_name, config, arch)
+            write_tensor(writer, tensor_name, (quant.encode(rows, kind, weights)[0] for rows in blocks))
         writer.close()
         os.replace(partial, out)
     finally:
+        writer.close()
         partial.unlink(missing_ok=True)
     return Written(out, file_type, types, bool(imatrix))
 
 
-def gguf_tensors(module, config, arch: str) -> dict:
-    """{GGUF tensor name: float32 array as stored}; an untied LM head is output.weight, a tied one is
-    not written (llama.cpp reads token_embd.weight for both)."""
+# FP32 values converted, permuted and quantized at once (32 MB). Every type written rounds each row on
+# its own (blocks of 32 or 256 values within a row), so a tensor's bytes are the same whether its rows
+# are rounded a block at a time or all at once.
+BLOCK_VALUES = 8 << 20
+
+
+def stored_nbytes(shape: tuple, kind: str) -> int:
+    """A tensor's bytes in the file: its rows in `kind`'s blocks (llama.cpp's type sizes)."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    rows = int(np.prod(shape[:-1], dtype=np.int64))
+    return rows * (shape[-1] // block) * size
+
+
+def write_tensor(writer, tensor_name: str, blocks: Iterator[np.ndarray]) -> None:
+    """The table's next tensor written block by block where the writer's own write_tensor_data takes
+    it whole: aligned at its start, padded at its end, as many bytes as the table says."""
+    fout = writer.fout[0]
+    expected = writer.tensors[0].pop(tensor_name).nbytes
+    writer.write_padding(fout, fout.tell())
+    written = 0
+    for block in blocks:
+        block.tofile(fout)
+        written += block.nbytes
+    if written != expected:
+        raise ExportError(f"tensor {tensor_name}: {written} bytes written where the table says {expected}")
+    writer.write_padding(fout, written)
+
+
+def source_tensors(module, config, arch: str) -> dict:
+    """{GGUF tensor name: the module's tensor in its own precision}, in file order; an untied LM head
+    is output.weight, a tied one is not written (llama.cpp reads token_embd.weight for both)."""
     import gguf
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
@@ -103,9 +144,32 @@ def gguf_tensors(module, config, arch: str) -> dict:
         mapped = names.get_name(base)
         if mapped is None:
             raise ExportError(f"tensor {hf_name}: the GGUF writer has no {arch} name for it")
-        data = tensor.detach().float().cpu().numpy()
-        out[f"{mapped}.{suffix}"] = as_stored(data, mapped, config, arch)
+        out[f"{mapped}.{suffix}"] = tensor.detach()
     return out
+
+
+def stored_blocks(tensor, name: str, config, arch: str) -> Iterator[np.ndarray]:
+    """The tensor as stored (FP32, in llama.cpp's layout), a block of whole rows at a time. A permuted
+    Q/K matrix (hidden x hidden at most) and a vector are converted whole."""
+    if tensor.dim() < 2 or permuted(name, arch):
+        yield as_stored(tensor.float().cpu().numpy(), name.rpartition(".")[0], config, arch)
+        return
+    step = max(1, BLOCK_VALUES // int(np.prod(tensor.shape[1:])))
+    for start in range(0, tensor.shape[0], step):
+        yield np.ascontiguousarray(tensor[start : start + step].float().cpu().numpy(), dtype=np.float32)
+
+
+def permuted(name: str, arch: str) -> bool:
+    return arch == "llama" and name.rpartition(".")[0].endswith((".attn_q", ".attn_k"))
+
+
+def gguf_tensors(module, config, arch: str) -> dict:
+    """{GGUF tensor name: float32 array as stored}, every tensor at once: for checks on small models
+    (the writer streams them, stored_blocks)."""
+    return {
+        name: np.concatenate(list(stored_blocks(tensor, name, config, arch)))
+        for name, tensor in source_tensors(module, config, arch).items()
+    }
 
 
 def as_stored(data: np.ndarray, name: str, config, arch: str) -> np.ndarray:
