@@ -2,10 +2,11 @@
 
 Two real candidates of a small random Llama (4 layers of width 1024: enough weights that a decode
 step costs what its batch reads, not only the engines' fixed overhead), raced twice on one build
-cache: ONNX Runtime GenAI at INT4, which answers one client sooner but batches statically (at most 4
-at a time), and OpenVINO GenAI at INT8, which batches continuously. One client: ONNX Runtime wins;
-sixteen: OpenVINO wins. Measured on a 2-core Zen 4 both margins were 1.7-1.9x, well past the 10-20%
-a served run moves on a shared machine."""
+cache: ONNX Runtime GenAI at INT4, which batches statically (at most 4 at a time), and OpenVINO GenAI
+at INT8, which batches continuously. Sixteen clients: OpenVINO wins on any CPU (1.7-1.9x on a 2-core
+Zen 4). Which answers one client sooner depends on the CPU (ONNX Runtime by 1.7x on that Zen 4,
+OpenVINO on another machine CI ran on), so the one-client run asserts that the race ships whichever
+served that level quicker, by the level it was told."""
 
 from __future__ import annotations
 
@@ -53,16 +54,24 @@ def _race(source: Path, work: Path, concurrency: str) -> dict:
     return manifest
 
 
-def _served_rate(manifest: dict, name: str, level: str) -> float:
+def _served(manifest: dict, name: str, level: str) -> dict:
     entry = next(c for c in manifest["stages"]["engine"]["candidates"] if c["name"] == name)
-    return entry["metrics"]["served"]["16x32"][level]["tokens_per_s"]
+    return entry["metrics"]["served"]["16x32"][level]
+
+
+def _served_rate(manifest: dict, name: str, level: str) -> float:
+    return _served(manifest, name, level)["tokens_per_s"]
+
+
+FORMATS = {"ort_genai_int4": "onnxruntime-genai", "openvino_genai_int8": "openvino-genai"}
 
 
 def test_one_client_ships_the_quicker_engine_and_sixteen_the_one_that_batches(source, tmp_path):
     alone = _race(source, tmp_path, "[1]")
     race = alone["stages"]["engine"]
-    assert race["winner"] == "ort_genai_int4" and alone["engine"]["format"] == "onnxruntime-genai"
-    assert _served_rate(alone, "ort_genai_int4", "1") > _served_rate(alone, "openvino_genai_int8", "1")
+    quicker = min(CANDIDATES, key=lambda name: _served(alone, name, "1")["request_ms"])
+    assert race["winner"] == quicker and alone["engine"]["format"] == FORMATS[quicker]
+    assert "by level (1 clients: 1.00)" in race["won_on"]
     assert "served 1 clients tok/s (TTFT p95 ms)" in alone["stdout"]
 
     crowd = _race(source, tmp_path, "[16]")
