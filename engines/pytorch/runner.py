@@ -288,6 +288,32 @@ class TorchLM:
 
         return token_logprobs(self.logits(ids), ids)[start - 1 :]
 
+    def continuation_logprobs(self, context, continuations) -> list[np.ndarray]:
+        """log p(each continuation's tokens | context + its earlier tokens), one array per continuation:
+        what log_likelihood(context + continuation, start=len(context)) gives, with the shared context
+        run once (its KV cache repeated for every continuation) instead of once per continuation. A
+        multiple-choice item's choices share their question: 2-3x fewer tokens through the model on
+        ARC or HellaSwag. The continuations are right-padded into one batch; causal attention keeps a
+        real token from seeing the padding after it, so no mask is needed."""
+        import torch
+
+        if not context or not continuations or not all(continuations):
+            raise ValueError("continuation_logprobs needs a context and non-empty continuations")
+        width = max(len(c) for c in continuations)
+        batch = torch.zeros((len(continuations), width), dtype=torch.int64)
+        for row, ids in enumerate(continuations):
+            batch[row, : len(ids)] = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+        with torch.inference_mode(), fp32_compute(self.model):
+            head = self.model(input_ids=torch.as_tensor(np.asarray(context, dtype=np.int64))[None], use_cache=True)
+            cache = getattr(head, "cache", None) or head.past_key_values  # the field's name before 5.x
+            cache.batch_repeat_interleave(len(continuations))
+            tail = self.model(input_ids=batch, use_cache=True, **{_cache_argument(self.model): cache})
+        # The first token's log-prob comes from the context's last position, the others from the tail's.
+        first = head.logits[0, -1:].float().expand(len(continuations), 1, -1)
+        logp = torch.log_softmax(torch.cat([first, tail.logits[:, :-1].float()], dim=1).double(), dim=-1)
+        picked = logp.gather(-1, batch[..., None])[..., 0].numpy()
+        return [picked[row, : len(ids)] for row, ids in enumerate(continuations)]
+
     def __call__(self, inputs: dict) -> dict:
         return {"logits": np.stack([self.logits(row) for row in inputs["input_ids"]])}
 
@@ -368,6 +394,14 @@ def token_stamps(before_stamp: Callable[[], Any] = lambda: None):
             pass
 
     return Stamps()
+
+
+def _cache_argument(model) -> str:
+    """The name forward() takes a KV cache by: `cache` from transformers 5.x, `past_key_values` before
+    (5.x still takes the old name, with a deprecation warning)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class fp32_compute:

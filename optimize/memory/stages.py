@@ -10,6 +10,9 @@ from typing import Iterator, Optional
 
 log = logging.getLogger(__name__)
 GB = 1e9
+# The first words of the stages that score the trusted gate's measures (token fidelity, standard tasks):
+# their seconds are summed on the console, what those measures add to a run.
+EVALUATION = "evaluation: "
 
 
 class StageLog:
@@ -45,10 +48,26 @@ class StageLog:
             {**{k: v for k, v in row.items() if k != "start"}, "peak_gb": round(row["peak_gb"], 2)} for row in self.rows
         ]
 
+    def evaluation_seconds(self) -> dict[str, float]:
+        """Seconds spent on each of the trusted gate's measures (stages named EVALUATION...), summed by name."""
+        spent: dict[str, float] = {}
+        for row in self.rows:
+            if row["stage"].startswith(EVALUATION):
+                name = row["stage"][len(EVALUATION) :]
+                spent[name] = spent.get(name, 0.0) + row["seconds"]
+        return spent
+
+    def evaluation_line(self) -> str:
+        spent = self.evaluation_seconds()
+        parts = ", ".join(f"{name} {seconds:.0f} s" for name, seconds in spent.items())
+        return f"the fidelity and task measures took {sum(spent.values()):.0f} s ({parts})"
+
     def lines(self) -> list[str]:
         """Where the time went, stage by stage (nested stages after their enclosing one)."""
         total = max(time.monotonic() - self.started, 1e-9)
         out = [f"where the time went ({total:.0f} s, peak {self.peak.peak / GB:.1f} GB of the run and its children):"]
+        if self.evaluation_seconds():
+            out[0] += f" {self.evaluation_line()}"
         for row in self.rows:
             share = 100 * row["seconds"] / total
             out.append(f"  {row['stage']}: {row['seconds']:.0f} s ({share:.0f}%), peak {row['peak_gb']:.1f} GB")

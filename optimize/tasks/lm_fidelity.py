@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from optimize.errors import RecipeError
+from optimize.memory.stages import EVALUATION, stage
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +48,15 @@ def baseline_reference(runner, texts: dict[str, list[int]], cfg, measured: dict)
     if earlier.get("identity") == identity:
         return earlier["reference"], identity
     log.info("fidelity: the baseline's log-probs over %d held-out tokens", sum(map(len, texts.values())))
-    return tf.reference(runner, texts, cfg.fidelity_window, cfg.fidelity_top_k), identity
+    with stage(EVALUATION + "the baseline's fidelity reference"):
+        return tf.reference(runner, texts, cfg.fidelity_window, cfg.fidelity_top_k), identity
 
 
 def candidate_fidelity(reference, runner, texts: dict[str, list[int]], cfg, identity: str) -> dict:
     from optimize.evaluate import token_fidelity as tf
 
-    figures = tf.compare(reference, runner, texts, cfg.fidelity_window)
+    with stage(EVALUATION + "the candidate's fidelity"):
+        figures = tf.compare(reference, runner, texts, cfg.fidelity_window)
     figures.update(window=cfg.fidelity_window, top_k=cfg.fidelity_top_k, texts=identity)
     return figures
 
@@ -66,7 +69,8 @@ def task_scores(runner, tokens, cfg, folder: Path, label: str, measured: Optiona
     earlier = (measured or {}).get("standard_tasks") or {}
     if written is not None and earlier.get("written") == _identity(written):
         return earlier["scores"]
-    return standard_task_items(runner, tokens, list(cfg.standard_tasks), folder, label)
+    with stage(EVALUATION + f"the {label}'s standard tasks"):
+        return standard_task_items(runner, tokens, list(cfg.standard_tasks), folder, label)
 
 
 def _identity(written: dict) -> dict:

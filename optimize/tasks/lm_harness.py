@@ -12,6 +12,8 @@ import logging
 import os
 from pathlib import Path
 
+import numpy as np
+
 from optimize.errors import RecipeError
 
 log = logging.getLogger(__name__)
@@ -66,19 +68,33 @@ def greedy_ids(runner, prompt_ids, new_tokens: int) -> list[int]:
     return [t for t, _ in runner.generate([int(i) for i in prompt_ids], Sampling(max_new_tokens=new_tokens))]
 
 
+def continuation_sums(runner, pairs: list[tuple[list[int], list[int]]]) -> list[float]:
+    """log p(continuation | context) summed, for each (context ids, continuation ids) pair. A runner
+    with `continuation_logprobs` scores the pairs that share a context (a multiple-choice item's
+    choices) from one pass over it; any other runner scores each pair whole, as log_likelihood does."""
+    totals = [0.0] * len(pairs)
+    shared = getattr(runner, "continuation_logprobs", None)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for index, (head, tail) in enumerate(pairs):
+        if shared is not None and head and tail:
+            groups.setdefault(tuple(head), []).append(index)
+        else:
+            totals[index] = float(runner.log_likelihood(head + tail, start=len(head)).sum())
+    for head, members in groups.items():
+        scored = shared(list(head), [pairs[i][1] for i in members])
+        for index, logprobs in zip(members, scored):
+            totals[index] = float(np.sum(logprobs))
+    return totals
+
+
 def lm_adapter(runner, tokens):
     """An lm-eval LM over any runner with log_likelihood (the same scoring perplexity uses)."""
     from lm_eval.api.model import LM
 
     class Adapter(LM):
         def loglikelihood(self, requests, disable_tqdm: bool = False):
-            results = []
-            for request in requests:
-                context, continuation = request.args
-                head, tail = tokens(context), tokens(continuation)
-                logprobs = runner.log_likelihood(head + tail, start=len(head))
-                results.append((float(logprobs.sum()), False))  # greediness is not used by acc
-            return results
+            pairs = [(tokens(context), tokens(continuation)) for context, continuation in (r.args for r in requests)]
+            return [(total, False) for total in continuation_sums(runner, pairs)]  # greediness: not used by acc
 
         def loglikelihood_rolling(self, requests, disable_tqdm: bool = False):
             return [(float(runner.log_likelihood(tokens(r.args[0])).sum()),) for r in requests]

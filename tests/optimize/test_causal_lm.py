@@ -168,6 +168,29 @@ def test_local_lm_eval_task_is_well_formed(tmp_path):
     assert next_sentence_items(paragraphs, 10) == items  # seeded: the same questions every run
 
 
+def test_shared_context_scoring_equals_scoring_each_choice_whole(tiny_torch):
+    """A multiple-choice item's choices scored from one pass over their shared question (the PyTorch
+    baseline's continuation_logprobs, choices of different lengths in one padded batch) give what
+    scoring each question + choice whole gives; a runner without it is scored pair by pair."""
+    from optimize.tasks.lm_harness import continuation_sums
+
+    context = list(range(3, 40, 3))
+    choices = [[5, 9], [12, 4, 44, 7, 1], [60]]
+    shared = tiny_torch.continuation_logprobs(context, choices)
+    for choice, logprobs in zip(choices, shared):
+        whole = tiny_torch.log_likelihood(context + choice, start=len(context))
+        assert logprobs.shape == (len(choice),)
+        np.testing.assert_allclose(logprobs, whole, atol=1e-4)
+
+    class PairByPair:  # what the other runners offer
+        log_likelihood = staticmethod(tiny_torch.log_likelihood)
+
+    pairs = [(context, c) for c in choices] + [(context[:5], [8, 8])]
+    np.testing.assert_allclose(continuation_sums(tiny_torch, pairs), continuation_sums(PairByPair(), pairs), atol=1e-4)
+    with pytest.raises(ValueError, match="non-empty"):
+        tiny_torch.continuation_logprobs(context, [[1], []])
+
+
 def test_lm_eval_adapter_scores_continuations(tiny_torch, tiny_genai_fp32, tmp_path):
     pytest.importorskip("lm_eval")
     from optimize.tasks.causal_lm import LLMEvalConfig

@@ -24,6 +24,7 @@ from dataclasses import asdict
 from typing import Any
 
 from optimize.compile.race.choice import pick
+from optimize.memory.stages import EVALUATION, stage
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +142,8 @@ def _standard_reference(ctx, cfg, tokens, baseline, key_base: str | None) -> dic
     if cached is not None and cached.get("written") == identity:
         log.info("race: the baseline's standard-task scores are reused from an earlier race on this machine")
         return cached
-    scores = standard_task_items(baseline, tokens, list(cfg.standard_tasks), folder, "baseline")
+    with stage(EVALUATION + "the baseline's standard tasks"):
+        scores = standard_task_items(baseline, tokens, list(cfg.standard_tasks), folder, "baseline")
     entry = {"written": identity, "scores": scores}
     if key:
         cache.save_baseline(key, entry)
@@ -191,7 +193,8 @@ def _screen(fidelity: dict, runner, cfg) -> dict:
     if cfg.fidelity_screen_tokens:
         texts = screen_texts(texts, cfg.fidelity_screen_tokens)
         reference = reference.prefix_of(fidelity["texts"], texts, cfg.fidelity_window)
-    figures = tf.compare(reference, runner, texts, cfg.fidelity_window)
+    with stage(EVALUATION + "fidelity screen"):
+        figures = tf.compare(reference, runner, texts, cfg.fidelity_window)
     figures["screen"] = True
     return figures
 
