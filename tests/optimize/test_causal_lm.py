@@ -108,6 +108,11 @@ def test_genai_int4_recipe_on_tiny_model(tiny_llm, tmp_path):
     assert {"load", "baseline", "engine: onnxruntime_genai", "evaluate"} <= set(stages)
     assert all(row["peak_gb"] > 0 and row["seconds"] >= 0 for row in stages.values())
     assert "where the time went" in proc.stdout + proc.stderr
+    # What the trusted gate's measures cost, each side's part a stage of its own and summed in the headline.
+    measures = ["the baseline's fidelity reference", "the candidate's fidelity"]
+    measures += ["the baseline's standard tasks", "the candidate's standard tasks"]
+    assert {f"evaluation: {name}" for name in measures} <= set(stages)
+    assert "the fidelity and task measures took" in proc.stdout + proc.stderr
     from engines import load
 
     assert load(out).generate  # the artifact loads back through the engine dispatch
