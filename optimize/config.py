@@ -100,6 +100,9 @@ class EvaluateConfig:
     batch_sizes: List[int] = field(default_factory=lambda: [1, 32])
     warmup: int = 3
     repeats: int = 30  # timed calls per runner and batch size (fewer when a budget of 20 s would be exceeded)
+    # A point timed while other processes took over 10% of the CPUs is timed again, up to this many more
+    # times, and the quietest run kept. 0: never (a machine known to be shared, where no speed is gated).
+    retimes: int = 2
     top_k: int = 5
     threads: int = 0  # intra-op threads for every runner; 0 = all cores
     memory: bool = True  # peak memory of each runner, measured in a fresh subprocess

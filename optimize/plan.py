@@ -71,6 +71,7 @@ class EvaluateSettings:
     batch_sizes: tuple[int, ...]
     warmup: int
     repeats: int
+    retimes: int  # more runs of a point timed while the machine was busy (benchmark.quietest)
     top_k: int
     threads: int  # 0: all cores
     memory: bool
@@ -86,6 +87,7 @@ class EvaluateSettings:
             batch_sizes=tuple(int(b) for b in node.batch_sizes),
             warmup=node.warmup,
             repeats=node.repeats,
+            retimes=_retimes(node.retimes),
             top_k=node.top_k,
             threads=node.threads,
             memory=node.memory,
@@ -93,6 +95,12 @@ class EvaluateSettings:
             overlap=node.overlap,
             task_params=recipe_dict(node.get("task_params")),
         )
+
+
+def _retimes(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise RecipeError(f"evaluate.retimes={value!r}: give a whole number of runs, 0 or more")
+    return value
 
 
 @dataclass(frozen=True)

@@ -153,10 +153,17 @@ def shape_prompts(tokens: Tokens, items: list[str], request) -> list[list[int]]:
 
 
 def timed_requests(
-    runners: Mapping[str, TimedGeneration], tokens: Tokens, items: list[str], requests, warmup: int, runs: int
+    runners: Mapping[str, TimedGeneration],
+    tokens: Tokens,
+    items: list[str],
+    requests,
+    warmup: int,
+    runs: int,
+    retimes: int,
 ) -> dict:
-    """{shape key: the quietest speed() run of that request shape (timed again while other
-    processes took more than benchmark.RETIME_SHARE of the CPUs), with other_cpu_share, retimes}."""
+    """{shape key: the quietest speed() run of that request shape (timed again, up to `retimes` more
+    times, while other processes took more than benchmark.RETIME_SHARE of the CPUs), with
+    other_cpu_share, retimes}."""
     from optimize.evaluate.benchmark import OtherCpuUse, quietest
 
     def once(prompts: list[list[int]], output: int) -> dict:
@@ -168,7 +175,7 @@ def timed_requests(
     for request in requests:
         prompts = shape_prompts(tokens, items, request)
         log.info("greedy generation %s: %d runs per side", request.key, runs)
-        timed[request.key] = quietest(lambda: once(prompts, request.output))  # noqa: B023
+        timed[request.key] = quietest(lambda: once(prompts, request.output), retimes)  # noqa: B023
     return timed
 
 

@@ -99,7 +99,8 @@ def latency(
             raise ValueError(f"evaluation set too small for batch size {batch_size}")
         runners: dict[str, Any] = {"baseline": baseline.runner, "candidate": candidate.runner}
         stats: dict[str, Any] = benchmark.quietest(
-            lambda: benchmark.measure(runners, batches, batch_size, cfg.warmup, cfg.repeats)  # noqa: B023
+            lambda: benchmark.measure(runners, batches, batch_size, cfg.warmup, cfg.repeats),  # noqa: B023
+            cfg.retimes,
         )
         stats["speedup"] = stats["baseline"]["p50_ms"] / stats["candidate"]["p50_ms"]
         results[str(batch_size)] = stats

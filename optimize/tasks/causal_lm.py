@@ -297,7 +297,9 @@ def _speed_metrics(
     earlier = measured.get("requests") or {}
     reuse = all(r.key in earlier for r in requests)
     runners = {"candidate": cand} if reuse else {"baseline": base, "candidate": cand}
-    timed = timed_requests(runners, tokens, items, requests, evaluate_cfg.warmup, evaluate_cfg.repeats)
+    timed = timed_requests(
+        runners, tokens, items, requests, evaluate_cfg.warmup, evaluate_cfg.repeats, evaluate_cfg.retimes
+    )
     if reuse:
         for request in requests:
             timed[request.key]["runs"]["baseline"] = earlier[request.key]

@@ -27,6 +27,8 @@ def test_missing_model_source_exits_2(tmp_path):
         ("gate.min_cosine=high", "gate.min_cosine"),
         ("quantize.params.bogus=1", "bogus"),
         ("evaluate.batch_sizes=[1,x]", "batch_sizes"),
+        ("evaluate.retimes=-1", "evaluate.retimes=-1: give a whole number of runs, 0 or more"),
+        ("evaluate.retimes=many", "evaluate.retimes"),
     ],
 )
 def test_bad_overrides_exit_2(override, fragment, tmp_path):

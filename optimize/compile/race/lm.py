@@ -71,7 +71,9 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: st
         log.info("race: the baseline's perplexity and timings are reused from an earlier race on this machine")
         on_baseline = {r.key: reused["requests"][r.key] for r in workload.requests}
     else:
-        timed = timed_requests({"baseline": baseline}, tokens, data.items, workload.requests, warmup=1, runs=runs)
+        timed = timed_requests(
+            {"baseline": baseline}, tokens, data.items, workload.requests, 1, runs, ctx.plan.evaluate.retimes
+        )
         on_baseline = {r.key: timed[r.key]["runs"]["baseline"] for r in workload.requests}
     if key and not reused:
         cache.save_baseline(

@@ -55,6 +55,7 @@ def score(entries: list[Entry], ctx, workload, cfg: EngineRaceConfig) -> tuple[d
                 budget_s=measure_s,  # noqa: B023
                 min_repeats=fewest,  # noqa: B023
             ),
+            ctx.plan.evaluate.retimes,
             until=clock.end(),
         )
         if stats.get("retime_cut"):
