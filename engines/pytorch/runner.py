@@ -304,7 +304,10 @@ class TorchLM:
         for row, ids in enumerate(continuations):
             batch[row, : len(ids)] = torch.as_tensor(np.asarray(ids, dtype=np.int64))
         with torch.inference_mode(), fp32_compute(self.model):
-            head = self.model(input_ids=torch.as_tensor(np.asarray(context, dtype=np.int64))[None], use_cache=True)
+            context_ids = torch.as_tensor(np.asarray(context, dtype=np.int64))[None]
+            # Only the context's last position predicts a continuation token: its other positions' logits
+            # (the LM head, a fifth of a small model's weights) are not computed where forward() can skip them.
+            head = self.model(input_ids=context_ids, use_cache=True, **_last_logits_only(self.model))
             cache = getattr(head, "cache", None) or head.past_key_values  # the field's name before 5.x
             cache.batch_repeat_interleave(len(continuations))
             tail = self.model(input_ids=batch, use_cache=True, **{_cache_argument(self.model): cache})
@@ -394,6 +397,17 @@ def token_stamps(before_stamp: Callable[[], Any] = lambda: None):
             pass
 
     return Stamps()
+
+
+def _last_logits_only(model) -> dict:
+    """forward()'s argument that computes the logits of the last position only, where it has one."""
+    import inspect
+
+    names = inspect.signature(model.forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):  # the name from transformers 4.50, and before
+        if name in names:
+            return {name: 1}
+    return {}
 
 
 def _cache_argument(model) -> str:

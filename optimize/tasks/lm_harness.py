@@ -78,12 +78,14 @@ def continuation_sums(runner, pairs: list[tuple[list[int], list[int]]]) -> list[
     for index, (head, tail) in enumerate(pairs):
         if shared is not None and head and tail:
             groups.setdefault(tuple(head), []).append(index)
-        else:
-            totals[index] = float(runner.log_likelihood(head + tail, start=len(head)).sum())
-    for head, members in groups.items():
-        scored = shared(list(head), [pairs[i][1] for i in members])
-        for index, logprobs in zip(members, scored):
+    together = {head: members for head, members in groups.items() if len(members) > 1}
+    for head, members in together.items():
+        for index, logprobs in zip(members, shared(list(head), [pairs[i][1] for i in members])):
             totals[index] = float(np.sum(logprobs))
+    done = {index for members in together.values() for index in members}
+    for index in sorted(set(range(len(pairs))) - done):  # one pass over the pair (WinoGrande's contexts differ)
+        head, tail = pairs[index]
+        totals[index] = float(runner.log_likelihood(head + tail, start=len(head)).sum())
     return totals
 
 
