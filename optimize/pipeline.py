@@ -14,11 +14,11 @@ from engines import load_engine
 from engines.runners import TensorRunner
 from optimize import artifact, environment, gate, publish, registry, runlog, tasks, workload
 from optimize import plan as plans
+from optimize import stages as memory_stages
 from optimize.config import recipe_dict
 from optimize.context import Context, Model, SourceModel
 from optimize.errors import RecipeError
 from optimize.evaluate import subjects
-from optimize.memory import stages as memory_stages
 from optimize.plan import Plan
 from optimize.reports import ci
 from optimize.sources.models import load as load_source

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+from optimize import stages as memory_stages
 from optimize.compile.race import budget as budgets
 from optimize.compile.race import cache, lm, report, scoring
 from optimize.compile.race.build import build_all, export_once
@@ -14,7 +15,6 @@ from optimize.compile.race.choice import choose, untimed_thresholds
 from optimize.compile.race.entry import Entry
 from optimize.context import Context, Model
 from optimize.errors import RecipeError
-from optimize.memory import stages as memory_stages
 from optimize.registry import register
 
 

@@ -26,7 +26,7 @@ GB = 1e9
 # AMD EPYC, 2026-12-06, load average 7-8); "the 1.5B run's" are Qwen2-1.5B (1.54B parameters, a Q4_K/Q6_K
 # GGUF dequantized to FP32) on a 2-core, 23 GB machine, where the kernel killed the GenAI builder.
 # The run holding its baseline: the interpreter and its imports (fixed, the 1.5B run: ~1 GB), then
-# what optimize.sources.models.baseline_memory measured per parameter: private bytes (0.85 B/param) and the
+# what baseline_memory (below) measured per parameter: private bytes (0.85 B/param) and the
 # weights as memory-mapped file pages in the precision the baseline reads them (a bf16/fp16 folder's
 # own, a GGUF's FP32 conversion). The pages are counted as needed: every forward reads them again.
 RESIDENT_FIXED_GB = 1.0
@@ -67,6 +67,26 @@ WRITTEN_GGUF = {"Q8_0": 1.07, "Q6_K": 0.83, "Q5_K_M": 0.72, "Q4_K_M": 0.62, "Q4_
 
 # Keys of an OpenVINO GenAI candidate's parameters that make NNCF read calibration activations.
 _DATA_AWARE = ("awq", "scale_estimation", "gptq", "lora_correction", "sensitivity_metric")
+
+
+# Private memory of a causal LM's baseline per parameter, beyond the interpreter and its imports: what
+# loading memory-maps leaves unmapped, one module's FP32 upcast at a time and a scoring window's
+# activations. Measured on a 244M-parameter Llama (bf16 folder, and its Q8_0 GGUF through the FP32
+# conversion): 200 and 208 MB after loading and scoring two 512-token windows (docs/own-model.md).
+BASELINE_PRIVATE_PER_PARAMETER = 0.85
+# The weights themselves are file pages of the checkpoint (or of a GGUF's FP32 conversion), read by
+# every forward: the kernel drops them under pressure and reads them again (slower, never killed).
+BASELINE_FILE_BYTES_PER_PARAMETER = {"bfloat16": 2, "float16": 2, "float32": 4, "gguf": 4}
+
+
+def baseline_memory(parameters: int, precision: str) -> dict[str, int]:
+    """What a causal LM's baseline holds, for the memory plan: `private` bytes (which must fit) and
+    `file_pages` (the weights, memory-mapped). `precision`: source_precision's answer for a folder,
+    or "gguf" for a GGUF file."""
+    return {
+        "private": int(parameters * BASELINE_PRIVATE_PER_PARAMETER),
+        "file_pages": int(parameters * BASELINE_FILE_BYTES_PER_PARAMETER.get(precision, 4)),
+    }
 
 
 def build_bytes(engine: str, params: dict, parameters: int) -> float:
@@ -110,8 +130,6 @@ class MemoryPlan:
 
     @property
     def resident(self) -> float:
-        from optimize.sources.models import baseline_memory
-
         precision = PRECISION_OF.get(self.shape.dtype, self.shape.dtype)
         held = baseline_memory(self.shape.parameters, precision)
         return RESIDENT_FIXED_GB * GB + held["private"] + held["file_pages"]

@@ -276,28 +276,6 @@ def source_hash(source: SourceModel) -> dict:
     return {}
 
 
-# ---------------------------------------------------------------- what the baseline holds
-
-# Private memory of a causal LM's baseline per parameter, beyond the interpreter and its imports: what
-# loading memory-maps leaves unmapped, one module's FP32 upcast at a time and a scoring window's
-# activations. Measured on a 244M-parameter Llama (bf16 folder, and its Q8_0 GGUF through the FP32
-# conversion): 200 and 208 MB after loading and scoring two 512-token windows (docs/own-model.md).
-BASELINE_PRIVATE_PER_PARAMETER = 0.85
-# The weights themselves are file pages of the checkpoint (or of a GGUF's FP32 conversion), read by
-# every forward: the kernel drops them under pressure and reads them again (slower, never killed).
-BASELINE_FILE_BYTES_PER_PARAMETER = {"bfloat16": 2, "float16": 2, "float32": 4, "gguf": 4}
-
-
-def baseline_memory(parameters: int, precision: str) -> dict[str, int]:
-    """What a causal LM's baseline holds, for the memory plan: `private` bytes (which must fit) and
-    `file_pages` (the weights, memory-mapped). `precision`: source_precision's answer for a folder,
-    or "gguf" for a GGUF file."""
-    return {
-        "private": int(parameters * BASELINE_PRIVATE_PER_PARAMETER),
-        "file_pages": int(parameters * BASELINE_FILE_BYTES_PER_PARAMETER.get(precision, 4)),
-    }
-
-
 # ---------------------------------------------------------------- GGUF -> cached Hugging Face folder
 
 

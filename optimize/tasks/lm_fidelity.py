@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from optimize.errors import RecipeError
-from optimize.memory.stages import EVALUATION, stage
+from optimize.stages import EVALUATION, stage
 
 log = logging.getLogger(__name__)
 

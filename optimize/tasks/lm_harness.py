@@ -78,9 +78,10 @@ def continuation_sums(runner, pairs: list[tuple[list[int], list[int]]]) -> list[
     for index, (head, tail) in enumerate(pairs):
         if shared is not None and head and tail:
             groups.setdefault(tuple(head), []).append(index)
-    together = {head: members for head, members in groups.items() if len(members) > 1}
-    for head, members in together.items():
-        for index, logprobs in zip(members, shared(list(head), [pairs[i][1] for i in members])):
+    together = {context: members for context, members in groups.items() if len(members) > 1}
+    for context, members in together.items():
+        assert shared is not None  # groups are only made for a runner that has it
+        for index, logprobs in zip(members, shared(list(context), [pairs[i][1] for i in members])):
             totals[index] = float(np.sum(logprobs))
     done = {index for members in together.values() for index in members}
     for index in sorted(set(range(len(pairs))) - done):  # one pass over the pair (WinoGrande's contexts differ)

@@ -15,13 +15,13 @@ from types import SimpleNamespace
 import pytest
 
 from engines import memprobe
+from optimize import stages
 from optimize.compile.race import budget as race_budget
 from optimize.compile.race import build as race_build
 from optimize.compile.race import candidates
 from optimize.compile.race.entry import Entry
 from optimize.errors import RecipeError
 from optimize.memory import plan as memory
-from optimize.memory import stages
 from optimize.memory.shape import ModelShape, of_config, of_folder
 from tests.support.cli import run_optimize
 from tests.support.models import tiny_llama_folder

@@ -24,7 +24,7 @@ from dataclasses import asdict
 from typing import Any
 
 from optimize.compile.race.choice import pick
-from optimize.memory.stages import EVALUATION, stage
+from optimize.stages import EVALUATION, stage
 
 log = logging.getLogger(__name__)
 
