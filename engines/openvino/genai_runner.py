@@ -371,16 +371,7 @@ class OVGenAIRunner(OVGenAIText):
         with self._lock:
             request.reset_state()
             for start in range(0, length, chunk):
-                end = min(length, start + chunk)
-                request.infer(
-                    {
-                        "input_ids": ids[:, start:end],
-                        "attention_mask": np.ones((1, end), dtype=np.int64),
-                        "position_ids": np.arange(start, end, dtype=np.int64)[None, :],
-                        "beam_idx": np.zeros(1, dtype=np.int32),
-                    },
-                    share_inputs=True,
-                )
+                self._pass(request, ids[:, start : start + chunk], start, np.zeros(1, dtype=np.int32))
                 parts.append(np.array(request.get_tensor("logits").data[0]))  # a copy: the next pass overwrites it
             request.reset_state()
         return np.concatenate(parts)
@@ -388,6 +379,50 @@ class OVGenAIRunner(OVGenAIText):
     def log_likelihood(self, ids, start: int = 1) -> np.ndarray:
         """log p(token i | the tokens before it) for each i >= start (start >= 1)."""
         return token_logprobs(self.logits(ids), ids)[start - 1 :]
+
+    def continuation_logprobs(self, context, continuations) -> list[np.ndarray]:
+        """log p(each continuation's tokens | context + its earlier tokens), one array per continuation,
+        with the shared context run once (engines/pytorch/runner.TorchLM's, for the same lm-eval
+        adapter): the context in batch 1, then the continuations right-padded into one batch whose
+        first pass gathers the context's KV cache into every row through the IR's beam_idx input (as
+        beam search does). Passes of SCORING_CHUNK_TOKENS over a quantized cache, as logits() runs."""
+        if not context or not continuations or not all(continuations):
+            raise ValueError("continuation_logprobs needs a context and non-empty continuations")
+        rows, width, start_at = len(continuations), max(len(c) for c in continuations), len(context)
+        tails = np.zeros((rows, width), dtype=np.int64)
+        for row, ids in enumerate(continuations):
+            tails[row, : len(ids)] = ids
+        quantized = self.properties["KV_CACHE_PRECISION"] in QUANTIZED_KV
+        chunk = SCORING_CHUNK_TOKENS if quantized else start_at + width
+        request = self._scoring_request()
+        with self._lock:
+            request.reset_state()
+            head = np.asarray(context, dtype=np.int64)[None]
+            for start in range(0, start_at, chunk):
+                self._pass(request, head[:, start : start + chunk], start, np.zeros(1, dtype=np.int32))
+            last = np.array(request.get_tensor("logits").data[0, -1])  # predicts each continuation's first
+            parts = [np.broadcast_to(last, (rows, 1, last.shape[-1]))]
+            for start in range(0, width, chunk):
+                beams = np.zeros(rows, dtype=np.int32) if start == 0 else np.arange(rows, dtype=np.int32)
+                self._pass(request, tails[:, start : start + chunk], start_at + start, beams)
+                parts.append(np.array(request.get_tensor("logits").data))
+            request.reset_state()
+        logits = np.concatenate(parts, axis=1)  # position j predicts tails[:, j]
+        return [token_logprobs(logits[row, : len(ids)], [0, *ids]) for row, ids in enumerate(continuations)]
+
+    @staticmethod
+    def _pass(request, ids: np.ndarray, start: int, beams: np.ndarray) -> None:
+        """One forward pass of `ids` ([rows, n]) at positions start..start+n over the request's state."""
+        rows, length = ids.shape
+        request.infer(
+            {
+                "input_ids": np.ascontiguousarray(ids),
+                "attention_mask": np.ones((rows, start + length), dtype=np.int64),
+                "position_ids": np.tile(np.arange(start, start + length, dtype=np.int64), (rows, 1)),
+                "beam_idx": beams,
+            },
+            share_inputs=True,
+        )
 
     def __call__(self, inputs: dict) -> dict:
         return {"logits": np.stack([self.logits(row) for row in inputs["input_ids"]]).astype(np.float32)}

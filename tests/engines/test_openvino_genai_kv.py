@@ -205,3 +205,21 @@ def test_prompt_lookup_on_compressed_weights_keeps_activations_f32_and_its_greed
     expected, _ = _run(plain, prompts, 24)
     got, accepted = _run(lookup, prompts, 24)
     assert got == expected and accepted
+
+
+@pytest.mark.parametrize("kv", ["f32", "u8"])
+def test_shared_context_scoring_equals_scoring_each_choice_whole(ov_dir, kv):
+    """The choices of a multiple-choice item scored from one pass over their shared context (its KV
+    cache gathered into every row by beam_idx) give what scoring each context + choice whole gives;
+    over a u8 cache the passes start at other positions, so the two read the cache back a little
+    differently."""
+    from engines.openvino.genai_runner import SCORING_CHUNK_TOKENS, OVGenAIRunner
+
+    runner = OVGenAIRunner(ov_dir, threads=1, kv_cache_precision=kv)
+    context = [int(i) for i in np.random.RandomState(1).randint(1, 500, size=SCORING_CHUNK_TOKENS + 5)]
+    choices = [[7, 9], [12, 4, 44, 7, 1] * 4, [60]]
+    for choice, logprobs in zip(choices, runner.continuation_logprobs(context, choices)):
+        whole = runner.log_likelihood(context + choice, start=len(context))
+        assert logprobs.shape == (len(choice),)
+        np.testing.assert_allclose(logprobs, whole, atol=1e-4 if kv == "f32" else 0.05)
+    np.testing.assert_allclose(runner.logits(context), runner.logits(context))  # the state is reset after
