@@ -40,6 +40,9 @@ def test_smollm2_int4_cpu_recipe_end_to_end(tmp_path):
         f"output_dir={out}",
         f"hydra.run.dir={tmp_path / 'run'}",
         timeout=1800,
+        # A cache of its own: every candidate built and the baseline scored afresh, as on a clean machine,
+        # whatever an earlier run left in the user's cache.
+        env={"OPTIMIZE_CACHE": str(tmp_path / "cache")},
     )
     assert proc.returncode in (0, 1), proc.stdout[-3000:] + proc.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
