@@ -154,6 +154,17 @@ def token_logprobs(logits: np.ndarray, ids) -> np.ndarray:
     return logp[np.arange(len(ids) - 1), ids[1:]]
 
 
+def padded_continuations(context, continuations) -> np.ndarray:
+    """The continuations right-padded (with 0) into one [rows, longest] int64 batch, for scoring them
+    after a shared context (the runners' continuation_logprobs); refuses an empty context or choice."""
+    if not len(context) or not continuations or not all(len(c) for c in continuations):
+        raise ValueError("continuation_logprobs needs a context and non-empty continuations")
+    batch = np.zeros((len(continuations), max(len(c) for c in continuations)), dtype=np.int64)
+    for row, ids in enumerate(continuations):
+        batch[row, : len(ids)] = ids
+    return batch
+
+
 # --- the Protocols -----------------------------------------------------------------------------------
 # Limits are read-only properties here so that a plain attribute set in __init__ satisfies them.
 

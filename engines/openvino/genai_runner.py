@@ -39,6 +39,7 @@ from engines.generation import (
     ScoringGenerator,
     TokenLogprob,
     UnsupportedSampling,
+    padded_continuations,
     refuse_unhonoured,
     template_refusal,
     token_logprobs,
@@ -386,12 +387,8 @@ class OVGenAIRunner(OVGenAIText):
         adapter): the context in batch 1, then the continuations right-padded into one batch whose
         first pass gathers the context's KV cache into every row through the IR's beam_idx input (as
         beam search does). Passes of SCORING_CHUNK_TOKENS over a quantized cache, as logits() runs."""
-        if not context or not continuations or not all(continuations):
-            raise ValueError("continuation_logprobs needs a context and non-empty continuations")
-        rows, width, start_at = len(continuations), max(len(c) for c in continuations), len(context)
-        tails = np.zeros((rows, width), dtype=np.int64)
-        for row, ids in enumerate(continuations):
-            tails[row, : len(ids)] = ids
+        tails = padded_continuations(context, continuations)
+        (rows, width), start_at = tails.shape, len(context)
         quantized = self.properties["KV_CACHE_PRECISION"] in QUANTIZED_KV
         chunk = SCORING_CHUNK_TOKENS if quantized else start_at + width
         request = self._scoring_request()

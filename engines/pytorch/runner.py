@@ -297,12 +297,9 @@ class TorchLM:
         real token from seeing the padding after it, so no mask is needed."""
         import torch
 
-        if not context or not continuations or not all(continuations):
-            raise ValueError("continuation_logprobs needs a context and non-empty continuations")
-        width = max(len(c) for c in continuations)
-        batch = torch.zeros((len(continuations), width), dtype=torch.int64)
-        for row, ids in enumerate(continuations):
-            batch[row, : len(ids)] = torch.as_tensor(np.asarray(ids, dtype=np.int64))
+        from engines.generation import padded_continuations
+
+        batch = torch.from_numpy(padded_continuations(context, continuations))
         with torch.inference_mode(), fp32_compute(self.model):
             context_ids = torch.as_tensor(np.asarray(context, dtype=np.int64))[None]
             # Only the context's last position predicts a continuation token: its other positions' logits

@@ -134,7 +134,8 @@ def _standard_reference(ctx, cfg, tokens, baseline, key_base: str | None) -> dic
     if not cfg.standard_tasks:
         return None
     from optimize.compile.race import cache
-    from optimize.tasks.lm_harness import standard_task_data, standard_task_items
+    from optimize.tasks.lm_fidelity import task_scores
+    from optimize.tasks.lm_harness import standard_task_data
 
     folder = ctx.scratch / "standard_tasks"
     written = standard_task_data(cfg.standard_tasks, cfg.standard_limit, folder)
@@ -144,8 +145,7 @@ def _standard_reference(ctx, cfg, tokens, baseline, key_base: str | None) -> dic
     if cached is not None and cached.get("written") == identity:
         log.info("race: the baseline's standard-task scores are reused from an earlier race on this machine")
         return cached
-    with stage(EVALUATION + "the baseline's standard tasks"):
-        scores = standard_task_items(baseline, tokens, list(cfg.standard_tasks), folder, "baseline")
+    scores = task_scores(baseline, tokens, cfg, folder, "baseline")
     entry = {"written": identity, "scores": scores}
     if key:
         cache.save_baseline(key, entry)
