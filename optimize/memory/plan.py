@@ -4,8 +4,8 @@ bytes per parameter, against the memory this machine lets the run use.
 The run holds the source model for its baseline the whole time (memory-mapped in its own precision,
 or a GGUF's FP32 conversion); each candidate's builder
 runs in a child process of its own, one at a time, and needs its own bytes on top (BUILD); the
-candidates' scoring loads their engines beside the baseline (ENGINE), and each is then timed as
-served in a server of its own. A stage that cannot fit refuses its candidate in the race's table
+candidates' scoring loads their engines one at a time beside the baseline (ENGINE), and each is then
+timed as served in a server of its own. A stage that cannot fit refuses its candidate in the race's table
 with the figure; a run whose baseline and cheapest build cannot fit is refused at plan time.
 """
 
@@ -39,9 +39,10 @@ BUILD = {
     # optimum-intel's export then NNCF with data (AWQ, scale estimation, GPTQ, LoRA, Hessian mixes): the
     # 1.5B run grew from 9.8 GB to 18.9 GB during it at 1.54B (6.1 B/param); fixed part as below.
     "openvino_genai:data": (0.7, 6.1),
-    # The export with data-free rounding: measured 1.33 GB on SmolLM2 (int8); the slope is an estimate
-    # (the FP32 IR, 4 B/param, and the compressed copy), not yet measured at size.
-    "openvino_genai": (0.7, 4.5),
+    # The export with data-free rounding (an FP32 copy traced, its IR compressed): measured 1.33 GB on
+    # SmolLM2 (int8) and 6.84 GB on a random bf16 Llama of Llama-3.2-1B's shape (1.07B parameters;
+    # benchmarks/lm_at_size.py --builders-on, 2-core AMD EPYC Zen 4, 2026-12-06): the line through both.
+    "openvino_genai": (0.53, 5.9),
     "openvino_genai_gguf": (0.7, 2.0),  # OpenVINO's GGUF reader: the file's blocks and the IR (estimated)
     "native_gguf": (0.3, 1.2),  # a copy of the file's blocks repacked for the kernels (estimated)
     # The GGUF writer streaming the memory-mapped model (Q4_K_M with its importance matrix, the native
@@ -54,6 +55,10 @@ BUILD = {
     # slope carries 0.6 B/param more. The writer it replaced held every tensor in FP32 and every
     # quantized one: 1.64 GB at 0.34B (4.8 B/param), 2.5 GB or more at 0.59B, the same machine.
     "gguf": (0.35, 1.3),
+    # The same writer, then OpenVINO GenAI's reader building its IR from the file's blocks (Q8_0: about
+    # a byte a parameter) in the same child after the writer is done (estimated from the blocks and the
+    # reader's IR beside them, as openvino_genai_gguf).
+    "gguf:openvino": (0.7, 2.0),
 }
 DEFAULT_BUILD = (1.7, 7.85)  # an engine method not in the table: as the costliest measured builder
 # A built engine's weights per source parameter as the scoring stage loads them beside the baseline:
@@ -91,7 +96,11 @@ def baseline_memory(parameters: int, precision: str) -> dict[str, int]:
 
 def build_bytes(engine: str, params: dict, parameters: int) -> float:
     """What a builder's process needs at its peak for a model of `parameters`."""
-    key = "openvino_genai:data" if engine == "openvino_genai" and any(params.get(k) for k in _DATA_AWARE) else engine
+    key = engine
+    if engine == "openvino_genai" and any(params.get(k) for k in _DATA_AWARE):
+        key = "openvino_genai:data"
+    elif engine == "gguf" and params.get("serve_with") == "openvino_genai_gguf":
+        key = "gguf:openvino"
     fixed_gb, per_parameter = BUILD.get(key, DEFAULT_BUILD)
     return fixed_gb * GB + per_parameter * parameters
 
@@ -139,8 +148,8 @@ class MemoryPlan:
         return self.resident + build_bytes(build.engine, build.params, self.shape.parameters)
 
     def scoring_need(self) -> float:
-        """The baseline beside every candidate's loaded engine (the race scores them side by side)."""
-        return self.resident + sum(engine_bytes(b.engine, b.params, self.shape) for b in self.builds)
+        """The baseline beside the largest candidate's loaded engine (the race scores one at a time)."""
+        return self.resident + max((engine_bytes(b.engine, b.params, self.shape) for b in self.builds), default=0.0)
 
     def fits(self, build: Build) -> bool:
         return self.build_need(build) <= self.free

@@ -139,7 +139,8 @@ def test_at_size_the_default_lm_race_keeps_the_streamed_gguf_files_and_below_it_
     assert left_out == [] and _sized(600_000_000)[0] == smollm2  # the whole set up to 0.6B, as before
     one_b = of_config(LLAMA_1B).parameters  # a planned 1B shape, from its config alone
     kept, left_out = _sized(one_b)
-    assert kept == ["openvino_genai_int8_kv_u8", "gguf_q4_k_m", "gguf_q8_0"]  # the three leanest builds
+    assert kept == ["gguf_q4_k_m", "gguf_q8_0", "gguf_q8_0_openvino"]  # the three leanest builds
+    assert "openvino_genai_int8_kv_u8" in left_out  # its FP32 export: 6.8 GB at 1B
     assert "ort_genai_int4_k_quant_mixed" in left_out
     assert _sized(3_210_000_000)[0] == ["gguf_q4_k_m", "gguf_q8_0"]
     assert _sized(8_030_000_000)[0] == ["gguf_q4_k_m"]
@@ -215,3 +216,13 @@ def test_each_stage_records_its_time_and_its_own_peak():
     assert rows["allocates"]["peak_gb"] >= rows["small"]["peak_gb"] + 0.25
     assert rows["outer"]["peak_gb"] >= rows["allocates"]["peak_gb"] - 0.01 and rows["outer"]["seconds"] >= 1.2
     assert log.lines()[0].startswith("where the time went") and any("allocates:" in line for line in log.lines())
+
+
+def test_scoring_plans_the_baseline_beside_the_largest_engine_not_all_of_them():
+    shape = ModelShape(1_000_000_000, 2 * 10**9, "config", "bfloat16")
+    int8 = memory.Build("openvino_genai_int8_kv_u8", "openvino_genai", {"weight_format": "int8"})
+    int4 = memory.Build("openvino_genai_int4", "openvino_genai", {"weight_format": "int4"})
+    both = memory.make(shape, [int8, int4], free=22 * 10**9)
+    alone = memory.make(shape, [int8], free=22 * 10**9)
+    assert both.scoring_need() == alone.scoring_need() > both.resident  # the race scores one engine at a time
+    assert both.scoring_need() - both.resident == pytest.approx(1.2 * 10**9 + memory.RUNTIME_BYTES)

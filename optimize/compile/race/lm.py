@@ -35,7 +35,7 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: st
     in this process (candidates are timed as served: serve_passing, then as_served). With `key_base`
     (the race cache's identity of the model and machine), the baseline's figures are taken from an
     earlier race on the same data, shapes, runs and threads, or kept for the next one."""
-    from engines import engine_bytes, load_engine
+    from engines import engine_bytes
     from optimize.compile.race import cache
     from optimize.evaluate.generation import Tokens, ids_sha256, perplexity, request_ms, timed_requests
     from optimize.tasks.causal_lm import eval_config
@@ -49,24 +49,15 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: st
     what["shapes"] = [r.key for r in workload.requests]
     key = cache.baseline_key(key_base, what) if key_base else None
     reused = cache.load_baseline(key) if key else None
-    runners = {e.name: load_engine(e.model.engine_dir, e.model.engine, threads=ctx.threads) for e in entries}
     for entry in entries:
         entry.size_mb = engine_bytes(entry.model.engine_dir, entry.model.engine) / 2**20
     base: dict[str, Any] = {
         "perplexity": reused["perplexity"] if reused else perplexity(baseline, ids, cfg.perplexity_window)
     }
     fidelity = _fidelity_reference(ctx, cfg, tokens, baseline, key)
+    lm_eval_side = (baseline, tokens, data.items, reused) if lm_eval else None
     for entry in entries:
-        entry.metrics = {}
-        if fidelity is not None:
-            entry.metrics["fidelity"] = _screen(fidelity, runners[entry.name], cfg)
-        ppl = perplexity(runners[entry.name], ids, cfg.perplexity_window)
-        entry.metrics.update(perplexity=ppl, perplexity_increase_pct=(ppl / base["perplexity"] - 1) * 100)
-    if lm_eval:
-        # Only those the screen passed: lm-eval is the race's costliest scoring.
-        screened = [e for e in entries if not _screened_out(e, thresholds)]
-        _lm_eval(screened, runners, baseline, base, tokens, data.items, cfg, ctx, reused)
-    runners.clear()
+        _score_candidate(entry, ctx, fidelity, ids, base, cfg, thresholds, lm_eval_side)
     if reused:
         log.info("race: the baseline's perplexity and timings are reused from an earlier race on this machine")
         on_baseline = {r.key: reused["requests"][r.key] for r in workload.requests}
@@ -269,16 +260,40 @@ def _served_decode(cell: dict) -> tuple[float | None, str]:
     return None, ""
 
 
-def _lm_eval(entries, runners, baseline, base, tokens, paragraphs, cfg, ctx, reused: dict | None) -> None:
+def _score_candidate(entry, ctx, fidelity: dict | None, ids, base: dict, cfg, thresholds: dict, lm_eval_side) -> None:
+    """The candidate's fidelity screen and perplexity against the baseline's, then its lm-eval drop
+    where `lm_eval_side` (the baseline, tokens, texts and cached figures it needs) is given and the
+    screen passed it. Its engine is loaded here and freed on return, so one candidate's weights at a
+    time sit beside the baseline: at 1B parameters and more, every candidate's at once would be the
+    run's peak (optimize/memory/plan.py)."""
+    import gc
+
+    from engines import load_engine
+    from optimize.evaluate.generation import perplexity
+
+    runner = load_engine(entry.model.engine_dir, entry.model.engine, threads=ctx.threads)
+    entry.metrics = {}
+    if fidelity is not None:
+        entry.metrics["fidelity"] = _screen(fidelity, runner, cfg)
+    ppl = perplexity(runner, ids, cfg.perplexity_window)
+    entry.metrics.update(perplexity=ppl, perplexity_increase_pct=(ppl / base["perplexity"] - 1) * 100)
+    if lm_eval_side is not None and not _screened_out(entry, thresholds):  # the race's costliest scoring
+        _lm_eval(entry, runner, base, cfg, ctx, *lm_eval_side)
+    del runner
+    gc.collect()
+
+
+def _lm_eval(entry, runner, base: dict, cfg, ctx, baseline, tokens, paragraphs, reused: dict | None) -> None:
+    """The candidate's lm-eval drop; the baseline's scores first, once a race (or from the race cache)."""
     from optimize.tasks.lm_harness import lm_eval_accuracy, lm_eval_drop
 
-    if reused and reused.get("lm_eval") is not None:
-        base["lm_eval"] = reused["lm_eval"]
-    else:
-        base["lm_eval"], _ = lm_eval_accuracy(baseline, tokens, paragraphs, cfg, ctx.scratch, "baseline")
-    for entry in entries:
-        scores, _ = lm_eval_accuracy(runners[entry.name], tokens, paragraphs, cfg, ctx.scratch, entry.name)
-        entry.metrics.update(lm_eval=scores, lm_eval_drop_pts=lm_eval_drop(base["lm_eval"], scores))
+    if "lm_eval" not in base:
+        if reused and reused.get("lm_eval") is not None:
+            base["lm_eval"] = reused["lm_eval"]
+        else:
+            base["lm_eval"], _ = lm_eval_accuracy(baseline, tokens, paragraphs, cfg, ctx.scratch, "baseline")
+    scores, _ = lm_eval_accuracy(runner, tokens, paragraphs, cfg, ctx.scratch, entry.name)
+    entry.metrics.update(lm_eval=scores, lm_eval_drop_pts=lm_eval_drop(base["lm_eval"], scores))
 
 
 def serve_passing(entries: list, ctx, workload, thresholds: dict, baseline: dict) -> dict:
