@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks import figure_record  # noqa: E402  (after the project root is importable)
+
 # hidden, intermediate, layers, attention heads, KV heads, tied embeddings (as the released models).
 SHAPES = {
     "llama-3.2-1b": (2048, 8192, 16, 32, 8, True),
@@ -60,6 +62,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--builder", action="append", choices=sorted(BUILDERS), default=[], help="with --builders-on: only these"
     )
     parser.add_argument("overrides", nargs="*", help="after --: overrides for python -m optimize")
+    figure_record.add_option(parser)
     args = parser.parse_args(argv)
     if args.builders_on is not None and not (args.builders_on / "config.json").is_file():
         parser.error(f"--builders-on: {args.builders_on} is not a Hugging Face folder (no config.json)")
@@ -271,6 +274,7 @@ def main(argv: list[str]) -> int:
     )
     _print(record, tail)
     _write(args.json, record)
+    _record_figure(args, argv, record)
     if not args.keep:
         shutil.rmtree(folder, ignore_errors=True)
     return 0 if code in (0, 1) else code
@@ -285,6 +289,24 @@ def _print(record: dict, tail: str) -> None:
     )
     for row in record["stages"]:
         print(f"  {row['stage']}: {row['seconds']:.0f} s, peak {row['peak_gb']:.1f} GB")
+
+
+def _record_figure(args: argparse.Namespace, argv: list[str], record: dict) -> None:
+    """The run as a row of docs/figures.md (`--record`): time and peak against the issue's bars."""
+    seconds, stages = record["seconds"], record["stages"]
+    slowest = sorted(stages, key=lambda row: -row["seconds"])[:4]
+    where = ", ".join(f"{row['stage']} {row['seconds']:.0f} s" for row in slowest)
+    figure = (
+        f"exit {record['exit_code']} in {seconds / 60:.0f} min, peak {record['peak_gb']:.1f} GB of the run and its "
+        f"children (checkpoint {record['checkpoint_gb']:.2f} GB); longest stages: {where}"
+    )
+    ratio = f"peak {record['peak_gb'] / record['target_peak_gb']:.2f}x the bar of 2x the checkpoint + 1.5 GB"
+    measure = (
+        f"recipe={RECIPE} (default race cut to the model's size) on a random bf16 Llama of {args.shape}'s "
+        "shape with SmolLM2's tokenizer, race cache empty: exit code, wall time, peak memory of the run "
+        "and its children, the slowest stages (random weights: cost, not accuracy)"
+    )
+    figure_record.write(args, "benchmarks.lm_at_size", argv, measure=measure, figure=figure, ratio=ratio)
 
 
 def _write(path: Path | None, record: dict) -> None:

@@ -85,16 +85,33 @@ def percentiles(values) -> dict:
 SETTLE_TOKENS = 8
 
 
+# Timed runs a time budget leaves at the least: a median needs two.
+MIN_TIMED_RUNS = 2
+
+
 def speed(
-    runners: Mapping[str, TimedGeneration], prompts: list[list[int]], new_tokens: int, warmup: int, runs: int
+    runners: Mapping[str, TimedGeneration],
+    prompts: list[list[int]],
+    new_tokens: int,
+    warmup: int,
+    runs: int,
+    budget_s: float | None = None,
 ) -> dict:
     """TTFT and decode tokens/s per runner over `runs` timed generations (after `warmup`), interleaved
     and in alternating order, each after an untimed settling generation (SETTLE_TOKENS). Decode speed
     of a run = (n - 1) / (time of token n - time of token 1). The p95 of tokens/s is the slow tail:
-    the 5th percentile of per-run tokens/s."""
+    the 5th percentile of per-run tokens/s. With `budget_s`, no timed run starts once the timed runs
+    have taken that long (MIN_TIMED_RUNS at the least); `runs` in the result is how many ran."""
     samples: dict[str, dict[str, list[float]]] = {name: {"ttft_ms": [], "tok_s": []} for name in runners}
     names = list(runners)
+    timed_from = 0.0
     for i in range(warmup + runs):
+        if i == warmup:
+            timed_from = time.perf_counter()
+        spent = time.perf_counter() - timed_from
+        if budget_s is not None and i - warmup >= MIN_TIMED_RUNS and spent > budget_s:
+            log.info("generation timing: %d runs of %d in its %.0f s budget", i - warmup, runs, budget_s)
+            break
         prompt = prompts[i % len(prompts)]
         for name in names if i % 2 == 0 else names[::-1]:
             runners[name].timed_stream(prompts[(i + 1) % len(prompts)], SETTLE_TOKENS)
@@ -107,7 +124,7 @@ def speed(
         name: {
             "ttft_ms": percentiles(s["ttft_ms"]),
             "decode_tok_s": {"p50": float(np.percentile(s["tok_s"], 50)), "p95": float(np.percentile(s["tok_s"], 5))},
-            "runs": runs,
+            "runs": len(s["tok_s"]),
             "new_tokens": new_tokens,
             "prompt_tokens": len(prompts[0]),
         }
@@ -160,15 +177,16 @@ def timed_requests(
     warmup: int,
     runs: int,
     retimes: int,
+    budget_s: float | None = None,
 ) -> dict:
     """{shape key: the quietest speed() run of that request shape (timed again, up to `retimes` more
     times, while other processes took more than benchmark.RETIME_SHARE of the CPUs), with
-    other_cpu_share, retimes}."""
+    other_cpu_share, retimes}. `budget_s`: speed()'s, for each shape's timed runs."""
     from optimize.evaluate.benchmark import OtherCpuUse, quietest
 
     def once(prompts: list[list[int]], output: int) -> dict:
         with OtherCpuUse() as others:
-            result = speed(runners, prompts, output, warmup, runs)
+            result = speed(runners, prompts, output, warmup, runs, budget_s)
         return {"runs": result, "other_cpu_share": others.share}
 
     timed = {}

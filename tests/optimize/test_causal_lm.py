@@ -150,6 +150,25 @@ def test_speed_harness_reports_percentiles(tiny_torch, tiny_genai_fp32):
         assert stats["ttft_ms"]["p50"] <= stats["ttft_ms"]["p95"]
 
 
+def test_a_timing_budget_stops_the_timed_runs_it_has_spent_but_keeps_a_median(monkeypatch):
+    from optimize.evaluate import generation
+
+    clock = {"now": 0.0}
+    monkeypatch.setattr(generation.time, "perf_counter", lambda: clock["now"])
+
+    class Slow:  # 10 s a generation of the clock above, one token a second after the first
+        def timed_stream(self, prompt, new_tokens):
+            clock["now"] += 10.0
+            return [clock["now"] - new_tokens + 1 + i for i in range(new_tokens)]
+
+    slow = {"baseline": Slow()}
+    kept = generation.speed(slow, [[1, 2, 3]], 4, warmup=1, runs=5, budget_s=25.0)
+    assert kept["baseline"]["runs"] == 2  # each run is 20 s with its settling pass: two spend the budget
+    assert kept["baseline"]["decode_tok_s"]["p50"] == pytest.approx(1.0)
+    assert generation.speed(slow, [[1, 2, 3]], 4, warmup=1, runs=5, budget_s=1.0)["baseline"]["runs"] == 2
+    assert generation.speed(slow, [[1, 2, 3]], 4, warmup=1, runs=5)["baseline"]["runs"] == 5  # no budget
+
+
 def test_perplexity_of_a_uniform_model_is_the_vocabulary_size():
     from optimize.evaluate.generation import perplexity
 
