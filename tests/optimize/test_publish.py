@@ -38,6 +38,33 @@ def publish_cli(*args: str, env: dict | None = None, cwd: Path = ROOT) -> subpro
     )
 
 
+def publish_refusal(*args) -> subprocess.CompletedProcess:
+    """publish_cli's refusal, in this process: the command's own main() with its output captured and
+    its exit code returned, for the refusals made before MLflow or the Hub is reached (the artifact
+    unverified, the settings incomplete). A fresh interpreter importing MLflow costs seconds a check;
+    test_every_refusal_is_one_line keeps the real command's one line."""
+    import contextlib
+    import io
+    from unittest import mock
+
+    from optimize.publish.__main__ import main
+
+    env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "ARTIFACT_VERIFY_KEY")}
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with (
+        mock.patch.dict(os.environ, env, clear=True),
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+    ):
+        try:
+            code = main(list(map(str, args)))
+        except SystemExit as exc:
+            code = exc.code
+    return subprocess.CompletedProcess(
+        ["optimize.publish", *map(str, args)], code, stdout.getvalue(), stderr.getvalue()
+    )
+
+
 @pytest.fixture
 def artifact_copy(minilm_artifact, tmp_path) -> Path:
     """The session's passing artifact, copied so the default store (beside it) starts empty."""
@@ -169,7 +196,7 @@ def _nothing_published(artifact: Path) -> None:
 
 
 def test_no_such_artifact(tmp_path):
-    proc = publish_cli(tmp_path / "missing", "--to", "mlflow")
+    proc = publish_refusal(tmp_path / "missing", "--to", "mlflow")
     one_error_line(proc, "missing", "not a directory")
     assert not (tmp_path / "mlruns").exists()
 
@@ -177,7 +204,7 @@ def test_no_such_artifact(tmp_path):
 def test_a_tampered_artifact_is_refused(artifact_copy):
     vocab = next(p for p in (artifact_copy / "tokenizer").iterdir() if p.is_file())
     vocab.write_bytes(vocab.read_bytes() + b"\n")
-    proc = publish_cli(artifact_copy, "--to", "mlflow")
+    proc = publish_refusal(artifact_copy, "--to", "mlflow")
     one_error_line(proc, "does not match its manifest", f"changed file tokenizer/{vocab.name}", "refusing to publish")
     _nothing_published(artifact_copy)
 
@@ -185,13 +212,13 @@ def test_a_tampered_artifact_is_refused(artifact_copy):
 def test_an_edited_manifest_is_refused(artifact_copy):
     manifest = artifact_copy / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"verdict": "passed"', '"verdict": "failed"'))
-    one_error_line(publish_cli(artifact_copy, "--to", "mlflow", "--allow-failed"), "modified after it was written")
+    one_error_line(publish_refusal(artifact_copy, "--to", "mlflow", "--allow-failed"), "modified after it was written")
     _nothing_published(artifact_copy)
 
 
 def test_a_failed_gate_is_refused_unless_allowed(failed_gate_run, tmp_path):
     copy = Path(shutil.copytree(failed_gate_run.artifact, tmp_path / "out" / "artifact"))
-    proc = publish_cli(copy, "--to", "mlflow")
+    proc = publish_refusal(copy, "--to", "mlflow")
     one_error_line(proc, "the gate failed (min_cosine)", "--allow-failed")
     _nothing_published(copy)
 
@@ -204,9 +231,9 @@ def test_an_unreachable_tracking_uri_is_refused(artifact_copy):
 
 
 def test_an_unknown_registry_and_missing_settings_are_refused(artifact_copy, tmp_path):
-    one_error_line(publish_cli(artifact_copy, "--to", "s3"), "invalid choice")
-    one_error_line(publish_cli(artifact_copy, "--to", "hf_hub"), "publish.repo_id is required")
-    one_error_line(publish_cli(artifact_copy, "--to", "hf_hub", "--repo-id", "a/b/c"), "repo_id=a/b/c")
+    one_error_line(publish_refusal(artifact_copy, "--to", "s3"), "invalid choice")
+    one_error_line(publish_refusal(artifact_copy, "--to", "hf_hub"), "publish.repo_id is required")
+    one_error_line(publish_refusal(artifact_copy, "--to", "hf_hub", "--repo-id", "a/b/c"), "repo_id=a/b/c")
     # The same settings at the end of a run are refused before the run starts.
     proc = refusal_in_process("publish=hf_hub", f"output_dir={tmp_path / 'run-out'}")
     one_error_line(proc, "publish.repo_id is required")
@@ -409,7 +436,7 @@ def test_every_refusal_is_one_line(artifact_copy, tmp_path):
 
 def test_a_hub_folder_inside_the_artifact_is_refused(artifact_copy):
     for folder in (artifact_copy / "upload", artifact_copy / "tokenizer" / "x"):
-        proc = publish_cli(artifact_copy, "--to", "hf_hub", "--repo-id", "acme/m", "--dry-run", "--folder", folder)
+        proc = publish_refusal(artifact_copy, "--to", "hf_hub", "--repo-id", "acme/m", "--dry-run", "--folder", folder)
         one_error_line(proc, "is inside the artifact")
         assert not folder.exists()
     assert verify(artifact_copy) == []
@@ -419,7 +446,7 @@ def test_a_hub_folder_that_cannot_be_made_is_refused(artifact_copy, tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     for folder, fragment in ((Path("/proc/upload"), "cannot be made"), (a_file, "is not a folder")):
-        proc = publish_cli(artifact_copy, "--to", "hf_hub", "--repo-id", "acme/m", "--dry-run", "--folder", folder)
+        proc = publish_refusal(artifact_copy, "--to", "hf_hub", "--repo-id", "acme/m", "--dry-run", "--folder", folder)
         one_error_line(proc, f"publish.folder={folder}", fragment)
     assert a_file.read_text() == "x"
 

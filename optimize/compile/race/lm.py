@@ -62,7 +62,8 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: st
     }
     fidelity = _fidelity_reference(ctx, cfg, tokens, baseline, key)
     lm_eval_side = (baseline, tokens, data.items, reused) if lm_eval else None
-    for entry in entries:
+    for number, entry in enumerate(entries, 1):
+        log.info("race: scoring %s (%d/%d)", entry.name, number, len(entries))
         _score_candidate(entry, ctx, fidelity, ids, base, cfg, thresholds, lm_eval_side)
     if reused:
         log.info("race: the baseline's perplexity and timings are reused from an earlier race on this machine")

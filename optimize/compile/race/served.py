@@ -131,6 +131,14 @@ def _serve_cells(entry, ctx, workload, prompts: dict, round_no: int) -> dict:
             cells[shape.key] = {}
             for level in workload.concurrency:
                 per_client = requests_per_client(level.clients, round_no)
+                log.info(
+                    "race: serving %s (round %d): %s at %d clients, %d requests each",
+                    entry.name,
+                    round_no,
+                    shape.key,
+                    level.clients,
+                    per_client,
+                )
                 with OtherCpuUse() as others:
                     figures = server.drive(prompts[shape.key], level.clients, per_client, shape.output)
                 cells[shape.key][level.key] = _cell(figures, others.share)
