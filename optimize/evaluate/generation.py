@@ -87,6 +87,11 @@ SETTLE_TOKENS = 8
 
 # Timed runs a time budget leaves at the least: a median needs two.
 MIN_TIMED_RUNS = 2
+# Seconds of timed runs at each request shape in the pipeline's timing (timed_requests); past them the
+# medians are of the runs made. SmolLM2's longest shape takes a few seconds a run, so it is timed as
+# before; a random bf16 Llama of Llama-3.2-1B's shape took 46 s a 1,024-token request on PyTorch (2-core
+# Zen 4), and five runs of each shape were minutes of a run for figures no more certain than two.
+TIMING_BUDGET_S = 60.0
 
 
 def speed(
@@ -177,7 +182,7 @@ def timed_requests(
     warmup: int,
     runs: int,
     retimes: int,
-    budget_s: float | None = None,
+    budget_s: float | None = TIMING_BUDGET_S,
 ) -> dict:
     """{shape key: the quietest speed() run of that request shape (timed again, up to `retimes` more
     times, while other processes took more than benchmark.RETIME_SHARE of the CPUs), with

@@ -28,12 +28,6 @@ from optimize.stages import EVALUATION, stage
 
 log = logging.getLogger(__name__)
 
-# Seconds of timed runs of the PyTorch baseline at each request shape; past them its median is of the
-# runs made (2 at the least). SmolLM2's longest shape takes a few seconds a run, so it is timed as
-# before; a 1.07B-parameter Llama took about 45 s a 1,024-token request on 2 cores, and five of them
-# at each shape were minutes of the race for a figure the decision uses only as a floor.
-BASELINE_TIMING_BUDGET_S = 60.0
-
 
 def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: str | None = None) -> dict:
     """Fill each entry's `metrics` (perplexity, and lm-eval where the gate's `thresholds` check it);
@@ -70,14 +64,7 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: st
         on_baseline = {r.key: reused["requests"][r.key] for r in workload.requests}
     else:
         timed = timed_requests(
-            {"baseline": baseline},
-            tokens,
-            data.items,
-            workload.requests,
-            1,
-            runs,
-            ctx.plan.evaluate.retimes,
-            budget_s=BASELINE_TIMING_BUDGET_S,
+            {"baseline": baseline}, tokens, data.items, workload.requests, 1, runs, ctx.plan.evaluate.retimes
         )
         on_baseline = {r.key: timed[r.key]["runs"]["baseline"] for r in workload.requests}
     if key and not reused:
