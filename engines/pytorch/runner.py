@@ -462,7 +462,7 @@ class fp32_compute:
         import torch
 
         held = {}
-        for name, tensor in [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]:
+        for name, tensor in _own_named(module).items():
             if tensor.is_floating_point() and tensor.dtype != torch.float32:
                 held[name] = tensor.data
                 tensor.data = self._fp32(tensor.data)
@@ -472,7 +472,7 @@ class fp32_compute:
 
     def _restore(self, module, args, output):
         held = getattr(module, "_held_precision", None) or {}
-        tensors = dict([*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)])
+        tensors = _own_named(module)
         for name, data in held.items():
             self.spare.setdefault(tuple(data.shape), []).append(tensors[name].data)
             tensors[name].data = data
@@ -481,3 +481,8 @@ class fp32_compute:
 
 def _own_tensors(module) -> list:
     return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
+
+
+def _own_named(module) -> dict:
+    """The module's own parameters and buffers by name (not its children's)."""
+    return dict([*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)])
