@@ -264,6 +264,13 @@ class TorchLM:
             torch.set_num_threads(threads)
         self.model = model.eval()
 
+    def release_weight_pages(self) -> int:
+        """Give back the resident pages of memory-mapped weights while the model idles; the next
+        forward reads them again (engines/pytorch/weight_pages.py). Returns the bytes given back."""
+        from engines.pytorch.weight_pages import release
+
+        return release(self.model)
+
     def weight_bytes_per_token(self):
         """Bytes of parameters read per generated token (an untied embedding: one row per token)."""
 

@@ -598,3 +598,40 @@ def test_decode_speed_as_served_is_read_from_gaps_or_else_from_the_mean_request(
     assert _served_decode(silent) == (pytest.approx(90.0), "mean request, prefill included")
     assert _served_decode(dict(cell, request_ms=None)) == (None, "")
     assert _served_decode(dict(silent, output_tokens=0)) == (None, "")
+
+
+def test_an_engine_served_one_sequence_at_a_time_is_driven_at_the_fewest_clients_and_the_rest_derived():
+    from optimize.compile.race.served import _with_derived, derived_cell, driven_levels
+
+    cfg = OmegaConf.create(
+        {
+            "gate": {"request_shape": None},
+            "evaluate": {"batch_sizes": [1], "task_params": {"prompt_tokens": 64, "new_tokens": 64}},
+            "workload": {"requests": None, "concurrency": [1, 4, 16]},
+        }
+    )
+    load = workload.resolve(cfg)
+    from types import SimpleNamespace
+
+    # The GGUF method builds either format (native kernels where the CPU has AVX2): the built one decides.
+    native, batched = Entry("native", CANDIDATES["gguf_q8_0"]), Entry("ov", CANDIDATES["gguf_q8_0_openvino"])
+    native.model = SimpleNamespace(engine={"format": "native-gguf"}, precision="int8")
+    batched.model = SimpleNamespace(engine={"format": "openvino-genai"}, precision="int8")
+    assert [c.clients for c in driven_levels(native, load)] == [1]
+    assert [c.clients for c in driven_levels(batched, load)] == [1, 4, 16]
+    one = {"tokens_per_s": 20.0, "request_ms": 3200.0, "ttft_p50_ms": 150.0, "ttft_p95_ms": 180.0, "failed": 0}
+    cells = _with_derived({"64x64": {"1": one}}, load, driven_levels(native, load))
+    assert list(cells["64x64"]) == ["1", "4", "16"] and cells["64x64"]["1"] is one
+    sixteen = cells["64x64"]["16"]
+    # A closed loop of 16 clients on a first-come server: a request's time is 16 requests' own; a first
+    # token waits for none to 15 of the others (the median 7.5 of them, the 95th percentile 14.25).
+    assert sixteen["request_ms"] == 16 * 3200.0 and sixteen["tokens_per_s"] == 20.0
+    assert sixteen["ttft_p50_ms"] == 150.0 + 7.5 * 3200.0 and sixteen["ttft_p95_ms"] == 180.0 + 14.25 * 3200.0
+    assert sixteen["derived"].startswith("16 clients from 1")
+    assert cells["64x64"]["4"]["request_ms"] == 4 * 3200.0
+    # A failure measured at the fewest clients stays a failure at every level.
+    failed = derived_cell({"request_ms": None, "failed": 2, "requests": 2, "errors": ["boom"]}, 1, 16)
+    assert failed["request_ms"] is None and failed["errors"] == ["boom"]
+    from optimize.compile.race.cells import served_cell
+
+    assert served_cell(sixteen) == "20 (45780) derived" and served_cell(one) == "20 (180)"

@@ -53,6 +53,9 @@ def build_all(
         from optimize.evaluate.kernels import int8_gemm_speedup
 
         int8_gemm_speedup(ctx.threads)  # measured once here (cached) for every quantize record, not per build
+    from optimize.evaluate.idle import baseline_idles
+
+    baseline_idles(ctx.baseline, "the candidates build")  # each builder holds its own copy, or reads the pages itself
     line = line or ProgressLine()
     for number, entry in enumerate(entries, 1):
         if entry.refused:

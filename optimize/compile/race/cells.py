@@ -20,15 +20,20 @@ BATCHING_WORDS = {
 
 
 def serving(entry) -> str:
-    """How the entry's engine serves concurrent requests: by its built engine's format, else by the
-    formats its method builds (every LM method builds one)."""
+    """How the entry's engine serves concurrent requests, in words."""
+    return BATCHING_WORDS[batching(entry)]
+
+
+def batching(entry) -> str:
+    """How the entry's engine batches when served ("static", "continuous", or "none": one sequence at a
+    time): by its built engine's format, else by the formats its method builds (every LM method builds one)."""
     from engines import formats
     from optimize import registry
 
     built = (entry.model.engine or {}).get("format") if entry.model is not None else None
     names = (built,) if built else registry.get("engine", entry.spec.engine).formats(None, None)
     rows = [formats.FORMATS[n] for n in names if n in formats.FORMATS]
-    return BATCHING_WORDS[rows[0].batching if rows else "none"]
+    return rows[0].batching if rows else "none"
 
 
 def columns(entry) -> dict:
@@ -116,12 +121,14 @@ def _served_cells(served: dict) -> dict:
 
 
 def served_cell(cell: dict) -> str:
-    """Tokens/s (TTFT p95 ms) of one served cell; where requests failed, how many of how many."""
+    """Tokens/s (TTFT p95 ms) of one served cell ("derived" where it was not driven: an engine served one
+    sequence at a time, race/served.py); where requests failed, how many of how many."""
     if cell.get("failed") or cell.get("tokens_per_s") is None:
         return (
             f"failed {cell['failed']}/{cell['requests']}" if cell.get("failed") and cell.get("requests") else "failed"
         )
-    return f"{cell['tokens_per_s']:.0f} ({cell['ttft_p95_ms']:.0f})"
+    shown = f"{cell['tokens_per_s']:.0f} ({cell['ttft_p95_ms']:.0f})"
+    return f"{shown} derived" if cell.get("derived") else shown
 
 
 def _shape_cells(requests: dict) -> dict:

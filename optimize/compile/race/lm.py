@@ -271,7 +271,9 @@ def _score_candidate(entry, ctx, fidelity: dict | None, ids, base: dict, cfg, th
 
     from engines import load_engine
     from optimize.evaluate.generation import perplexity
+    from optimize.evaluate.idle import baseline_idles
 
+    baseline_idles(ctx.baseline, f"{entry.name} is scored")  # against the reference; lm-eval reads it again once
     runner = load_engine(entry.model.engine_dir, entry.model.engine, threads=ctx.threads)
     entry.metrics = {}
     if fidelity is not None:
@@ -301,10 +303,12 @@ def serve_passing(entries: list, ctx, workload, thresholds: dict, baseline: dict
     """Time every candidate that passes accuracy as served, at each shape and concurrency level
     (race/served.py, with successive halving); returns the halving record for the race's."""
     from optimize.compile.race.served import time_served
+    from optimize.evaluate.idle import baseline_idles
 
     passing = [e for e in entries if accuracy_verdict(e, thresholds).passed]
     if not passing:
         return {"rounds": [], "cut": {}}
+    baseline_idles(ctx.baseline, "the candidates are served")
     record = time_served(passing, ctx, workload)
     as_served(passing, workload, baseline)
     return record

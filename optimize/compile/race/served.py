@@ -7,6 +7,12 @@ p95 and the mean time a request took (clients x wall / requests: a closed loop's
 Successive halving keeps this affordable: a first short round times every passing candidate with few
 requests; one whose served cost is CUT_RATIO times the leader's or more is cut (its round-one figures
 stay in the report, with why) and only the rest are timed again with more requests.
+
+An engine whose format does not batch (its row in engines/formats.py) is served one generation at a
+time, first come first served: N clients in a closed loop each wait for the N requests in the queue,
+so its cell at N clients is N / n times its cell at the fewest clients n, and that is what it gets
+(marked `derived`) instead of being driven. Driving it would add nothing but minutes: at 1B parameters
+sixteen 1,024-token requests one after another were most of a native candidate's 10-minute round.
 """
 
 from __future__ import annotations
@@ -113,6 +119,34 @@ def level_ms(entry, workload, level: str) -> float:
     return total
 
 
+def driven_levels(entry, workload) -> list:
+    """The levels the candidate's server is driven at: all of them, or for an engine that does not
+    batch only the fewest clients (the others are derived from it)."""
+    from optimize.compile.race.cells import batching
+
+    if batching(entry) == "none":
+        return [min(workload.concurrency, key=lambda c: c.clients)]
+    return list(workload.concurrency)
+
+
+def derived_cell(measured: dict, measured_clients: int, clients: int) -> dict:
+    """A one-at-a-time server's cell at `clients`, from its cell at `measured_clients`: the request
+    time scales with the queue (clients / measured_clients); throughput and the gap between tokens do
+    not change; a first token waits for the requests ahead of it, from none to all the others, so a
+    TTFT percentile q adds q of the extra queue. Checked against a driven cell at Llama-3.2-1B's shape
+    (Q4_K_M, native kernels, 64 + 64 tokens, 2-core Zen 4): 16 clients measured 35.1 s a request,
+    derived 36.3 s; TTFT p95 measured 31.3 s."""
+    cell = dict(measured, derived=f"{clients} clients from {measured_clients}: one sequence at a time")
+    if measured.get("request_ms") is None:  # a failure is carried as it was measured
+        return cell
+    one_request = measured["request_ms"] / measured_clients  # its own time, the queue's step
+    cell["request_ms"] = round(clients * one_request, 1)
+    for key, q in (("ttft_p50_ms", 0.5), ("ttft_p95_ms", 0.95)):
+        if measured.get(key) is not None:
+            cell[key] = round(measured[key] + q * (clients - measured_clients) * one_request, 1)
+    return cell
+
+
 def _serve_cells(entry, ctx, workload, prompts: dict, round_no: int) -> dict:
     from optimize.evaluate.benchmark import OtherCpuUse
 
@@ -126,10 +160,11 @@ def _serve_cells(entry, ctx, workload, prompts: dict, round_no: int) -> dict:
         failed = {"failed": 0, "requests": 0, "errors": [str(exc)[:200]], "clients": 1, "wall_s": 0}  # none sent
         return {s.key: {c.key: _cell(failed, 0.0) for c in workload.concurrency} for s in workload.requests}
     cells: dict[str, dict] = {}
+    driven = driven_levels(entry, workload)
     try:
         for shape in workload.requests:
             cells[shape.key] = {}
-            for level in workload.concurrency:
+            for level in driven:
                 per_client = requests_per_client(level.clients, round_no)
                 log.info(
                     "race: serving %s (round %d): %s at %d clients, %d requests each",
@@ -145,7 +180,19 @@ def _serve_cells(entry, ctx, workload, prompts: dict, round_no: int) -> dict:
     finally:
         server.stop()
         shutil.rmtree(folder, ignore_errors=True)
-    return cells
+    return _with_derived(cells, workload, driven)
+
+
+def _with_derived(cells: dict, workload, driven: list) -> dict:
+    """Every level's cell, those not driven derived from the one that was (one-at-a-time engines)."""
+    if len(driven) == len(workload.concurrency):
+        return cells
+    (basis,) = driven
+    for by_level in cells.values():
+        for level in workload.concurrency:
+            if level.key not in by_level:
+                by_level[level.key] = derived_cell(by_level[basis.key], basis.clients, level.clients)
+    return {shape: {c.key: by_level[c.key] for c in workload.concurrency} for shape, by_level in cells.items()}
 
 
 def _cell(figures: dict, other_share: float) -> dict:
