@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,14 @@ import pytest
 from tests.support.cli import FAST_OVERRIDES, run_optimize
 from tests.support.schedule import heaviest_files_first
 from tests.support.shared import build_once, process_of, process_record
+
+# Two test workers share two cores, and each runs torch (and the pipeline's children) with a thread per
+# core: an OpenMP pool that spins while it waits for work takes the other worker's core. Sleeping
+# instead (the commands and servers the tests start inherit it) measured 324 s against 373 s for
+# test_pipeline_e2e.py beside test_causal_lm_smollm2.py. It must be set before torch is first imported
+# (its OpenMP runtime reads it once): nothing imported above imports torch.
+assert "torch" not in sys.modules, "tests/conftest.py: torch was imported before OMP_WAIT_POLICY was set"
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # The fast tier (`make test-fast`: pytest -m "not slow") is the unit tests. Slow are the tests that run
 # the command line (`python -m optimize` starts Python, Hydra and torch, even for a refusal), build an

@@ -73,6 +73,14 @@ def test_the_race_carries_a_q4_1_gguf_through_at_the_source_perplexity(q4_1, tmp
     native = race["native_gguf"]
     if native_build.unavailable() is None:
         assert abs(native["metrics"]["perplexity_increase_pct"]) < 0.05, native
+        # Served one sequence at a time: driven at one client, its sixteen-client cells derived from it;
+        # the batching engines are driven at both levels.
+        for name, candidate in race.items():
+            for by_level in (candidate["metrics"] or {}).get("served", {}).values():
+                assert "derived" not in by_level["1"]
+                assert ("derived" in by_level["16"]) == (name == "native_gguf"), (name, by_level["16"])
+                if name == "native_gguf":
+                    assert by_level["16"]["request_ms"] == pytest.approx(16 * by_level["1"]["request_ms"], abs=1)
     else:
         assert native_build.unavailable() in native["outcome"], native
     reference = manifest["metrics"]["baseline"]["reference"]

@@ -93,12 +93,27 @@ def test_a_previous_output_is_swapped_whole_for_the_new_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_budget_spent_before_any_step_is_refused_and_keeps_the_previous_classifier(tmp_path):
+def test_a_budget_spent_before_any_step_is_refused_and_keeps_the_previous_classifier(tmp_path, monkeypatch, capsys):
+    """The tool's own main() in this process, on a few labeled paragraphs: reading every docstring of
+    six installed packages (a minute of parsing, what the tool trains on) is not what is tested."""
+    import calibration.labeled
+    from calibration import Labeled
+
+    packages = calibration.labeled.DOCSTRING_PACKAGES
+    few = Labeled([f"paragraph {i} about {name}" for i, name in enumerate(packages)], list(packages))
+    monkeypatch.setattr(calibration.labeled, "package_docstrings", lambda split: few)
     out = tmp_path / "classifier"
     out.mkdir()
     (out / train_classifier.MARKER).write_text("")
     (out / "model.safetensors").write_text("the classifier a recipe uses")
-    proc = run_tool(str(out), "--steps", "1", "--budget-s", "1e-9", timeout=900)
-    one_error_line(proc, "before the first training step", log_lines=True)
+    monkeypatch.setattr(sys, "argv", ["classifier", str(out), "--steps", "1", "--budget-s", "1e-9"])
+    with pytest.raises(SystemExit) as ended:
+        train_classifier.main()
+    err = capsys.readouterr().err
+    one_error_line(
+        subprocess.CompletedProcess(sys.argv, ended.value.code, "", err),
+        "before the first training step",
+        log_lines=True,
+    )
     assert (out / "model.safetensors").read_text() == "the classifier a recipe uses"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["classifier"]
