@@ -2,7 +2,8 @@
 bytes per parameter, against the memory this machine lets the run use.
 
 The run holds the source model for its baseline the whole time (memory-mapped in its own precision,
-or a GGUF's FP32 conversion); each candidate's builder
+or a GGUF's FP32 conversion; its resident pages are given back while it idles, optimize/evaluate/idle.py,
+which the plan does not count on: a builder that streams the model reads them again); each candidate's builder
 runs in a child process of its own, one at a time, and needs its own bytes on top (BUILD); the
 candidates' scoring loads their engines one at a time beside the baseline (ENGINE), and each is then
 timed as served in a server of its own. A stage that cannot fit refuses its candidate in the race's table

@@ -635,3 +635,58 @@ def test_an_engine_served_one_sequence_at_a_time_is_driven_at_the_fewest_clients
     from optimize.compile.race.cells import served_cell
 
     assert served_cell(sixteen) == "20 (45780) derived" and served_cell(one) == "20 (180)"
+
+
+def test_the_second_served_round_fits_each_cell_in_its_budget_by_the_first_rounds_pace(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from optimize.compile.race import served
+
+    assert served.SECOND_ROUND_CELL_BUDGET_S == 60.0
+    quick = {"requests": 2, "wall_s": 3.0, "request_ms": 1500.0}  # SmolLM2's pace: as many as asked
+    assert served.second_round_requests(quick, 1) == 8
+    slow = {"requests": 2, "wall_s": 32.0, "request_ms": 16000.0}  # 16 s a request: three fit in 60 s
+    assert served.second_round_requests(slow, 1) == 3
+    crowded = {"requests": 16, "wall_s": 165.0, "request_ms": 165000.0}  # one round of 16 took 165 s
+    assert served.second_round_requests(crowded, 16) is None
+    failed = {"requests": 2, "wall_s": 1.0, "request_ms": None}
+    assert served.second_round_requests(failed, 1) == 8
+
+    class Server:  # each request from each client takes `pace` seconds of wall
+        sent: list = []
+
+        def __init__(self, folder, threads):
+            pass
+
+        def start(self, warm):
+            pass
+
+        def drive(self, prompts, clients, per_client, output):
+            Server.sent.append((clients, per_client))
+            pace = 16.0 if clients == 1 else 165.0
+            return {"clients": clients, "wall_s": pace * per_client, "requests": clients * per_client,
+                    "failed": 0, "tokens_per_s": 10.0, "ttft_p95_ms": 5.0}  # fmt: skip
+
+        def stop(self):
+            pass
+
+    monkeypatch.setattr(served, "_Server", Server)
+    monkeypatch.setattr(served, "_artifact", lambda entry, ctx: tmp_path)
+    cfg = OmegaConf.create(
+        {
+            "gate": {"request_shape": None},
+            "evaluate": {"batch_sizes": [1], "task_params": {"prompt_tokens": 64, "new_tokens": 64}},
+            "workload": {"requests": None, "concurrency": [1, 16]},
+        }
+    )
+    load = workload.resolve(cfg)
+    entry = Entry("ov", CANDIDATES["gguf_q8_0_openvino"])
+    entry.model = SimpleNamespace(engine={"format": "openvino-genai"}, precision="int8")
+    ctx = SimpleNamespace(threads=2)
+    prompts = {"64x64": [[1, 2, 3]]}
+    entry.metrics = {"served": served._serve_cells(entry, ctx, load, prompts, 1)}
+    assert Server.sent == [(1, 2), (16, 1)]
+    second = served._serve_cells(entry, ctx, load, prompts, 2)
+    assert Server.sent[2:] == [(1, 3)]  # 16 s a request: 3 fit; sixteen clients' 165 s is not driven again
+    assert second["64x64"]["16"] == {**entry.metrics["served"]["64x64"]["16"], "kept_from_round": 1}
+    assert second["64x64"]["1"]["requests"] == 3

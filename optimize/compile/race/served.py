@@ -6,7 +6,9 @@ p95 and the mean time a request took (clients x wall / requests: a closed loop's
 
 Successive halving keeps this affordable: a first short round times every passing candidate with few
 requests; one whose served cost is CUT_RATIO times the leader's or more is cut (its round-one figures
-stay in the report, with why) and only the rest are timed again with more requests.
+stay in the report, with why) and only the rest are timed again with more requests, as many as the
+first round's pace fits in SECOND_ROUND_CELL_BUDGET_S a cell (a cell already that long keeps its
+first-round figures).
 
 An engine whose format does not batch (its row in engines/formats.py) is served one generation at a
 time, first come first served: N clients in a closed loop each wait for the N requests in the queue,
@@ -30,12 +32,32 @@ log = logging.getLogger(__name__)
 # Clearly behind after the first round: on a shared 2-core machine one served run moves by 10-20%, and
 # candidates this far apart did not change places when timed again.
 CUT_RATIO = 1.5
+# Seconds a cell may take in the second round, judged by the first round's pace: a cell that would run
+# longer gets fewer requests, and one whose first round already took that long keeps its figures (it
+# would only be timed again with as few requests). SmolLM2's cells take seconds; at 1B parameters
+# sixteen 1,024-token clients took 165 s in round one alone, and round two asked twice as many.
+SECOND_ROUND_CELL_BUDGET_S = 60.0
 
 
 def requests_per_client(clients: int, round_no: int) -> int:
     """Requests each client sends: in the first round two at one client and one at many (sixteen
     clients already give sixteen samples), in the second eight at one client and two at many."""
     return max(1, 2 // clients) if round_no == 1 else max(2, 8 // clients)
+
+
+def second_round_requests(first: dict, clients: int) -> int | None:
+    """Requests each client sends in the second round: requests_per_client's, fewer where the first
+    round's pace says the cell would take more than SECOND_ROUND_CELL_BUDGET_S, or None (the cell is
+    not driven again, its first-round figures stand) where that leaves no more than the first round
+    sent. A cell that failed in the first round is driven again as asked."""
+    wanted = requests_per_client(clients, 2)
+    sent = (first.get("requests") or 0) // clients
+    if first.get("request_ms") is None or not sent or not first.get("wall_s"):
+        return wanted
+    per_request_s = first["wall_s"] / sent  # the cell's wall for one request from every client
+    affordable = max(1, int(SECOND_ROUND_CELL_BUDGET_S // per_request_s))
+    count = min(wanted, affordable)
+    return count if count > sent else None
 
 
 def time_served(entries: list, ctx, workload) -> dict:
@@ -148,6 +170,8 @@ def derived_cell(measured: dict, measured_clients: int, clients: int) -> dict:
 
 
 def _serve_cells(entry, ctx, workload, prompts: dict, round_no: int) -> dict:
+    """The entry's cells in this round: each shape at each driven level (driven_levels), those the
+    second round's budget leaves alone kept from the first round, the others derived."""
     from optimize.evaluate.benchmark import OtherCpuUse
 
     folder = _artifact(entry, ctx)
@@ -161,11 +185,21 @@ def _serve_cells(entry, ctx, workload, prompts: dict, round_no: int) -> dict:
         return {s.key: {c.key: _cell(failed, 0.0) for c in workload.concurrency} for s in workload.requests}
     cells: dict[str, dict] = {}
     driven = driven_levels(entry, workload)
+    first = entry.metrics.get("served") if round_no == 2 else None
     try:
         for shape in workload.requests:
             cells[shape.key] = {}
             for level in driven:
-                per_client = requests_per_client(level.clients, round_no)
+                kept = first[shape.key][level.key] if first is not None else None
+                per_client = (
+                    requests_per_client(level.clients, 1)
+                    if kept is None
+                    else second_round_requests(kept, level.clients)
+                )
+                if per_client is None:  # its first round already filled the second round's budget
+                    log.info("race: %s keeps its first round at %s, %d clients", entry.name, shape.key, level.clients)
+                    cells[shape.key][level.key] = dict(kept or {}, kept_from_round=1)
+                    continue
                 log.info(
                     "race: serving %s (round %d): %s at %d clients, %d requests each",
                     entry.name,
@@ -206,6 +240,7 @@ def _cell(figures: dict, other_share: float) -> dict:
         "itl_p95_ms": figures.get("itl_p95_ms"),
         "request_ms": round(mean_ms, 1) if mean_ms is not None else None,
         "requests": figures.get("requests"),
+        "wall_s": figures.get("wall_s"),
         "output_tokens": figures.get("output_tokens"),
         "failed": figures.get("failed"),
         "errors": figures.get("errors"),
