@@ -690,3 +690,46 @@ def test_the_second_served_round_fits_each_cell_in_its_budget_by_the_first_round
     assert Server.sent[2:] == [(1, 3)]  # 16 s a request: 3 fit; sixteen clients' 165 s is not driven again
     assert second["64x64"]["16"] == {**entry.metrics["served"]["64x64"]["16"], "kept_from_round": 1}
     assert second["64x64"]["1"]["requests"] == 3
+
+
+def test_the_races_server_is_stopped_however_a_served_round_ends(monkeypatch, tmp_path):
+    from types import SimpleNamespace
+
+    from optimize.compile.race import served
+
+    stopped = []
+
+    class Server:
+        def __init__(self, folder, threads):
+            pass
+
+        def start(self, warm):
+            if fail_start:
+                raise RuntimeError("the server exited: no engine")
+
+        def drive(self, prompts, clients, per_client, output):
+            raise KeyboardInterrupt  # Ctrl-C while the clients wait
+
+        def stop(self):
+            stopped.append(True)
+
+    monkeypatch.setattr(served, "_Server", Server)
+    monkeypatch.setattr(served, "_artifact", lambda entry, ctx: tmp_path / "served")
+    cfg = OmegaConf.create(
+        {
+            "gate": {"request_shape": None},
+            "evaluate": {"batch_sizes": [1], "task_params": {"prompt_tokens": 64, "new_tokens": 64}},
+            "workload": {"requests": None, "concurrency": [1]},
+        }
+    )
+    entry = Entry("ov", CANDIDATES["gguf_q8_0_openvino"])
+    entry.model = SimpleNamespace(engine={"format": "openvino-genai"}, precision="int8")
+    args = (entry, SimpleNamespace(threads=2), workload.resolve(cfg), {"64x64": [[1, 2, 3]]}, 1)
+    fail_start = False
+    with pytest.raises(KeyboardInterrupt):
+        served._serve_cells(*args)
+    assert stopped == [True]
+    fail_start = True  # a server that never became ready: recorded as failed cells, and stopped
+    cells = served._serve_cells(*args)
+    assert cells["64x64"]["1"]["request_ms"] is None and "no engine" in cells["64x64"]["1"]["errors"][0]
+    assert stopped == [True, True]

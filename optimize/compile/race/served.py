@@ -172,49 +172,53 @@ def derived_cell(measured: dict, measured_clients: int, clients: int) -> dict:
 def _serve_cells(entry, ctx, workload, prompts: dict, round_no: int) -> dict:
     """The entry's cells in this round: each shape at each driven level (driven_levels), those the
     second round's budget leaves alone kept from the first round, the others derived."""
-    from optimize.evaluate.benchmark import OtherCpuUse
-
+    driven = driven_levels(entry, workload)  # decided before a server starts: nothing may raise between
+    first = entry.metrics.get("served") if round_no == 2 else None
     folder = _artifact(entry, ctx)
     server = _Server(folder, ctx.threads)
-    try:
-        server.start(prompts[workload.requests[0].key][:1])
-    except RuntimeError as exc:  # recorded, not fatal: its cost is then infinite
-        server.stop()
-        log.warning("race: %s could not be served: %s", entry.name, exc)
-        failed = {"failed": 0, "requests": 0, "errors": [str(exc)[:200]], "clients": 1, "wall_s": 0}  # none sent
-        return {s.key: {c.key: _cell(failed, 0.0) for c in workload.concurrency} for s in workload.requests}
-    cells: dict[str, dict] = {}
-    driven = driven_levels(entry, workload)
-    first = entry.metrics.get("served") if round_no == 2 else None
-    try:
-        for shape in workload.requests:
-            cells[shape.key] = {}
-            for level in driven:
-                kept = first[shape.key][level.key] if first is not None else None
-                per_client = (
-                    requests_per_client(level.clients, 1)
-                    if kept is None
-                    else second_round_requests(kept, level.clients)
-                )
-                if per_client is None:  # its first round already filled the second round's budget
-                    log.info("race: %s keeps its first round at %s, %d clients", entry.name, shape.key, level.clients)
-                    cells[shape.key][level.key] = dict(kept or {}, kept_from_round=1)
-                    continue
-                log.info(
-                    "race: serving %s (round %d): %s at %d clients, %d requests each",
-                    entry.name,
-                    round_no,
-                    shape.key,
-                    level.clients,
-                    per_client,
-                )
-                with OtherCpuUse() as others:
-                    figures = server.drive(prompts[shape.key], level.clients, per_client, shape.output)
-                cells[shape.key][level.key] = _cell(figures, others.share)
+    try:  # the server is stopped however this ends, an interrupt included
+        try:
+            server.start(prompts[workload.requests[0].key][:1])
+        except RuntimeError as exc:  # recorded, not fatal: its cost is then infinite
+            log.warning("race: %s could not be served: %s", entry.name, exc)
+            failed = {"failed": 0, "requests": 0, "errors": [str(exc)[:200]], "clients": 1, "wall_s": 0}  # none sent
+            return {s.key: {c.key: _cell(failed, 0.0) for c in workload.concurrency} for s in workload.requests}
+        cells = {
+            shape.key: _shape_cells(entry, server, shape, driven, first, prompts, round_no)
+            for shape in workload.requests
+        }
     finally:
         server.stop()
         shutil.rmtree(folder, ignore_errors=True)
     return _with_derived(cells, workload, driven)
+
+
+def _shape_cells(entry, server, shape, driven: list, first: dict | None, prompts: dict, round_no: int) -> dict:
+    """One request shape at each driven level: driven now, or kept from the first round."""
+    from optimize.evaluate.benchmark import OtherCpuUse
+
+    cells = {}
+    for level in driven:
+        kept = first[shape.key][level.key] if first is not None else None
+        per_client = (
+            requests_per_client(level.clients, 1) if kept is None else second_round_requests(kept, level.clients)
+        )
+        if per_client is None:  # its first round already filled the second round's budget
+            log.info("race: %s keeps its first round at %s, %d clients", entry.name, shape.key, level.clients)
+            cells[level.key] = dict(kept or {}, kept_from_round=1)
+            continue
+        log.info(
+            "race: serving %s (round %d): %s at %d clients, %d requests each",
+            entry.name,
+            round_no,
+            shape.key,
+            level.clients,
+            per_client,
+        )
+        with OtherCpuUse() as others:
+            figures = server.drive(prompts[shape.key], level.clients, per_client, shape.output)
+        cells[level.key] = _cell(figures, others.share)
+    return cells
 
 
 def _with_derived(cells: dict, workload, driven: list) -> dict:
