@@ -194,14 +194,14 @@ def evaluate_causal_lm(baseline, candidate, ctx: Context) -> tuple[dict, dict]:
     described = dict(data.describe())
     _perplexity_metrics(metrics, base, cand, tokens, data.items, cfg, described, baseline.measured)
     _sample_metrics(metrics, base, cand, tokens, cfg)
+    if baseline.measured:  # the race scored and timed it: what follows reads its figures, not its weights
+        from optimize.evaluate.idle import baseline_idles
+
+        baseline_idles(baseline, "the candidate is evaluated")
     if cfg.fidelity_tokens:
         described["fidelity"] = _fidelity_metrics(metrics, base, cand, tokens, cfg, baseline.measured)
     if ctx.plan.evaluate.latency:
         from engines.runner_process import RunnerProcess
-        from optimize.evaluate.idle import baseline_idles
-
-        if baseline.measured.get("requests"):  # its timings are the race's: it idles while the candidate is timed
-            baseline_idles(baseline, "the candidate is timed")
 
         # Timed in a process of its own, with only its runtime loaded (engines/runner_process.py).
         with RunnerProcess(candidate.root, candidate.engine, ctx.threads) as timed:
