@@ -140,6 +140,14 @@ class BatchSettings:
     prompt_lookup: bool | None = None  # n-gram speculation where the engine has it; None: as the artifact says
 
 
+def greedy_ids(runner, prompt_ids, new_tokens: int) -> list[int]:
+    """Greedy continuation token ids from any runner: its own `greedy` where it has one, else its
+    generation with default (greedy) sampling."""
+    if hasattr(runner, "greedy"):
+        return runner.greedy(prompt_ids, new_tokens)
+    return [t for t, _ in runner.generate([int(i) for i in prompt_ids], Sampling(max_new_tokens=new_tokens))]
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """Row-wise log softmax in float64 (float32 loses digits in perplexity over long texts)."""
     x = logits.astype(np.float64)

@@ -82,7 +82,8 @@ class WorkerProcess:
 
 
 class RunnerProcess(WorkerProcess):
-    """`timed_stream` of the engine at root/engine, run in a child process (close() or `with` ends it)."""
+    """`timed_stream` and `greedy` of the engine at root/engine, run in a child process (close() or
+    `with` ends it)."""
 
     name = "timing worker"
 
@@ -99,6 +100,10 @@ class RunnerProcess(WorkerProcess):
     def timed_stream(self, prompt_ids, new_tokens: int) -> list[float]:
         return self.call({"op": "stream", "ids": [int(i) for i in prompt_ids], "n": int(new_tokens)})["stamps"]
 
+    def greedy(self, prompt_ids, new_tokens: int) -> list[int]:
+        """Greedy continuation ids, generated in the child (engines.generation.greedy_ids)."""
+        return self.call({"op": "greedy", "ids": [int(i) for i in prompt_ids], "n": int(new_tokens)})["ids"]
+
 
 def _answer(request: dict, state: dict) -> dict:
     op = request.get("op")
@@ -109,6 +114,10 @@ def _answer(request: dict, state: dict) -> dict:
         return {}
     if op == "stream":
         return {"stamps": state["runner"].timed_stream(request["ids"], request["n"])}
+    if op == "greedy":
+        from engines.generation import greedy_ids
+
+        return {"ids": [int(t) for t in greedy_ids(state["runner"], request["ids"], request["n"])]}
     if op == "exit":
         return {}
     return {"error": f"unknown op {op!r}"}

@@ -273,12 +273,27 @@ class OVGenAIRunner(OVGenAIText):
         # ATTENTION_BACKEND=SDPA: the stateful model as exported (the one scoring runs), not the
         # paged-attention rewrite the pipeline may otherwise pick. Prompt lookup runs only on paged
         # attention (the pipeline refuses SDPA with it); scoring is the same IR either way.
-        backend = {"prompt_lookup": True} if self.prompt_lookup else {"ATTENTION_BACKEND": "SDPA"}
-        self.pipe = ov_genai.LLMPipeline(str(self.dir), "CPU", **backend, **self.properties)
-        self.tokenizer = self.pipe.get_tokenizer()
+        self._backend = {"prompt_lookup": True} if self.prompt_lookup else {"ATTENTION_BACKEND": "SDPA"}
+        self._pipe = None  # the generation pipeline, compiled on first use (scoring never generates)
+        self.tokenizer = ov_genai.Tokenizer(str(self.dir))  # the files the pipeline would read
         self.eos_token_ids = self._eos_ids(config)
         self._request = None  # the scoring model, compiled on first use (serve never scores)
         self._lock = threading.Lock()
+        self._pipe_lock = threading.Lock()
+
+    @property
+    def pipe(self):
+        """The LLMPipeline, compiled when something first generates: the race's scoring and the
+        evaluation's fidelity and tasks only score, and each compiled model holds its own copy of the
+        weights (at Llama-3.2-1B's shape a Q8_0 file's pipeline was most of 4 GB beside the scoring model)."""
+        with self._pipe_lock:
+            if self._pipe is None:
+                self._pipe = self.ov_genai.LLMPipeline(str(self.dir), "CPU", **self._backend, **self.properties)
+            return self._pipe
+
+    def prepare_generation(self) -> None:
+        """Compile the generation pipeline now (a server says it is ready once it can answer at once)."""
+        _ = self.pipe
 
     def default_config(self):
         return self.pipe.get_generation_config()

@@ -24,7 +24,7 @@ from optimize.evaluate.generation import Tokens, ids_sha256, perplexity, request
 from optimize.tasks import register_task
 from optimize.tasks.base import Task
 from optimize.tasks.causal_lm_rows import fmt, table_rows
-from optimize.tasks.lm_harness import LOCAL_TASK, greedy_ids, lm_eval_scores
+from optimize.tasks.lm_harness import LOCAL_TASK, lm_eval_scores
 
 if TYPE_CHECKING:
     from optimize.context import Context
@@ -193,7 +193,7 @@ def evaluate_causal_lm(baseline, candidate, ctx: Context) -> tuple[dict, dict]:
     }
     described = dict(data.describe())
     _perplexity_metrics(metrics, base, cand, tokens, data.items, cfg, described, baseline.measured)
-    _sample_metrics(metrics, base, cand, tokens, cfg)
+    metrics["baseline"]["sample"] = _sample(base, tokens, cfg)
     if baseline.measured:  # the race scored and timed it: what follows reads its figures, not its weights
         from optimize.evaluate.idle import baseline_idles
 
@@ -203,11 +203,15 @@ def evaluate_causal_lm(baseline, candidate, ctx: Context) -> tuple[dict, dict]:
     if ctx.plan.evaluate.latency:
         from engines.runner_process import RunnerProcess
 
-        # Timed in a process of its own, with only its runtime loaded (engines/runner_process.py).
+        # Timed in a process of its own, with only its runtime loaded (engines/runner_process.py); its
+        # sample generated there too, so this process never compiles the candidate's generation (an
+        # OpenVINO GenAI runner that only scores holds one compiled copy of the weights, not two).
         with RunnerProcess(candidate.root, candidate.engine, ctx.threads) as timed:
             _speed_metrics(metrics, base, timed, tokens, data.items, requests, ctx.plan.evaluate, baseline.measured)
+            metrics["candidate"]["sample"] = _sample(timed, tokens, cfg)
     else:
         metrics["candidate"]["speed_note"] = "latency not measured (evaluate.latency=false)"
+        metrics["candidate"]["sample"] = _sample(cand, tokens, cfg)
     _roofline_metrics(metrics, base, cand, cfg, ctx.threads)
     if cfg.lm_eval_tasks:
         described["lm_eval"] = lm_eval_scores(metrics, base, cand, tokens, data.items, cfg, ctx.scratch)
@@ -270,16 +274,14 @@ def _fidelity_metrics(metrics: dict, base, cand, tokens: Tokens, cfg: LLMEvalCon
     return {"tokens": figures["tokens"], "kinds": list(texts), "window": cfg.fidelity_window, "identity": identity}
 
 
-def _sample_metrics(
-    metrics: dict, base: CausalLMRunner, cand: CausalLMRunner, tokens: Tokens, cfg: LLMEvalConfig
-) -> None:
-    """One greedy continuation per side: a human-readable sanity check kept in the manifest."""
-    prompt = tokens(cfg.sample_prompt)
-    for side, runner in (("baseline", base), ("candidate", cand)):
-        metrics[side]["sample"] = {
-            "prompt": cfg.sample_prompt,
-            "continuation": tokens.decode(greedy_ids(runner, prompt, 16)),
-        }
+def _sample(runner, tokens: Tokens, cfg: LLMEvalConfig) -> dict:
+    """One greedy continuation of the sample prompt: a human-readable sanity check kept in the manifest."""
+    from engines.generation import greedy_ids
+
+    return {
+        "prompt": cfg.sample_prompt,
+        "continuation": tokens.decode(greedy_ids(runner, tokens(cfg.sample_prompt), 16)),
+    }
 
 
 def _speed_metrics(

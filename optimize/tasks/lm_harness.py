@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
+from engines.generation import greedy_ids
 from optimize.errors import RecipeError
 
 log = logging.getLogger(__name__)
@@ -57,15 +58,6 @@ def write_local_task(items: list[dict], folder: Path) -> Path:
         "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
     )
     return data
-
-
-def greedy_ids(runner, prompt_ids, new_tokens: int) -> list[int]:
-    """Greedy continuation token ids from either kind of runner."""
-    if hasattr(runner, "greedy"):
-        return runner.greedy(prompt_ids, new_tokens)
-    from engines.generation import Sampling
-
-    return [t for t, _ in runner.generate([int(i) for i in prompt_ids], Sampling(max_new_tokens=new_tokens))]
 
 
 def continuation_sums(runner, pairs: list[tuple[list[int], list[int]]]) -> list[float]:

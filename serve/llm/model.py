@@ -80,6 +80,11 @@ class GenerativeModel:
             runner = load_engine(root, engine, threads=threads)
             if not isinstance(runner, Generator):
                 raise ValueError(f"engine format {self.format!r} loads a runner that does not generate")
+            # A runner that compiles its generation on first use (OpenVINO GenAI's, whose scoring never
+            # needs it) compiles it now: ready means the first request is answered at once.
+            prepare = getattr(runner, "prepare_generation", None)
+            if prepare is not None:
+                prepare()
             self.generator = self.runner = runner
         self.context_length = self.runner.context_length
         self.max_prompt_tokens = min(max_prompt_tokens or self.context_length - 1, self.context_length - 1)

@@ -160,6 +160,21 @@ def test_scoring_matches_hugging_face(runner, tiny_hf):
     np.testing.assert_allclose(runner.logits(ids), logits)  # the state is reset between calls
 
 
+def test_scoring_never_compiles_the_generation_pipeline(ov_fp32):
+    """Each compiled model holds its own copy of the weights: a runner that only scores (the race's
+    screens, the evaluation's fidelity and tasks) compiles the scoring model alone."""
+    from engines.openvino.genai_runner import OVGenAIRunner
+
+    scorer = OVGenAIRunner(ov_fp32.parent, threads=1)
+    ids = scorer.encode(TEXT)
+    scorer.log_likelihood(ids)
+    assert scorer._pipe is None
+    scorer.prepare_generation()  # what serve does before it says it is ready
+    assert scorer._pipe is not None
+    pipeline_ids = scorer.pipe.get_tokenizer().encode(TEXT).input_ids.data[0].tolist()
+    assert ids == pipeline_ids  # the runner's own tokenizer reads the files the pipeline reads
+
+
 def test_kv_cache_step_by_step_matches_one_pass(ov_fp32, tiny_hf, runner):
     """Prefill, then one token at a time through the internal state (past length > 0, growing mask,
     explicit positions): each step's logits equal the full forward pass's at that position."""

@@ -39,6 +39,20 @@ def test_worker_streams_tokens_on_the_callers_clock(tiny_genai):
     assert worker.proc.poll() == 0  # exited cleanly on close
 
 
+@pytest.mark.slow
+def test_the_worker_generates_the_same_greedy_continuation_as_the_engine_in_process(tiny_genai):
+    from engines import load_engine
+    from engines.generation import greedy_ids
+    from engines.runner_process import RunnerProcess
+
+    root, engine = tiny_genai
+    prompt = [1, 20, 30, 40]
+    with RunnerProcess(root, engine, threads=1) as worker:
+        ids = greedy_ids(worker, prompt, 6)
+    assert len(ids) <= 6 and all(isinstance(i, int) for i in ids)  # a random model may end at EOS sooner
+    assert ids == greedy_ids(load_engine(root, engine, threads=1), prompt, 6)
+
+
 def test_an_engine_the_worker_cannot_load_is_one_line(tmp_path):
     from engines.runner_process import RunnerProcess, RunnerProcessError
 

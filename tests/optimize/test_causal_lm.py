@@ -130,7 +130,7 @@ def test_genai_scores_match_pytorch(tiny_torch, tiny_genai_fp32):
 
 
 def test_timed_stream_and_greedy_agree(tiny_torch, tiny_genai_fp32):
-    from optimize.tasks.lm_harness import greedy_ids
+    from engines.generation import greedy_ids
 
     prompt = tiny_genai_fp32.encode("A class definition")
     assert len(tiny_genai_fp32.timed_stream(prompt, 6)) == 6

@@ -53,7 +53,7 @@ def sleepy(monkeypatch):
 
 
 def _ctx(tmp_path):
-    return SimpleNamespace(scratch=tmp_path / "scratch", threads=1, calibration=lambda: None)
+    return SimpleNamespace(scratch=tmp_path / "scratch", threads=1, calibration=lambda: None, baseline=None)
 
 
 def _race(tmp_path, cfg, names, key_base=None, stream=None):
