@@ -24,7 +24,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
-_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
+_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")
 
 
 @dataclass
@@ -33,7 +33,6 @@ class Mapping:
 
     start: int
     end: int
-    perms: str
     path: str
     rss: int = 0  # bytes
     written: int = 0  # bytes copied on write (smaps' Anonymous within a file mapping)
@@ -50,8 +49,8 @@ def mappings(smaps: str | None = None) -> list[Mapping]:
     for line in text.splitlines():
         header = _HEADER.match(line)
         if header:
-            start, end, perms, path = header.groups()
-            found.append(Mapping(int(start, 16), int(end, 16), perms, path.strip()))
+            start, end, path = header.groups()
+            found.append(Mapping(int(start, 16), int(end, 16), path.strip()))
         elif found and ":" in line:
             key, _, value = line.partition(":")
             if key == "Rss":
