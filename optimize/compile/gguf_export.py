@@ -91,11 +91,23 @@ def gguf_engine(model: Model, cfg: GGUFExportConfig, ctx: Context) -> Model:
         (path.parent / "Modelfile").write_text(modelfile.for_gguf(path), encoding="utf-8")
     except ExportError as exc:
         raise RecipeError(f"engine.method={METHOD}: {exc}") from None
+    give_back_source_pages(model)
     architecture, tensors = gguf.tensors(path)
     engine, served = serve(path, architecture, tensors, cfg, ctx, out)
     record.update(served)
     record["modelfile"] = f"{GGUF_DIR}/Modelfile"
     return model.with_engine(out, engine, precision=precision_of(tensors)).recorded(record)
+
+
+def give_back_source_pages(model: Model) -> None:
+    """The writer read every weight of a memory-mapped source (a bf16 checkpoint): those pages are given
+    back before the runtime that gates the file reads it, which needs its own copy of the weights (at
+    Llama-3.2-1B's shape OpenVINO's GGUF reader peaked at 3.6 GB beside the source's 2.1 GB)."""
+    from engines.pytorch.weight_pages import release
+
+    released = release(model.module)
+    if released:
+        log.info("the source's weight pages given back after the write: %.1f GB", released / 1e9)
 
 
 def write_or_carry(model: Model, cfg: GGUFExportConfig, ctx: Context, path: Path) -> dict:

@@ -3,7 +3,8 @@ bytes per parameter, against the memory this machine lets the run use.
 
 The run holds the source model for its baseline the whole time (memory-mapped in its own precision,
 or a GGUF's FP32 conversion; its resident pages are given back while it idles, optimize/evaluate/idle.py,
-which the plan does not count on: a builder that streams the model reads them again); each candidate's builder
+which the plan does not count on: a builder that streams the model reads them again, and only the second
+phase of a two-phase build, PHASES, is planned without them); each candidate's builder
 runs in a child process of its own, one at a time, and needs its own bytes on top (BUILD); the
 candidates' scoring loads their engines one at a time beside the baseline (ENGINE), and each is then
 timed as served in a server of its own. A stage that cannot fit refuses its candidate in the race's table
@@ -44,7 +45,11 @@ BUILD = {
     # SmolLM2 (int8) and 6.84 GB on a random bf16 Llama of Llama-3.2-1B's shape (1.07B parameters;
     # benchmarks/lm_at_size.py --builders-on, 2-core AMD EPYC Zen 4, 2026-12-06): the line through both.
     "openvino_genai": (0.53, 5.9),
-    "openvino_genai_gguf": (0.7, 2.0),  # OpenVINO's GGUF reader: the file's blocks and the IR (estimated)
+    # OpenVINO GenAI's GGUF reader building and compiling its IR from the file (the pipeline's build):
+    # measured 0.40 GB on SmolLM2's Q4_1 file (0.13B parameters) and 3.6 GB on the Q8_0 file of a random
+    # bf16 Llama of Llama-3.2-1B's shape (1.07B), a fresh process each (2-core AMD EPYC Zen 4,
+    # 2026-12-06): the line through both, rounded up.
+    "openvino_genai_gguf": (0.1, 3.3),
     "native_gguf": (0.3, 1.2),  # a copy of the file's blocks repacked for the kernels (estimated)
     # The GGUF writer streaming the memory-mapped model (Q4_K_M with its importance matrix, the native
     # kernels' checks of the file): growth of the forked builder over the run holding the model, measured
@@ -57,9 +62,10 @@ BUILD = {
     # quantized one: 1.64 GB at 0.34B (4.8 B/param), 2.5 GB or more at 0.59B, the same machine.
     "gguf": (0.35, 1.3),
 }
-# The same writer, then OpenVINO GenAI's reader building its IR from the written file in the same child
-# once the writer is done: the larger of the two, the reader's (estimated, as openvino_genai_gguf).
-BUILD["gguf:openvino"] = max(BUILD["gguf"], BUILD["openvino_genai_gguf"], key=lambda b: b[0] + b[1])
+# Builds in two phases in one child: the GGUF writer streaming the memory-mapped source, then OpenVINO
+# GenAI's reader building its IR from the written file once the source's pages are given back
+# (optimize/compile/gguf_export.give_back_source_pages). Only the first phase holds the source's pages.
+PHASES = {"gguf:openvino": ("gguf", "openvino_genai_gguf")}
 DEFAULT_BUILD = (1.7, 7.85)  # an engine method not in the table: as the costliest measured builder
 # A built engine's weights per source parameter as the scoring stage loads them beside the baseline:
 # INT4 with 8-bit heads and scales, INT8, or the file's own blocks (GGUF sources: bytes on disk).
@@ -94,13 +100,23 @@ def baseline_memory(parameters: int, precision: str) -> dict[str, int]:
     }
 
 
-def build_bytes(engine: str, params: dict, parameters: int) -> float:
-    """What a builder's process needs at its peak for a model of `parameters`."""
-    key = engine
+def build_key(engine: str, params: dict) -> str:
+    """The BUILD (or PHASES) entry of a build by its engine and what its parameters ask of the builder."""
     if engine == "openvino_genai" and any(params.get(k) for k in _DATA_AWARE):
-        key = "openvino_genai:data"
-    elif engine == "gguf" and params.get("serve_with") == "openvino_genai_gguf":
-        key = "gguf:openvino"
+        return "openvino_genai:data"
+    if engine == "gguf" and params.get("serve_with") == "openvino_genai_gguf":
+        return "gguf:openvino"
+    return engine
+
+
+def build_bytes(engine: str, params: dict, parameters: int) -> float:
+    """What a builder's process needs at its peak for a model of `parameters` (a two-phase build: the
+    larger phase)."""
+    key = build_key(engine, params)
+    return max(_bytes(part, parameters) for part in PHASES.get(key, (key,)))
+
+
+def _bytes(key: str, parameters: int) -> float:
     fixed_gb, per_parameter = BUILD.get(key, DEFAULT_BUILD)
     return fixed_gb * GB + per_parameter * parameters
 
@@ -138,14 +154,23 @@ class MemoryPlan:
     builds: list[Build]
 
     @property
-    def resident(self) -> float:
+    def held(self) -> dict[str, int]:
         precision = PRECISION_OF.get(self.shape.dtype, self.shape.dtype)
-        held = baseline_memory(self.shape.parameters, precision)
-        return RESIDENT_FIXED_GB * GB + held["private"] + held["file_pages"]
+        return baseline_memory(self.shape.parameters, precision)
+
+    @property
+    def resident(self) -> float:
+        return RESIDENT_FIXED_GB * GB + self.held["private"] + self.held["file_pages"]
 
     def build_need(self, build: Build) -> float:
-        """The run's peak while `build` builds: the resident baseline and the builder's own bytes."""
-        return self.resident + build_bytes(build.engine, build.params, self.shape.parameters)
+        """The run's peak while `build` builds: the resident baseline and the builder's own bytes; in a
+        two-phase build (PHASES) the second phase beside the baseline without its weight pages."""
+        key, parameters = build_key(build.engine, build.params), self.shape.parameters
+        if key not in PHASES:
+            return self.resident + build_bytes(build.engine, build.params, parameters)
+        first, second = PHASES[key]
+        without_pages = self.resident - self.held["file_pages"]
+        return max(self.resident + _bytes(first, parameters), without_pages + _bytes(second, parameters))
 
     def scoring_need(self) -> float:
         """The baseline beside the largest candidate's loaded engine (the race scores one at a time)."""

@@ -80,3 +80,18 @@ def test_smaps_is_read_by_mapping_with_what_was_written():
     # Private_Dirty alone is a file written moments ago, still dirty in the page cache: not a write here.
     assert a.clean_file_pages and not b.clean_file_pages and b.written == 4096
     assert anon.path == "" and not anon.clean_file_pages
+
+
+def test_the_gguf_build_gives_back_the_source_pages_its_writer_read(tmp_path):
+    # The race's GGUF builder writes the file from the memory-mapped model, then hands the file to the
+    # runtime that gates it (OpenVINO's reader compiles its own copy): the source's pages the writer read
+    # are given back between the two.
+    from optimize.compile.gguf_export import give_back_source_pages
+    from optimize.context import Model
+    from optimize.export.gguf import writer
+
+    held = _bf16_model(tmp_path / "model")
+    writer.write(held.model, tmp_path / "model.gguf", "Q8_0", tokenizer_dir=tmp_path / "model")
+    assert _resident(held.model) > 0
+    give_back_source_pages(Model(kind="torch", task="causal_lm", module=held.model))
+    assert _resident(held.model) == 0

@@ -226,3 +226,19 @@ def test_scoring_plans_the_baseline_beside_the_largest_engine_not_all_of_them():
     alone = memory.make(shape, [int8], free=22 * 10**9)
     assert both.scoring_need() == alone.scoring_need() > both.resident  # the race scores one engine at a time
     assert both.scoring_need() - both.resident == pytest.approx(1.2 * 10**9 + memory.RUNTIME_BYTES)
+
+
+def test_the_gguf_file_read_by_openvino_is_planned_beside_the_baseline_without_its_pages():
+    # The writer streams the memory-mapped source (its pages counted), then OpenVINO's reader compiles
+    # the written file once the source's pages are given back: the plan takes the larger phase.
+    shape = ModelShape(3_000_000_000, 6 * 10**9, "config", "bfloat16")
+    plan = memory.make(shape, [], free=22 * 10**9)
+    native = memory.Build("gguf_q8_0", "gguf", {"type": "Q8_0"})
+    openvino = memory.Build("gguf_q8_0_openvino", "gguf", {"type": "Q8_0", "serve_with": "openvino_genai_gguf"})
+    writer, reader = memory.BUILD["gguf"], memory.BUILD["openvino_genai_gguf"]
+    assert plan.build_need(native) == pytest.approx(plan.resident + (writer[0] * 1e9 + writer[1] * 3e9))
+    without_pages = plan.resident - plan.held["file_pages"]
+    assert plan.held["file_pages"] == 6 * 10**9
+    reading = without_pages + reader[0] * 1e9 + reader[1] * 3e9
+    assert plan.build_need(openvino) == pytest.approx(max(plan.build_need(native), reading))
+    assert plan.build_need(openvino) < plan.resident + memory.build_bytes("gguf", openvino.params, 3 * 10**9)
