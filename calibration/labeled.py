@@ -166,14 +166,16 @@ def _key(item) -> str:
 
 
 @source("package_docstrings")
-def package_docstrings(split: str, min_chars: int = 120, **_) -> Labeled:
-    """Docstring paragraphs of installed packages, labeled with the package they come from (read with
-    `ast`, nothing imported). Split by module file: a module's paragraphs are all in one split, so
-    the evaluation split is text from modules the classifier never saw. Balanced: every package
-    gives as many paragraphs as the smallest one has in the split."""
-    per_package = {name: _package_paragraphs(name, split, min_chars) for name in DOCSTRING_PACKAGES}
+def package_docstrings(
+    split: str, min_chars: int = 120, packages: tuple[str, ...] = DOCSTRING_PACKAGES, **_
+) -> Labeled:
+    """Docstring paragraphs of installed packages (`packages`), labeled with the package they come from
+    (read with `ast`, nothing imported). Split by module file: a module's paragraphs are all in one
+    split, so the evaluation split is text from modules the classifier never saw. Balanced: every
+    package gives as many paragraphs as the smallest one has in the split."""
+    per_package = {name: _package_paragraphs(name, split, min_chars) for name in packages}
     if split == "evaluation":  # docstrings are copied between modules: keep only text training never saw
-        seen = {p for name in DOCSTRING_PACKAGES for p in _package_paragraphs(name, "calibration", min_chars)}
+        seen = {p for name in packages for p in _package_paragraphs(name, "calibration", min_chars)}
         per_package = {name: tuple(p for p in found if p not in seen) for name, found in per_package.items()}
     missing = [name for name, paragraphs in per_package.items() if not paragraphs]
     if missing:
@@ -185,7 +187,7 @@ def package_docstrings(split: str, min_chars: int = 120, **_) -> Labeled:
         chosen = sorted(paragraphs, key=lambda p: hashlib.sha256(p.encode()).digest())[:share]
         items += chosen
         labels += [name] * len(chosen)
-    return Labeled(items, labels, {"packages": list(DOCSTRING_PACKAGES), "per_package": share})
+    return Labeled(items, labels, {"packages": list(packages), "per_package": share})
 
 
 @functools.lru_cache(maxsize=32)
