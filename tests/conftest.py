@@ -239,6 +239,9 @@ def minilm_default_race(tmp_path_factory) -> RaceRun:
             "evaluate.repeats=5",
             "evaluate.warmup=1",
             "evaluate.retimes=0",  # the other test worker shares the machine: see FAST_OVERRIDES
+            # The race's timing of its 9 runners at 2 batch sizes: 4 calls each instead of 16 (27 s of the
+            # run); no speed is asserted, only that the fastest passing one ships.
+            "engine.params.timing_repeats=4",
             "gate.min_speedup=null",
             f"output_dir={workdir / 'artifact'}",
             f"hydra.run.dir={workdir / 'run'}",

@@ -34,12 +34,14 @@ def test_smollm2_int4_cpu_recipe_end_to_end(tmp_path):
         "evaluate.retimes=0",
         "evaluate.task_params.lm_eval_limit=10",
         "evaluate.task_params.new_tokens=32",
-        # Fidelity and two standard tasks at a tenth of the recipe's size: the same code, in CI's minutes
-        # (20 items a task cannot resolve the drop bar: the gate may fail, which the exit code allows).
+        # Perplexity, fidelity and two standard tasks at a half to a twentieth of the recipe's size: the
+        # same code, in CI's minutes (10 items a task cannot resolve the drop bar: the gate may fail,
+        # which the exit code allows). Each side's perplexity over 2,048 tokens took 10-20 s of the run.
+        "evaluate.task_params.perplexity_tokens=1024",
         "evaluate.task_params.fidelity_tokens=2048",
         "evaluate.task_params.fidelity_screen_tokens=512",
         "evaluate.task_params.standard_tasks=[arc_easy,piqa]",
-        "evaluate.task_params.standard_limit=20",
+        "evaluate.task_params.standard_limit=10",
         f"output_dir={out}",
         f"hydra.run.dir={tmp_path / 'run'}",
         timeout=1800,

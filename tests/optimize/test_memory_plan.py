@@ -152,11 +152,14 @@ def test_at_size_the_default_lm_race_keeps_the_streamed_gguf_files_and_below_it_
 
 
 def _allocate_then_sigkill() -> dict:
+    import time
+
+    # The race's sampler takes its first sample once the child runs: the growth it judges is from there.
+    # On a busy core the child could otherwise allocate before that sample, and no growth would be seen.
+    time.sleep(0.5)
     held = bytearray(200 * MB)  # touched: resident
     for i in range(0, len(held), 4096):
         held[i] = 1
-    import time
-
     time.sleep(1.0)  # long enough for the sampler to see it
     os.kill(os.getpid(), signal.SIGKILL)
     return {}
@@ -191,7 +194,9 @@ def test_a_build_refused_memory_by_its_limit_is_reported_as_out_of_memory():
 
 def test_a_builder_subprocess_killed_for_memory_is_not_reported_by_its_last_line(monkeypatch):
     _limit_to(monkeypatch, 150 * MB)
-    code = "import os, signal, time; a = bytearray(300_000_000); print('Progress: 100.00%', flush=True); "
+    code = (
+        "import os, signal, time; time.sleep(0.5); a = bytearray(300_000_000); print('Progress: 100.00%', flush=True); "
+    )
     code += "time.sleep(1); os.kill(os.getpid(), signal.SIGKILL)"
     returncode, peak, killed = memprobe.run_watched([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
     assert returncode == -signal.SIGKILL and peak >= 300 * MB
