@@ -1,4 +1,4 @@
-"""Verified cache folders (OPTIMIZE_CACHE/race/, OPTIMIZE_CACHE/gguf/): the cache is untrusted input.
+"""Verified cache folders (OPTIMIZE_CACHE/race/, gguf/, export/): the cache is untrusted input.
 
 Whoever can write the cache (another user, another node sharing it, a half-finished run) could put
 any model there, so a cached folder is used only when it checks out against the record sealed into it
@@ -153,3 +153,36 @@ def discard(folder: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     else:
         aside.unlink(missing_ok=True)
+
+
+def build_identity(model, ctx) -> str:
+    """What a build from `model` is built from (the race's candidates, the checked ONNX export): the
+    weights themselves (a pruned or distilled module's too), the calibration set, the package versions
+    and the CPU features that change kernels."""
+    from engines.hardware import CPU_FEATURES, cpu_flags
+    from optimize.environment import package_versions
+
+    what = {
+        "weights": weights_hash(model),
+        "task": model.task,
+        "calibration": ctx.calibration().describe(),
+        "max_length": ctx.plan.model.max_length,
+        "packages": package_versions(),
+        "cpu": sorted(f for f in CPU_FEATURES if f in cpu_flags()),
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def weights_hash(model) -> str:
+    import torch
+
+    from engines.artifact import sha256_file
+
+    if model.kind == "onnx":
+        return sha256_file(model.onnx_path)
+    digest = hashlib.sha256()
+    for name, tensor in model.module.state_dict().items():
+        digest.update(name.encode())
+        # the raw bytes (numpy has no bfloat16): for FP32 weights the same bytes as tensor.numpy()
+        digest.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import time
 
+from optimize import cache_store
 from optimize import stages as memory_stages
 from optimize.compile.race import budget as budgets
-from optimize.compile.race import cache, lm, report, scoring
+from optimize.compile.race import lm, report, scoring
 from optimize.compile.race.build import build_all, export_once
 from optimize.compile.race.candidates import EngineRaceConfig, default_candidates
 from optimize.compile.race.choice import choose, untimed_thresholds
@@ -54,7 +55,7 @@ def engine_race(model: Model, cfg: EngineRaceConfig, ctx: Context) -> Model:
     if ctx.plan.serve.structured_output:
         budgets.refuse_unconstrained(entries, ctx.plan.task)
     budgets.refuse_for_memory(entries, model)
-    key_base = cache.identity(model, ctx)
+    key_base = cache_store.build_identity(model, ctx)
     budget = budgets.Budget(cfg, entries, model)  # its clock starts here, at the first build
     with memory_stages.stage("race: build"):
         build_all(entries, exported, ctx, key_base if cfg.cache else None, budget)

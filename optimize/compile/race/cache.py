@@ -25,38 +25,6 @@ from optimize.compile.race.candidates import Candidate
 log = logging.getLogger(__name__)
 
 
-def identity(model, ctx) -> str:
-    """What every candidate is built from: the weights themselves (a pruned or distilled module's
-    too), the calibration set, the package versions and the CPU features that change kernels."""
-    from engines.hardware import CPU_FEATURES, cpu_flags
-    from optimize.environment import package_versions
-
-    what = {
-        "weights": _weights_hash(model),
-        "task": model.task,
-        "calibration": ctx.calibration().describe(),
-        "max_length": ctx.plan.model.max_length,
-        "packages": package_versions(),
-        "cpu": sorted(f for f in CPU_FEATURES if f in cpu_flags()),
-    }
-    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def _weights_hash(model) -> str:
-    import torch
-
-    from engines.artifact import sha256_file
-
-    if model.kind == "onnx":
-        return sha256_file(model.onnx_path)
-    digest = hashlib.sha256()
-    for name, tensor in model.module.state_dict().items():
-        digest.update(name.encode())
-        # the raw bytes (numpy has no bfloat16): for FP32 weights the same bytes as tensor.numpy()
-        digest.update(tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 def key_of(key_base: str, spec: Candidate) -> str:
     """What the candidate built to `spec` from what `key_base` hashes is built from (its cache key)."""
     return hashlib.sha256((key_base + json.dumps(asdict(spec), sort_keys=True)).encode()).hexdigest()
