@@ -192,26 +192,19 @@ def evaluate_causal_lm(baseline, candidate, ctx: Context) -> tuple[dict, dict]:
         "candidate": {"size_mb": candidate.size_bytes / 2**20},
     }
     described = dict(data.describe())
-    _perplexity_metrics(metrics, base, cand, tokens, data.items, cfg, described, baseline.measured)
     metrics["baseline"]["sample"] = _sample(base, tokens, cfg)
     if baseline.measured:  # the race scored and timed it: what follows reads its figures, not its weights
         from optimize.evaluate.idle import baseline_idles
 
         baseline_idles(baseline, "the candidate is evaluated")
+    # The baseline's sample, then the timing, before anything scores: this process compiles the
+    # candidate's scoring model only at its first score below, so neither the baseline's weight pages
+    # nor the timing worker's engine sit beside it (at Llama-3.2-1B's shape, scoring first took the
+    # evaluation to 6.1 GB with OpenVINO's reader of the Q8_0 file; its fidelity alone held 4.2 GB).
+    _timing_and_sample(metrics, base, cand, candidate, tokens, data.items, requests, cfg, ctx, baseline.measured)
+    _perplexity_metrics(metrics, base, cand, tokens, data.items, cfg, described, baseline.measured)
     if cfg.fidelity_tokens:
         described["fidelity"] = _fidelity_metrics(metrics, base, cand, tokens, cfg, baseline.measured)
-    if ctx.plan.evaluate.latency:
-        from engines.runner_process import RunnerProcess
-
-        # Timed in a process of its own, with only its runtime loaded (engines/runner_process.py); its
-        # sample generated there too, so this process never compiles the candidate's generation (an
-        # OpenVINO GenAI runner that only scores holds one compiled copy of the weights, not two).
-        with RunnerProcess(candidate.root, candidate.engine, ctx.threads) as timed:
-            _speed_metrics(metrics, base, timed, tokens, data.items, requests, ctx.plan.evaluate, baseline.measured)
-            metrics["candidate"]["sample"] = _sample(timed, tokens, cfg)
-    else:
-        metrics["candidate"]["speed_note"] = "latency not measured (evaluate.latency=false)"
-        metrics["candidate"]["sample"] = _sample(cand, tokens, cfg)
     _roofline_metrics(metrics, base, cand, cfg, ctx.threads)
     if cfg.lm_eval_tasks:
         described["lm_eval"] = lm_eval_scores(metrics, base, cand, tokens, data.items, cfg, ctx.scratch)
@@ -222,6 +215,22 @@ def evaluate_causal_lm(baseline, candidate, ctx: Context) -> tuple[dict, dict]:
     metrics["candidate"]["layer_precision"] = candidate.layer_precision
     metrics["table"] = table_rows(metrics)
     return metrics, described
+
+
+def _timing_and_sample(metrics, base, cand, candidate, tokens, items, requests, cfg, ctx, measured) -> None:
+    """The candidate's generation timed at every request shape and its sample generated."""
+    if not ctx.plan.evaluate.latency:
+        metrics["candidate"]["speed_note"] = "latency not measured (evaluate.latency=false)"
+        metrics["candidate"]["sample"] = _sample(cand, tokens, cfg)
+        return
+    from engines.runner_process import RunnerProcess
+
+    # Timed in a process of its own, with only its runtime loaded (engines/runner_process.py); its sample
+    # generated there too, so this process never compiles the candidate's generation (an OpenVINO GenAI
+    # runner that only scores holds one compiled copy of the weights, not two).
+    with RunnerProcess(candidate.root, candidate.engine, ctx.threads) as timed:
+        _speed_metrics(metrics, base, timed, tokens, items, requests, ctx.plan.evaluate, measured)
+        metrics["candidate"]["sample"] = _sample(timed, tokens, cfg)
 
 
 def _perplexity_metrics(
