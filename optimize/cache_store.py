@@ -20,6 +20,7 @@ import functools
 import hashlib
 import hmac
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -31,6 +32,7 @@ from engines.cache import KEY_ENV, cache_key
 from engines.cache import key_path as _key_path
 from engines.cache import signature as _signature
 
+log = logging.getLogger(__name__)
 RECORD = "cache-record.json"
 SCHEME = "optimize-cache-v1"
 MAX_RECORD_BYTES = 1 << 20
@@ -153,6 +155,25 @@ def discard(folder: Path) -> None:
         shutil.rmtree(aside, ignore_errors=True)
     else:
         aside.unlink(missing_ok=True)
+
+
+def verified_json(folder: Path, source: str, name: str, what: str, instead: str) -> dict | None:
+    """The JSON object `name` of a cached folder that verifies (open_verified), else None: a folder
+    there that fails its check, or whose `name` is not an object, is logged ("WHAT FOLDER not used,
+    INSTEAD: why") and removed, to be built again."""
+    good, why = open_verified(folder, source)
+    if good:
+        try:
+            found = json.loads((folder / name).read_text())
+            if isinstance(found, dict):
+                return found
+            why = f"its {name} is not an object"
+        except (OSError, ValueError) as exc:
+            why = f"its {name} is unreadable ({type(exc).__name__})"
+    if why != "not cached":
+        log.warning("%s %s not used, %s: %s", what, folder.name, instead, why)
+        discard(folder)
+    return None
 
 
 def build_identity(model, ctx) -> str:

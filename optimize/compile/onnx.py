@@ -115,19 +115,10 @@ def reuse_export(key: str, out: Path) -> tuple[Path, dict] | None:
     from optimize import cache_store
 
     where = _export_folder(key)
-    good, why = cache_store.open_verified(where, key)
-    if good:
-        try:
-            record = json.loads((where / "export.json").read_text())
-            if isinstance(record, dict) and (where / "model.onnx").is_file():
-                return copy_onnx(where / "model.onnx", out), record
-            why = "its export.json or model.onnx is missing"
-        except (OSError, ValueError) as exc:
-            why = f"its export.json is unreadable ({type(exc).__name__})"
-    if why != "not cached":
-        log.warning("engine: onnx: the cached export %s not used, exported again: %s", where.name, why)
-        cache_store.discard(where)
-    return None
+    record = cache_store.verified_json(where, key, "export.json", "engine: onnx: the cached export", "exported again")
+    if record is None or not (where / "model.onnx").is_file():
+        return None
+    return copy_onnx(where / "model.onnx", out), record
 
 
 def keep_export(key: str, path: Path, record: dict) -> None:

@@ -108,20 +108,8 @@ def _baseline_folder(key: str) -> Path:
 def load_baseline(key: str) -> dict | None:
     """The baseline's cached figures when their folder verifies like a candidate's (a figure edited
     in the cache would move every speedup), else None; a folder that fails its check is removed."""
-    where = _baseline_folder(key)
-    good, why = cache_store.open_verified(where, key)
-    if good:
-        try:
-            figures = json.loads((where / "figures.json").read_text())
-            if isinstance(figures, dict):
-                return figures
-            why = "its figures.json is not an object"
-        except (OSError, ValueError) as exc:
-            why = f"its figures.json is unreadable ({type(exc).__name__})"
-    if why != "not cached":
-        log.warning("race: cached baseline figures %s not used, measured again: %s", where.name, why)
-        cache_store.discard(where)
-    return None
+    folder = _baseline_folder(key)
+    return cache_store.verified_json(folder, key, "figures.json", "race: cached baseline figures", "measured again")
 
 
 def save_baseline(key: str, figures: dict) -> None:
