@@ -12,6 +12,7 @@ the ONNX exporter exports these same wrappers, so baseline and candidate compute
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from engines.pytorch.half_compute import held_precision
 from engines.weights import WeightBytes
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
@@ -263,6 +265,23 @@ class TorchLM:
         if threads:
             torch.set_num_threads(threads)
         self.model = model.eval()
+        self.scores_in = "float32"  # what logits are computed in: FP32 unless scored_in says otherwise
+
+    @contextlib.contextmanager
+    def scored_in(self, precision: str):
+        """Within it, scores are computed in `precision`: 'float32' (the default, exact) or the one the
+        weights are held in (engines/pytorch/half_compute.py says when that pays)."""
+        if precision not in ("float32", held_precision(self.model)):
+            raise ValueError(f"a model held in {held_precision(self.model)} cannot be scored in {precision}")
+        before, self.scores_in = self.scores_in, precision
+        try:
+            yield
+        finally:
+            self.scores_in = before
+
+    def _scoring(self):
+        """fp32_compute while scores are FP32; nothing while they are in the held precision."""
+        return fp32_compute(self.model) if self.scores_in == "float32" else contextlib.nullcontext()
 
     def release_weight_pages(self) -> int:
         """Give back the resident pages of memory-mapped weights while the model idles; the next
@@ -283,10 +302,10 @@ class TorchLM:
         return kv_shape_from_hf_config(self.model.config.to_dict(), next(self.model.parameters()).element_size())
 
     def logits(self, ids) -> np.ndarray:
-        """FP32 logits, whatever precision the weights are held in (fp32_compute)."""
+        """FP32 logits, whatever precision the weights are held in (fp32_compute; see scored_in)."""
         import torch
 
-        with torch.inference_mode(), fp32_compute(self.model):
+        with torch.inference_mode(), self._scoring():
             out = self.model(input_ids=torch.as_tensor(np.asarray(ids, dtype=np.int64))[None], use_cache=False)
         return out.logits[0].float().numpy()
 
@@ -307,7 +326,7 @@ class TorchLM:
         from engines.generation import padded_continuations
 
         batch = torch.from_numpy(padded_continuations(context, continuations))
-        with torch.inference_mode(), fp32_compute(self.model):
+        with torch.inference_mode(), self._scoring():
             context_ids = torch.as_tensor(np.asarray(context, dtype=np.int64))[None]
             # Only the context's last position predicts a continuation token: its other positions' logits
             # (the LM head, a fifth of a small model's weights) are not computed where forward() can skip them.

@@ -8,6 +8,7 @@ whose tensors already have the chosen mix's types, the artifact is that file.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
 from dataclasses import dataclass
@@ -124,10 +125,8 @@ def write_or_carry(model: Model, cfg: GGUFExportConfig, ctx: Context, path: Path
     weights = None
     if cfg.imatrix and cfg.type != "Q8_0":
         sequences = calibration_sequences(ctx, cfg)
-        log.info("importance matrix from %d calibration texts", len(sequences))
-        from engines.pytorch.runner import fp32_compute
-
-        with fp32_compute(model.module):  # a bf16/fp16 source: the FP32 model's activations, a module at a time
+        with _imatrix_precision(model.module) as precision:
+            log.info("importance matrix from %d calibration texts, computed in %s", len(sequences), precision)
             weights = imatrix.collect(model.module, sequences)
     tokenizer_dir = None if source_file else tokenizer_folder(ctx)
     log.info("writing %s GGUF", cfg.type)
@@ -151,6 +150,20 @@ def write_or_carry(model: Model, cfg: GGUFExportConfig, ctx: Context, path: Path
     if any(t in ("Q4_K", "Q5_K", "Q6_K") for t in written.types.values()) or weights:
         record["libgguf"] = metadata.version("libgguf")
     return record
+
+
+@contextlib.contextmanager
+def _imatrix_precision(module):
+    """Computes the importance matrix's forward passes in a bf16/fp16 source's own precision where this
+    CPU is faster in it (3-4x with AVX-512 BF16), else in FP32 a module at a time. An importance only
+    weighs each input channel's rounding error, so it does not need the FP32 model's last bits;
+    llama.cpp's imatrix tool computes a bf16 model's activations in bf16 too."""
+    from engines.pytorch.half_compute import faster_precision
+    from engines.pytorch.runner import fp32_compute
+
+    precision, _ = faster_precision(module)
+    with fp32_compute(module) if precision == "float32" else contextlib.nullcontext():
+        yield precision
 
 
 def already_of_type(source_file: Path, file_type: str, config) -> bool:

@@ -5,6 +5,7 @@ texts, calibration/standard_tasks.py the tasks' data)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Optional
@@ -61,16 +62,44 @@ def candidate_fidelity(reference, runner, texts: dict[str, list[int]], cfg, iden
     return figures
 
 
-def task_scores(runner, tokens, cfg, folder: Path, label: str, measured: Optional[dict] = None, written=None):
-    """Per-item scores on the standard tasks: `measured`'s where its items are these (the race scored
+def task_scores(runner, tokens, cfg, folder: Path, label: str, measured: Optional[dict] = None, written=None) -> dict:
+    """{"scores": {task: per-item scores}, "precision": what a PyTorch runner computed them in (None for
+    other runtimes, which score as they serve)}: `measured`'s where its items are these (the race scored
     the baseline on them earlier), else scored now."""
     from optimize.tasks.lm_harness import standard_task_items
 
     earlier = (measured or {}).get("standard_tasks") or {}
     if written is not None and earlier.get("written") == _identity(written):
-        return earlier["scores"]
-    with stage(EVALUATION + f"the {label}'s standard tasks"):
-        return standard_task_items(runner, tokens, list(cfg.standard_tasks), folder, label)
+        return {"scores": earlier["scores"], "precision": earlier.get("precision")}
+    precision = task_precision(runner, cfg.task_precision, label)
+    scoring = runner.scored_in(precision) if precision else contextlib.nullcontext()
+    with stage(EVALUATION + f"the {label}'s standard tasks"), scoring:
+        scores = standard_task_items(runner, tokens, list(cfg.standard_tasks), folder, label)
+    return {"scores": scores, "precision": precision}
+
+
+def task_precision(runner, setting: str, label: str) -> Optional[str]:
+    """What a PyTorch runner scores the standard tasks in: FP32, or (setting 'auto') the precision its
+    weights are held in where this CPU computes that at least WORTH_IT times faster, measured on one
+    of its layers. A right or wrong answer does not need the FP32 model's last bits (lm-eval scores
+    a bf16 checkpoint in bf16); the token-level fidelity reference, which does, stays FP32. None for
+    a runner that is not a PyTorch model."""
+    if not hasattr(runner, "scored_in"):
+        return None
+    if setting == "float32":
+        return "float32"
+    from engines.pytorch.half_compute import faster_precision, held_precision
+
+    chosen, speedup = faster_precision(runner.model)
+    if held_precision(runner.model) != "float32":
+        log.info(
+            "standard tasks %s: scored in %s (its %s computes %.1fx FP32's speed here)",
+            label,
+            chosen,
+            held_precision(runner.model),
+            speedup,
+        )
+    return chosen
 
 
 def _identity(written: dict) -> dict:
@@ -84,10 +113,11 @@ def standard_tasks(metrics: dict, base, cand, tokens, cfg, scratch: Path, measur
 
     folder = scratch / "standard_tasks"
     written = standard_task_data(cfg.standard_tasks, cfg.standard_limit, folder)
-    base_scores = task_scores(base, tokens, cfg, folder, "baseline", measured, written)
-    cand_scores = task_scores(cand, tokens, cfg, folder, "candidate")
-    paired = paired_tasks(base_scores, cand_scores, cfg.bootstrap_resamples)
+    base_side = task_scores(base, tokens, cfg, folder, "baseline", measured, written)
+    cand_side = task_scores(cand, tokens, cfg, folder, "candidate")
+    paired = paired_tasks(base_side["scores"], cand_side["scores"], cfg.bootstrap_resamples)
     paired["limit_setting"] = "evaluate.task_params.standard_limit"
+    paired["scored_in"] = {"baseline": base_side["precision"], "candidate": cand_side["precision"]}
     metrics["candidate"]["standard_tasks"] = paired
     metrics["baseline"]["standard_tasks"] = {name: p["baseline"] for name, p in paired["tasks"].items()}
     return {"tasks": written, "identity": _identity(written)}

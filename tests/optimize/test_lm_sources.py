@@ -359,9 +359,10 @@ def test_the_baseline_standard_task_scores_are_scored_once_and_kept_for_the_next
 
     monkeypatch.setattr(lm_harness, "standard_task_items", score)
     ctx = SimpleNamespace(scratch=tmp_path / "scratch")
-    cfg = SimpleNamespace(standard_tasks=["arc_easy"], standard_limit=3)
+    cfg = SimpleNamespace(standard_tasks=["arc_easy"], standard_limit=3, task_precision="auto")
     first = lm._standard_reference(ctx, cfg, None, "the baseline", "model-and-machine")
-    assert first == {"written": {"arc_easy": "a" * 64}, "scores": {"arc_easy": [1.0, 0.0, 1.0]}}
+    # "the baseline" here is no PyTorch model: scored as its runtime serves (no precision to choose)
+    assert first == {"written": {"arc_easy": "a" * 64}, "scores": {"arc_easy": [1.0, 0.0, 1.0]}, "precision": None}
     assert lm._standard_reference(ctx, cfg, None, "the baseline", "model-and-machine") == first
     assert scored == ["baseline"]  # the second race read the cache
     items["arc_easy"] = {"sha256": "b" * 64}  # other items: scored again
@@ -369,4 +370,7 @@ def test_the_baseline_standard_task_scores_are_scored_once_and_kept_for_the_next
         "arc_easy": "b" * 64
     }
     assert scored == ["baseline", "baseline"]
+    cfg.task_precision = "float32"  # another precision setting: scored again, not read from the cache
+    lm._standard_reference(ctx, cfg, None, "the baseline", "model-and-machine")
+    assert scored == ["baseline"] * 3
     assert lm._standard_reference(ctx, SimpleNamespace(standard_tasks=[]), None, None, "k") is None

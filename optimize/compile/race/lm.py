@@ -132,13 +132,13 @@ def _standard_reference(ctx, cfg, tokens, baseline, key_base: str | None) -> dic
     folder = ctx.scratch / "standard_tasks"
     written = standard_task_data(cfg.standard_tasks, cfg.standard_limit, folder)
     identity = {name: entry["sha256"] for name, entry in written.items()}
-    key = cache.baseline_key(key_base, {"standard_tasks": identity}) if key_base else None
+    asked = {"standard_tasks": identity, "task_precision": cfg.task_precision}
+    key = cache.baseline_key(key_base, asked) if key_base else None
     cached = cache.load_baseline(key) if key else None
     if cached is not None and cached.get("written") == identity:
         log.info("race: the baseline's standard-task scores are reused from an earlier race on this machine")
         return cached
-    scores = task_scores(baseline, tokens, cfg, folder, "baseline")
-    entry = {"written": identity, "scores": scores}
+    entry = {"written": identity, **task_scores(baseline, tokens, cfg, folder, "baseline")}
     if key:
         cache.save_baseline(key, entry)
     return entry
