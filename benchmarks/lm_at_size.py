@@ -99,15 +99,20 @@ def config_of(shape: str, vocab_size: int):
 
 
 def memory_plan(config: dict):
-    """The pipeline's plan for this config with the LM race's default candidates at this size."""
+    """The pipeline's plan for this config with the LM race's default candidates at this size and the
+    recipe's workload."""
+    from omegaconf import OmegaConf
+
     from optimize.compile.race.candidates import EngineRaceConfig, default_candidates
     from optimize.memory import plan as memory
     from optimize.memory.shape import of_config
+    from optimize.workload import resolve
 
     shape, race = of_config(config), EngineRaceConfig()
     names = default_candidates(True, parameters=shape.parameters)
     builds = [memory.Build.of(name, race.spec(name)) for name in names]
-    return memory.make(shape, memory.cheapest_builds(builds, shape.parameters))
+    workload = resolve(OmegaConf.load(ROOT / "recipes" / "recipe" / f"{RECIPE}.yaml"), generates=True)
+    return memory.make(shape, memory.cheapest_builds(builds, shape.parameters), workload=workload)
 
 
 def write_model(config, tok, folder: Path) -> None:

