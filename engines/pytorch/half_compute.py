@@ -42,11 +42,11 @@ def typical_weight(model):
 def half_compute_speedup(model, rows: int = 64, repeats: int = 5) -> float:
     """How many times faster the model's typical Linear is in its held precision than upcast to FP32
     and computed there, for `rows` tokens (medians of `repeats` after one warm-up); 1.0 for a model
-    held in FP32 or one without a Linear."""
+    held in FP32, one without a Linear, or one on a GPU (what is measured here is this CPU)."""
     import torch
 
     weight = typical_weight(model)
-    if weight is None or weight.dtype == torch.float32:
+    if weight is None or weight.dtype == torch.float32 or weight.device.type != "cpu":
         return 1.0
     x = torch.randn(rows, weight.shape[1])
     half_x, scratch = x.to(weight.dtype), torch.empty(weight.shape, dtype=torch.float32)

@@ -4,7 +4,8 @@ A causal LM whose checkpoint is bf16 or fp16 stays in that precision, memory-map
 safetensors (an FP32 copy of an 8B model is 32 GB); its log-probabilities are still computed in FP32,
 each module's weights upcast for its own forward only (fp32_compute), so the scores the gate compares
 are those of the FP32 model, bit for bit. Generation (the baseline's timing and sample) runs in the
-checkpoint's precision, as transformers runs such a checkpoint.
+checkpoint's precision, as transformers runs such a checkpoint, and so may the standard tasks' answers
+where this CPU computes that precision faster (TorchLM.scored_in, engines/pytorch/half_compute.py).
 
 Also holds the task wrappers that give a Hugging Face model the named-array interface of a Runner;
 the ONNX exporter exports these same wrappers, so baseline and candidate compute the same thing.
