@@ -72,7 +72,7 @@ def plan(cfg, run_dir: Path) -> Plan:
     lm_served.check_plan(the_plan)
     if cfg.evaluate.overlap not in ("error", "drop"):
         raise RecipeError(f"evaluate.overlap={cfg.evaluate.overlap} (use error or drop)")
-    _plan_memory(cfg, task, stages)
+    _plan_memory(cfg, task, the_plan)
     publish.check_settings(cfg.publish)
     artifact.check_destination(final, cfg.overwrite)
     ci.check_destination(cfg.report.junit)

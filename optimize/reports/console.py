@@ -143,7 +143,12 @@ def environment_lines(manifest: dict) -> list[str]:
 def baseline_lines(metrics: dict) -> list[str]:
     """What the baseline is (a GGUF file dequantized, or a full-precision checkpoint), in one line."""
     statement = (metrics["baseline"].get("reference") or {}).get("statement")
-    return [f"baseline: {statement}"] if statement else []
+    if not statement:
+        return []
+    tasks_in = ((metrics["candidate"].get("standard_tasks") or {}).get("scored_in") or {}).get("baseline")
+    if tasks_in not in (None, "float32"):  # TorchLM.scored_in: where this CPU computes the held precision faster
+        statement += f"; its standard tasks answered in {tasks_in}, faster here"
+    return [f"baseline: {statement}"]
 
 
 def race_notes(race: dict) -> list[str]:

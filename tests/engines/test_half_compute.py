@@ -96,3 +96,14 @@ def _fp32_copy(model):
     import torch
 
     return copy.deepcopy(model).to(torch.float32).eval()
+
+
+def test_the_report_says_when_the_baseline_answered_its_tasks_in_its_held_precision():
+    from optimize.reports.console import baseline_lines
+
+    said = "the checkpoint /m in bfloat16 (PyTorch), scored in FP32 a module at a time, generating in bfloat16"
+    metrics = {"baseline": {"reference": {"statement": said}}, "candidate": {"standard_tasks": {}}}
+    metrics["candidate"]["standard_tasks"]["scored_in"] = {"baseline": "bfloat16", "candidate": None}
+    assert baseline_lines(metrics) == [f"baseline: {said}; its standard tasks answered in bfloat16, faster here"]
+    metrics["candidate"]["standard_tasks"]["scored_in"]["baseline"] = "float32"
+    assert baseline_lines(metrics) == [f"baseline: {said}"]
