@@ -112,13 +112,15 @@ def _kv_bytes_of_gguf(metadata: dict) -> int:
     """The same from a GGUF's metadata ({arch}.block_count, attention.head_count(_kv), key_length or
     embedding_length / head_count); 0 where a count is missing or given per layer."""
     arch = metadata.get("general.architecture")
-    values = {k: metadata.get(f"{arch}.{k}") for k in ("block_count", "attention.head_count", "embedding_length")}
-    kv_heads = metadata.get(f"{arch}.attention.head_count_kv", values["attention.head_count"])
-    if not all(isinstance(v, int) and v > 0 for v in (*values.values(), kv_heads)):
+    keys = ("block_count", "attention.head_count", "embedding_length")
+    layers, heads, width = (metadata.get(f"{arch}.{k}") for k in keys)
+    kv_heads = metadata.get(f"{arch}.attention.head_count_kv", heads)
+    head_dim = metadata.get(f"{arch}.attention.key_length")
+    if isinstance(width, int) and isinstance(heads, int) and heads > 0 and not isinstance(head_dim, int):
+        head_dim = width // heads
+    if not (isinstance(layers, int) and isinstance(kv_heads, int) and isinstance(head_dim, int)):
         return 0
-    width, heads = values["embedding_length"], values["attention.head_count"]
-    head_dim = metadata.get(f"{arch}.attention.key_length") or width // heads
-    return 2 * values["block_count"] * kv_heads * int(head_dim) * 2
+    return 2 * layers * kv_heads * head_dim * 2 if min(layers, kv_heads, head_dim) > 0 else 0
 
 
 def _product(dims) -> int:
