@@ -185,15 +185,18 @@ class MemoryPlan:
 
     def scoring_need(self) -> float:
         """The baseline beside the largest candidate's loaded engine (the race scores one at a time)."""
-        return self.resident + max((engine_bytes(b.engine, b.params, self.shape) for b in self.builds), default=0.0)
+        return self.resident + self.largest_engine()
+
+    def largest_engine(self) -> float:
+        """The largest of the candidates' loaded engines (one is loaded at a time)."""
+        return max((engine_bytes(b.engine, b.params, self.shape) for b in self.builds), default=0.0)
 
     def generating_need(self, tokens: int) -> float:
         """The run's peak while a candidate generates in a process of its own with `tokens` in its KV
         cache: the baseline without its weight pages (given back while it idles) beside the largest
         candidate's engine, its KV cache and the server's own part."""
         without_pages = self.resident - self.held["file_pages"]
-        engine = max((engine_bytes(b.engine, b.params, self.shape) for b in self.builds), default=0.0)
-        return without_pages + engine + tokens * self.shape.kv_bytes_per_token + SERVER_FIXED_GB * GB
+        return without_pages + self.largest_engine() + tokens * self.shape.kv_bytes_per_token + SERVER_FIXED_GB * GB
 
     def fits(self, build: Build) -> bool:
         return self.build_need(build) <= self.free

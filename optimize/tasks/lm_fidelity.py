@@ -90,14 +90,11 @@ def task_precision(runner, setting: str, label: str) -> Optional[str]:
         return "float32"
     from engines.pytorch.half_compute import faster_precision, held_precision
 
+    held = held_precision(runner.model)
     chosen, speedup = faster_precision(runner.model)
-    if held_precision(runner.model) != "float32":
+    if held != "float32":
         log.info(
-            "standard tasks %s: scored in %s (its %s computes %.1fx FP32's speed here)",
-            label,
-            chosen,
-            held_precision(runner.model),
-            speedup,
+            "standard tasks %s: scored in %s (its %s computes %.1fx FP32's speed here)", label, chosen, held, speedup
         )
     return chosen
 
