@@ -209,7 +209,9 @@ class MemoryPlan:
         if self.served_tokens:
             planned["served"] = self.generating_need(self.served_tokens)
         if self.request_tokens:
-            # The baseline's sample reads its pages back; then the winner is timed in a worker of its own.
+            # Without a race the baseline is sampled and timed here, its pages read back; then the winner
+            # is timed in a worker of its own beside its runner in this process (after a race, the
+            # baseline's figures and sample are the race's and its pages stay given back).
             planned["evaluation"] = max(self.resident, self.generating_need(self.request_tokens))
         return planned
 

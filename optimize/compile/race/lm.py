@@ -38,7 +38,7 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: st
     from engines import engine_bytes
     from optimize.compile.race import cache
     from optimize.evaluate.generation import Tokens, ids_sha256, perplexity, request_ms, timed_requests
-    from optimize.tasks.causal_lm import eval_config
+    from optimize.tasks.causal_lm import eval_config, greedy_sample
 
     cfg, tokens, data = eval_config(ctx), Tokens(ctx), ctx.evaluation_data()
     ids = tokens("\n\n".join(data.items))[: cfg.perplexity_tokens]
@@ -67,9 +67,18 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: st
             {"baseline": baseline}, tokens, data.items, workload.requests, 1, runs, ctx.plan.evaluate.retimes
         )
         on_baseline = {r.key: timed[r.key]["runs"]["baseline"] for r in workload.requests}
+    # Its sample now, while its weight pages are read in: the final evaluation reads it from `measured`
+    # (a race cache entry kept before samples were kept has none).
+    sample = (reused or {}).get("sample") or greedy_sample(baseline, tokens, cfg)
     if key and not reused:
         cache.save_baseline(
-            key, {"perplexity": base["perplexity"], "lm_eval": base.get("lm_eval"), "requests": on_baseline}
+            key,
+            {
+                "perplexity": base["perplexity"],
+                "lm_eval": base.get("lm_eval"),
+                "requests": on_baseline,
+                "sample": sample,
+            },
         )
     base.update(
         requests={
@@ -83,6 +92,7 @@ def score(entries: list, ctx, workload, race_cfg, thresholds: dict, key_base: st
     ctx.baseline.measured = {
         "perplexity": {"sha256": ids_sha256(ids), "window": cfg.perplexity_window, "value": base["perplexity"]},
         "requests": on_baseline,
+        "sample": sample,
         "runs": runs,
         "by": "an earlier race on this machine (the race cache)" if reused else "the engine race, earlier in this run",
     }
