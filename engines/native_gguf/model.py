@@ -290,9 +290,15 @@ class NativeGGUF:
         if not handle:
             raise NativeModelError(f"out of memory for a KV cache of {self.context} positions")
         self._model = handle
+        from engines.file_pages import give_back_read_only
+
         for layer in range(h.layers):
             self._load_layer(tensors, layer)
+            # The layer's file pages, copied into its repacked blocks: given back as the load goes, else
+            # the whole file and its copy are resident at the end of it (7 GB for a 3.2 GB Q8_0 file).
+            give_back_read_only(reader.data)
         self._load_head(tensors)
+        give_back_read_only(reader.data)
         self.max_batch = int(self._lib.ng_max_batch())
         self._logits = np.zeros((self.max_batch, rows), np.float32)
 

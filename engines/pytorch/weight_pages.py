@@ -14,7 +14,6 @@ moments ago is dirty in the page cache until the kernel writes it back, and smap
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import re
 import sys
@@ -23,7 +22,6 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-MADV_DONTNEED = 4  # Linux's value (asm-generic/mman-common.h)
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")
 
 
@@ -79,17 +77,15 @@ def weight_mappings(model, smaps: str | None = None) -> list[Mapping]:
 def release(model) -> int:
     """Unmap the resident pages of the model's never-written weight mappings from this process;
     returns the bytes given back (0 where none is mapped from a file, or off Linux)."""
+    from engines.file_pages import give_back
+
     if not sys.platform.startswith("linux"):
         return 0
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     released = 0
     for mapping in weight_mappings(model):
         if not mapping.clean_file_pages:
             log.debug("weight pages kept: %s has %d written bytes", mapping.path, mapping.written)
             continue
-        if libc.madvise(mapping.start, mapping.end - mapping.start, MADV_DONTNEED) != 0:
-            log.debug("madvise failed on %s (errno %d)", mapping.path, ctypes.get_errno())
-            continue
-        released += mapping.rss
+        if give_back(mapping.start, mapping.end - mapping.start):
+            released += mapping.rss
     return released
