@@ -77,6 +77,9 @@ RUNTIME_BYTES = 0.4 * GB  # a runtime's own allocations beside its weights (ONNX
 # AMD EPYC Zen 4, 2026-12-06 and -07): the served rounds peaked at 5.1 and 5.4 GB in two runs with the
 # baseline's pages given back, the Q8_0 file in OpenVINO GenAI at 16 clients of 1,152 tokens: up to
 # 1.3 GB over the rest of this plan (the final evaluation of the second run, 4.8 GB, is planned at 4.8).
+# At Llama-3.2-3B's shape (2.97B, 2026-12-07) the final evaluation measured 9.1 GB against 9.5 planned,
+# the native Q8_0 winner loaded in the run and in its timing worker; the served round 6.7 against 10.5
+# (one client driven, sixteen derived: no KV cache of sixteen requests held).
 SERVER_FIXED_GB = 1.3
 # A GGUF file the writer makes, bytes per parameter by file type: the types' block sizes (Q8_0 34 bytes
 # per 32 values, Q4_K 144 per 256, Q6_K 210 per 256, ...) in llama.cpp's mixes, the head and part of
