@@ -201,8 +201,7 @@ def evaluate_causal_lm(baseline, candidate, ctx: Context) -> tuple[dict, dict]:
     described = dict(data.describe())
     # The baseline's sample is the race's where it ran: the winner's runner is loaded in this process
     # already (a native GGUF engine holds its repacked blocks from load), and the baseline's pages read
-    # back for a sample sat beside it (10.7 GB at Llama-3.2-3B's shape, 8.8 GB with the timing worker
-    # and without them).
+    # back for a sample sat beside it (10.7 GB summed at Llama-3.2-3B's shape).
     measured_sample = (baseline.measured or {}).get("sample")
     if measured_sample:
         metrics["baseline"].update(sample=measured_sample, sample_from=baseline.measured["by"])
